@@ -1,0 +1,50 @@
+"""The model registry: a name maps to everything titan needs to train that family.
+
+Adding a family means adding a package under models/ and one entry here; the trainer is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    flavors: dict[str, Any]  # flavor name -> model args dataclass
+    build: Callable[[Any], nn.Module]  # args -> model (call under torch.device("meta"))
+    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+
+
+def _llama3() -> ModelSpec:
+    from models import llama
+
+    return ModelSpec("llama3", llama.FLAVORS, llama.Transformer, llama.flops_per_token)
+
+
+_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown model.name {name!r}; known models: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Any:
+    """The flavor's args with the recipe's overrides; unknown names and wrong types raise ValueError."""
+    if flavor not in spec.flavors:
+        raise ValueError(f"unknown model.flavor {flavor!r} for {spec.name}; flavors: {', '.join(spec.flavors)}")
+    args = spec.flavors[flavor]
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    for key, value in overrides.items():
+        if key not in fields:
+            raise ValueError(f"unknown model.overrides.{key}; fields of {spec.name} args: {', '.join(fields)}")
+        current = getattr(args, key)
+        if current is not None and not isinstance(value, type(current)) and not (isinstance(current, float) and isinstance(value, int)):
+            raise ValueError(f"model.overrides.{key} must be {type(current).__name__}, got {value!r}")
+    return dataclasses.replace(args, **overrides)

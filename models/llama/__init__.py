@@ -1,0 +1,12 @@
+from models.llama.flavors import FLAVORS
+from models.llama.model import ModelArgs, Transformer
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4), plus 12 * layers * dim * seq_len
+    for attention scores and values, as in the PaLM paper's MFU. Embedding lookups are not matmuls."""
+    hd = args.head_dim
+    attention = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
+    ffn = 3 * args.dim * args.ffn_hidden_dim
+    matmul_weights = args.n_layers * (attention + ffn) + args.dim * args.vocab_size
+    return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len

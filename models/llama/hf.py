@@ -1,0 +1,285 @@
+"""Conversion between Hugging Face `LlamaForCausalLM` checkpoints and titan's Llama 3.
+
+Pure functions on config dicts and state dicts; reading and writing files is left to the caller:
+
+* `args_from_hf_config` / `hf_config_from_args`: a `config.json` dict <-> `ModelArgs`.
+* `from_hf_state_dict` / `to_hf_state_dict`: HF parameter names <-> titan's (Meta's) names.
+
+The one non-trivial step is the q/k layout. titan (like Meta's reference code) rotates *interleaved* pairs
+(x[2i], x[2i+1]) of each head with RoPE, while HF rotates *half-split* pairs (x[i], x[i + head_dim/2]). Both
+rotate pair i by the same angle, so reordering the rows of wq and wk within every head turns one model into
+the other exactly; see `permute_rope_rows`. State dicts must hold full (unsharded) tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.llama.model import ModelArgs
+
+# HF's default when a config names no rope_theta (transformers' LlamaConfig).
+_HF_DEFAULT_ROPE_THETA = 10000.0
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _ffn_multiplier_for(dim: int, intermediate_size: int) -> float | None:
+    """An `ffn_dim_multiplier` that, with `multiple_of=1`, makes `ModelArgs.ffn_hidden_dim == intermediate_size`.
+
+    titan computes `int(multiplier * int(8 * dim / 3))` rounded up to `multiple_of`. With `multiple_of=1` there is
+    no rounding up, so any multiplier in [I/h, (I+1)/h) works; I/h itself can land one ulp low and floor to I-1,
+    so the middle of the interval, (I + 0.5)/h, is the fallback.
+    """
+    base = int(2 * 4 * dim / 3)
+    if base <= 0 or intermediate_size <= 0:
+        raise ValueError(f"cannot express intermediate_size={intermediate_size} for hidden_size={dim}")
+    if base == intermediate_size:
+        return None
+    for multiplier in (intermediate_size / base, (intermediate_size + 0.5) / base):
+        if int(multiplier * base) == intermediate_size:
+            return multiplier
+    raise ValueError(f"cannot express intermediate_size={intermediate_size} as a titan FFN size for hidden_size={dim}")
+
+
+def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE fields of ModelArgs from either config shape.
+
+    transformers 5 writes `rope_parameters: {rope_type, rope_theta, ...}`; transformers 4 wrote a top-level
+    `rope_theta` and `rope_scaling: {rope_type (or "type"), factor, ...}` or `rope_scaling: null`.
+    """
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters/rope_scaling must be a dict, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("rope_parameters: per-layer-type RoPE parameters are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", hf.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor: only full-head RoPE is supported")
+    if rope_type == "default":
+        return {"rope_theta": float(theta), "rope_scaling_factor": 0.0}
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
+        if missing:
+            raise ValueError(f"rope_parameters: llama3 RoPE scaling lacks {', '.join(missing)}")
+        if not params["factor"]:
+            raise ValueError("rope_parameters.factor: a llama3 scaling factor of 0 is not meaningful")
+        return {
+            "rope_theta": float(theta),
+            "rope_scaling_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
+        }
+    raise ValueError(f"rope_type: {rope_type!r} is not supported (only 'default' and 'llama3')")
+
+
+def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
+    """`ModelArgs` for an HF Llama `config.json` dict; unsupported features raise ValueError naming the field."""
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type: expected 'llama', got {hf['model_type']!r}")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field, False):
+            raise ValueError(f"{field}: biases are not supported by titan's Llama")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    if dim % n_heads:
+        raise ValueError(f"hidden_size ({dim}) must divide by num_attention_heads ({n_heads})")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim != dim // n_heads:
+        raise ValueError(f"head_dim: {head_dim} != hidden_size / num_attention_heads = {dim // n_heads} is not supported")
+    intermediate = int(hf["intermediate_size"])
+    args = ModelArgs(
+        dim=dim,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        vocab_size=int(hf["vocab_size"]),
+        multiple_of=1,
+        ffn_dim_multiplier=_ffn_multiplier_for(dim, intermediate),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_dropout=float(hf.get("attention_dropout") or 0.0),
+        **_rope_settings(hf),
+    )
+    if args.ffn_hidden_dim != intermediate:  # guards the arithmetic above
+        raise ValueError(f"intermediate_size: titan's FFN size came out {args.ffn_hidden_dim}, expected {intermediate}")
+    args.validate()
+    return args
+
+
+def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
+    """A `config.json` dict for `args` that `transformers.LlamaConfig(**d)` accepts.
+
+    `dtype` names the dtype the weights are saved in. RoPE is written in both shapes: `rope_parameters`
+    (transformers 5) and `rope_theta` + `rope_scaling` (transformers 4). `resid_dropout` has no HF counterpart.
+    """
+    args.validate()
+    dtype = str(dtype).removeprefix("torch.")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
+    if args.rope_scaling_factor:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": float(args.rope_theta),
+            "factor": float(args.rope_scaling_factor),
+            "low_freq_factor": float(args.rope_low_freq_factor),
+            "high_freq_factor": float(args.rope_high_freq_factor),
+            "original_max_position_embeddings": int(args.rope_original_max_seq_len),
+        }
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor else None
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_parameters": rope,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": legacy_scaling,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": args.attn_dropout,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------------------
+
+
+def permute_rope_rows(w: Tensor, n_heads: int, *, to_half_split: bool) -> Tensor:
+    """Reorder the output rows of a q or k projection, head by head, between the two RoPE layouts.
+
+    Within one head of size d, RoPE rotates pair i by angle pos * freq[i]:
+      interleaved (titan/Meta): pair i is rows (2i, 2i+1)       -> rows read as (d/2 pairs, 2)
+      half-split  (HF):         pair i is rows (i, i + d/2)     -> rows read as (2, d/2 pairs)
+    Swapping those two axes moves every pair to where the other layout expects it, so the rotated q and k
+    are the same vectors with their coordinates reordered; q.k (and hence attention) is unchanged because q
+    and k are reordered alike. `to_half_split=False` swaps the axes back: the inverse permutation.
+    """
+    rows, cols = w.shape
+    if rows % n_heads or (rows // n_heads) % 2:
+        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    shape = (n_heads, half, 2, cols) if to_half_split else (n_heads, 2, half, cols)
+    return w.reshape(shape).transpose(1, 2).reshape(rows, cols)
+
+
+# titan name -> HF name, per layer ("{}" is the layer index) and global.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# HF checkpoints from older transformers may carry RoPE inverse frequencies; they are derived, not weights.
+_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _name_map(args: ModelArgs) -> dict[str, str]:
+    """Every titan parameter name -> its HF name (output.weight included even when tied)."""
+    names = dict(_GLOBAL_NAMES)
+    for i in range(args.n_layers):
+        names.update({f"layers.{i}.{t}": f"model.layers.{i}.{h}" for t, h in _LAYER_NAMES.items()})
+    return names
+
+
+def _qk_heads(args: ModelArgs, titan_name: str) -> int | None:
+    if titan_name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if titan_name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def _check_keys(given: set[str], expected: set[str], side: str) -> None:
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(f"{side} state dict does not match the model args: missing {missing}, unexpected {unexpected}")
+
+
+def from_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool = True) -> dict[str, Tensor]:
+    """HF `LlamaForCausalLM` weights -> a titan `Transformer` state dict.
+
+    With tied embeddings `lm_head.weight` may be absent (HF omits it); `output.weight` is then the embedding
+    tensor itself. `permute_qk=False` skips the RoPE layout change (only to show it matters).
+    """
+    names = _name_map(args)
+    sd = {k: v for k, v in sd.items() if not _IGNORED_HF.search(k)}
+    expected = set(names.values())
+    if args.tie_embeddings:
+        expected.discard("lm_head.weight")
+        if "lm_head.weight" in sd:  # some exports keep a copy; accept it only if it really is the embedding
+            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+                raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
+            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    _check_keys(set(sd), expected, "HF")
+    out: dict[str, Tensor] = {}
+    for titan_name, hf_name in names.items():
+        if hf_name not in sd:  # lm_head of a tied model
+            continue
+        w = sd[hf_name]
+        heads = _qk_heads(args, titan_name)
+        if heads is not None and permute_qk:
+            w = permute_rope_rows(w, heads, to_half_split=False)
+        out[titan_name] = w
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool = True) -> dict[str, Tensor]:
+    """A titan `Transformer` state dict -> HF `LlamaForCausalLM` weights (no `lm_head.weight` when tied).
+
+    The result may still share storage with `sd` (every tensor but q/k); clone before saving if that matters.
+    """
+    names = _name_map(args)
+    expected = set(names)
+    if args.tie_embeddings:
+        expected.discard("output.weight")
+        if "output.weight" in sd:  # `state_dict()` lists the tied parameter under both names
+            if sd["output.weight"] is not sd.get("tok_embeddings.weight") and not torch.equal(
+                sd["output.weight"], sd.get("tok_embeddings.weight", torch.empty(0))
+            ):
+                raise ValueError("tie_embeddings is set but output.weight differs from tok_embeddings.weight")
+            sd = {k: v for k, v in sd.items() if k != "output.weight"}
+    _check_keys(set(sd), expected, "titan")
+    out: dict[str, Tensor] = {}
+    for titan_name, w in sd.items():
+        heads = _qk_heads(args, titan_name)
+        if heads is not None and permute_qk:
+            w = permute_rope_rows(w, heads, to_half_split=True)
+        out[names[titan_name]] = w
+    return out

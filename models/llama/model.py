@@ -1,0 +1,185 @@
+"""Llama 3 in plain PyTorch: RMSNorm, RoPE with Llama 3.1 frequency scaling, grouped-query attention, SwiGLU.
+
+The model knows nothing of parallelism: titan applies FSDP/TP/PP from outside. Parameter names follow
+Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...), and q/k use Meta's interleaved RoPE layout.
+Build it on the meta device, move it with `to_empty`, then call `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.parallel import rng
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    multiple_of: int = 1024  # the FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 long-context frequency scaling; factor 0 disables it.
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192  # RoPE table length
+    tie_embeddings: bool = False
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        for name in ("attn_dropout", "resid_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies per rotated pair, with Llama 3.1's smooth long-wavelength scaling."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if args.rope_scaling_factor:
+        low_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
+        high_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        smooth = (args.rope_original_max_seq_len / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor
+        )
+        blended = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor, freqs)
+        in_between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        freqs = torch.where(in_between, blended, freqs)
+    return freqs
+
+
+def rope_table(args: ModelArgs, device=None) -> torch.Tensor:
+    """(max_seq_len, head_dim/2, 2) table of cos and sin."""
+    positions = torch.arange(args.max_seq_len, dtype=torch.float64)
+    angles = torch.outer(positions, rope_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.dropout = args.attn_dropout
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+        self.dropout = args.resid_dropout
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attention(self.attention_norm(x), rope), self.dropout, self.training)
+        return x + F.dropout(self.feed_forward(self.ffn_norm(x)), self.dropout, self.training)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer number keeps parameter names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (batch, seq) ids -> logits (batch, seq, vocab). Pipeline stages pass hidden states instead."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from (seed, parameter name) alone, so any sharding gets the same values."""
+        self.rope = rope_table(self.args, device=self.rope.device)
+        depth_std = {f"layers.{i}.": 0.02 / math.sqrt(2 * (i + 1)) for i in range(self.args.n_layers)}
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+                rng.normal_(param, std=1.0, seed=seed, stream=name)
+            elif name in ("output.weight", "tok_embeddings.weight"):  # a tied embedding serves as the head
+                std = self.args.dim**-0.5
+                rng.trunc_normal_(param, std=std, a=-3 * std, b=3 * std, seed=seed, stream=name)
+            else:
+                # Output projections of each residual branch shrink with depth.
+                std = 0.02
+                if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                    std = depth_std[name[: name.index(".", len("layers.")) + 1]]
+                rng.trunc_normal_(param, std=std, a=-3 * std, b=3 * std, seed=seed, stream=name)

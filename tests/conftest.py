@@ -1,0 +1,38 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
+
+
+def run_titan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m titan ...`) from the repository root, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "titan", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
+    """Overrides that make the debug recipe quick: a small model, short sequences, no trackers."""
+    values = {
+        "job.output_dir": str(tmp_path),
+        "metrics.wandb": "disabled",
+        "metrics.tensorboard": "false",
+        "metrics.log_freq": "1",
+        "metrics.peak_flops": "1e11",
+        "training.seq_len": "64",
+        "training.local_batch_size": "4",
+        **extra,
+    }
+    return [item for key, value in values.items() for item in (f"--{key}", value)]
+
+
+@pytest.fixture(autouse=True)
+def _repo_root_cwd(monkeypatch):
+    # Recipes name data/ and tokenizer paths relative to the repository root.
+    monkeypatch.chdir(ROOT)

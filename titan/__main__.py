@@ -1,0 +1,3 @@
+from titan.cli import main
+
+main()

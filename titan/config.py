@@ -1,0 +1,346 @@
+"""The recipe schema: typed dataclasses, loaded from TOML plus dotted CLI overrides, validated once.
+
+Every user mistake raises `ConfigError` with a one-line message that names the key; the CLI prints it
+and exits with status 2. Nothing else in titan parses recipe text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A mistake in the recipe or the command line; the message says what, where and how to fix it."""
+
+
+@dataclass
+class Job:
+    name: str = "titan"
+    output_dir: str = "outputs"  # the run writes to <output_dir>/<name>
+    seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms; bitwise-repeatable runs
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debug"
+    # Any field of the model's args, e.g. {n_layers = 4, resid_dropout = 0.1}; checked when the model is built.
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Tokenizer:
+    path: str = "data/tokenizer.json"  # a HF tokenizers `tokenizer.json`
+    bos_token: str = "<|begin_of_text|>"
+    eos_token: str = "<|end_of_text|>"
+
+
+@dataclass
+class Data:
+    # A local file or folder (text, jsonl/json, parquet), or a HF hub dataset name (needs the hub or its cache).
+    source: str = "data/stories.jsonl"
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
+    text_field: str = "text"
+    split: str = "train"
+    subset: str = ""  # the hub dataset's configuration name, if it has several
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8  # sequences per micro-batch on each data-parallel rank
+    global_batch_size: int = 0  # sequences per optimizer step; 0 means local_batch_size x data-parallel size
+    seq_len: int = 256
+    steps: int = 100
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class Optimizer:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    # After warmup: cosine/linear decay to min_lr_ratio*lr, constant, or warmup-stable-decay (wsd).
+    decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1
+    wsd_decay_ratio: float = 0.2  # wsd: the last fraction of steps decays linearly
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    tensorboard: bool = True
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online with credentials, else offline
+    wandb_project: str = "titan"
+    # Peak FLOP/s of one device for MFU; 0 picks the known GPU figure, or measures the CPU once.
+    peak_flops: float = 0.0
+
+
+@dataclass
+class Parallel:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    tokenizer: Tokenizer = field(default_factory=Tokenizer)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallel: Parallel = field(default_factory=Parallel)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.output_dir) / self.job.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
+    """Read a recipe, apply `--section.key value` overrides, type-check and validate everything."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path} (pass an existing TOML file to --config)")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    for key, value in parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    config = _build(Config, raw, "")
+    validate(config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    return config
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--a.b 1 --c.d=x --flag` -> [("a.b", "1"), ("c.d", "x"), ("flag", "true")]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, i = args[i + 1], i + 1
+        else:
+            value = "true"
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def _set_dotted(raw: dict, key: str, value: str) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot override {key}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = _CliValue(value)
+
+
+class _CliValue(str):
+    """A value typed on the command line: converted to the field's type, unlike TOML values."""
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{prefix.rstrip('.')}] must be a table of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            what = "section" if not prefix else "key"
+            raise ConfigError(f"unknown {what} '{prefix}{key}'{_suggest(prefix, key, cls)}")
+        kwargs[key] = _convert(hints[key], value, prefix + key)
+    # Sections absent from the recipe take their defaults.
+    for name in names:
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = hints[name]()
+    return cls(**kwargs)
+
+
+def _suggest(prefix: str, key: str, cls) -> str:
+    here = [prefix + f.name for f in dataclasses.fields(cls)]
+    everywhere = here + _all_keys()
+    match = difflib.get_close_matches(prefix + key, everywhere, n=1, cutoff=0.6)
+    if not match:  # the right key in the wrong section?
+        match = [k for k in _all_keys() if k.endswith("." + key)][:1]
+    return f" (did you mean {match[0]}?)" if match else f"; valid keys here: {', '.join(here)}"
+
+
+def _all_keys() -> list[str]:
+    hints = typing.get_type_hints(Config)
+    return [f"{section}.{f.name}" for section in hints for f in dataclasses.fields(hints[section])]
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp, value, key: str):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    origin = typing.get_origin(tp)
+    if isinstance(value, _CliValue) and tp is not str and not (origin is Literal):
+        value = _parse_cli_literal(value)
+    elif isinstance(value, _CliValue):
+        value = str(value)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key} must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}")
+        return {k: _parse_cli_literal(v) if isinstance(v, _CliValue) else v for k, v in value.items()}
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {_type_name(item)}, got {value!r}")
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _convert(option, value, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _parse_cli_literal(text: str):
+    """Read a command-line value as a TOML literal (30, 1e-3, true, [1, 2]); anything else is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return str(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of values (types are already right)
+
+
+def validate(config: Config, world_size: int) -> None:
+    def require(ok: bool, message: str):
+        if not ok:
+            raise ConfigError(message)
+
+    t, p = config.training, config.parallel
+    require(config.job.name.strip() != "" and "/" not in config.job.name, f"job.name must be a non-empty folder name, got {config.job.name!r}")
+    require(t.steps > 0, f"training.steps must be positive, got {t.steps}")
+    require(t.seq_len > 0, f"training.seq_len must be positive, got {t.seq_len}")
+    require(t.local_batch_size > 0, f"training.local_batch_size must be positive, got {t.local_batch_size}")
+    require(t.global_batch_size >= 0, f"training.global_batch_size must be positive (or 0 for local x data-parallel), got {t.global_batch_size}")
+    require(t.max_grad_norm >= 0, f"training.max_grad_norm must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
+    o = config.optimizer
+    require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1 and beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    s = config.lr_scheduler
+    require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    require(0 < s.wsd_decay_ratio <= 1, f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
+    require(config.metrics.log_freq > 0, f"metrics.log_freq must be positive, got {config.metrics.log_freq}")
+    require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
+    for name in ("dp_replicate", "tp", "pp"):
+        require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    require(p.dp_shard >= 1 or p.dp_shard == -1, f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}")
+    require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
+    require(config.data.source != "", "data.source must name a local file, folder or hub dataset")
+    # The parallel layout and the batch arithmetic both depend on the world size.
+    dp = data_parallel_size(config, world_size)
+    if t.global_batch_size:
+        require(
+            t.global_batch_size % (t.local_batch_size * dp) == 0,
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of training.local_batch_size ({t.local_batch_size}) "
+            f"x data-parallel size ({dp}) = {t.local_batch_size * dp}",
+        )
+
+
+def data_parallel_size(config: Config, world_size: int) -> int:
+    p = config.parallel
+    others = p.dp_replicate * p.tp * p.pp
+    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
+    if dp_shard < 1 or others * dp_shard != world_size:
+        raise ConfigError(
+            f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
+            f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
+        )
+    return p.dp_replicate * dp_shard
+
+
+def gradient_accumulation_steps(config: Config, world_size: int) -> int:
+    t = config.training
+    dp = data_parallel_size(config, world_size)
+    return (t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size else 1
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved recipe as TOML, loadable again by load_config."""
+    lines = []
+    for section, values in to_dict(config).items():
+        lines.append(f"[{section}]")
+        nested = []
+        for key, value in values.items():
+            if isinstance(value, dict):
+                nested.append((key, value))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, table in nested:
+            lines.append(f"{key} = {{ {', '.join(f'{k} = {_toml_value(v)}' for k, v in table.items())} }}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,145 @@
+"""Training metrics: throughput, MFU and memory, written to the console, metrics.jsonl, TensorBoard and wandb.
+
+metrics.jsonl in the run folder is the source of truth; the trackers are views of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from titan.config import Config
+
+log = logging.getLogger("titan")
+
+# Dense bf16 peak FLOP/s of known GPUs (no sparsity), by a substring of the CUDA device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+}
+
+
+def peak_flops(device: torch.device, configured: float = 0.0) -> float:
+    """Peak FLOP/s of one device: the recipe's figure, the known GPU figure, or a measured CPU matmul rate."""
+    if configured:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops
+        log.warning("unknown GPU %r: MFU assumes 312 TFLOP/s; set metrics.peak_flops", name)
+        return 312e12
+    return measure_cpu_flops()
+
+
+def measure_cpu_flops(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul rate of this CPU with torch's threads: a realistic ceiling, not a datasheet number."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return kib * 1024
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks keep a no-op logger so the trainer needs no `if rank == 0` branches."""
+
+    def __init__(self, config: Config, run_dir: Path, enabled: bool, extra_info: dict):
+        self.enabled = enabled
+        self._jsonl = self._tb = self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        if config.metrics.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        mode = config.metrics.wandb
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=config.metrics.wandb_project,
+                name=config.job.name,
+                dir=str(run_dir),
+                mode=mode,
+                config={**_flatten(config), **extra_info},
+            )
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _flatten(config: Config) -> dict:
+    from titan.config import to_dict
+
+    return {f"{section}.{key}": value for section, values in to_dict(config).items() for key, value in values.items()}
+
+
+def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
+    return (
+        f"step {step:>{len(str(total))}}/{total} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
+        f"| lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% "
+        f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta {_duration(eta_s)}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs INFO to stderr; other ranks only warnings, so a job prints each line once."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(message)s" if rank == 0 else f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
