@@ -27,9 +27,11 @@ from models.llama.hf import (  # noqa: E402
 )
 from models.llama.model import Transformer, rope_frequencies  # noqa: E402
 
-# fp32 on CPU. Measured max |logit diff| (transformers 5.23, torch 2.13): about 2e-6 for HF -> titan and for
-# titan -> HF, with logits of order 10. The remainder comes from RoPE angles (titan builds its table in float64,
-# HF in float32) and from summation order (eager attention vs SDPA).
+# fp32 on CPU. Measured max |logit diff| (transformers 5.23, torch 2.13, |logits| up to ~2.9): 1.2e-6 for
+# HF -> titan and 1.2e-6 for titan -> HF, tied or not. It is rounding only: with every computation forced to
+# float64 on both sides (HF keeps RMSNorm, softmax and RoPE in float32 even in a float64 model, titan keeps
+# RoPE in float32) the two models agree to 2e-14. The rounding grows fast with the weight scale (std 0.2:
+# ~1e-5, each model ~1.3e-5 from a float64 reference), hence the modest scale in `randomize_`.
 TOL = 1e-5
 BATCH, SEQ = 2, 24
 
@@ -58,17 +60,16 @@ def tiny_hf_config(tied: bool) -> transformers.LlamaConfig:
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention is far from uniform (so a q/k layout error shows) and norms not 1."""
+    """Weights large enough that attention is far from uniform (so a q/k layout error shows) and norms not 1.
+
+    HF's default init (std 0.02) makes attention nearly uniform, which would hide a q/k layout error; std 0.07
+    moves the logits by ~0.5 without the permutation while keeping fp32 rounding ~8x under TOL (see above).
+    """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied parameter is listed once
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * noise)
-            elif "embed" in name or "tok_embeddings" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(0.2 * noise)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.07 * noise)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -100,10 +101,9 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def titan_from_hf(path: Path, *, permute_qk: bool = True) -> Transformer:
     config, weights = read_checkpoint(path)
     args = args_from_hf_config(config)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)  # also rebuilds the non-persistent RoPE table that to_empty left empty
+    # Built straight on the CPU (tiny): the meta + to_empty route loses the tie, see test_to_empty_keeps_the_tie.
+    # Every parameter is then overwritten, and the non-persistent RoPE table comes from args in __init__.
+    model = Transformer(args)
     model.load_state_dict(from_hf_state_dict(weights, args, permute_qk=permute_qk), strict=True)
     return model.eval()
 
@@ -118,6 +118,17 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+@pytest.mark.xfail(strict=True, reason="titan bug: Module.to_empty gives each module its own Parameter, untying")
+def test_to_empty_keeps_the_tie():
+    """Building on meta and moving with to_empty, as the trainer does, must keep output.weight tied."""
+    args = args_from_hf_config(tiny_hf_config(tied=True).to_dict())
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert model.output.weight is model.tok_embeddings.weight
+    model.to_empty(device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
 
 
 def test_hf_checkpoint_imports_with_the_same_logits(hf_checkpoint, tokens):
@@ -139,11 +150,14 @@ def test_import_without_the_qk_permutation_gives_other_logits(hf_checkpoint, tok
     """The logit test can fail: skipping the RoPE layout change moves the logits by far more than TOL."""
     with torch.no_grad():
         wrong = titan_from_hf(hf_checkpoint, permute_qk=False)(tokens)
-    assert max_diff(wrong, hf_logits(hf_checkpoint, tokens)) > 1000 * TOL  # measured: order 1
+    assert max_diff(wrong, hf_logits(hf_checkpoint, tokens)) > 1000 * TOL  # measured: 0.49
 
 
 def test_rope_scaling_matters_for_these_positions(hf_checkpoint):
-    """The tiny config's llama3 scaling changes frequencies, so a scaling bug could not hide."""
+    """The tiny config's llama3 scaling changes frequencies, so a scaling bug could not hide.
+
+    (Measured: titan's model with rope_scaling_factor=0 differs from HF's logits by 0.56.)
+    """
     args = args_from_hf_config(read_checkpoint(hf_checkpoint)[0])
     unscaled = rope_frequencies(dataclasses.replace(args, rope_scaling_factor=0.0))
     changed = (rope_frequencies(args) - unscaled).abs() * SEQ

@@ -32,17 +32,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(config: Config, device: torch.device):
-    """The plain model on `device`, initialised from the seed; returns (model, model args, spec)."""
+def resolve_model(config: Config):
+    """The registry spec and the model args (flavor + overrides) the recipe names."""
     try:
         spec = models.get_model_spec(config.model.name)
         # The RoPE table only needs to cover the training sequence length.
         overrides = {"max_seq_len": config.training.seq_len, **config.model.overrides}
-        args = models.model_args(spec, config.model.flavor, overrides)
-        with torch.device("meta"):
-            model = spec.build(args)
+        return spec, models.model_args(spec, config.model.flavor, overrides)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+
+
+def build_model(config: Config, device: torch.device):
+    """The plain model on `device`, initialised from the seed; returns (model, model args, spec)."""
+    spec, args = resolve_model(config)
+    with torch.device("meta"):
+        model = spec.build(args)
     model.to_empty(device=device)
     model.init_weights(config.job.seed)
     return model, args, spec
@@ -82,6 +87,7 @@ class Trainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16) if t.mixed_precision == "bf16" else contextlib.nullcontext()
         )
         self.step = 0
+        self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.run_dir = config.run_dir
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
         if self.rank == 0:
@@ -106,7 +112,17 @@ class Trainer:
         }
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the micro-batches; returns (loss, grad norm) as tensors.
+        """One optimizer step over the micro-batches; returns (loss, grad norm) as tensors."""
+        loss = self.forward_backward(micro_batches)
+        max_norm = self.config.training.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return loss, grad_norm
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate the step's gradients; returns the step's mean token loss.
 
         Each micro-batch's summed token loss is divided by the step's total token count, so accumulating
         N micro-batches gives exactly the gradient of one batch N times larger.
@@ -120,21 +136,17 @@ class Trainer:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / step_tokens
             loss.backward()
             loss_sum += loss.detach()
-        max_norm = self.config.training.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        return loss_sum, grad_norm
+        return loss_sum
 
     def train(self) -> list[float]:
         """Train to training.steps; returns the per-step losses (also in metrics.jsonl at log steps)."""
         cfg = self.config
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         log_freq, total = cfg.metrics.log_freq, cfg.training.steps
         self.model.train()
         window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
         while self.step < total:
+            step_start = time.perf_counter()
             batches = [next(self.loader) for _ in range(self.grad_accum)]
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
@@ -162,5 +174,6 @@ class Trainer:
                 eta = (now - run_start) / self.step * (total - self.step)
                 log.info(format_line(self.step, total, metrics, eta))
                 window_start, window_steps = time.perf_counter(), 0
+            self.step_times.append(time.perf_counter() - step_start)
         self.metrics.close()
         return [loss.item() for loss in losses]

@@ -273,7 +273,10 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool
             if sd["output.weight"] is not sd.get("tok_embeddings.weight") and not torch.equal(
                 sd["output.weight"], sd.get("tok_embeddings.weight", torch.empty(0))
             ):
-                raise ValueError("tie_embeddings is set but output.weight differs from tok_embeddings.weight")
+                raise ValueError(
+                    "tie_embeddings is set but output.weight differs from tok_embeddings.weight "
+                    "(was the tie lost, e.g. by Module.to_empty?)"
+                )
             sd = {k: v for k, v in sd.items() if k != "output.weight"}
     _check_keys(set(sd), expected, "titan")
     out: dict[str, Tensor] = {}

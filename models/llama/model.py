@@ -168,6 +168,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, parameter name) alone, so any sharding gets the same values."""
         self.rope = rope_table(self.args, device=self.rope.device)
+        if self.args.tie_embeddings:  # `to_empty` gives each module its own tensor, which unties them
+            self.output.weight = self.tok_embeddings.weight
         depth_std = {f"layers.{i}.": 0.02 / math.sqrt(2 * (i + 1)) for i in range(self.args.n_layers)}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):

@@ -37,15 +37,23 @@ def open_documents(cfg: Data):
         if not source.exists():
             raise ConfigError(f"data.source: file or folder not found: {source}")
         fmt, files = _local_files(source, cfg.format)
-        return datasets.load_dataset(fmt, data_files={cfg.split: files}, split=cfg.split, streaming=True)
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise ConfigError(f"data.source: {cfg.source} has no documents (empty files)")
+        try:
+            return datasets.load_dataset(fmt, data_files={cfg.split: files}, split=cfg.split, streaming=True)
+        except Exception as e:
+            raise ConfigError(f"data.source: could not read {cfg.source} as {fmt}: {_first_line(e)}") from None
     try:
         return datasets.load_dataset(cfg.source, cfg.subset or None, split=cfg.split, streaming=True)
     except Exception as e:  # offline, unknown name, bad split: all surface as assorted exception types
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(
-            f"data.source: could not open hub dataset {cfg.source!r} (split {cfg.split!r}): {reason}. "
+            f"data.source: could not open hub dataset {cfg.source!r} (split {cfg.split!r}): {_first_line(e)}. "
             "Without internet, use a local file or a dataset already in the HF cache"
         ) from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def iter_texts(dataset, cfg: Data) -> Iterator[str]:

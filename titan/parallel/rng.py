@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -59,10 +60,14 @@ _PHILOX_M1 = 0xCD9E8D57
 _PHILOX_W0 = 0x9E3779B9  # golden ratio
 _PHILOX_W1 = 0xBB67AE85  # sqrt(3) - 1
 
-# Elements generated per step. Big enough to amortise per-op overhead, small
-# enough that the ~10 int64 temporaries of a Philox round stay cache-resident
-# and that memory stays bounded for any tensor size.
-_CHUNK = 1 << 16
+# Elements generated per step. On CPU the chunk stays below ATen's intra-op
+# grain size (32768), so each op runs on one thread without a fork/join barrier
+# (which stalls badly when another process holds a core); parallelism comes
+# from running chunks on a pool of Python threads instead (torch ops release
+# the GIL). Chunks also bound memory for any tensor size. Accelerators want
+# large launches and run chunks in order.
+_CPU_CHUNK = (1 << 15) - 1  # just below GRAIN_SIZE = 32768
+_ACCEL_CHUNK = 1 << 22
 
 _TWO_PI = 2.0 * math.pi
 _2POW_M24 = 2.0**-24
@@ -79,19 +84,19 @@ def _mulhilo(a, m: int):
     """(hi, lo) 32-bit words of the 64-bit product a * m, exactly.
 
     ``a`` is an int64 tensor of 32-bit values (or a Python int), ``m`` a 32-bit
-    constant. torch has no unsigned 64-bit multiply and a*m overflows int64, so
-    ``a`` is split into 16-bit halves: both partial products are < 2**48 and
-    the recombination stays < 2**49, far from the int64 limit.
+    constant. torch has no unsigned 64-bit multiply and a * m can overflow
+    int64, so ``m`` is split into 16-bit halves: p1 = a * (m >> 16) and
+    p0 = a * (m & 0xffff) are both < 2**48, and a * m = p1 * 2**16 + p0 gives
+      hi = (p1 + (p0 >> 16)) >> 16                   (values < 2**49)
+      lo = (p0 + (p1 & 0xffff) * 2**16) & 0xffffffff (values < 2**49).
     """
     if not isinstance(a, Tensor):
         p = a * m
         return p >> 32, p & _MASK32
-    p_hi = (a >> 16).mul_(m)  # a_hi * m < 2**48
-    p_lo = (a & _MASK16).mul_(m)  # a_lo * m < 2**48
-    # a*m = p_hi * 2**16 + p_lo = (p_hi >> 16) * 2**32 + [(p_hi & 0xffff) << 16] + p_lo
-    s = (p_hi & _MASK16).bitwise_left_shift_(16).add_(p_lo)  # < 2**49
-    lo = s & _MASK32
-    hi = p_hi.bitwise_right_shift_(16).add_(s.bitwise_right_shift_(32))
+    p1 = a * (m >> 16)
+    p0 = a * (m & _MASK16)
+    lo = torch.add(p0, p1 & _MASK16, alpha=1 << 16).bitwise_and_(_MASK32)
+    hi = p1.add_(p0.bitwise_right_shift_(16)).bitwise_right_shift_(16)
     return hi, lo
 
 
@@ -236,6 +241,24 @@ _DISTS = {
 }
 
 
+def _for_chunks(n: int, device: torch.device, body: Callable[[int, int], None]) -> None:
+    """Run ``body(start, end)`` over [0, n) in chunks (CPU chunks on a thread pool).
+
+    Chunks write disjoint slices and each value depends only on its own index,
+    so the result does not depend on the chunking or the thread schedule.
+    """
+    chunk = _CPU_CHUNK if device.type == "cpu" else _ACCEL_CHUNK
+    bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    workers = min(torch.get_num_threads(), len(bounds)) if device.type == "cpu" else 1
+    if workers <= 1:
+        for s, e in bounds:
+            body(s, e)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="titan-rng") as pool:
+        for _ in pool.map(lambda se: body(*se), bounds):
+            pass
+
+
 def _generate_into(
     out_flat: Tensor,
     index_chunk: Callable[[int, int], Tensor],
@@ -245,16 +268,17 @@ def _generate_into(
     kind: str,
     params: dict,
 ) -> None:
-    """Fill the 1-D ``out_flat`` chunk by chunk; ``index_chunk(s, e)`` gives global indices."""
+    """Fill the 1-D ``out_flat``; ``index_chunk(s, e)`` gives the global indices of [s, e)."""
     dist = _DISTS[kind]
     key = stream_key(seed, stream)
     counter = _check_counter(counter)
-    n = out_flat.numel()
-    for s in range(0, n, _CHUNK):
-        e = min(s + _CHUNK, n)
-        idx = index_chunk(s, e)
-        vals = dist.fn(_words(idx, key, counter, dist.need), **params)
-        out_flat[s:e].copy_(vals)
+
+    def body(s: int, e: int) -> None:
+        with torch.no_grad():  # grad mode is per thread: pool threads must not record this fill
+            vals = dist.fn(_words(index_chunk(s, e), key, counter, dist.need), **params)
+            out_flat[s:e].copy_(vals)
+
+    _for_chunks(out_flat.numel(), out_flat.device, body)
 
 
 def _elementwise(kind: str, global_index: Tensor, seed, stream, counter, dtype, params) -> Tensor:
@@ -332,10 +356,12 @@ def bernoulli_mask(global_index: Tensor, seed: int, stream: str, counter: int = 
     threshold = math.ceil(p_keep * (1 << 24))
     flat_idx = global_index.reshape(-1)
     out = torch.empty(flat_idx.shape, dtype=torch.bool, device=global_index.device)
-    for s in range(0, flat_idx.numel(), _CHUNK):
-        e = min(s + _CHUNK, flat_idx.numel())
+
+    def body(s: int, e: int) -> None:
         (w0,) = _words(flat_idx[s:e], key, counter, 1)
         torch.lt(w0.bitwise_right_shift_(8), threshold, out=out[s:e])
+
+    _for_chunks(flat_idx.numel(), flat_idx.device, body)
     return out.view(global_index.shape)
 
 

@@ -1,0 +1,90 @@
+"""The Llama 3 model: published sizes, shapes, causality and seeded initialisation."""
+
+import pytest
+import torch
+
+import models
+from models.llama import FLAVORS, Transformer, flops_per_token
+
+# Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
+PUBLISHED_PARAMETERS = {
+    "1B": 1_235_814_400,
+    "3B": 3_212_749_824,
+    "8B": 8_030_261_248,
+    "70B": 70_553_706_496,
+    "405B": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED_PARAMETERS)
+def test_flavor_parameter_count_matches_the_published_count(flavor):
+    with torch.device("meta"):  # no memory: even 405B is counted in milliseconds
+        model = Transformer(FLAVORS[flavor])
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[flavor]
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED_PARAMETERS)
+def test_flavor_output_shape_on_meta(flavor):
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+        logits = model(torch.zeros(2, 16, dtype=torch.long))
+    assert logits.shape == (2, 16, FLAVORS[flavor].vocab_size)
+
+
+def test_flops_per_token_is_six_per_matmul_weight_plus_attention():
+    args = FLAVORS["8B"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and n != "tok_embeddings.weight")
+    assert flops_per_token(args, 8192) == 6 * matmul_weights + 12 * 32 * 4096 * 8192
+
+
+def build(seed=0, **overrides):
+    spec = models.get_model_spec("llama3")
+    args = models.model_args(spec, "debug", {"max_seq_len": 64, **overrides})
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def test_debug_forward_shape_and_causality():
+    model = build(n_layers=2)
+    tokens = torch.randint(0, 2048, (2, 32))
+    logits = model(tokens)
+    assert logits.shape == (2, 32, 2048) and torch.isfinite(logits).all()
+    changed = tokens.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % 2048
+    after = model(changed)
+    assert torch.equal(logits[:, :20], after[:, :20])  # the past never sees the future
+    assert not torch.allclose(logits[:, 20:], after[:, 20:])
+
+
+def test_initialisation_is_a_function_of_the_seed():
+    a, b, c = build(seed=1).state_dict(), build(seed=1).state_dict(), build(seed=2).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
+
+
+def test_initialisation_scales():
+    model = build()
+    wq = model.layers["0"].attention.wq.weight
+    assert abs(wq.std().item() - 0.02) < 0.002 and wq.abs().max() <= 0.06  # truncated at 3 std
+    deep_wo = model.layers["3"].attention.wo.weight
+    assert abs(deep_wo.std().item() - 0.02 / (2 * 4) ** 0.5) < 0.001  # residual projections shrink with depth
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+
+
+def test_tied_embeddings_share_one_parameter():
+    model = build(tie_embeddings=True)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in build().parameters()) - 2048 * 256
+
+
+def test_unknown_override_is_rejected():
+    spec = models.get_model_spec("llama3")
+    with pytest.raises(ValueError, match="unknown model.overrides.n_layer"):
+        models.model_args(spec, "debug", {"n_layer": 2})
+    with pytest.raises(ValueError, match="must be int"):
+        models.model_args(spec, "debug", {"n_layers": "two"})
