@@ -101,8 +101,7 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def titan_from_hf(path: Path, *, permute_qk: bool = True) -> Transformer:
     config, weights = read_checkpoint(path)
     args = args_from_hf_config(config)
-    # Built straight on the CPU (tiny): the meta + to_empty route loses the tie, see test_to_empty_keeps_the_tie.
-    # Every parameter is then overwritten, and the non-persistent RoPE table comes from args in __init__.
+    # Every parameter is overwritten, and the non-persistent RoPE table comes from args in __init__.
     model = Transformer(args)
     model.load_state_dict(from_hf_state_dict(weights, args, permute_qk=permute_qk), strict=True)
     return model.eval()
@@ -120,7 +119,6 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-@pytest.mark.xfail(strict=True, reason="titan bug: Module.to_empty gives each module its own Parameter, untying")
 def test_to_empty_keeps_the_tie():
     """Building on meta and moving with to_empty, as the trainer does, must keep output.weight tied."""
     args = args_from_hf_config(tiny_hf_config(tied=True).to_dict())

@@ -156,6 +156,13 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # `to_empty`, `to` and friends give each module its own new tensor, which would untie the head.
+        super()._apply(fn, recurse)
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (batch, seq) ids -> logits (batch, seq, vocab). Pipeline stages pass hidden states instead."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -168,8 +175,6 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, parameter name) alone, so any sharding gets the same values."""
         self.rope = rope_table(self.args, device=self.rope.device)
-        if self.args.tie_embeddings:  # `to_empty` gives each module its own tensor, which unties them
-            self.output.weight = self.tok_embeddings.weight
         depth_std = {f"layers.{i}.": 0.02 / math.sqrt(2 * (i + 1)) for i in range(self.args.n_layers)}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
