@@ -84,6 +84,14 @@ def main() -> None:
         print(json.dumps(measure(args._mode, args.config, args.steps, args.warmup, overrides)))
         return
 
+    if not any(o.startswith("--metrics.peak_flops") for o in overrides):
+        # Measure the CPU once, so both runs' MFU use the same denominator.
+        import torch
+
+        from titan.metrics import measure_cpu_flops
+
+        if not torch.cuda.is_available():
+            overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]
     results = []
     for mode in ("bare", "titan"):
         cmd = [sys.executable, __file__, "--_mode", mode, "--config", args.config, "--steps", str(args.steps),

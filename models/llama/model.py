@@ -138,8 +138,12 @@ class TransformerBlock(nn.Module):
         self.dropout = args.resid_dropout
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attention(self.attention_norm(x), rope), self.dropout, self.training)
-        return x + F.dropout(self.feed_forward(self.ffn_norm(x)), self.dropout, self.training)
+        x = x + self._dropout(self.attention(self.attention_norm(x), rope))
+        return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        # Skipped outright at p = 0: F.dropout would still draw and apply a mask in training mode.
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class Transformer(nn.Module):

@@ -591,8 +591,7 @@ def fill_(
             raise ValueError("layout arguments are read from the DTensor; do not pass them")
         mesh, placements, global_shape = _dtensor_layout(tensor)
         mesh_shape, mesh_coord = mesh.shape, mesh.get_coordinate()
-        with torch.no_grad():
-            local = tensor.to_local()
+        local = tensor._local_tensor  # to_local() would go through autograd when grad is enabled
         if mesh_coord is None:  # rank outside the mesh holds nothing
             return tensor
     else:
@@ -614,16 +613,15 @@ def fill_(
             f"local tensor has shape {tuple(local.shape)} but {tuple(placements)} on mesh "
             f"{tuple(mesh_shape)} at {tuple(mesh_coord)} gives {index.local_shape}"
         )
-    with torch.no_grad():
-        if not _partial_fill_rule(mesh_coord, placements):
-            local.zero_()
-            return tensor
-        if local.is_contiguous():
-            _generate_into(local.view(-1), index.flat, seed, stream, counter, kind, params)
-        else:
-            buf = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-            _generate_into(buf.view(-1), index.flat, seed, stream, counter, kind, params)
-            local.copy_(buf)
+    local = local.detach()  # same storage; autograd stays out of it (worker threads included)
+    if not _partial_fill_rule(mesh_coord, placements):
+        local.zero_()
+    elif local.is_contiguous():
+        _generate_into(local.view(-1), index.flat, seed, stream, counter, kind, params)
+    else:
+        buf = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+        _generate_into(buf.view(-1), index.flat, seed, stream, counter, kind, params)
+        local.copy_(buf)
     return tensor
 
 
