@@ -18,12 +18,21 @@ class ModelSpec:
     flavors: dict[str, Any]  # flavor name -> model args dataclass
     build: Callable[[Any], nn.Module]  # args -> model (call under torch.device("meta"))
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+    # Parallelism, applied from outside by titan/parallel:
+    check_parallelism: Callable[[Any, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
+    tp_plan: Callable[[nn.Module, bool, bool], dict]  # (model, sequence_parallel, loss_parallel) -> {fqn: style}
+    blocks: Callable[[nn.Module], list[nn.Module]]  # units for checkpointing, compile and FSDP
+    pipeline_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layer ids, first, last)
 
 
 def _llama3() -> ModelSpec:
     from models import llama
+    from models.llama import parallelize
 
-    return ModelSpec("llama3", llama.FLAVORS, llama.Transformer, llama.flops_per_token)
+    return ModelSpec(
+        "llama3", llama.FLAVORS, llama.Transformer, llama.flops_per_token,
+        parallelize.check_parallelism, parallelize.tp_plan, parallelize.blocks, parallelize.pipeline_stage,
+    )
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}

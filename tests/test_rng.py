@@ -222,6 +222,17 @@ def test_fill_of_plain_tensors():
         rng.normal_(torch.empty(shape, dtype=torch.int64), seed=SEED, stream="w")
     with pytest.raises(ValueError):
         rng.fill_(x, "laplace", SEED, "w")
+    # bad parameters are rejected before anything is written
+    before = x.clone()
+    with pytest.raises(ValueError):
+        rng.trunc_normal_(x, a=1.0, b=-1.0, seed=SEED, stream="w")
+    with pytest.raises(ValueError):
+        rng.normal_(x, std=-1.0, seed=SEED, stream="w")
+    with pytest.raises(TypeError):
+        rng.fill_(x, "normal", SEED, "w", sdt=0.02)
+    with pytest.raises(ValueError):
+        rng.normal_(x, seed=SEED, stream="w", counter=-1)
+    assert torch.equal(x, before)
 
 
 # --------------------------------------------------------------------------------------

@@ -96,10 +96,36 @@ class Metrics:
 
 @dataclass
 class Parallel:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
+    dp_replicate: int = 1  # HSDP: replicas of the sharded model
+    dp_shard: int = -1  # FSDP shards; -1: whatever the world size leaves after the other degrees
     tp: int = 1
     pp: int = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # FSDP2
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: never with PP, else always
+    fsdp_cpu_offload: bool = False
+    # Tensor parallel
+    sequence_parallel: bool = True  # shard norms and residuals along the sequence between TP regions
+    loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits, never gathering them
+    # Pipeline parallel
+    pp_schedule: str = "1F1B"  # GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+    pp_microbatches: int = 0  # micro-batches per local batch; 0: the number of pipeline stages
+    pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for multi-stage schedules, else 1
+    pp_layers_per_stage: list[int] = field(default_factory=list)  # e.g. [3, 5]; empty: as even as possible
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    every: int = 1  # checkpoint every Nth transformer block
+    # selective: outputs of these ops are saved, everything else is recomputed in backward.
+    save_ops: list[str] = field(default_factory=lambda: ["aten.mm", "aten._scaled_dot_product_efficient_attention",
+                                                          "aten._scaled_dot_product_flash_attention"])
+
+
+@dataclass
+class Compile:
+    enable: bool = False  # torch.compile each transformer block
 
 
 @dataclass
@@ -113,6 +139,8 @@ class Config:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
     parallel: Parallel = field(default_factory=Parallel)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
 
     @property
     def run_dir(self) -> Path:
@@ -297,8 +325,8 @@ def validate(config: Config, world_size: int) -> None:
         )
 
 
-def data_parallel_size(config: Config, world_size: int) -> int:
-    p = config.parallel
+def parallel_degrees(p: Parallel, world_size: int) -> tuple[int, int, int, int]:
+    """(dp_replicate, dp_shard, tp, pp) with dp_shard = -1 resolved; they must multiply to the world size."""
     others = p.dp_replicate * p.tp * p.pp
     dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
     if dp_shard < 1 or others * dp_shard != world_size:
@@ -306,7 +334,12 @@ def data_parallel_size(config: Config, world_size: int) -> int:
             f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
             f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
         )
-    return p.dp_replicate * dp_shard
+    return p.dp_replicate, dp_shard, p.tp, p.pp
+
+
+def data_parallel_size(config: Config, world_size: int) -> int:
+    dp_replicate, dp_shard, _, _ = parallel_degrees(config.parallel, world_size)
+    return dp_replicate * dp_shard
 
 
 def gradient_accumulation_steps(config: Config, world_size: int) -> int:

@@ -207,6 +207,8 @@ def _uniform_from_words(w, low: float = 0.0, high: float = 1.0) -> Tensor:
 
 
 def _normal_from_words(w, mean: float = 0.0, std: float = 1.0) -> Tensor:
+    if not std >= 0.0:
+        raise ValueError(f"normal needs std >= 0, got {std}")
     # Box-Muller on full 32-bit words: u1 = (w0 + 1/2) / 2**32 lies in (0, 1), so
     # log(u1) is finite (|z| <= sqrt(2 * 33 ln 2) ~ 6.8); u2 = w1 / 2**32 in [0, 1).
     u1 = w[0].to(torch.float64).add_(0.5).mul_(_2POW_M32)
@@ -225,8 +227,8 @@ def _trunc_normal_from_words(w, mean: float = 0.0, std: float = 1.0, a: float = 
     # The inverse-CDF chain of torch.nn.init.trunc_normal_: uniform on
     # [2 Phi(a') - 1, 2 Phi(b') - 1], erfinv, scale, shift, clamp. The uniform
     # uses 53 bits (two words) because erfinv stretches its spacing in the tails.
-    if not a < b:
-        raise ValueError(f"trunc_normal needs a < b, got a={a}, b={b}")
+    if not (a < b and std > 0.0):
+        raise ValueError(f"trunc_normal needs a < b and std > 0, got a={a}, b={b}, std={std}")
     lo = 2.0 * _norm_cdf((a - mean) / std) - 1.0
     hi = 2.0 * _norm_cdf((b - mean) / std) - 1.0
     u = (w[0] >> 5).mul_(1 << 26).add_(w[1] >> 6).to(torch.float64).mul_(_2POW_M53)
@@ -272,6 +274,9 @@ def _generate_into(
     dist = _DISTS[kind]
     key = stream_key(seed, stream)
     counter = _check_counter(counter)
+    # Validate the parameters (names and values) before any element is written.
+    empty = torch.empty(0, dtype=torch.int64)
+    dist.fn([empty] * dist.need, **params)
 
     def body(s: int, e: int) -> None:
         with torch.no_grad():  # grad mode is per thread: pool threads must not record this fill

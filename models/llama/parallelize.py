@@ -1,0 +1,85 @@
+"""How Llama is parallelised: its tensor-parallel plan, its blocks, and how it splits into pipeline stages.
+
+titan's generic appliers (titan/parallel/) read these; the model itself stays plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from models.llama.model import ModelArgs, Transformer
+
+
+def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
+    """Raise ValueError when the degrees cannot split this model."""
+    for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_hidden_dim", args.ffn_hidden_dim),
+                       ("vocab_size", args.vocab_size)):
+        if size % tp:
+            raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({size})")
+    if args.tie_embeddings and pp_stages > 1:
+        raise ValueError("tied embeddings (model tie_embeddings) cannot be split across pipeline stages; use parallel.pp = 1")
+    if pp_stages > args.n_layers:
+        raise ValueError(f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers")
+
+
+def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool) -> dict[str, nn.Module]:
+    """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
+    needs one all-reduce (or, with sequence parallel, one all-gather + reduce-scatter) per sub-layer.
+    With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, nn.Module] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if model.norm is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,  # loss parallel computes cross-entropy on the DTensor shards
+        )
+    for name in model.layers:
+        block = f"layers.{name}"
+        if sequence_parallel:
+            plan[f"{block}.attention_norm"] = SequenceParallel()
+            plan[f"{block}.ffn_norm"] = SequenceParallel()
+        plan[f"{block}.attention"] = PrepareModuleInput(
+            input_layouts=(between, None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        )
+        plan[f"{block}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"{block}.{linear}"] = ColwiseParallel()
+        for linear in ("attention.wo", "feed_forward.w2"):
+            plan[f"{block}.{linear}"] = RowwiseParallel(output_layouts=between)
+    return plan
+
+
+def blocks(model: Transformer) -> list[nn.Module]:
+    """The units that activation checkpointing, compile and FSDP wrap one by one."""
+    return list(model.layers.values())
+
+
+def pipeline_stage(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A copy of the (meta) model holding only `layer_ids`; names stay those of the full model, so
+    initialisation and checkpoints see the same parameter names on every layout."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers):
+        if int(name) not in layer_ids:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage

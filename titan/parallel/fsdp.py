@@ -1,0 +1,32 @@
+"""FSDP2 (`fully_shard`) per block and at the root; HSDP when the mesh has a replicate dim."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> None:
+    # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums lose the small updates.
+    policy = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    for i, block in enumerate(blocks):
+        # The last block's parameters are the first needed by backward: resharding them would be wasted work.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # titan's loss is already divided by the global token count: gradients are summed, not averaged.
+            module.set_gradient_divide_factor(1.0)

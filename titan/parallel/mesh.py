@@ -1,0 +1,70 @@
+"""The process group and the device mesh: the recipe's parallel degrees become named mesh dimensions.
+
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, tp. TP is innermost so its heavy traffic stays on
+the fastest links (within a node); PP is outermost because it only sends activations between neighbours.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan.config import ConfigError, Parallel, parallel_degrees
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallel, world_size: int) -> ParallelDims:
+        return cls(*parallel_degrees(cfg, world_size))
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"{name}{size}" for name, size in
+                 (("hsdp_replicate", self.dp_replicate), ("fsdp", self.dp_shard), ("tp", self.tp), ("pp", self.pp)) if size > 1]
+        return "x".join(parts) or "single"
+
+
+def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
+    """Join the job's process group when launched by torchrun/srun; returns (rank, world size)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TITAN_DIST_TIMEOUT_S", "600")))
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:
+    """A mesh with named dims (pp, dp_replicate, dp_shard, tp) plus the flattened `dp` dim; None for one process."""
+    if dims.world_size == 1:
+        return None
+    mesh = init_device_mesh(
+        device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
+    )
+    # Data loading and loss averaging see both DP dims as one.
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
