@@ -58,7 +58,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # fp32 sums of the same terms in another order. Measured: loss differs by 1 ulp (9.5e-7 of 8.0), and the
     # worst gradient element by 4e-7 of its tensor's largest element; the bounds leave ~25x headroom.
     torch.testing.assert_close(loss_small, loss_big, rtol=1e-6, atol=0)
-    for (name, p_big), p_small in zip(big.model.named_parameters(), small.model.parameters()):
+    for (name, p_big), (_, p_small) in zip(big.model_parts.named_parameters(), small.model_parts.named_parameters()):
         torch.testing.assert_close(p_small.grad, p_big.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 

@@ -41,6 +41,11 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         Trainer(cfg).train()
     except ConfigError as e:
         _fail(str(e))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @config_app.command("show", context_settings=OVERRIDES)

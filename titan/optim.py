@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from titan.config import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.Optimizer:
     # Norm gains (1-D) are not decayed: decay would pull them towards zero instead of regularising.
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -42,3 +41,31 @@ def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip by the norm of all gradients of the whole model, however they are sharded.
+
+    torch's clip_grad_norm_ cannot combine DTensor gradients on different meshes (FSDP-only norms next to
+    FSDP x TP weights) nor see other pipeline stages, so: one norm per group of equally placed gradients,
+    made whole with full_tensor(), combined, then summed over the pipeline stages.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
+            groups.setdefault(key, []).append(g)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        torch.distributed.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -10,14 +10,20 @@ import platform
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from titan import __version__
-from titan.config import Config, ConfigError, data_parallel_size, gradient_accumulation_steps, to_toml
+from titan.config import Config, ConfigError, gradient_accumulation_steps, to_toml
 from titan.data import Tokenizer, build_loader
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
-from titan.optim import build_lr_scheduler, build_optimizer
+from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titan.parallel import pp
+from titan.parallel.mesh import ParallelDims, build_mesh, init_distributed
+from titan.parallel.parallelize import build_model_parts, check_layout
 
 log = logging.getLogger("titan")
 
@@ -43,49 +49,61 @@ def resolve_model(config: Config):
         raise ConfigError(str(e).strip("'\"")) from None
 
 
-def build_model(config: Config, device: torch.device):
-    """The plain model on `device`, initialised from the seed; returns (model, model args, spec)."""
+def build_model(config: Config, device: torch.device) -> torch.nn.Module:
+    """The plain single-device model, initialised from the seed: the reference every layout must equal."""
     spec, args = resolve_model(config)
-    with torch.device("meta"):
-        model = spec.build(args)
-    model.to_empty(device=device)
-    model.init_weights(config.job.seed)
-    return model, args, spec
+    return build_model_parts(config, spec, args, ParallelDims(1, 1, 1, 1), {}, device).parts[0]
 
 
 class Trainer:
     def __init__(self, config: Config):
         self.config = config
-        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        t = config.training
+        self.device = pick_device(t.device)
+        self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         setup_logging(self.rank)
-        self.device = pick_device(config.training.device)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
 
+        # Everything that can be wrong with the recipe is checked before the model is built.
+        self.dims = ParallelDims.from_config(config.parallel, self.world_size)
+        spec, self.model_args = resolve_model(config)
+        check_layout(config, spec, self.model_args, self.dims, self.device)
         self.tokenizer = Tokenizer(config.tokenizer)
-        self.model, self.model_args, spec = build_model(config, self.device)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {self.model_args.vocab_size}; "
                 "use a matching tokenizer.path or set model.overrides.vocab_size"
             )
-        self.optimizer = build_optimizer(self.model, config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.mesh = build_mesh(self.dims, self.device)
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
+        self.loader = build_loader(config, self.tokenizer, dp_rank, self.dims.dp)
 
-        self.dp_size = data_parallel_size(config, self.world_size)
-        self.dp_rank = 0
+        self.model_parts = build_model_parts(config, spec, self.model_args, self.dims, self.mesh, self.device)
+        self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
+
         self.grad_accum = gradient_accumulation_steps(config, self.world_size)
-        self.loader = build_loader(config, self.tokenizer, self.dp_rank, self.dp_size)
-
-        t = config.training
-        self.tokens_per_step = t.local_batch_size * self.grad_accum * self.dp_size * t.seq_len
+        self.tokens_per_step = t.local_batch_size * self.grad_accum * self.dims.dp * t.seq_len
+        # Each rank's summed token loss times this is its share of the step's mean loss; gradients are then
+        # summed over data-parallel ranks, so every layout computes the gradient of the same global mean.
+        self.loss_scale = 1.0 / self.tokens_per_step
+        self.loss_parallel = self.dims.tp > 1 and config.parallel.loss_parallel
+        self.schedule = None
+        if self.dims.pp > 1:
+            self.schedule = pp.build_schedule(
+                config.parallel, list(zip(self.model_parts.stage_ids, self.model_parts.parts)), self.model_parts.n_stages,
+                pp.microbatches(config.parallel, t.local_batch_size), self.loss_fn, self.device, self.mesh["pp"].get_group(),
+            )
+        # FSDP's MixedPrecisionPolicy casts parameters itself; autocast covers the layouts without FSDP.
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if t.mixed_precision == "bf16" and self.dims.dp == 1 else contextlib.nullcontext()
+        )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if t.mixed_precision == "bf16" else contextlib.nullcontext()
-        )
         self.step = 0
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.run_dir = config.run_dir
@@ -93,12 +111,21 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
-        n_params = sum(p.numel() for p in self.model.parameters())
         log.info(
-            "%s %s: %.2fM parameters on %s | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
-            config.model.name, config.model.flavor, n_params / 1e6, self.device, self.tokens_per_step,
-            t.local_batch_size, t.seq_len, self.grad_accum, self.dp_size, self.run_dir,
+            "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
+            config.model.name, config.model.flavor, self.n_params() / 1e6, self.device.type, self.world_size,
+            self.dims.describe(), self.tokens_per_step, t.local_batch_size, t.seq_len, self.grad_accum, self.dims.dp,
+            self.run_dir,
         )
+
+    def n_params(self) -> int:
+        """Parameters of the whole model (not this rank's shard)."""
+        local = sum(p.numel() for _, p in self.model_parts.named_parameters())
+        if self.dims.pp == 1:
+            return local
+        total = torch.tensor(local if self.mesh["tp"].get_local_rank() == 0 and self.mesh["dp"].get_local_rank() == 0 else 0)
+        dist.all_reduce(total)
+        return int(total)
 
     def run_info(self) -> dict:
         return {
@@ -107,43 +134,68 @@ class Trainer:
             "python_version": platform.python_version(),
             "device": str(self.device) if self.device.type == "cpu" else torch.cuda.get_device_name(self.device),
             "world_size": self.world_size,
-            "layout": {"dp": self.dp_size, "tp": self.config.parallel.tp, "pp": self.config.parallel.pp},
+            "layout": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp},
             "hostname": platform.node(),
         }
 
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step's mean token loss (see loss_scale)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * self.loss_scale
+
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the micro-batches; returns (loss, grad norm) as tensors."""
+        """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors."""
         loss = self.forward_backward(micro_batches)
-        max_norm = self.config.training.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        params = list(self.model_parts.parameters())
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return loss, grad_norm
+        return self.global_loss(loss), grad_norm
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate the step's gradients; returns the step's mean token loss.
-
-        Each micro-batch's summed token loss is divided by the step's total token count, so accumulating
-        N micro-batches gives exactly the gradient of one batch N times larger.
-        """
-        step_tokens = sum(labels.numel() for _, labels in micro_batches)
+        """Accumulate the step's gradients; returns this rank's share of the step's loss."""
         loss_sum = torch.zeros((), device=self.device)
+        parallel_loss = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
         for inputs, labels in micro_batches:
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            if self.schedule is not None:
+                loss_sum += self._pipeline_forward_backward(inputs, labels, parallel_loss)
+                continue
             with self.autocast:
-                logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / step_tokens
-            loss.backward()
-            loss_sum += loss.detach()
+                logits = self.model_parts.parts[0](inputs)
+            with parallel_loss:
+                loss = self.loss_fn(logits, labels)
+                loss.backward()
+            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         return loss_sum
 
+    def _pipeline_forward_backward(self, inputs, labels, parallel_loss) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        last = self.model_parts.has_last_stage
+        args = (inputs,) if self.model_parts.has_first_stage else ()
+        with parallel_loss, self.autocast:
+            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+        if not last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
+
+    def global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum the shares over data-parallel ranks, and take it from the last pipeline stage."""
+        if not self.mesh:
+            return local
+        if self.dims.dp > 1:
+            dist.all_reduce(local, group=self.mesh["dp"].get_group())
+        if self.dims.pp > 1:
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())  # stages without the loss hold 0
+        return local
+
     def train(self) -> list[float]:
-        """Train to training.steps; returns the per-step losses (also in metrics.jsonl at log steps)."""
+        """Train to training.steps; returns every step's loss (metrics.jsonl holds the logged steps)."""
         cfg = self.config
         losses: list[torch.Tensor] = []
         log_freq, total = cfg.metrics.log_freq, cfg.training.steps
-        self.model.train()
+        self.model_parts.train()
         window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
         while self.step < total:
             step_start = time.perf_counter()

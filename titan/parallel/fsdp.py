@@ -30,3 +30,5 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             # titan's loss is already divided by the global token count: gradients are summed, not averaged.
             module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL copies less with SUM.
+            module.set_force_sum_reduction_for_comms(True)

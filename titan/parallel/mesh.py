@@ -58,13 +58,17 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:
-    """A mesh with named dims (pp, dp_replicate, dp_shard, tp) plus the flattened `dp` dim; None for one process."""
+def build_mesh(dims: ParallelDims, device: torch.device) -> dict[str, DeviceMesh]:
+    """Sub-meshes by role: pp, tp, dp (both data-parallel dims flattened: data loading, loss sums) and
+    fsdp (dp_shard, or dp_replicate x dp_shard for HSDP). Empty for one process."""
     if dims.world_size == 1:
-        return None
-    mesh = init_device_mesh(
+        return {}
+    root = init_device_mesh(
         device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
     )
-    # Data loading and loss averaging see both DP dims as one.
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+    return {
+        "pp": root["pp"],
+        "tp": root["tp"],
+        "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+        "fsdp": root["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else root["dp_shard"],
+    }

@@ -1,0 +1,109 @@
+"""Build the model for a layout: split into pipeline stages, then per stage TP, activation checkpointing,
+compile and FSDP (in that order: FSDP must wrap the TP DTensors and the compiled blocks), then
+materialise and initialise the local shards from the seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from models import ModelSpec
+from titan.config import Config, ConfigError
+from titan.parallel import pp
+from titan.parallel.ac import apply_activation_checkpointing
+from titan.parallel.fsdp import apply_fsdp
+from titan.parallel.mesh import ParallelDims
+
+
+@dataclass
+class ModelParts:
+    """The model as this rank holds it: one part, or the pipeline stages this rank runs."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]  # pipeline stage index of each part ([0] without PP)
+    n_stages: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def parameters(self):
+        for part in self.parts:
+            yield from part.parameters()
+
+    def named_parameters(self):
+        seen = set()
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, p
+
+    def train(self):
+        for part in self.parts:
+            part.train()
+
+
+def check_layout(config: Config, spec: ModelSpec, args, dims: ParallelDims, device: torch.device) -> None:
+    """Every combination that cannot work, refused with its reason before any work starts."""
+    p = config.parallel
+    n_stages = dims.pp * pp.stages_per_rank(p) if dims.pp > 1 else 1
+    try:
+        spec.check_parallelism(args, dims.tp, n_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if dims.pp > 1:
+        pp.stage_layers(args.n_layers, p)
+        pp.microbatches(p, config.training.local_batch_size)
+        if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and dims.dp > 1:
+            # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
+            # gradients come out wrong without any error.
+            raise ConfigError(
+                f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} gives wrong "
+                "gradients in torch 2.13; use 'default' or 'never'"
+            )
+    if config.compile.enable and dims.tp > 1 and p.sequence_parallel and device.type == "cpu":
+        # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
+        raise ConfigError("compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
+                          "set parallel.sequence_parallel = false or compile.enable = false")
+
+
+def build_model_parts(config: Config, spec: ModelSpec, args, dims: ParallelDims, mesh: dict[str, DeviceMesh],
+                      device: torch.device) -> ModelParts:
+    with torch.device("meta"):
+        model = spec.build(args)
+    if dims.pp > 1:
+        layers = pp.stage_layers(args.n_layers, config.parallel)
+        n_stages = len(layers)
+        ids = pp.stage_ids(mesh["pp"].get_local_rank(), dims.pp, n_stages, config.parallel.pp_schedule)
+        parts = [spec.pipeline_stage(model, layers[s], s == 0, s == n_stages - 1) for s in ids]
+    else:
+        n_stages, ids, parts = 1, [0], [model]
+    for part in parts:
+        parallelize(part, spec, config, dims, mesh)
+        part.to_empty(device=device)
+        part.init_weights(config.job.seed)
+    return ModelParts(parts, ids, n_stages)
+
+
+def parallelize(model: nn.Module, spec: ModelSpec, config: Config, dims: ParallelDims, mesh: dict[str, DeviceMesh]) -> None:
+    p = config.parallel
+    blocks = spec.blocks(model)
+    if dims.tp > 1:
+        parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel))
+    apply_activation_checkpointing(blocks, config.activation_checkpoint)
+    if config.compile.enable:
+        for block in blocks:
+            block.compile()
+    if dims.dp > 1:
+        reshard = {"always": True, "never": False, "default": dims.pp == 1}[p.fsdp_reshard_after_forward]
+        param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else None
+        apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload)

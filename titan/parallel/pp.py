@@ -1,0 +1,89 @@
+"""Pipeline parallelism with torch.distributed.pipelining: layers split into stages, a schedule by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+from titan.config import ConfigError, Parallel
+
+# Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
+V_SHAPED = {"zbvzerobubble", "dualpipev"}
+# Schedules that split backward into input- and weight-gradient passes.
+ZERO_BUBBLE = {"interleavedzerobubble", "zbvzerobubble", "dualpipev"}
+
+
+def schedule_class(name: str):
+    try:
+        return get_schedule_class(name)
+    except ValueError as e:
+        raise ConfigError(f"parallel.pp_schedule: {e}") from None
+
+
+def stages_per_rank(cfg: Parallel) -> int:
+    if cfg.pp_stages_per_rank:
+        return cfg.pp_stages_per_rank
+    return 2 if issubclass(schedule_class(cfg.pp_schedule), PipelineScheduleMulti) else 1
+
+
+def stage_layers(n_layers: int, cfg: Parallel) -> list[list[int]]:
+    """Layer ids of every stage: the recipe's explicit counts, or an even split (earlier stages take the
+    remainder, since the last stage also carries the output head)."""
+    n_stages = cfg.pp * stages_per_rank(cfg)
+    if cfg.pp_schedule.lower() in V_SHAPED and stages_per_rank(cfg) != 2:
+        raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} needs parallel.pp_stages_per_rank = 2")
+    counts = cfg.pp_layers_per_stage
+    if counts:
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
+            raise ConfigError(
+                f"parallel.pp_layers_per_stage {counts} must list {n_stages} non-negative counts (pp x stages per rank) "
+                f"summing to the model's {n_layers} layers"
+            )
+    else:
+        if n_stages > n_layers:
+            raise ConfigError(f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the model has {n_layers}")
+        counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    if schedule.lower() in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
+
+
+def microbatches(cfg: Parallel, local_batch_size: int) -> int:
+    n = cfg.pp_microbatches or cfg.pp * stages_per_rank(cfg)
+    if local_batch_size % n:
+        raise ConfigError(
+            f"training.local_batch_size ({local_batch_size}) must divide into parallel.pp_microbatches ({n}) micro-batches"
+        )
+    if n < cfg.pp:
+        raise ConfigError(f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline")
+    return n
+
+
+def build_schedule(
+    cfg: Parallel,
+    stage_modules: list[tuple[int, nn.Module]],
+    n_stages: int,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    pp_group,
+):
+    stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in stage_modules]
+    cls = schedule_class(cfg.pp_schedule)
+    multi = issubclass(cls, PipelineScheduleMulti)
+    if not multi and len(stages) != 1:
+        raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1")
+    try:
+        # scale_grads=False: titan's loss is already divided by the step's token count.
+        return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} with {n_microbatches} micro-batches: {e}") from None
