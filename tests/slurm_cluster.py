@@ -140,7 +140,8 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire also delays a requeued job's restart (default 120 s).
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -248,6 +249,9 @@ class SlurmCluster:
             ["sbatch", "--parsable", *options, str(script), *args], env={**self.env, **(env or {})}, cwd=cwd
         )
         return int(result.stdout.strip().split(";")[0])
+
+    def scancel(self, job_id: int, *options: str) -> None:
+        self._run(["scancel", *options, str(job_id)])
 
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` as a dict: JobState, ExitCode, Restarts, NodeList, StdOut, ..."""

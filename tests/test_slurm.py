@@ -88,23 +88,25 @@ def test_train_sbatch_runs_two_nodes_on_a_real_slurm(cluster, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigusr1_stops_the_trainers_and_requeues_the_job(cluster, tmp_path):
+def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, tmp_path):
     """The preemption convention: SIGUSR1 to the batch shell -> forwarded to the trainers -> job requeued.
 
-    Slurm sends it (--signal=B:USR1@120) shortly before the time limit; here scancel sends it at once.
+    Slurm sends it (--signal=B:USR1@120) shortly before the time limit; here scancel sends it after step 2.
+    The requeued job runs again (resuming from a checkpoint where the trainer saved one) to the last step.
     """
-    job_id = submit(cluster, tmp_path, "preempted", "--training.steps", "100000")
-    run_dir = tmp_path / "preempted"
+    steps = 60
+    job_id = submit(cluster, tmp_path, "preempted", "--training.steps", str(steps))
+    metrics_file = tmp_path / "preempted" / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
-        assert time.monotonic() < deadline, job_output(tmp_path, job_id)
-        assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), job_output(tmp_path, job_id)
-        time.sleep(0.5)
-    cluster._run(["scancel", "--batch", "--signal=USR1", str(job_id)])
-    # The trainers stop, the script requeues the job and Slurm starts it again (a restart).
-    info = cluster.wait(job_id, timeout=120, until=lambda i: int(i.get("Restarts", 0)) >= 1)
+    while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 2):
+        state = cluster.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, job_output(tmp_path, job_id))
+        time.sleep(0.2)
+    cluster.scancel(job_id, "--batch", "--signal=USR1")
+    info = cluster.wait(job_id, timeout=240)
     output = job_output(tmp_path, job_id)
-    assert "SIGUSR1" in output and f"requeueing job {job_id}" in output, output
-    assert int(info["Restarts"]) == 1
-    cluster._run(["scancel", str(job_id)])
-    cluster.wait(job_id, timeout=60)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output
+    assert f"requeueing job {job_id}" in output and "(restart 1)" in output, output
+    first_run = output[: output.index("(restart 1)")]
+    assert f"step {steps}/{steps}" not in first_run, "the first run finished before the signal: raise `steps`"
+    assert read_metrics(metrics_file.parent)[-1]["step"] == steps

@@ -45,27 +45,34 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip by the norm of all gradients of the whole model, however they are sharded.
+    """Clip by the norm of all gradients of the whole model, however they are sharded; returns the norm.
 
-    torch's clip_grad_norm_ cannot combine DTensor gradients on different meshes (FSDP-only norms next to
-    FSDP x TP weights) nor see other pipeline stages, so: one norm per group of equally placed gradients,
-    made whole with full_tensor(), combined, then summed over the pipeline stages.
+    torch's clip_grad_norm_ cannot mix DTensor gradients on different meshes (FSDP-only norm weights next to
+    FSDP x TP matrices) or plain tensors with DTensors, nor see other pipeline stages. So: one norm per group
+    of equally placed gradients, made whole with full_tensor(), combined, summed over pipeline stages.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
-            groups.setdefault(key, []).append(g)
+            groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device, []).append(g)
     squares = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
-        torch.distributed.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        torch.distributed.all_reduce(total, group=pp_group)
+    total = total.sqrt()
+    if max_norm == float("inf"):
+        return total
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grads in groups.values():
+        if isinstance(grads[0], DTensor):
+            mesh = grads[0].device_mesh
+            torch._foreach_mul_(grads, DTensor.from_local(coef, mesh, [Replicate()] * mesh.ndim))
+        else:
+            torch._foreach_mul_(grads, coef)
     return total
