@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -41,7 +41,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600) -> list:
     """fn(*args) on every rank; returns the results ordered by rank, or raises with the first rank's error."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -141,7 +141,7 @@ class SlurmCluster:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # cred_expire also delays a requeued job's restart (default 120 s).
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            f"AuthInfo=socket={self.munge_socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -153,6 +153,7 @@ class SlurmCluster:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=1",  # start a requeued job as soon as it may start
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none",

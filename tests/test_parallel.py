@@ -4,12 +4,17 @@ The reference is titan's own single-process run of the same recipe on the same g
 layout runs in real processes joined by gloo; the layouts of one world size share one launch.
 """
 
+import json
+import math
+import os
+import subprocess
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from conftest import DEBUG_RECIPE, tiny_overrides
-from distributed import run_distributed
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from distributed import free_port, run_distributed
 from titan.config import load_config
 from titan.data import Tokenizer, build_loader
 from titan.trainer import Trainer
@@ -120,3 +125,69 @@ def test_four_process_layouts_match_single_process(reference, tmp_path):
     layouts = _with_local_batch(LAYOUTS_4, 4)
     results = run_distributed(train_layouts, 4, tmp_path, layouts, reference[0])
     check_matches(reference, results, layouts)
+
+
+LAYOUTS_8 = {
+    "pp2_fsdp2_tp2": {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.tp": "2"},
+    "hsdp2x2_tp2": {"parallel.dp_replicate": "2", "parallel.dp_shard": "2", "parallel.tp": "2"},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_eight_process_3d_layouts_match_single_process(reference, tmp_path):
+    layouts = _with_local_batch(LAYOUTS_8, 8)
+    results = run_distributed(train_layouts, 8, tmp_path, layouts, reference[0])
+    check_matches(reference, results, layouts)
+
+
+@pytest.mark.parametrize(
+    "world,overrides,words",
+    [
+        ("4", ["--parallel.tp", "2", "--parallel.dp_shard", "3"], ["dp_shard=3", "tp=2", "world size 4"]),
+        ("3", ["--parallel.tp", "3"], ["parallel.tp = 3", "n_heads (8)"]),
+        ("2", ["--parallel.tp", "2", "--model.overrides.n_kv_heads", "1"], ["parallel.tp = 2", "n_kv_heads (1)"]),
+        ("8", ["--parallel.pp", "8"], ["8 pipeline stages", "4 layers"]),
+        ("2", ["--parallel.pp", "2", "--parallel.pp_microbatches", "1"], ["pp_microbatches (1)", "at least parallel.pp (2)"]),
+        ("2", ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], ["local_batch_size (4)", "pp_microbatches (3)"]),
+        ("2", ["--parallel.pp", "2", "--parallel.pp_schedule", "Zigzag"], ["parallel.pp_schedule", "Zigzag", "1F1B"]),
+        ("2", ["--parallel.pp", "2", "--parallel.pp_layers_per_stage", "[1, 2]"], ["pp_layers_per_stage [1, 2]", "4 layers"]),
+        ("4", ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.pp_schedule", "ZBVZeroBubble",
+               "--parallel.fsdp_reshard_after_forward", "always"], ["fsdp_reshard_after_forward", "ZBVZeroBubble"]),
+        ("2", ["--parallel.tp", "2", "--compile.enable"], ["compile.enable", "sequence_parallel"]),
+    ],
+    ids=["world_size", "tp_heads", "tp_kv_heads", "pp_layers", "pp_too_few_microbatches", "pp_microbatch_split",
+         "pp_schedule_name", "pp_layer_list", "zero_bubble_reshard", "compile_tp_sp_cpu"],
+)
+def test_invalid_layout_is_refused_before_any_work(tmp_path, world, overrides, words):
+    # WORLD_SIZE as torchrun sets it: the layout is checked before the process group is joined.
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *overrides, env={"WORLD_SIZE": world})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2", "--parallel.tp", "2"], ["--parallel.pp", "2", "--parallel.dp_shard", "2"]],
+                         ids=["fsdp2_tp2", "pp2_fsdp2"])
+def test_torchrun_cli_writes_the_same_run_files_as_one_process(tmp_path, layout):
+    common = tiny_overrides(tmp_path, **{"training.steps": "3", "model.overrides.n_layers": "2", "training.local_batch_size": "2"})
+    single = run_titan("train", "--config", str(DEBUG_RECIPE), *common, "--job.name", "single")
+    assert single.returncode == 0, single.stderr
+    cmd = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "titan", "train",
+           "--config", str(DEBUG_RECIPE), *common, "--job.name", "parallel", *layout]
+    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = lambda run: sorted(p.name for p in (tmp_path / run).iterdir())  # noqa: E731
+    assert files("parallel") == files("single")
+    single_metrics, parallel_metrics = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("single", "parallel"))
+    assert [m["step"] for m in parallel_metrics] == [m["step"] for m in single_metrics] == [1, 2, 3]
+    assert set(parallel_metrics[0]) == set(single_metrics[0])
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in parallel_metrics)  # PP reports the real loss
+    info = json.loads((tmp_path / "parallel" / "run_info.json").read_text())
+    assert info["world_size"] == 4
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]

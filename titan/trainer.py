@@ -60,17 +60,16 @@ class Trainer:
         self.config = config
         t = config.training
         self.device = pick_device(t.device)
+        # Everything that can be wrong with the recipe is checked before joining the other processes.
+        self.dims = ParallelDims.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        spec, self.model_args = resolve_model(config)
+        check_layout(config, spec, self.model_args, self.dims, self.device)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         setup_logging(self.rank)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-
-        # Everything that can be wrong with the recipe is checked before the model is built.
-        self.dims = ParallelDims.from_config(config.parallel, self.world_size)
-        spec, self.model_args = resolve_model(config)
-        check_layout(config, spec, self.model_args, self.dims, self.device)
         self.tokenizer = Tokenizer(config.tokenizer)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
