@@ -32,6 +32,9 @@ LAYOUTS_2 = {
     "tp2_sp_lossparallel": {"parallel.tp": "2"},
     "tp2_plain": {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false"},
     **{f"pp2_{s}": {"parallel.pp": "2", "parallel.pp_schedule": s} for s in PP_SCHEDULES},
+    "fsdp2_selective_ac": {"parallel.dp_shard": "2", "activation_checkpoint.mode": "selective"},
+    "tp2_full_ac_every2": {"parallel.tp": "2", "activation_checkpoint.mode": "full", "activation_checkpoint.every": "2"},
+    "fsdp2_compile": {"parallel.dp_shard": "2", "compile.enable": "true"},
 }
 LAYOUTS_4 = {
     "hsdp2x2": {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"},

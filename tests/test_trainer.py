@@ -72,3 +72,25 @@ def test_lr_schedules_by_hand():
     assert lr_factor(7, 10, LRScheduler(warmup_steps=2, decay="constant")) == 1.0
     wsd = LRScheduler(warmup_steps=2, decay="wsd", min_lr_ratio=0.0, wsd_decay_ratio=0.2)
     assert [lr_factor(s, 10, wsd) for s in range(2, 10)] == pytest.approx([1, 1, 1, 1, 1, 1, 0.5, 0.0])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_bitwise_identical_gradients(tmp_path, mode):
+    plain = tiny_trainer(tmp_path / "plain")
+    checkpointed = tiny_trainer(tmp_path / mode, **{"activation_checkpoint.mode": mode})
+    batch = next(plain.loader)
+    assert torch.equal(plain.forward_backward([batch]), checkpointed.forward_backward([batch]))
+    for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), checkpointed.model_parts.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tmp_path):
+    eager = tiny_trainer(tmp_path / "eager")
+    compiled = tiny_trainer(tmp_path / "compiled", **{"compile.enable": "true"})
+    batch = next(eager.loader)
+    # Inductor fuses and reorders fp32 arithmetic. Measured: loss 6e-8 relative, gradients 5.2e-7 of their
+    # tensor's largest element; bounds ~5x that.
+    torch.testing.assert_close(compiled.forward_backward([batch]), eager.forward_backward([batch]), rtol=5e-7, atol=0)
+    for (name, a), (_, b) in zip(eager.model_parts.named_parameters(), compiled.model_parts.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=3e-6 * a.grad.abs().max().item(), msg=name)

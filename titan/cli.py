@@ -1,4 +1,4 @@
-"""The `titan` command line: train, config show."""
+"""The `titan` command line: train, config show, compare."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     try:
         typer.echo(to_toml(load_config(config, ctx.args)), nl=False)
     except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def compare(
+    runs: list[Path] = typer.Argument(..., help="Run folders (<job.output_dir>/<job.name>), two or more to compare."),
+    plot: Path = typer.Option(None, "--plot", help="Also draw loss vs steps and tokens, and tokens/s, into this PNG."),
+) -> None:
+    """Compare runs from their folders: a table of loss, throughput, MFU, memory and time, and the config keys that differ.
+
+    Reads only the run folders (config.toml, metrics.jsonl, run_info.json); works offline.
+    """
+    from titan.compare import CompareError, format_report, load_run
+    from titan.compare import plot as draw
+
+    try:
+        loaded = [load_run(run) for run in runs]
+        typer.echo(format_report(loaded), nl=False)
+        if plot is not None:
+            typer.echo(f"plot: {draw(loaded, plot)}")
+    except CompareError as e:
         _fail(str(e))
 
 

@@ -90,6 +90,10 @@ class Metrics:
     tensorboard: bool = True
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online with credentials, else offline
     wandb_project: str = "titan"
+    # Runs of one comparison share a group ("" = the recipe's file name); tags add to the automatic ones
+    # (recipe, model, layout). TensorBoard names its run folder after the group and layout too.
+    wandb_group: str = ""
+    wandb_tags: list[str] = field(default_factory=list)
     # Peak FLOP/s of one device for MFU; 0 picks the known GPU figure, or measures the CPU once.
     peak_flops: float = 0.0
 

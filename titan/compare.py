@@ -1,0 +1,299 @@
+"""`titan compare`: runs side by side, from their output folders alone (offline; torch is not imported).
+
+A run folder (`<job.output_dir>/<job.name>`) holds `config.toml` (the resolved recipe), `run_info.json` (versions,
+world size, layout, device), `metrics.jsonl` (one record per logged step) and, from titan's trackers,
+`tracking.json` (recipe, wandb group and tags, command line, SLURM job). From these, `compare` prints one
+row per run and the config keys whose values differ, and `--plot` draws the curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
+
+
+class CompareError(ValueError):
+    """A run folder is missing or malformed; the message names the folder and what is wrong."""
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict  # dotted keys -> values, e.g. {"optimizer.lr": 0.003, "model.overrides.n_layers": 1}
+    info: dict  # run_info.json
+    records: list[dict]  # metrics.jsonl, one record per logged step, in file order
+    tracking: dict = field(default_factory=dict)  # tracking.json, if the run wrote one
+
+    @property
+    def curve(self) -> list[dict]:
+        """The records by step, the latest record of each step (a resumed run may log a step again)."""
+        by_step = {r["step"]: r for r in self.records}
+        return [by_step[s] for s in sorted(by_step)]
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not path.exists():
+        raise CompareError(f"{path}: no such run folder")
+    if not path.is_dir():
+        raise CompareError(f"{path}: not a folder (pass run folders: <job.output_dir>/<job.name>)")
+    missing = [name for name in REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise CompareError(f"{path}: not a titan run folder: missing {', '.join(missing)}")
+    try:
+        config = flatten(tomllib.loads((path / "config.toml").read_text()))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CompareError(f"{path / 'config.toml'} is not valid TOML: {e}") from None
+    info = _read_json(path / "run_info.json")
+    tracking = _read_json(path / "tracking.json") if (path / "tracking.json").is_file() else {}
+    return Run(path, config, info, _read_metrics(path / "metrics.jsonl"), tracking)
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CompareError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CompareError(f"{file} is not a JSON object")
+    return value
+
+
+def _read_metrics(file: Path) -> list[dict]:
+    text = file.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # a run killed mid-write leaves a torn last line: everything before it is good
+            raise CompareError(f"{file} line {number} is not valid JSON: {line[:60]!r}") from None
+        missing = [key for key in ("step", "loss") if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise CompareError(f"{file} line {number} has no {' or '.join(missing)!r}")
+        records.append(record)
+    if not records:
+        raise CompareError(f"{file} has no logged steps (did the run reach its first step?)")
+    return records
+
+
+def flatten(table: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1, "c": {"d": 2}}} -> {"a.b": 1, "a.c.d": 2}"""
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def layout_name(info: dict) -> str:
+    """The parallel degrees other than 1, e.g. 'dp_shard2-tp2'; 'single' when there are none."""
+    layout = info.get("layout") or {}
+    parts = [f"{name}{degree}" for name, degree in layout.items() if degree not in (1, None)]
+    return "-".join(parts) or "single"
+
+
+def wall_time_s(records: list[dict]) -> float | None:
+    """Seconds from the trainer's start to its last logged step, summed over restarts (resumed runs).
+
+    Uses `elapsed_s` where the records have it (it restarts at 0 when a run resumes); otherwise the
+    logged step times, which leave out start-up and anything between steps.
+    """
+    if all("elapsed_s" in r for r in records):
+        total, last = 0.0, 0.0
+        for r in records:
+            if r["elapsed_s"] < last:  # a new segment: the run was restarted
+                total += last
+            last = r["elapsed_s"]
+        return total + last
+    if all("step_time_s" in r for r in records):
+        total, previous = 0.0, 0
+        for r in records:
+            if r["step"] > previous:
+                total += r["step_time_s"] * (r["step"] - previous)
+            previous = r["step"]
+        return total
+    return None
+
+
+def summarize(run: Run) -> dict:
+    curve = run.curve
+    losses = [r["loss"] for r in curve if _finite(r["loss"])]
+
+    def median(key):
+        values = [r[key] for r in curve if _finite(r.get(key))]
+        return statistics.median(values) if values else None
+
+    peaks = [r["peak_memory_gib"] for r in curve if _finite(r.get("peak_memory_gib"))]
+    steps = run.config.get("training.steps")
+    return {
+        "run": str(run.path),
+        "job": run.config.get("job.name", run.path.name),
+        "recipe": _recipe_name(run),
+        "layout": layout_name(run.info),
+        "world_size": run.info.get("world_size"),
+        "last_step": curve[-1]["step"],
+        "steps": steps,
+        "final_loss": curve[-1]["loss"],
+        "min_loss": min(losses) if losses else None,
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "peak_memory_gib": max(peaks) if peaks else None,
+        "wall_time_s": wall_time_s(run.records),
+    }
+
+
+def _recipe_name(run: Run) -> str:
+    recipe = run.tracking.get("recipe")
+    return Path(recipe).stem if recipe else "-"
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def differing_keys(runs: list[Run]) -> dict[str, list]:
+    """Dotted config keys whose values are not the same in every run (a key a run lacks counts as None)."""
+    keys = sorted(set().union(*(run.config for run in runs)))
+    missing = object()
+    diff = {}
+    for key in keys:
+        values = [run.config.get(key, missing) for run in runs]
+        if any(v != values[0] or type(v) is not type(values[0]) for v in values[1:]):
+            diff[key] = [None if v is missing else v for v in values]
+    return diff
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def run_labels(runs: list[Run]) -> list[str]:
+    """Folder names where they tell the runs apart, else the paths as given."""
+    names = [run.path.name for run in runs]
+    return names if len(set(names)) == len(names) else [str(run.path) for run in runs]
+
+
+def format_report(runs: list[Run]) -> str:
+    labels = run_labels(runs)
+    header = ["run", "recipe", "job", "layout", "steps", "final loss", "min loss", "tokens/s", "MFU", "peak mem", "wall time"]
+    rows = []
+    for label, run in zip(labels, runs):
+        s = summarize(run)
+        rows.append([
+            label,
+            s["recipe"],
+            s["job"],
+            f"{s['layout']} ({s['world_size']} proc)" if s["world_size"] else s["layout"],
+            f"{s['last_step']}/{s['steps']}" if s["steps"] else str(s["last_step"]),
+            _num(s["final_loss"], "{:.4f}"),
+            _num(s["min_loss"], "{:.4f}"),
+            _num(s["tokens_per_s"], "{:,.0f}"),
+            _num(s["mfu"] and 100 * s["mfu"], "{:.2f}%"),
+            _num(s["peak_memory_gib"], "{:.2f} GiB"),
+            _duration(s["wall_time_s"]),
+        ])
+    lines = _table(header, rows)
+    if len(runs) > 1:
+        diff = differing_keys(runs)
+        lines.append("")
+        if diff:
+            lines.append("config keys that differ:")
+            lines += _table(["key", *labels], [[key, *(_value(v) for v in values)] for key, values in diff.items()])
+        else:
+            lines.append("config: identical in every run")
+        env = _differing_info(runs)
+        if env:
+            lines.append("")
+            lines.append("environment that differs:")
+            lines += _table(["key", *labels], [[key, *(_value(v) for v in values)] for key, values in env.items()])
+    return "\n".join(lines) + "\n"
+
+
+def _differing_info(runs: list[Run]) -> dict[str, list]:
+    diff = {}
+    for key in ("titan_version", "torch_version", "python_version", "device"):
+        values = [run.info.get(key) for run in runs]
+        if any(v != values[0] for v in values[1:]):
+            diff[key] = values
+    return diff
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _num(value, fmt: str) -> str:
+    return fmt.format(value) if _finite(value) else "-"
+
+
+def _value(value) -> str:
+    if value is None:
+        return "(unset)"
+    return json.dumps(value) if isinstance(value, (str, list, dict, bool)) else str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    seconds = int(round(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+def plot(runs: list[Run], out: str | Path) -> Path:
+    """Loss against steps and against tokens seen, and throughput against steps, one line per run, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise CompareError(f"cannot write the plot to {out}: folder {out.parent} does not exist")
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_step, loss_tokens, throughput = fig.subplots(1, 3)
+    for label, run in zip(run_labels(runs), runs):
+        curve = run.curve
+        steps = [r["step"] for r in curve]
+        style = {"label": label, "marker": "o" if len(curve) <= 30 else None, "markersize": 3}
+        loss_step.plot(steps, [r["loss"] for r in curve], **style)
+        if all("tokens_seen" in r for r in curve):
+            loss_tokens.plot([r["tokens_seen"] for r in curve], [r["loss"] for r in curve], **style)
+        if all("tokens_per_s" in r for r in curve):
+            throughput.plot(steps, [r["tokens_per_s"] for r in curve], **style)
+    for ax, xlabel, ylabel, title in (
+        (loss_step, "step", "loss", "loss vs step"),
+        (loss_tokens, "tokens seen", "loss", "loss vs tokens"),
+        (throughput, "step", "tokens/s", "throughput"),
+    ):
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize="small")
+    try:
+        fig.savefig(out, format="png", dpi=100)
+    except OSError as e:
+        raise CompareError(f"cannot write the plot to {out}: {e.strerror or e}") from None
+    return out
