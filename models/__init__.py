@@ -20,7 +20,7 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
     # Parallelism, applied from outside by titan/parallel:
     check_parallelism: Callable[[Any, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
-    tp_plan: Callable[[nn.Module, bool, bool], dict]  # (model, sequence_parallel, loss_parallel) -> {fqn: style}
+    tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
     blocks: Callable[[nn.Module], list[nn.Module]]  # units for checkpointing, compile and FSDP
     pipeline_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layer ids, first, last)
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import sys
 
 # --- Vocabulary --------------------------------------------------------------------
 GIRLS = "Lily Mia Emma Sara Anna Lucy Ella Rosa Nora Zoe Ruby Maya Grace Ivy Luna Kate Daisy Alice".split()
@@ -178,10 +179,12 @@ def main():
     nbytes = 0
     # newline="\n" so the bytes do not depend on the platform.
     with open(args.out, "w", encoding="utf-8", newline="\n") as fh:
-        for _ in range(args.num_docs):
+        for i in range(args.num_docs):
             line = json.dumps({"text": story(rng)}, ensure_ascii=False) + "\n"
             fh.write(line)
             nbytes += len(line.encode("utf-8"))
+            if args.num_docs >= 100_000 and (i + 1) % (args.num_docs // 10) == 0:  # progress for big corpora
+                print(f"  {i + 1}/{args.num_docs} docs, {nbytes / 1e6:.1f} MB", file=sys.stderr, flush=True)
     print(f"wrote {args.num_docs} docs, {nbytes} bytes ({nbytes / 1e6:.2f} MB) to {args.out}")
 
 

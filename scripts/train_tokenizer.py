@@ -58,7 +58,9 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    # With the length known, the progress bar (show_progress) shows a total and an ETA.
+    length = len(texts) if hasattr(texts, "__len__") else None
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
 

@@ -36,8 +36,10 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """
     try:
         cfg = load_config(config, ctx.args)
+        from titan.metrics import set_recipe
         from titan.trainer import Trainer  # imported late: torch and friends take a while to import
 
+        set_recipe(config)  # the trackers group runs by recipe
         Trainer(cfg).train()
     except ConfigError as e:
         _fail(str(e))
@@ -73,7 +75,7 @@ def compare(
         loaded = [load_run(run) for run in runs]
         typer.echo(format_report(loaded), nl=False)
         if plot is not None:
-            typer.echo(f"plot: {draw(loaded, plot)}")
+            typer.echo(f"\nplot: {draw(loaded, plot)}")
     except CompareError as e:
         _fail(str(e))
 

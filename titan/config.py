@@ -133,6 +133,23 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """Float8 matmuls for the transformer blocks' linear layers, through torchao (see titan/float8.py)."""
+
+    enable: bool = False  # needs a GPU of compute capability 8.9+ (Ada, Hopper, Blackwell), or the CPU
+    # tensorwise: one scale per tensor (fastest; the only recipe with float8 FSDP all-gather and float8 TP).
+    # rowwise: one scale per row; rowwise_with_gw_hp: rowwise, with the weight gradient in high precision.
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    # FSDP all-gathers the weights in float8 (tensorwise only); no effect without FSDP (data-parallel size 1).
+    enable_fsdp_float8_all_gather: bool = False
+    # With float8 all-gather: compute every weight's scale in one all-reduce after the optimizer step.
+    precompute_dynamic_scale: bool = False
+    # Linears in the transformer blocks whose in and out features are multiples of 16 are converted, except
+    # those whose name contains one of these strings. The output head is never converted.
+    skip: list[str] = field(default_factory=lambda: ["output"])
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -145,6 +162,7 @@ class Config:
     parallel: Parallel = field(default_factory=Parallel)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
 
     @property
     def run_dir(self) -> Path:
@@ -319,6 +337,13 @@ def validate(config: Config, world_size: int) -> None:
     require(p.dp_shard >= 1 or p.dp_shard == -1, f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}")
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     require(config.data.source != "", "data.source must name a local file, folder or hub dataset")
+    f8 = config.float8
+    require(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
+            f"float8.enable_fsdp_float8_all_gather needs float8.recipe = 'tensorwise' (torchao all-gathers float8 weights "
+            f"with one scale per tensor), got {f8.recipe!r}")
+    require(not f8.precompute_dynamic_scale or f8.enable_fsdp_float8_all_gather,
+            "float8.precompute_dynamic_scale only serves float8.enable_fsdp_float8_all_gather; enable that too, or turn it off")
+    require(all(s.strip() for s in f8.skip), f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}")
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = data_parallel_size(config, world_size)
     if t.global_batch_size:

@@ -5,10 +5,13 @@ metrics.jsonl in the run folder is the source of truth; the trackers are views o
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
+import re
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -77,32 +80,55 @@ class MetricsLogger:
     def __init__(self, config: Config, run_dir: Path, enabled: bool, extra_info: dict):
         self.enabled = enabled
         self._jsonl = self._tb = self._wandb = None
+        self._start = time.perf_counter()
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        names = run_names(config, extra_info)
+        previous = _read_json(run_dir / "tracking.json")
+        tracking = {
+            **names,
+            "command": ["titan", *sys.argv[1:]] if sys.argv[0].endswith(("titan", "__main__.py")) else sys.argv,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "slurm": {key[6:].lower(): os.environ[key] for key in SLURM_KEYS if key in os.environ},
+        }
         if config.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # One folder per (group, layout): `tensorboard --logdir outputs` lists runs as <job>/tensorboard/<group>-<layout>.
+            tb_dir = run_dir / "tensorboard" / re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{names['group']}-{names['layout']}")
+            self._tb = SummaryWriter(log_dir=str(tb_dir))
+            self._tb.add_text("run", _run_markdown(config, names, extra_info))
+            tracking["tensorboard"] = str(tb_dir.relative_to(run_dir))
         mode = config.metrics.wandb
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if mode != "disabled":
             import wandb
 
+            # A requeued or resumed run keeps its wandb run: the id lives in the run folder.
+            run_id = previous.get("wandb", {}).get("id") or secrets.token_hex(6)
             self._wandb = wandb.init(
                 project=config.metrics.wandb_project,
-                name=config.job.name,
+                name=names["name"],
+                group=names["group"],
+                tags=names["tags"],
+                id=run_id,
+                resume="allow" if mode == "online" else None,
                 dir=str(run_dir),
                 mode=mode,
-                config={**_flatten(config), **extra_info},
+                config={**_flatten(config), **extra_info, "recipe": names["recipe"]},
             )
+            tracking["wandb"] = {"project": config.metrics.wandb_project, "id": run_id, "mode": mode, "url": self._wandb.url}
+        (run_dir / "tracking.json").write_text(json.dumps(tracking, indent=2) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        # elapsed_s: seconds since the trainer started (0 again after a restart); `titan compare` sums them.
+        record = {"step": step, **metrics, "elapsed_s": round(time.perf_counter() - self._start, 3)}
+        self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in metrics.items():
@@ -117,6 +143,58 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+# Where the CLI says which recipe file the run came from; runs without one are named after job.name.
+_recipe: str | None = None
+SLURM_KEYS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME")
+
+
+def set_recipe(path: str | os.PathLike | None) -> None:
+    """Record the recipe file this process trains from (`titan train --config`): it names the run's group."""
+    global _recipe
+    _recipe = str(path) if path is not None else None
+
+
+def run_names(config: Config, extra_info: dict) -> dict:
+    """What the trackers call the run: name (job.name), group (metrics.wandb_group, else the recipe's file
+    name, else job.name), layout (e.g. 'dp_shard2-tp2') and tags (recipe, model, layout, world size, and
+    metrics.wandb_tags)."""
+    from titan.compare import layout_name
+
+    recipe = Path(_recipe).stem if _recipe else ""
+    layout = layout_name(extra_info)
+    tags = [f"model:{config.model.name}-{config.model.flavor}", f"layout:{layout}"]
+    if recipe:
+        tags.insert(0, f"recipe:{recipe}")
+    if "world_size" in extra_info:
+        tags.append(f"world:{extra_info['world_size']}")
+    return {
+        "name": config.job.name,
+        "recipe": _recipe or "",
+        "group": config.metrics.wandb_group or recipe or config.job.name,
+        "layout": layout,
+        "tags": [*tags, *(t for t in config.metrics.wandb_tags if t not in tags)],
+    }
+
+
+def _run_markdown(config: Config, names: dict, extra_info: dict) -> str:
+    from titan.config import to_toml
+
+    rows = [("run", names["name"]), ("recipe", names["recipe"] or "-"), ("group", names["group"]),
+            ("layout", names["layout"]), ("tags", ", ".join(names["tags"]))]
+    rows += [(key, json.dumps(value)) for key, value in extra_info.items() if key != "layout"]
+    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
+    config_block = "\n".join("    " + line for line in to_toml(config).splitlines())
+    return f"| | |\n|---|---|\n{table}\n\n{config_block}"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _flatten(config: Config) -> dict:

@@ -19,11 +19,13 @@ import models
 from titan import __version__
 from titan.config import Config, ConfigError, gradient_accumulation_steps, to_toml
 from titan.data import Tokenizer, build_loader
+from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titan.parallel import pp
 from titan.parallel.mesh import ParallelDims, build_mesh, init_distributed
 from titan.parallel.parallelize import build_model_parts, check_layout
+from titan.parallel.rng import Dropout
 
 log = logging.getLogger("titan")
 
@@ -81,6 +83,8 @@ class Trainer:
         self.loader = build_loader(config, self.tokenizer, dp_rank, self.dims.dp)
 
         self.model_parts = build_model_parts(config, spec, self.model_args, self.dims, self.mesh, self.device)
+        self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
+        self.dp_rank = dp_rank
         self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
 
@@ -148,31 +152,42 @@ class Trainer:
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
         self.optimizer.step()
+        precompute_float8_scales(self.config, self.dims, self.model_parts.parts)  # no-op unless float8 all-gather
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+        self.step += 1
         return self.global_loss(loss), grad_norm
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate the step's gradients; returns this rank's share of the step's loss."""
+        """Accumulate the step's gradients; returns this rank's share of the step's loss.
+
+        The global batch is laid out as [data-parallel rank][micro-batch][row]; each sample's row in it keys
+        its dropout masks, so every layout and accumulation drops the same elements.
+        """
+        for module in self.dropouts:
+            module.step = self.step
         loss_sum = torch.zeros((), device=self.device)
         parallel_loss = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+        first_row = self.dp_rank * sum(len(inputs) for inputs, _ in micro_batches)
         for inputs, labels in micro_batches:
+            rows = torch.arange(first_row, first_row + len(inputs), device=self.device)
+            first_row += len(inputs)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             if self.schedule is not None:
-                loss_sum += self._pipeline_forward_backward(inputs, labels, parallel_loss)
+                loss_sum += self._pipeline_forward_backward(inputs, labels, rows, parallel_loss)
                 continue
             with self.autocast:
-                logits = self.model_parts.parts[0](inputs)
+                logits = self.model_parts.parts[0](inputs, rows)
             with parallel_loss:
                 loss = self.loss_fn(logits, labels)
                 loss.backward()
             loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         return loss_sum
 
-    def _pipeline_forward_backward(self, inputs, labels, parallel_loss) -> torch.Tensor:
+    def _pipeline_forward_backward(self, inputs, labels, rows, parallel_loss) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         last = self.model_parts.has_last_stage
-        args = (inputs,) if self.model_parts.has_first_stage else ()
+        args = (inputs, rows) if self.model_parts.has_first_stage else ()
         with parallel_loss, self.autocast:
             self.schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
@@ -201,7 +216,6 @@ class Trainer:
             batches = [next(self.loader) for _ in range(self.grad_accum)]
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
-            self.step += 1
             window_steps += 1
             losses.append(loss)
             if self.step % log_freq == 0 or self.step == total or self.step == 1:

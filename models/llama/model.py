@@ -96,13 +96,13 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.dropout = args.attn_dropout
+        self.dropout = rng.Dropout(args.attn_dropout)  # on the attention probabilities
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -110,9 +110,15 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.training and self.dropout.p:
+            # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(q)
+            out = self.dropout(probs, rows) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -135,15 +141,12 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
-        self.dropout = args.resid_dropout
+        self.attention_dropout = rng.Dropout(args.resid_dropout)  # on each residual branch's output
+        self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.attention_norm(x), rope))
-        return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
-
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # Skipped outright at p = 0: F.dropout would still draw and apply a mask in training mode.
-        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows), rows)
+        return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
 
 class Transformer(nn.Module):
@@ -159,6 +162,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
+        for name, module in self.named_modules():
+            if isinstance(module, rng.Dropout):
+                module.stream = name  # the mask's stream: the same name on every layout
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `to` and friends give each module its own new tensor, which would untie the head.
@@ -167,18 +173,29 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) ids -> logits (batch, seq, vocab). Pipeline stages pass hidden states instead."""
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None):
+        """tokens: (batch, seq) ids -> logits (batch, seq, vocab).
+
+        rows: each sample's row in the step's global batch, which dropout masks are keyed by (default:
+        0..batch-1). Pipeline stages other than the first take hidden states for `tokens`, and stages other
+        than the last return (hidden states, rows) for the next stage.
+        """
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+            h = layer(h, self.rope, rows)
+        if self.output is None:
+            return h, rows
+        return self.output(self.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, parameter name) alone, so any sharding gets the same values."""
         self.rope = rope_table(self.args, device=self.rope.device)
+        for module in self.modules():
+            if isinstance(module, rng.Dropout):
+                module.seed = seed
         depth_std = {f"layers.{i}.": 0.02 / math.sqrt(2 * (i + 1)) for i in range(self.args.n_layers)}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):

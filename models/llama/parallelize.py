@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -31,10 +32,13 @@ def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
         raise ValueError(f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers")
 
 
-def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool) -> dict[str, nn.Module]:
+def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None) -> dict[str, nn.Module]:
     """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
     needs one all-reduce (or, with sequence parallel, one all-gather + reduce-scatter) per sub-layer.
-    With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions."""
+    With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions.
+    styles: (colwise, rowwise, prepare_module_input) classes for the blocks' linears and their inputs, e.g.
+    torchao's float8 styles; None: torch's own. The embedding and the output head always use torch's."""
+    colwise, rowwise, prepare_input = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {}
     if model.tok_embeddings is not None:
@@ -52,17 +56,31 @@ def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool) ->
         if sequence_parallel:
             plan[f"{block}.attention_norm"] = SequenceParallel()
             plan[f"{block}.ffn_norm"] = SequenceParallel()
-        plan[f"{block}.attention"] = PrepareModuleInput(
-            input_layouts=(between, None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        plan[f"{block}.attention"] = prepare_input(
+            input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
         )
-        plan[f"{block}.feed_forward"] = PrepareModuleInput(
+        # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
+        # attention probabilities by head (dim 1), residual branches by sequence (dim 1) under SP.
+        plan[f"{block}.attention.dropout"] = _sharded_input(Shard(1))
+        if sequence_parallel:
+            plan[f"{block}.attention_dropout"] = _sharded_input(Shard(1))
+            plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
+        plan[f"{block}.feed_forward"] = prepare_input(
             input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
         for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
-            plan[f"{block}.{linear}"] = ColwiseParallel()
+            plan[f"{block}.{linear}"] = colwise()
         for linear in ("attention.wo", "feed_forward.w2"):
-            plan[f"{block}.{linear}"] = RowwiseParallel(output_layouts=between)
+            plan[f"{block}.{linear}"] = rowwise(output_layouts=between)
     return plan
+
+
+def _sharded_input(placement) -> PrepareModuleInputOutput:
+    """Hand the module its local input as a DTensor with this placement, and take back a local tensor."""
+    return PrepareModuleInputOutput(
+        input_layouts=(placement, None), desired_input_layouts=(placement, None), use_local_input=False,
+        output_layouts=(placement,), desired_output_layouts=(placement,), use_local_output=True,
+    )
 
 
 def blocks(model: Transformer) -> list[nn.Module]:

@@ -1,6 +1,7 @@
-"""Build the model for a layout: split into pipeline stages, then per stage TP, activation checkpointing,
-compile and FSDP (in that order: FSDP must wrap the TP DTensors and the compiled blocks), then
-materialise and initialise the local shards from the seed."""
+"""Build the model for a layout: split into pipeline stages, then per stage float8 conversion, TP, activation
+checkpointing, compile and FSDP (in that order: float8 swaps the plain linears before TP shards them, and
+FSDP must wrap the TP DTensors and the compiled blocks), then materialise and initialise the local shards
+from the seed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from models import ModelSpec
+from titan import float8
 from titan.config import Config, ConfigError
 from titan.parallel import pp
 from titan.parallel.ac import apply_activation_checkpointing
@@ -74,6 +76,7 @@ def check_layout(config: Config, spec: ModelSpec, args, dims: ParallelDims, devi
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
         raise ConfigError("compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
                           "set parallel.sequence_parallel = false or compile.enable = false")
+    float8.check_float8(config, dims, device)
 
 
 def build_model_parts(config: Config, spec: ModelSpec, args, dims: ParallelDims, mesh: dict[str, DeviceMesh],
@@ -97,8 +100,10 @@ def build_model_parts(config: Config, spec: ModelSpec, args, dims: ParallelDims,
 def parallelize(model: nn.Module, spec: ModelSpec, config: Config, dims: ParallelDims, mesh: dict[str, DeviceMesh]) -> None:
     p = config.parallel
     blocks = spec.blocks(model)
+    float8.convert(model, blocks, config, dims)
     if dims.tp > 1:
-        parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel))
+        styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
+        parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile.enable:
         for block in blocks:

@@ -658,3 +658,51 @@ def trunc_normal_(
 ) -> Tensor:
     """In-place :func:`trunc_normal` fill (same signature order as ``nn.init.trunc_normal_``)."""
     return fill_(tensor, "trunc_normal", seed, stream, counter, mean=mean, std=std, a=a, b=b, **layout)
+
+
+# --------------------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------------------
+
+
+class Dropout(torch.nn.Module):
+    """Inverted dropout whose mask is a pure function of (seed, this module's name, optimizer step, and
+    the element's position in the step's global batch).
+
+    So every layout drops exactly what one device would: a data-parallel rank or micro-batch passes the
+    global batch rows it holds (`rows`), a tensor-parallel shard arrives as a DTensor (the TP plan says
+    how the local tensor is sharded), and activation-checkpoint recomputation redraws the same mask.
+    The owner sets `stream` (the module's name) and `seed` at init; the trainer sets `step`.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.stream, self.seed, self.step = p, "", 0, 0
+
+    def forward(self, x: Tensor, rows: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return dropout(x, self.p, rows, seed=self.seed, stream=self.stream, step=self.step)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: int) -> Tensor:
+    """`x` (batch first; a plain tensor of whole rows, or a DTensor sharded along other dims) with elements
+    dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch."""
+    from torch.distributed.tensor import DTensor
+
+    local = x.to_local() if isinstance(x, DTensor) else x
+    if isinstance(x, DTensor):
+        if any(pl.is_shard(0) for pl in x.placements):
+            raise ValueError("dropout: the batch dim must not be sharded within the DTensor's mesh; pass rows instead")
+        index = dtensor_global_indices(x)
+    else:
+        index = torch.arange(local.numel(), device=local.device).view(local.shape)
+    per_row = math.prod(x.shape[1:])  # x.shape is the global shape for a DTensor
+    row_shift = (rows.to(index.device) - torch.arange(local.shape[0], device=index.device)) * per_row
+    index = index + row_shift.view(-1, *([1] * (local.dim() - 1)))
+    mask = bernoulli_mask(index, seed, stream, step, p_keep=1.0 - p)
+    out = local * mask.to(local.dtype) / (1.0 - p)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False) if isinstance(x, DTensor) else out

@@ -1,0 +1,200 @@
+"""`titan compare` on real runs, the run folder's tracking files, and clear errors for broken folders."""
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import matplotlib.image
+import pytest
+
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from titan.compare import CompareError, load_run, wall_time_s
+from titan.config import load_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two real 3-step runs of the debug recipe, trained side by side: b has another lr and seq_len."""
+    out = tmp_path_factory.mktemp("runs")
+    common = {"training.steps": "3", "training.local_batch_size": "2", "model.overrides.n_layers": "1"}
+    variants = {
+        "a": {},
+        "b": {"optimizer.lr": "1e-3", "training.seq_len": "32"},
+    }
+
+    def train(name):
+        overrides = tiny_overrides(out, **common, **{"job.name": name}, **variants[name])
+        return run_titan("train", "--config", str(DEBUG_RECIPE), *overrides, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(train, variants))
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return out / "a", out / "b"
+
+
+def section(output: str, title: str) -> dict[str, list[str]]:
+    """The rows of a titled table in compare's output: first column -> the other columns."""
+    lines = output.splitlines()
+    start = lines.index(title) + 2  # skip the title and the header row
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        key, *values = line.split()
+        rows[key] = values
+    return rows
+
+
+def test_compare_lists_both_runs_and_exactly_the_keys_that_differ(runs, tmp_path):
+    a, b = runs
+    plot = tmp_path / "curves.png"
+    result = run_titan("compare", str(a), str(b), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    header, row_a, row_b = out.splitlines()[:3]
+    assert header.split()[:3] == ["run", "recipe", "job"]
+    for row, run in ((row_a, a), (row_b, b)):
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        cells = row.split()
+        assert cells[:4] == [run.name, "debug", run.name, "single"], row
+        assert "3/3" in cells
+        assert f"{metrics[-1]['loss']:.4f}" in cells  # final loss
+        assert f"{min(m['loss'] for m in metrics):.4f}" in cells  # min loss
+        assert f"{sorted(m['tokens_per_s'] for m in metrics)[1]:,.0f}" in cells  # median tokens/s
+
+    diff = section(out, "config keys that differ:")
+    assert set(diff) == {"job.name", "optimizer.lr", "training.seq_len"}, out
+    assert diff["job.name"] == ['"a"', '"b"']
+    assert [float(v) for v in diff["optimizer.lr"]] == [load_config(DEBUG_RECIPE).optimizer.lr, 1e-3]
+    assert diff["training.seq_len"] == ["64", "32"]
+
+    data = plot.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 20_000
+    image = matplotlib.image.imread(plot)
+    assert image.shape[0] >= 300 and image.shape[1] >= 900
+    assert image[..., :3].std() > 0.05  # not a blank canvas: curves, axes and labels
+
+
+def test_run_folder_describes_the_run(runs):
+    a, _ = runs
+    assert {"config.toml", "metrics.jsonl", "run_info.json", "tracking.json"} <= {p.name for p in a.iterdir()}
+    info = json.loads((a / "run_info.json").read_text())
+    for key in ("titan_version", "torch_version", "world_size", "layout", "device"):
+        assert key in info, key
+    tracking = json.loads((a / "tracking.json").read_text())
+    assert tracking["recipe"].endswith("recipes/debug.toml") and tracking["group"] == "debug"
+    assert tracking["layout"] == "single"
+    assert {"recipe:debug", "layout:single", "model:llama3-debug", "world:1"} <= set(tracking["tags"])
+    assert tracking["command"][:2] == ["titan", "train"]
+    records = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in records]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("missing folder", "no such run folder"),
+        ("no metrics.jsonl", "not a titan run folder: missing metrics.jsonl"),
+        ("no config.toml and run_info.json", "not a titan run folder: missing config.toml, run_info.json"),
+        ("bad metrics line", "metrics.jsonl line 2 is not valid JSON"),
+        ("empty metrics", "metrics.jsonl has no logged steps"),
+        ("bad config.toml", "config.toml is not valid TOML"),
+        ("file, not folder", "not a folder"),
+    ],
+)
+def test_broken_run_folders_give_one_line_errors(runs, tmp_path, breakage, message):
+    a, b = runs
+    broken = tmp_path / "broken"
+    if breakage == "file, not folder":
+        broken.write_text("")
+    elif breakage != "missing folder":
+        shutil.copytree(a, broken)
+    if breakage == "no metrics.jsonl":
+        (broken / "metrics.jsonl").unlink()
+    elif breakage == "no config.toml and run_info.json":
+        (broken / "config.toml").unlink()
+        (broken / "run_info.json").unlink()
+    elif breakage == "bad metrics line":
+        lines = (broken / "metrics.jsonl").read_text().splitlines()
+        (broken / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 2, "loss', *lines[2:]]) + "\n")
+    elif breakage == "empty metrics":
+        (broken / "metrics.jsonl").write_text("")
+    elif breakage == "bad config.toml":
+        (broken / "config.toml").write_text("[job\nname = ")
+    result = run_titan("compare", str(b), str(broken))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(broken) in lines[0], result.stderr
+    assert message in lines[0]
+
+
+def test_plot_into_a_missing_folder_is_a_clear_error(runs, tmp_path):
+    result = run_titan("compare", *map(str, runs), "--plot", str(tmp_path / "nope" / "x.png"))
+    assert result.returncode == 2 and "folder" in result.stderr and "does not exist" in result.stderr
+
+
+def test_torn_last_line_of_a_killed_run_is_ignored(runs, tmp_path):
+    run = tmp_path / "killed"
+    shutil.copytree(runs[0], run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # the process died mid-write
+    assert [r["step"] for r in load_run(run).records] == [1, 2, 3]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n")  # ... but a complete bad line is an error
+    with pytest.raises(CompareError, match="line 4"):
+        load_run(run)
+
+
+def test_wall_time_adds_up_the_segments_of_a_restarted_run():
+    first = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in ((1, 2.0), (2, 3.0), (3, 4.0))]
+    resumed = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in ((3, 1.5), (4, 2.5))]
+    assert wall_time_s(first + resumed) == pytest.approx(4.0 + 2.5)
+    # Older runs without elapsed_s: the logged step times, each covering the steps since the last record.
+    old = [{"step": 1, "loss": 1.0, "step_time_s": 0.5}, {"step": 10, "loss": 1.0, "step_time_s": 0.1}]
+    assert wall_time_s(old) == pytest.approx(0.5 + 9 * 0.1)
+
+
+def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeypatch):
+    import wandb
+
+    from titan import metrics
+
+    captured = {}
+
+    class FakeRun:
+        url = None
+
+        def log(self, *a, **k):
+            pass
+
+        def finish(self):
+            pass
+
+    def fake_init(**kwargs):
+        captured.update(kwargs)
+        return FakeRun()
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    monkeypatch.setattr(metrics, "_recipe", "recipes/debug.toml")
+    overrides = ["--job.output_dir", str(tmp_path), "--job.name", "x", "--metrics.wandb", "offline",
+                 "--metrics.tensorboard", "true", "--metrics.wandb_tags", '["sweep-1"]']
+    config = load_config(DEBUG_RECIPE, overrides, world_size=4)
+    info = {"world_size": 4, "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}}
+    logger = metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert captured["name"] == "x" and captured["group"] == "debug"
+    assert captured["tags"] == ["recipe:debug", "model:llama3-debug", "layout:dp_shard2-tp2", "world:4", "sweep-1"]
+    assert [p.name for p in (config.run_dir / "tensorboard").iterdir()] == ["debug-dp_shard2-tp2"]
+    tracking = json.loads((config.run_dir / "tracking.json").read_text())
+    assert tracking["wandb"]["id"] == captured["id"]
+
+    # A requeued run continues the same wandb run; an explicit group wins over the recipe's name.
+    config.metrics.wandb_group = "lr-sweep"
+    metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info).close()
+    assert captured["id"] == tracking["wandb"]["id"] and captured["group"] == "lr-sweep"

@@ -1,0 +1,152 @@
+"""Float8 training through torchao: the transformer blocks' linear layers compute in float8.
+
+`convert_to_float8_training` swaps the chosen `nn.Linear`s for torchao's `Float8Linear`, which casts its
+input, weight and output gradient to float8 with dynamic scales and multiplies them with `torch._scaled_mm`;
+the parameters themselves stay in high precision (fp32, or bf16 under mixed precision), so optimizer state,
+checkpoints and HF exports are exactly those of the unconverted model, with the same names.
+
+Order, in titan/parallel/parallelize.py: convert the meta model first, then TP (torchao's float8 TP styles,
+tensorwise only), activation checkpointing, compile and FSDP (float8 all-gather of the weights, tensorwise
+only). After each optimizer step the trainer calls `precompute_scales`, which computes the scales of the
+next float8 all-gather for all weights in one all-reduce.
+
+torchao is imported only when float8 is on: it is slow to import and logs warnings about its CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan.config import Config, ConfigError
+
+log = logging.getLogger("titan")
+
+# torch._scaled_mm on CUDA needs float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0+).
+MIN_CUDA_CAPABILITY = (8, 9)
+# cuBLAS float8 matmuls need both dimensions of the weight to be multiples of 16.
+MULTIPLE = 16
+
+
+def _torchao():
+    """torchao.float8, imported quietly (it warns about CUDA kernels it cannot load on this machine)."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    try:
+        for logger in quiet:
+            logger.setLevel(logging.ERROR)
+        import torchao.float8 as float8
+        import torchao.float8.float8_tensor_parallel  # noqa: F401  (the float8 TP styles)
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return float8
+
+
+def check_float8(config: Config, dims, device: torch.device, capability: tuple[int, int] | None = None) -> None:
+    """Refuse float8 where it cannot run, before any work. `capability` overrides the GPU's (for tests)."""
+    f8 = config.float8
+    if not f8.enable:
+        return
+    if device.type == "cuda":
+        if capability is None:
+            capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < MIN_CUDA_CAPABILITY:
+            name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
+            raise ConfigError(
+                f"float8.enable needs float8 matmuls, i.e. a GPU of compute capability {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} "
+                f"or newer (Ada, Hopper, Blackwell); {name} has {capability[0]}.{capability[1]}; set float8.enable = false"
+            )
+    elif device.type != "cpu":
+        raise ConfigError(f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}")
+
+
+def module_filter(model: nn.Module, blocks: list[nn.Module], config: Config, tp: int = 1):
+    """The `module_filter_fn` for torchao: a linear inside a transformer block, not named by float8.skip,
+    whose in and out features are multiples of 16 (of 16 x tp under tensor parallelism, so every shard is)."""
+    block_ids = {id(b) for b in blocks}
+    prefixes = tuple(f"{name}." for name, module in model.named_modules() if id(module) in block_ids)
+    skip, multiple = tuple(config.float8.skip), MULTIPLE * tp
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and fqn.startswith(prefixes)
+            and not any(s in fqn for s in skip)
+            and module.in_features % multiple == 0
+            and module.out_features % multiple == 0
+        )
+
+    return convert
+
+
+def linear_config(config: Config, fsdp: bool):
+    """torchao's Float8LinearConfig for the recipe; float8 all-gather only where FSDP shards the weights."""
+    f8 = config.float8
+    linear = _torchao().Float8LinearConfig.from_recipe_name(f8.recipe)
+    if f8.enable_fsdp_float8_all_gather and fsdp:
+        linear = dataclasses.replace(linear, enable_fsdp_float8_all_gather=True)
+    return linear
+
+
+def convert(model: nn.Module, blocks: list[nn.Module], config: Config, dims) -> list[str]:
+    """Swap the chosen linears of `model` (on the meta device, before any parallelism) for Float8Linear.
+    Returns the names of the converted linears."""
+    if not config.float8.enable:
+        return []
+    float8 = _torchao()
+    keep = module_filter(model, blocks, config, dims.tp)
+    chosen = [name for name, module in model.named_modules() if keep(module, name)]
+    float8.convert_to_float8_training(model, module_filter_fn=keep, config=linear_config(config, fsdp=dims.dp > 1))
+    skipped = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in chosen]
+    log.info("float8 (%s recipe): %d linear layers converted; left in high precision: %s", config.float8.recipe,
+             len(chosen), ", ".join(skipped) or "none")
+    return chosen
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
+    """(colwise, rowwise, prepare_module_input) style classes for the blocks' TP plan, or None for torch's own.
+
+    torchao's float8 TP styles cast activations to float8 before their all-gathers (and gradients before
+    their reduce-scatters); they need the tensorwise recipe, every linear of the blocks in float8, and, with
+    sequence parallelism, a backend that can all-gather float8 tensors (NCCL; gloo cannot). Otherwise the float8 linears run under torch's
+    plain styles: float8 matmuls on each shard, collectives in high precision, as torchtitan does for rowwise."""
+    if not config.float8.enable:
+        return None
+    linears = [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    why = (
+        "the float8.recipe is not tensorwise" if config.float8.recipe != "tensorwise"
+        else "some block linears stay in high precision" if not all(is_float8_linear(m) for m in linears)
+        else "gloo cannot all-gather the float8 activations of sequence parallelism"
+        if config.parallel.sequence_parallel and dist.get_backend(tp_mesh.get_group()) == "gloo"
+        else ""
+    )
+    if why:
+        log.info("float8 with tensor parallelism: torch's TP styles, collectives in high precision (%s)", why)
+        return None
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+@torch.no_grad()
+def precompute_scales(config: Config, dims, parts: list[nn.Module]) -> None:
+    """Called after each optimizer step: with float8 all-gather and float8.precompute_dynamic_scale, the
+    scales of the next forward's float8 all-gathers, for every FSDP-sharded weight in one all-reduce
+    (instead of one per weight); otherwise nothing."""
+    f8 = config.float8
+    if not (f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_dynamic_scale and dims.dp > 1):
+        return
+    precompute = _torchao().precompute_float8_dynamic_scale_for_fsdp
+    for part in parts:
+        precompute(part)
