@@ -57,7 +57,7 @@ def test_compare_lists_both_runs_and_exactly_the_keys_that_differ(runs, tmp_path
     header, row_a, row_b = out.splitlines()[:3]
     assert header.split()[:3] == ["run", "recipe", "job"]
     for row, run in ((row_a, a), (row_b, b)):
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        metrics = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
         cells = row.split()
         assert cells[:4] == [run.name, "debug", run.name, "single"], row
         assert "3/3" in cells
@@ -102,6 +102,7 @@ def test_run_folder_describes_the_run(runs):
         ("no config.toml and run_info.json", "not a titan run folder: missing config.toml, run_info.json"),
         ("bad metrics line", "metrics.jsonl line 2 is not valid JSON"),
         ("empty metrics", "metrics.jsonl has no logged steps"),
+        ("record without step", "metrics.jsonl line 1 has no 'step'"),
         ("bad config.toml", "config.toml is not valid TOML"),
         ("file, not folder", "not a folder"),
     ],
@@ -123,6 +124,8 @@ def test_broken_run_folders_give_one_line_errors(runs, tmp_path, breakage, messa
         (broken / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 2, "loss', *lines[2:]]) + "\n")
     elif breakage == "empty metrics":
         (broken / "metrics.jsonl").write_text("")
+    elif breakage == "record without step":
+        (broken / "metrics.jsonl").write_text('{"loss": 1.0}\n')
     elif breakage == "bad config.toml":
         (broken / "config.toml").write_text("[job\nname = ")
     result = run_titan("compare", str(b), str(broken))
@@ -141,12 +144,13 @@ def test_plot_into_a_missing_folder_is_a_clear_error(runs, tmp_path):
 def test_torn_last_line_of_a_killed_run_is_ignored(runs, tmp_path):
     run = tmp_path / "killed"
     shutil.copytree(runs[0], run)
+    torn_line = len((run / "metrics.jsonl").read_text().splitlines()) + 1
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "lo')  # the process died mid-write
-    assert [r["step"] for r in load_run(run).records] == [1, 2, 3]
+    assert [r["step"] for r in load_run(run).curve] == [1, 2, 3]
     with open(run / "metrics.jsonl", "a") as f:
         f.write("\n")  # ... but a complete bad line is an error
-    with pytest.raises(CompareError, match="line 4"):
+    with pytest.raises(CompareError, match=f"line {torn_line} is not valid JSON"):
         load_run(run)
 
 

@@ -23,6 +23,10 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="The TOML recipe, e.g. recipes/debug.toml.")
 
 
+# Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
+PREEMPTED_EXIT_CODE = 75
+
+
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)

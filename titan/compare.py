@@ -27,13 +27,13 @@ class Run:
     path: Path
     config: dict  # dotted keys -> values, e.g. {"optimizer.lr": 0.003, "model.overrides.n_layers": 1}
     info: dict  # run_info.json
-    records: list[dict]  # metrics.jsonl, one record per logged step, in file order
+    records: list[dict]  # metrics.jsonl in file order: logged steps, and other events (e.g. checkpoint times)
     tracking: dict = field(default_factory=dict)  # tracking.json, if the run wrote one
 
     @property
     def curve(self) -> list[dict]:
-        """The records by step, the latest record of each step (a resumed run may log a step again)."""
-        by_step = {r["step"]: r for r in self.records}
+        """The logged training steps in order, the latest of each (a resumed run may log a step again)."""
+        by_step = {r["step"]: r for r in self.records if "loss" in r}
         return [by_step[s] for s in sorted(by_step)]
 
 
@@ -78,11 +78,10 @@ def _read_metrics(file: Path) -> list[dict]:
             if number == len(lines) and not text.endswith("\n"):
                 break  # a run killed mid-write leaves a torn last line: everything before it is good
             raise CompareError(f"{file} line {number} is not valid JSON: {line[:60]!r}") from None
-        missing = [key for key in ("step", "loss") if not isinstance(record, dict) or key not in record]
-        if missing:
-            raise CompareError(f"{file} line {number} has no {' or '.join(missing)!r}")
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise CompareError(f"{file} line {number} has no 'step'")
         records.append(record)
-    if not records:
+    if not any("loss" in r for r in records):
         raise CompareError(f"{file} has no logged steps (did the run reach its first step?)")
     return records
 
@@ -122,9 +121,10 @@ def wall_time_s(records: list[dict]) -> float | None:
                 total += last
             last = r["elapsed_s"]
         return total + last
-    if all("step_time_s" in r for r in records):
+    timed = [r for r in records if "step_time_s" in r]
+    if timed:
         total, previous = 0.0, 0
-        for r in records:
+        for r in timed:
             if r["step"] > previous:
                 total += r["step_time_s"] * (r["step"] - previous)
             previous = r["step"]

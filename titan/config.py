@@ -150,6 +150,21 @@ class Float8:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = True
+    interval: int = 500  # save every N steps (and at the end of training)
+    keep_latest_k: int = 3  # 0 keeps every checkpoint
+    # auto: resume from the newest complete checkpoint of this run, if any; never: start fresh;
+    # anything else: the path of a checkpoint folder (or of a checkpoints/ folder: its newest step).
+    resume: str = "auto"
+    load_step: int = -1  # with resume = auto: this step instead of the newest
+    load_only: list[str] = field(default_factory=list)  # e.g. ["model"]: weights only, a fresh optimizer and data
+    async_save: bool = False  # overlap writing with training
+    # Start from a HF Llama checkpoint folder (config.json + *.safetensors) when not resuming.
+    init_from_hf: str = ""
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -163,6 +178,7 @@ class Config:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
     @property
     def run_dir(self) -> Path:
@@ -337,6 +353,12 @@ def validate(config: Config, world_size: int) -> None:
     require(p.dp_shard >= 1 or p.dp_shard == -1, f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}")
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     require(config.data.source != "", "data.source must name a local file, folder or hub dataset")
+    c = config.checkpoint
+    require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
+    require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
+    parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
+    require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
     f8 = config.float8
     require(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
             f"float8.enable_fsdp_float8_all_gather needs float8.recipe = 'tensorwise' (torchao all-gathers float8 weights "

@@ -47,8 +47,10 @@ def _torchao():
     return float8
 
 
-def check_float8(config: Config, dims, device: torch.device, capability: tuple[int, int] | None = None) -> None:
-    """Refuse float8 where it cannot run, before any work. `capability` overrides the GPU's (for tests)."""
+def check_float8(config: Config, dims, device: torch.device, spec=None, args=None,
+                 capability: tuple[int, int] | None = None) -> None:
+    """Refuse float8 where it cannot run, before any work. With the model's `spec` and `args`, also refuse a
+    filter that converts nothing. `capability` stands in for the GPU's (for tests)."""
     f8 = config.float8
     if not f8.enable:
         return
@@ -63,6 +65,24 @@ def check_float8(config: Config, dims, device: torch.device, capability: tuple[i
             )
     elif device.type != "cpu":
         raise ConfigError(f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}")
+    if device.type == "cpu" and f8.recipe == "rowwise_with_gw_hp" and config.training.mixed_precision == "bf16" and dims.dp == 1:
+        # Without FSDP, bf16 is autocast; torchao 0.18's Float8Linear follows CUDA autocast only, so on the CPU its
+        # high-precision weight-gradient matmul meets an fp32 input and a bf16 gradient and fails.
+        raise ConfigError(
+            "float8.recipe = 'rowwise_with_gw_hp' with training.mixed_precision = 'bf16' fails on the CPU without FSDP "
+            "(torchao keeps the weight gradient's input in fp32 under CPU autocast); use mixed_precision = 'fp32', "
+            "another float8.recipe, or FSDP (parallel.dp_shard > 1)"
+        )
+    if spec is not None:
+        with torch.device("meta"):
+            model = spec.build(args)
+        keep = module_filter(model, spec.blocks(model), config, dims.tp)
+        if not any(keep(module, name) for name, module in model.named_modules()):
+            multiple = f"{MULTIPLE} x parallel.tp = {MULTIPLE * dims.tp}" if dims.tp > 1 else str(MULTIPLE)
+            raise ConfigError(
+                f"float8.enable converts no linear layer: none in the transformer blocks has in and out features that are "
+                f"multiples of {multiple} and a name free of float8.skip {config.float8.skip}"
+            )
 
 
 def module_filter(model: nn.Module, blocks: list[nn.Module], config: Config, tp: int = 1):
@@ -119,8 +139,9 @@ def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
 
     torchao's float8 TP styles cast activations to float8 before their all-gathers (and gradients before
     their reduce-scatters); they need the tensorwise recipe, every linear of the blocks in float8, and, with
-    sequence parallelism, a backend that can all-gather float8 tensors (NCCL; gloo cannot). Otherwise the float8 linears run under torch's
-    plain styles: float8 matmuls on each shard, collectives in high precision, as torchtitan does for rowwise."""
+    sequence parallelism, a backend that can all-gather float8 tensors (NCCL; gloo cannot). Otherwise the
+    float8 linears run under torch's plain styles: float8 matmuls on each shard, collectives in high
+    precision, as torchtitan does for the rowwise recipes."""
     if not config.float8.enable:
         return None
     linears = [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]

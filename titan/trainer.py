@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import time
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from titan import __version__
+from titan.checkpoint import Checkpointer
 from titan.config import Config, ConfigError, gradient_accumulation_steps, to_toml
 from titan.data import Tokenizer, build_loader
 from titan.float8 import precompute_scales as precompute_float8_scales
@@ -85,6 +87,8 @@ class Trainer:
         self.model_parts = build_model_parts(config, spec, self.model_args, self.dims, self.mesh, self.device)
         self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
         self.dp_rank = dp_rank
+        # One rank per data-parallel group writes the loader position: the first TP and PP rank.
+        self.is_data_writer = not self.mesh or (self.mesh["tp"].get_local_rank() == 0 and self.mesh["pp"].get_local_rank() == 0)
         self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
 
@@ -107,13 +111,15 @@ class Trainer:
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
-        self.step = 0
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.run_dir = config.run_dir
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
+        self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, self)
+        self.step = self.checkpointer.resume()
+        self.stop_signal: str | None = None
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
             config.model.name, config.model.flavor, self.n_params() / 1e6, self.device.type, self.world_size,
@@ -205,40 +211,77 @@ class Trainer:
         return local
 
     def train(self) -> list[float]:
-        """Train to training.steps; returns every step's loss (metrics.jsonl holds the logged steps)."""
-        cfg = self.config
+        """Train to training.steps; returns the loss of every step run (metrics.jsonl holds the logged ones).
+
+        SIGTERM or SIGUSR1 (a SLURM preemption notice) saves a checkpoint at the next step boundary and
+        raises Preempted.
+        """
+        total = self.config.training.steps
         losses: list[torch.Tensor] = []
-        log_freq, total = cfg.metrics.log_freq, cfg.training.steps
         self.model_parts.train()
-        window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
-        while self.step < total:
-            step_start = time.perf_counter()
-            batches = [next(self.loader) for _ in range(self.grad_accum)]
-            lr = self.optimizer.param_groups[0]["lr"]
-            loss, grad_norm = self.train_step(batches)
-            window_steps += 1
-            losses.append(loss)
-            if self.step % log_freq == 0 or self.step == total or self.step == 1:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                now = time.perf_counter()
-                step_time = (now - window_start) / window_steps
-                tokens_per_s = self.tokens_per_step / step_time
-                metrics = {
-                    "loss": float(loss),
-                    "grad_norm": float(grad_norm),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_device": tokens_per_s / self.world_size,
-                    "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
-                    "step_time_s": step_time,
-                    "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
-                    "tokens_seen": self.step * self.tokens_per_step,
-                }
-                self.metrics.log(self.step, metrics)
-                eta = (now - run_start) / self.step * (total - self.step)
-                log.info(format_line(self.step, total, metrics, eta))
-                window_start, window_steps = time.perf_counter(), 0
-            self.step_times.append(time.perf_counter() - step_start)
+        first_step, window_start, window_steps = self.step, time.perf_counter(), 0
+        with _stop_on_signals(self):
+            while self.step < total:
+                step_start = time.perf_counter()
+                batches = [next(self.loader) for _ in range(self.grad_accum)]
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step(batches)
+                losses.append(loss)
+                window_steps += 1
+                if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    self._log_step(loss, grad_norm, lr, (time.perf_counter() - window_start) / window_steps)
+                    window_start, window_steps = time.perf_counter(), 0
+                self.checkpointer.maybe_save(self.step, final=self.step == total)
+                if self._stop_requested():
+                    self.checkpointer.save(self.step, wait=True)
+                    raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved in "
+                                    f"{self.checkpointer.folder}: run the same command to resume")
+                self.step_times.append(time.perf_counter() - step_start)
+        self.checkpointer.finish_pending()
         self.metrics.close()
         return [loss.item() for loss in losses]
+
+    def _log_step(self, loss, grad_norm, lr, step_time: float) -> None:
+        total = self.config.training.steps
+        tokens_per_s = self.tokens_per_step / step_time
+        metrics = {
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
+            "step_time_s": step_time,
+            "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
+            "tokens_seen": self.step * self.tokens_per_step,
+        }
+        self.metrics.log(self.step, metrics)
+        log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank received a stop signal; all ranks agree, so they stop at the same step."""
+        flag = torch.tensor(int(self.stop_signal is not None))
+        if self.checkpointer.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.checkpointer.group)
+        if flag and self.stop_signal is None:
+            self.stop_signal = "another rank's signal"
+        return bool(flag)
+
+
+class Preempted(Exception):
+    """Training stopped early on a signal, after saving a checkpoint."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer: Trainer):
+    def request_stop(signum, _frame):
+        trainer.stop_signal = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

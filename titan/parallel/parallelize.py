@@ -76,7 +76,7 @@ def check_layout(config: Config, spec: ModelSpec, args, dims: ParallelDims, devi
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
         raise ConfigError("compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
                           "set parallel.sequence_parallel = false or compile.enable = false")
-    float8.check_float8(config, dims, device)
+    float8.check_float8(config, dims, device, spec, args)
 
 
 def build_model_parts(config: Config, spec: ModelSpec, args, dims: ParallelDims, mesh: dict[str, DeviceMesh],
