@@ -1,10 +1,12 @@
 """Benchmark a recipe: titan's trainer against a bare PyTorch loop on the same model and batch.
 
     python scripts/bench.py --config recipes/debug.toml --steps 30 [--section.key value ...]
+    python scripts/bench.py --config recipes/debug.toml --compare float8 [--training.mixed_precision bf16 ...]
 
 Each measurement runs in its own process, so peak memory is its own. Step time is the median over the
 steps after warm-up; the bare loop (same model and init, one fixed batch, plain AdamW, no data loading,
-logging or clipping) shows what the framework costs on top of the math.
+logging or clipping) shows what the framework costs on top of the math. `--compare float8` runs titan's
+trainer twice instead, with float8.enable false and true (the [float8] section's other keys apply).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         times, device = trainer.step_times, trainer.device
     else:
         device = pick_device(config.training.device)
-        model, _, _ = build_model(config, device)
+        model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
         inputs, labels = (t.to(device) for t in next(build_loader(config, Tokenizer(config.tokenizer))))
         times = []
@@ -78,6 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--compare", choices=["float8"], help="titan without and with float8.enable, instead of bare vs titan")
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     if args._mode:  # a child process: print one JSON result
@@ -92,20 +95,25 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]
+    runs = [("bare", "bare", []), ("titan", "titan", [])]  # (label, mode, extra overrides)
+    if args.compare == "float8":
+        runs = [("titan", "titan", ["--float8.enable", "false"]), ("float8", "titan", ["--float8.enable", "true"])]
     results = []
-    for mode in ("bare", "titan"):
+    for label, mode, extra in runs:
         cmd = [sys.executable, __file__, "--_mode", mode, "--config", args.config, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *overrides]
+               "--warmup", str(args.warmup), *overrides, *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ)
         if out.returncode != 0:
-            sys.exit(f"{mode} run failed:\n{out.stderr}")
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    bare, titan = results
-    titan["overhead_vs_bare"] = titan["step_time_ms"] / bare["step_time_ms"]
+            sys.exit(f"{label} run failed:\n{out.stderr}")
+        results.append({**json.loads(out.stdout.strip().splitlines()[-1]), "mode": label})
+    base, other = results
+    other[f"step_time_vs_{base['mode']}"] = other["step_time_ms"] / base["step_time_ms"]
+    if not args.compare:
+        other["overhead_vs_bare"] = other["step_time_vs_bare"]
     print(f"{'run':<8}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}  device")
     for r in results:
         print(f"{r['mode']:<8}{r['step_time_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>7.2f}%{r['peak_memory_gib']:>10.2f}  {r['device']}")
-    print(f"titan step time / bare step time = {titan['overhead_vs_bare']:.3f}")
+    print(f"{other['mode']} step time / {base['mode']} step time = {other['step_time_ms'] / base['step_time_ms']:.3f}")
     report = {"recipe": args.config, "steps": args.steps, "warmup": args.warmup, "overrides": overrides, "results": results}
     print(json.dumps(report))
     if args.json:

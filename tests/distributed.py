@@ -37,7 +37,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
     """fn(*args) on every rank; returns the results ordered by rank, or raises with the first rank's error."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

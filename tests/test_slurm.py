@@ -92,6 +92,8 @@ def test_train_sbatch_runs_two_nodes_on_a_real_slurm(cluster, tmp_path):
     assert json.loads((run_dir / "run_info.json").read_text())["world_size"] == 2
     assert metrics[-1]["tokens_seen"] == 3 * 2 * 2 * 64
     assert "on 2 node(s) x 1 process(es)" in output
+    tracking = json.loads((run_dir / "tracking.json").read_text())
+    assert tracking["layout"] == "dp_shard2" and tracking["slurm"]["job_id"] == str(job_id)
 
 
 @pytest.mark.slow
@@ -100,7 +102,7 @@ def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, t
     """The preemption convention: SIGUSR1 to the batch shell -> forwarded to the trainers -> job requeued.
 
     Slurm sends it (--signal=B:USR1@120) shortly before the time limit; here scancel sends it after step 2.
-    The requeued job runs again (resuming from a checkpoint where the trainer saved one) to the last step.
+    The requeued job resumes from the checkpoint the trainers saved and runs to the last step.
     """
     steps = 60
     job_id = submit(cluster, tmp_path, "preempted", "--training.steps", str(steps))
@@ -117,4 +119,5 @@ def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, t
     assert f"requeueing job {job_id}" in output and "(restart 1)" in output, output
     first_run = output[: output.index("(restart 1)")]
     assert f"step {steps}/{steps}" not in first_run, "the first run finished before the signal: raise `steps`"
-    assert read_metrics(metrics_file.parent)[-1]["step"] == steps
+    # The trainers saved a checkpoint when signalled and the requeued job resumed from it: every step once.
+    assert [m["step"] for m in read_metrics(metrics_file.parent)] == list(range(1, steps + 1)), output

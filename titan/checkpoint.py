@@ -49,9 +49,11 @@ class Checkpointer:
         self.cfg, self.trainer = cfg, trainer
         self.folder = run_dir / "checkpoints"
         self.rank = trainer.rank
-        # A gloo group of its own: DCP's collectives, async writes included, must not interleave with
-        # training's collectives (on gloo, async saves on the training group abort the job).
+        # Gloo groups of their own: DCP's collectives, which run on a background thread during async saves,
+        # must not interleave with training's (on gloo that aborts the job), nor with this class's own
+        # barriers and stop votes on the main thread (that deadlocks).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.control_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: tuple[Future, Path, Path] | None = None
         if self.rank == 0 and self.folder.is_dir():
             for stale in self.folder.glob(".tmp-step-*"):  # left by a crash during a save
@@ -139,8 +141,8 @@ class Checkpointer:
             (folder / "train_state.json").write_text(json.dumps(train_state, indent=1))
 
     def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        if self.control_group is not None:
+            dist.barrier(group=self.control_group)
 
     # -- loading -------------------------------------------------------------------------------
 

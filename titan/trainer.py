@@ -263,8 +263,8 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """Whether any rank received a stop signal; all ranks agree, so they stop at the same step."""
         flag = torch.tensor(int(self.stop_signal is not None))
-        if self.checkpointer.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.checkpointer.group)
+        if self.checkpointer.control_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.checkpointer.control_group)
         if flag and self.stop_signal is None:
             self.stop_signal = "another rank's signal"
         return bool(flag)

@@ -1,0 +1,216 @@
+"""Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from distributed import run_distributed
+from titan.checkpoint import complete_checkpoints
+from titan.config import load_config
+from titan.trainer import Preempted, Trainer
+
+SMALL = {"model.overrides.n_layers": "2", "model.overrides.dim": "64", "model.overrides.n_heads": "4",
+         "model.overrides.n_kv_heads": "2", "model.overrides.multiple_of": "32", "training.seq_len": "32",
+         "training.steps": "10", "lr_scheduler.warmup_steps": "3", "optimizer.lr": "3e-3",
+         "model.overrides.resid_dropout": "0.1"}
+
+
+def trainer_for(run_root, **extra) -> Trainer:
+    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(run_root, **{**SMALL, **extra})))
+
+
+def full_weights(trainer):
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
+
+
+def straight_and_resumed(root, extra: dict | None = None):
+    extra = extra or {}
+    straight = trainer_for(root / "straight", **extra)
+    straight_losses = straight.train()
+    first = trainer_for(root / "resumed", **extra)
+    first_losses = _losses_until_preempted(first, 5)
+    second = trainer_for(root / "resumed", **extra)
+    assert second.step == 5
+    second_losses = second.train()
+    return straight_losses, first_losses + second_losses, full_weights(straight), full_weights(second)
+
+
+def _losses_until_preempted(trainer, stop_after):
+    losses = []
+    step = trainer.train_step
+
+    def recording_step(batches):
+        loss, norm = step(batches)
+        losses.append(loss.item())
+        if trainer.step == stop_after:
+            trainer.stop_signal = "SIGUSR1"  # what the signal handler sets
+        return loss, norm
+
+    trainer.train_step = recording_step
+    with pytest.raises(Preempted, match=f"at step {stop_after}"):
+        trainer.train()
+    return losses
+
+
+def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
+    straight, resumed, weights_straight, weights_resumed = straight_and_resumed(tmp_path)
+    assert len(straight) == len(resumed) == 10
+    assert straight == resumed  # bitwise: same data order, optimizer state, lr and dropout masks
+    for name, value in weights_straight.items():
+        assert torch.equal(weights_resumed[name], value), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_under_fsdp2_is_bitwise_identical(tmp_path):
+    results = run_distributed(straight_and_resumed, 2, tmp_path, {"parallel.dp_shard": "2", "training.local_batch_size": "2"})
+    straight, resumed, weights_straight, weights_resumed = results[0]
+    assert straight == resumed
+    for name, value in weights_straight.items():
+        assert torch.equal(weights_resumed[name], value), name
+
+
+@pytest.mark.distributed
+def test_async_save_under_fsdp2_resumes_bitwise(tmp_path):
+    results = run_distributed(straight_and_resumed, 2, tmp_path,
+                              {"parallel.dp_shard": "2", "training.local_batch_size": "2", "checkpoint.async_save": "true",
+                               "checkpoint.interval": "2"})
+    straight, resumed, _, _ = results[0]
+    assert straight == resumed
+
+
+def test_keep_latest_k_prunes_old_checkpoints(tmp_path):
+    trainer_for(tmp_path, **{"checkpoint.interval": "2", "checkpoint.keep_latest_k": "2"}).train()
+    assert sorted(complete_checkpoints(tmp_path / "debug" / "checkpoints")) == [8, 10]
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+import torch.distributed.checkpoint as dcp
+sys.path.insert(0, {tests!r})
+from test_checkpoint import trainer_for
+from pathlib import Path
+
+real_save = dcp.save
+def save_then_die(state, checkpoint_id, **kwargs):
+    if checkpoint_id.endswith("step-4"):
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # the shards are written...
+        Path(checkpoint_id, "__0_0.distcp").write_bytes(b"half")  # ...one is half-overwritten...
+        os.kill(os.getpid(), signal.SIGKILL)  # ...and the process dies before the checkpoint is complete
+    return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+dcp.save = save_then_die
+trainer_for(Path({root!r}), **{{"checkpoint.interval": "2"}}).train()
+"""
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    script = KILL_DURING_SAVE.format(tests=str(ROOT / "tests"), root=str(tmp_path))
+    killed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    folder = tmp_path / "debug" / "checkpoints"
+    assert sorted(complete_checkpoints(folder)) == [2] and (folder / ".tmp-step-4").exists()
+    resumed = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **SMALL))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {folder / 'step-2'}" in resumed.stderr
+    assert not (folder / ".tmp-step-4").exists()
+    assert sorted(complete_checkpoints(folder))[-1] == 10
+
+
+def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "100000", "checkpoint.interval": "100000"})
+    proc = subprocess.Popen([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # wait until training is under way
+        if "step 1/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 75, rest
+    assert "stopped by SIGTERM" in rest and "run the same command to resume" in rest
+    (step,) = complete_checkpoints(tmp_path / "debug" / "checkpoints")
+    assert step >= 1
+
+
+def reshard_job(root, layout: dict, batch):
+    """Load the checkpoint saved under FSDP2 with another layout; logits on `batch`, then train on."""
+    trainer = trainer_for(root / "load", **{"checkpoint.resume": str(root / "saved" / "debug" / "checkpoints"), **layout})
+    trainer.model_parts.parts[0].eval()
+    with torch.no_grad():
+        logits = trainer.model_parts.parts[0](batch)
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    step = trainer.step
+    trainer.config.training.steps = step + 2
+    losses = trainer.train()
+    return step, logits, losses
+
+
+def save_under_fsdp2(root, batch):
+    trainer = trainer_for(root / "saved", **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "4"})
+    trainer.train()
+    trainer.model_parts.parts[0].eval()
+    with torch.no_grad():
+        return trainer.model_parts.parts[0](batch)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checkpoint_saved_under_fsdp2_loads_under_tp2_and_one_process(tmp_path):
+    batch = torch.randint(0, 1000, (2, 32))
+    (saved_logits, _) = run_distributed(save_under_fsdp2, 2, tmp_path, batch)
+    tp = run_distributed(reshard_job, 2, tmp_path, {"parallel.tp": "2", "parallel.dp_shard": "1"}, batch)[0]
+    single = reshard_job(tmp_path, {}, batch)
+    for step, logits, losses in (tp, single):
+        assert step == 4
+        # Same weights; the layouts only sum in other orders (fp32).
+        torch.testing.assert_close(logits, saved_logits, rtol=1e-5, atol=1e-5)
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path):
+    source = trainer_for(tmp_path / "source", **{"training.steps": "3"})
+    source.train()
+    fresh = trainer_for(tmp_path / "finetune", **{"checkpoint.resume": str(tmp_path / "source" / "debug" / "checkpoints" / "step-3"),
+                                                    "checkpoint.load_only": '["model"]'})
+    assert fresh.step == 0 and fresh.optimizer.state == {} or all(float(s["step"]) == 0 for s in fresh.optimizer.state.values())
+    for (name, a), (_, b) in zip(source.model_parts.named_parameters(), fresh.model_parts.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    trainer_for(root, **{"training.steps": "2"}).train()
+    return root / "debug" / "checkpoints" / "step-2"
+
+
+def _assert_clear_error(result, *words):
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(saved_run), str(broken)], check=True)
+    shard = broken / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(broken)}))
+    _assert_clear_error(result, "checkpoint", "corrupt")
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
+    result = run_titan("train", "--config", str(DEBUG_RECIPE),
+                       *tiny_overrides(tmp_path, **{**SMALL, "model.overrides.n_layers": "3", "checkpoint.resume": str(saved_run)}))
+    _assert_clear_error(result, "does not match", "parameters differ")
+
+
+def test_empty_checkpoint_folder_with_resume_path_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}))
+    _assert_clear_error(result, "checkpoint.resume", "neither a complete checkpoint")
