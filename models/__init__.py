@@ -13,6 +13,19 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class HFAdapter:
+    """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
+
+    Pure functions on dicts; titan/hf_io.py reads and writes the files. State dicts hold full tensors.
+    """
+
+    args_from_config: Callable[[dict], Any]  # config.json dict -> model args; ValueError names an unsupported field
+    config_from_args: Callable[..., dict]  # (args, dtype="float32") -> config.json dict
+    from_state_dict: Callable[[dict, Any], dict]  # (HF weights, args) -> titan weights
+    to_state_dict: Callable[[dict, Any], dict]  # (titan weights, args) -> HF weights
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     flavors: dict[str, Any]  # flavor name -> model args dataclass
@@ -23,15 +36,17 @@ class ModelSpec:
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
     blocks: Callable[[nn.Module], list[nn.Module]]  # units for checkpointing, compile and FSDP
     pipeline_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layer ids, first, last)
+    hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
 
 
 def _llama3() -> ModelSpec:
     from models import llama
-    from models.llama import parallelize
+    from models.llama import hf, parallelize
 
     return ModelSpec(
         "llama3", llama.FLAVORS, llama.Transformer, llama.flops_per_token,
         parallelize.check_parallelism, parallelize.tp_plan, parallelize.blocks, parallelize.pipeline_stage,
+        HFAdapter(hf.args_from_hf_config, hf.hf_config_from_args, hf.from_hf_state_dict, hf.to_hf_state_dict),
     )
 
 

@@ -1,6 +1,6 @@
 """Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
 
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,8 +68,10 @@ def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_resume_under_fsdp2_is_bitwise_identical(tmp_path):
-    results = run_distributed(straight_and_resumed, 2, tmp_path, {"parallel.dp_shard": "2", "training.local_batch_size": "2"})
+@pytest.mark.parametrize("layout", [{"parallel.dp_shard": "2", "training.local_batch_size": "2"}, {"parallel.pp": "2"}],
+                         ids=["fsdp2", "pp2"])
+def test_resume_under_fsdp2_and_pp2_is_bitwise_identical(tmp_path, layout):
+    results = run_distributed(straight_and_resumed, 2, tmp_path, layout)
     straight, resumed, weights_straight, weights_resumed = results[0]
     assert straight == resumed
     for name, value in weights_straight.items():
@@ -123,11 +125,12 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "100000", "checkpoint.interval": "100000"})
+    # Enough steps to still be training when the signal lands, few enough to end if it never did.
+    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
     proc = subprocess.Popen([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # wait until training is under way
-        if "step 1/" in line:
+        if re.search(r"step +1/3000", line):
             break
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()

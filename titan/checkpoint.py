@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from titan.config import Checkpoint, ConfigError, to_toml
 
@@ -76,7 +77,10 @@ class Checkpointer:
         return state
 
     def _model_shapes(self) -> dict[str, list[int]]:
-        return {name: list(p.shape) for name, p in self.trainer.model_parts.named_parameters()}
+        """Shapes of the whole model, not of this rank's pipeline stages: every layout records the same."""
+        with torch.device("meta"):
+            model = self.trainer.spec.build(self.trainer.model_args)
+        return {name: list(p.shape) for name, p in model.named_parameters()}
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -180,7 +184,7 @@ class Checkpointer:
         if tensors:
             try:
                 dcp.load(tensors, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
-            except Exception as e:  # DCP raises assorted errors on truncated or foreign files
+            except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
                 raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}") from None
         t = self.trainer
         step = train_state["step"] if "train_state" in parts else 0

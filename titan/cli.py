@@ -1,4 +1,4 @@
-"""The `titan` command line: train, config show, compare."""
+"""The `titan` command line: train, config show, compare, convert."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+convert_app = typer.Typer(help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -41,10 +43,14 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     try:
         cfg = load_config(config, ctx.args)
         from titan.metrics import set_recipe
-        from titan.trainer import Trainer  # imported late: torch and friends take a while to import
+        from titan.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
 
         set_recipe(config)  # the trackers group runs by recipe
-        Trainer(cfg).train()
+        try:
+            Trainer(cfg).train()
+        except Preempted as e:
+            typer.echo(f"titan: {e}", err=True)
+            raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
     except ConfigError as e:
         _fail(str(e))
     finally:
@@ -81,6 +87,38 @@ def compare(
         if plot is not None:
             typer.echo(f"\nplot: {draw(loaded, plot)}")
     except CompareError as e:
+        _fail(str(e))
+
+
+@convert_app.command("hf-to-dcp")
+def convert_hf_to_dcp(
+    hf_dir: Path = typer.Argument(..., help="A Hugging Face model folder: config.json and *.safetensors (sharded or not)."),
+    out_dir: Path = typer.Argument(..., help="The titan checkpoint folder to write (must not exist, or be empty)."),
+    model: str = typer.Option("llama3", "--model", help="titan model family (model.name)."),
+    flavor: str = typer.Option("", "--flavor", help="Express the model as this flavor + overrides; default: the closest."),
+) -> None:
+    """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
+    from titan.hf_io import hf_to_dcp  # imported late: torch takes a while to import
+
+    try:
+        typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@convert_app.command("dcp-to-hf")
+def convert_dcp_to_hf(
+    checkpoint: Path = typer.Argument(..., help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."),
+    out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+) -> None:
+    """Export a titan checkpoint's model as config.json + safetensors, loadable by transformers' from_pretrained."""
+    from titan.hf_io import dcp_to_hf
+
+    try:
+        typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
+    except ConfigError as e:
         _fail(str(e))
 
 

@@ -67,6 +67,7 @@ class Trainer:
         # Everything that can be wrong with the recipe is checked before joining the other processes.
         self.dims = ParallelDims.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         spec, self.model_args = resolve_model(config)
+        self.spec = spec
         check_layout(config, spec, self.model_args, self.dims, self.device)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         setup_logging(self.rank)
@@ -119,6 +120,10 @@ class Trainer:
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
         self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, self)
         self.step = self.checkpointer.resume()
+        if config.checkpoint.init_from_hf:
+            from titan.hf_io import init_from_hf  # a fresh start (nothing resumed) takes the HF weights
+
+            init_from_hf(self)
         self.stop_signal: str | None = None
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",

@@ -31,18 +31,19 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _ffn_multiplier_for(dim: int, intermediate_size: int) -> float | None:
+def _ffn_multiplier_for(dim: int, intermediate_size: int) -> float:
     """An `ffn_dim_multiplier` that, with `multiple_of=1`, makes `ModelArgs.ffn_hidden_dim == intermediate_size`.
 
     titan computes `int(multiplier * int(8 * dim / 3))` rounded up to `multiple_of`. With `multiple_of=1` there is
     no rounding up, so any multiplier in [I/h, (I+1)/h) works; I/h itself can land one ulp low and floor to I-1,
-    so the middle of the interval, (I + 0.5)/h, is the fallback.
+    so the middle of the interval, (I + 0.5)/h, is the fallback. 1.0 rather than None when no multiplier is
+    needed, so the value can be written in a TOML recipe's model.overrides (TOML has no null).
     """
     base = int(2 * 4 * dim / 3)
     if base <= 0 or intermediate_size <= 0:
         raise ValueError(f"cannot express intermediate_size={intermediate_size} for hidden_size={dim}")
     if base == intermediate_size:
-        return None
+        return 1.0
     for multiplier in (intermediate_size / base, (intermediate_size + 0.5) / base):
         if int(multiplier * base) == intermediate_size:
             return multiplier
