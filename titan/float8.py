@@ -2,8 +2,8 @@
 
 `convert_to_float8_training` swaps the chosen `nn.Linear`s for torchao's `Float8Linear`, which casts its
 input, weight and output gradient to float8 with dynamic scales and multiplies them with `torch._scaled_mm`;
-the parameters themselves stay in high precision (fp32, or bf16 under mixed precision), so optimizer state,
-checkpoints and HF exports are exactly those of the unconverted model, with the same names.
+the parameters themselves stay in fp32 (bf16 mixed precision only casts the compute copy), so optimizer
+state, checkpoints and HF exports are exactly those of the unconverted model, with the same names.
 
 Order, in titan/parallel/parallelize.py: convert the meta model first, then TP (torchao's float8 TP styles,
 tensorwise only), activation checkpointing, compile and FSDP (float8 all-gather of the weights, tensorwise
