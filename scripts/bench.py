@@ -47,11 +47,13 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
         inputs, labels = (t.to(device) for t in next(build_loader(config, Tokenizer(config.tokenizer))))
+        bf16 = config.training.mixed_precision == "bf16"
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             for _ in range(gradient_accumulation_steps(config, 1)):
-                logits = model(inputs)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(inputs)
                 F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
