@@ -1,12 +1,16 @@
-"""Benchmark a recipe: titan's trainer against a bare PyTorch loop on the same model and batch.
+"""Benchmark a recipe: step time, tokens/s, MFU and peak memory, as a table and as JSON.
 
     python scripts/bench.py --config recipes/debug.toml --steps 30 [--section.key value ...]
-    python scripts/bench.py --config recipes/debug.toml --compare float8 [--training.mixed_precision bf16 ...]
+    python scripts/bench.py --compare layouts     # single process vs FSDP2, TP2, PP2, FSDP2xTP2, PP2xFSDP2
+    python scripts/bench.py --compare float8      # titan with float8.enable false and true
+    python scripts/bench.py --compare dropout     # dropout 0 vs 0.1 (the counter-based RNG's cost)
+    python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
+    python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
 
-Each measurement runs in its own process, so peak memory is its own. Step time is the median over the
-steps after warm-up; the bare loop (same model and init, one fixed batch, plain AdamW, no data loading,
-logging or clipping) shows what the framework costs on top of the math. `--compare float8` runs titan's
-trainer twice instead, with float8.enable false and true (the [float8] section's other keys apply).
+The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, plain
+AdamW, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
+Each run is its own process (torchrun for layouts), so peak memory is its own. Step time is the median over
+the steps after warm-up. Layouts keep the global batch: local batch = global batch / data-parallel size.
 """
 
 from __future__ import annotations
@@ -17,16 +21,35 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# name -> (processes, overrides)
+LAYOUTS = {
+    "single": (1, []),
+    "fsdp2": (2, ["--parallel.dp_shard", "2"]),
+    "tp2": (2, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+    "pp2": (2, ["--parallel.pp", "2", "--parallel.dp_shard", "1"]),
+    "fsdp2_tp2": (4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]),
+    "pp2_fsdp2": (4, ["--parallel.pp", "2", "--parallel.dp_shard", "2"]),
+}
+# name -> [(label, mode, processes, overrides)]
+COMPARISONS = {
+    "bare": [("bare", "bare", 1, []), ("titan", "titan", 1, [])],
+    "float8": [("titan", "titan", 1, ["--float8.enable", "false"]), ("float8", "titan", 1, ["--float8.enable", "true"])],
+    "dropout": [("dropout0", "titan", 1, []),
+                ("dropout0.1", "titan", 1, ["--model.overrides.resid_dropout", "0.1", "--model.overrides.attn_dropout", "0.1"])],
+    "checkpoint": [("sync", "titan", 1, ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]),
+                   ("async", "titan", 1, ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.async_save", "true"])],
+    "layouts": [(name, "titan", n, extra) for name, (n, extra) in LAYOUTS.items()],
+}
+
 
 def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str]) -> dict:
-    import tempfile
-
     import torch
     import torch.nn.functional as F
 
@@ -35,23 +58,32 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.metrics import peak_flops, peak_memory_bytes
     from titan.trainer import Trainer, build_model, pick_device, resolve_model
 
+    run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
     overrides = ["--training.steps", str(steps), "--metrics.wandb", "disabled", "--metrics.tensorboard", "false",
-                 "--metrics.log_freq", str(steps), "--job.output_dir", tempfile.mkdtemp(prefix="titan-bench-"), *overrides]
+                 "--metrics.log_freq", str(steps), "--checkpoint.enable", "false", "--job.output_dir", run_dir, *overrides]
     config = load_config(recipe, overrides)
+    blocked = []
     if mode == "titan":
         trainer = Trainer(config)
         trainer.train()
-        times, device = trainer.step_times, trainer.device
+        times, device, world = trainer.step_times, trainer.device, trainer.world_size
+        tokens_per_step = trainer.tokens_per_step
+        metrics = config.run_dir / "metrics.jsonl"
+        if trainer.rank == 0 and metrics.exists():
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            blocked = [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r]
     else:
-        device = pick_device(config.training.device)
+        device, world = pick_device(config.training.device), 1
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
         inputs, labels = (t.to(device) for t in next(build_loader(config, Tokenizer(config.tokenizer))))
         bf16 = config.training.mixed_precision == "bf16"
+        accumulation = gradient_accumulation_steps(config, 1)
+        tokens_per_step = inputs.numel() * accumulation
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            for _ in range(gradient_accumulation_steps(config, 1)):
+            for _ in range(accumulation):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     logits = model(inputs)
                 F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
@@ -61,19 +93,51 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
     spec, model_args = resolve_model(config)
-    t = config.training
-    tokens_per_step = t.local_batch_size * t.seq_len * gradient_accumulation_steps(config, 1)
     step_time = statistics.median(times[warmup:])
     tokens_per_s = tokens_per_step / step_time
-    mfu = tokens_per_s * spec.flops_per_token(model_args, t.seq_len) / peak_flops(device, config.metrics.peak_flops)
+    flops = tokens_per_s * spec.flops_per_token(model_args, config.training.seq_len)
     return {
-        "mode": mode,
         "step_time_ms": 1000 * step_time,
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu,
+        "mfu": flops / (peak_flops(device, config.metrics.peak_flops) * world),
         "peak_memory_gib": peak_memory_bytes(device) / 2**30,
+        "checkpoint_blocked_ms": 1000 * statistics.median(blocked) if blocked else None,
         "device": str(device),
+        "world_size": world,
     }
+
+
+def run(label: str, mode: str, processes: int, args, overrides: list[str]) -> dict:
+    """One measurement in fresh processes; returns rank 0's result with every rank's peak memory."""
+    with tempfile.TemporaryDirectory(prefix="titan-bench-") as out:
+        child = [__file__, "--_mode", mode, "--_out", out, "--config", args.config, "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), *overrides]
+        if processes == 1:
+            cmd = [sys.executable, *child]
+        else:
+            cmd = ["torchrun", "--nproc-per-node", str(processes), "--master-port", str(29500 + os.getpid() % 1000), *child]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))}
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if done.returncode != 0:
+            sys.exit(f"{label} run failed:\n{done.stderr[-4000:]}")
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+    return {**ranks[0], "run": label, "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in ranks]}
+
+
+def init_times(flavors: list[str], recipe: str) -> None:
+    import torch
+
+    from titan.config import load_config
+    from titan.trainer import build_model
+
+    print(f"{'flavor':<8}{'parameters':>16}{'init s':>10}")
+    for flavor in flavors:
+        config = load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"])
+        start = time.perf_counter()
+        model = build_model(config, torch.device("cpu"))
+        seconds = time.perf_counter() - start
+        print(f"{flavor:<8}{sum(p.numel() for p in model.parameters()):>16,}{seconds:>10.1f}")
+        del model
 
 
 def main() -> None:
@@ -82,44 +146,55 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--compare", choices=["float8"], help="titan without and with float8.enable, instead of bare vs titan")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="bare")
+    parser.add_argument("--init-flavors", help="comma-separated flavors: time their initialisation instead")
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
+    parser.add_argument("--_out", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
-    if args._mode:  # a child process: print one JSON result
-        print(json.dumps(measure(args._mode, args.config, args.steps, args.warmup, overrides)))
+    if args._mode:  # a child process: each rank writes its result
+        result = measure(args._mode, args.config, args.steps, args.warmup, overrides)
+        Path(args._out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
+        return
+    if args.init_flavors:
+        init_times(args.init_flavors.split(","), args.config)
         return
 
-    if not any(o.startswith("--metrics.peak_flops") for o in overrides):
-        # Measure the CPU once, so both runs' MFU use the same denominator.
-        import torch
+    import torch
 
-        from titan.metrics import measure_cpu_flops
+    from titan.metrics import measure_cpu_flops
 
-        if not torch.cuda.is_available():
-            overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]
-    runs = [("bare", "bare", []), ("titan", "titan", [])]  # (label, mode, extra overrides)
-    if args.compare == "float8":
-        runs = [("titan", "titan", ["--float8.enable", "false"]), ("float8", "titan", ["--float8.enable", "true"])]
-    results = []
-    for label, mode, extra in runs:
-        cmd = [sys.executable, __file__, "--_mode", mode, "--config", args.config, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *overrides, *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ)
-        if out.returncode != 0:
-            sys.exit(f"{label} run failed:\n{out.stderr}")
-        results.append({**json.loads(out.stdout.strip().splitlines()[-1]), "mode": label})
-    base, other = results
-    other[f"step_time_vs_{base['mode']}"] = other["step_time_ms"] / base["step_time_ms"]
-    if not args.compare:
-        other["overhead_vs_bare"] = other["step_time_vs_bare"]
-    print(f"{'run':<8}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}  device")
+    if not any(o.startswith("--metrics.peak_flops") for o in overrides) and not torch.cuda.is_available():
+        overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]  # one denominator for every run
+    runs = COMPARISONS[args.compare]
+    if args.compare == "layouts":
+        # The same global batch everywhere: each data-parallel rank takes its share.
+        from titan.config import load_config
+
+        global_batch = load_config(args.config, overrides).training.local_batch_size
+        runs = [(label, mode, n, [*extra, "--training.global_batch_size", str(global_batch), "--training.local_batch_size",
+                                  str(global_batch // (n // (_degree(extra, "tp") * _degree(extra, "pp")))),
+                                  ]) for label, mode, n, extra in runs]
+    results = [run(label, mode, n, args, [*overrides, *extra]) for label, mode, n, extra in runs]
+    base = results[0]
+    print(f"{'run':<12}{'procs':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}  {'peak GiB per rank':<22}{'ckpt block ms':>14}")
     for r in results:
-        print(f"{r['mode']:<8}{r['step_time_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>7.2f}%{r['peak_memory_gib']:>10.2f}  {r['device']}")
-    print(f"{other['mode']} step time / {base['mode']} step time = {other['step_time_ms'] / base['step_time_ms']:.3f}")
-    report = {"recipe": args.config, "steps": args.steps, "warmup": args.warmup, "overrides": overrides, "results": results}
+        r["step_time_vs_first"] = r["step_time_ms"] / base["step_time_ms"]
+        memory = " ".join(f"{m:.2f}" for m in r["peak_memory_gib_per_rank"])
+        blocked = f"{r['checkpoint_blocked_ms']:.0f}" if r["checkpoint_blocked_ms"] is not None else "-"
+        print(f"{r['run']:<12}{r['world_size']:>6}{r['step_time_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>7.2f}%  "
+              f"{memory:<22}{blocked:>14}")
+    for r in results[1:]:
+        print(f"{r['run']} step time / {base['run']} step time = {r['step_time_vs_first']:.3f}")
+    report = {"recipe": args.config, "compare": args.compare, "steps": args.steps, "warmup": args.warmup,
+              "overrides": overrides, "device": base["device"], "results": results}
     print(json.dumps(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _degree(overrides: list[str], name: str) -> int:
+    flag = f"--parallel.{name}"
+    return int(overrides[overrides.index(flag) + 1]) if flag in overrides else 1
 
 
 if __name__ == "__main__":
