@@ -184,7 +184,6 @@ def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeyp
         return FakeRun()
 
     monkeypatch.setattr(wandb, "init", fake_init)
-    monkeypatch.setattr(metrics, "_recipe", "recipes/debug.toml")
     overrides = ["--job.output_dir", str(tmp_path), "--job.name", "x", "--metrics.wandb", "offline",
                  "--metrics.tensorboard", "true", "--metrics.wandb_tags", '["sweep-1"]']
     config = load_config(DEBUG_RECIPE, overrides, world_size=4)

@@ -42,10 +42,8 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """
     try:
         cfg = load_config(config, ctx.args)
-        from titan.metrics import set_recipe
         from titan.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
 
-        set_recipe(config)  # the trackers group runs by recipe
         try:
             Trainer(cfg).train()
         except Preempted as e:

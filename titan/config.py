@@ -27,6 +27,7 @@ class Job:
     output_dir: str = "outputs"  # the run writes to <output_dir>/<name>
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms; bitwise-repeatable runs
+    recipe: str = ""  # the recipe file the run came from (filled in by load_config); trackers group runs by it
 
 
 @dataclass
@@ -203,6 +204,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
     config = _build(Config, raw, "")
+    if path is not None and not config.job.recipe:
+        config.job.recipe = str(path)
     validate(config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
     return config
 

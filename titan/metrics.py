@@ -145,15 +145,7 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-# Where the CLI says which recipe file the run came from; runs without one are named after job.name.
-_recipe: str | None = None
 SLURM_KEYS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME")
-
-
-def set_recipe(path: str | os.PathLike | None) -> None:
-    """Record the recipe file this process trains from (`titan train --config`): it names the run's group."""
-    global _recipe
-    _recipe = str(path) if path is not None else None
 
 
 def run_names(config: Config, extra_info: dict) -> dict:
@@ -162,7 +154,7 @@ def run_names(config: Config, extra_info: dict) -> dict:
     metrics.wandb_tags)."""
     from titan.compare import layout_name
 
-    recipe = Path(_recipe).stem if _recipe else ""
+    recipe = Path(config.job.recipe).stem if config.job.recipe else ""
     layout = layout_name(extra_info)
     tags = [f"model:{config.model.name}-{config.model.flavor}", f"layout:{layout}"]
     if recipe:
@@ -171,7 +163,7 @@ def run_names(config: Config, extra_info: dict) -> dict:
         tags.append(f"world:{extra_info['world_size']}")
     return {
         "name": config.job.name,
-        "recipe": _recipe or "",
+        "recipe": config.job.recipe,
         "group": config.metrics.wandb_group or recipe or config.job.name,
         "layout": layout,
         "tags": [*tags, *(t for t in config.metrics.wandb_tags if t not in tags)],
