@@ -5,6 +5,10 @@ from pathlib import Path
 
 import pytest
 
+# Inductor compiles in a pool of worker processes by default; a test process that forks distributed workers
+# (tests/distributed.py) after a compile would hand them that pool's state, and their own compiles hang.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch
@@ -46,13 +48,21 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank that died without reporting (a crash) leaves the others waiting in a collective.
+                dead = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    errors.append("; ".join(dead) or f"timed out after {timeout:.0f}s")
+                continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
-                break  # the other ranks are likely stuck in a collective
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own workers' data
+            else:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own workers' data
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 30)
