@@ -114,22 +114,6 @@ def _with_local_batch(layouts: dict, world: int) -> dict:
     return result
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_two_process_layouts_match_single_process(reference, tmp_path):
-    layouts = _with_local_batch(LAYOUTS_2, 2)
-    results = run_distributed(train_layouts, 2, tmp_path, layouts, reference[0])
-    check_matches(reference, results, layouts)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_four_process_layouts_match_single_process(reference, tmp_path):
-    layouts = _with_local_batch(LAYOUTS_4, 4)
-    results = run_distributed(train_layouts, 4, tmp_path, layouts, reference[0])
-    check_matches(reference, results, layouts)
-
-
 LAYOUTS_8 = {
     "pp2_fsdp2_tp2": {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.tp": "2"},
     "hsdp2x2_tp2": {"parallel.dp_replicate": "2", "parallel.dp_shard": "2", "parallel.tp": "2"},
@@ -138,9 +122,10 @@ LAYOUTS_8 = {
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_eight_process_3d_layouts_match_single_process(reference, tmp_path):
-    layouts = _with_local_batch(LAYOUTS_8, 8)
-    results = run_distributed(train_layouts, 8, tmp_path, layouts, reference[0])
+@pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)], ids=["2_processes", "4_processes", "8_processes"])
+def test_layouts_match_single_process(reference, tmp_path, world, layouts):
+    layouts = _with_local_batch(layouts, world)
+    results = run_distributed(train_layouts, world, tmp_path, layouts, reference[0])
     check_matches(reference, results, layouts)
 
 
