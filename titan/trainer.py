@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import models
 from titan import __version__
 from titan.checkpoint import Checkpointer
+from titan.compare import layout_name
 from titan.config import Config, ConfigError, gradient_accumulation_steps, to_toml
 from titan.data import Tokenizer, build_loader
 from titan.float8 import precompute_scales as precompute_float8_scales
@@ -128,7 +129,7 @@ class Trainer:
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
             config.model.name, config.model.flavor, self.n_params() / 1e6, self.device.type, self.world_size,
-            self.dims.describe(), self.tokens_per_step, t.local_batch_size, t.seq_len, self.grad_accum, self.dims.dp,
+            layout_name(self.run_info()), self.tokens_per_step, t.local_batch_size, t.seq_len, self.grad_accum, self.dims.dp,
             self.run_dir,
         )
 

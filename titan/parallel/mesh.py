@@ -36,11 +36,6 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def describe(self) -> str:
-        parts = [f"{name}{size}" for name, size in
-                 (("hsdp_replicate", self.dp_replicate), ("fsdp", self.dp_shard), ("tp", self.tp), ("pp", self.pp)) if size > 1]
-        return "x".join(parts) or "single"
-
 
 def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
     """Join the job's process group when launched by torchrun/srun; returns (rank, world size)."""
