@@ -6,6 +6,7 @@
     python scripts/bench.py --compare dropout     # dropout 0 vs 0.1 (the counter-based RNG's cost)
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
+    python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
 
 The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, plain
 AdamW, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
@@ -53,8 +54,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     import torch
     import torch.nn.functional as F
 
-    from titan.config import gradient_accumulation_steps, load_config
-    from titan.data import Tokenizer, build_loader
+    from titan.config import batch_split, load_config
+    from titan.data import build_loaders
     from titan.metrics import peak_flops, peak_memory_bytes
     from titan.trainer import Trainer, build_model, pick_device, resolve_model
 
@@ -76,17 +77,17 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         device, world = pick_device(config.training.device), 1
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr)
-        inputs, labels = (t.to(device) for t in next(build_loader(config, Tokenizer(config.tokenizer))))
+        micro, accumulation = batch_split(config, 1)
+        batch = next(build_loaders(config, micro, range(micro), micro)[0])[0].to(device)
         bf16 = config.training.mixed_precision == "bf16"
-        accumulation = gradient_accumulation_steps(config, 1)
-        tokens_per_step = inputs.numel() * accumulation
+        tokens_per_step = batch.inputs.numel() * accumulation
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             for _ in range(accumulation):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    logits = model(inputs)
-                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+                    logits = model(batch.inputs, batch.rows, batch.document_ids)
+                F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
@@ -140,6 +141,39 @@ def init_times(flavors: list[str], recipe: str) -> None:
         del model
 
 
+def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
+    """Prepare throughput (1 and `workers` tokenizer processes, in a fresh cache), the loader's throughput for
+    one rank, and the time to restore a loader far into training."""
+    from titan.config import batch_split, load_config
+    from titan.data import build_loaders
+    from titan.data.prepared import prepare
+
+    with tempfile.TemporaryDirectory(prefix="titan-bench-data-") as cache:
+        config = load_config(recipe, [*overrides, "--data.cache_dir", cache])
+        print(f"{'prepare':<32}{'documents':>10}{'tokens':>12}{'seconds':>9}{'tokens/s':>12}")
+        for n in sorted({1, workers}):
+            for source in config.data.source_list():
+                start = time.perf_counter()
+                path = prepare(source, config.tokenizer, Path(cache) / f"workers{n}", workers=n, progress=False)
+                seconds = time.perf_counter() - start
+                meta = json.loads((path / "meta.json").read_text())
+                label = f"{Path(source.source).name}, {n} worker{'s' if n > 1 else ''}"
+                print(f"{label:<32}{meta['documents']:>10,}{meta['tokens']:>12,}{seconds:>9.2f}{meta['tokens'] / seconds:>12,.0f}")
+        t = config.training
+        global_batch = t.global_batch_size or t.local_batch_size
+        loader, _ = build_loaders(config, global_batch, range(global_batch), batch_split(config, 1)[0])
+        steps, start = 200, time.perf_counter()
+        for _ in range(steps):
+            next(loader)
+        seconds = time.perf_counter() - start
+        print(f"loader, one rank reading the whole global batch of {global_batch} x {t.seq_len}: "
+              f"{steps * global_batch * t.seq_len / seconds:,.0f} tokens/s ({1000 * seconds / steps:.2f} ms per step)")
+        start = time.perf_counter()
+        loader.load_state_dict({"next_sample": 10_000_000})
+        next(loader)
+        print(f"resume at global sample 10,000,000 and read one step: {1000 * (time.perf_counter() - start):.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "recipes" / "debug.toml"))
@@ -148,6 +182,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="bare")
     parser.add_argument("--init-flavors", help="comma-separated flavors: time their initialisation instead")
+    parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="with --data: tokenizer processes")
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
@@ -157,6 +193,9 @@ def main() -> None:
         return
     if args.init_flavors:
         init_times(args.init_flavors.split(","), args.config)
+        return
+    if args.data:
+        data_figures(args.config, overrides, args.workers)
         return
 
     import torch
@@ -170,10 +209,9 @@ def main() -> None:
         # The same global batch everywhere: each data-parallel rank takes its share.
         from titan.config import load_config
 
-        global_batch = load_config(args.config, overrides).training.local_batch_size
-        runs = [(label, mode, n, [*extra, "--training.global_batch_size", str(global_batch), "--training.local_batch_size",
-                                  str(global_batch // (n // (_degree(extra, "tp") * _degree(extra, "pp")))),
-                                  ]) for label, mode, n, extra in runs]
+        t = load_config(args.config, overrides).training
+        global_batch = t.global_batch_size or t.local_batch_size
+        runs = [(label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)]) for label, mode, n, extra in runs]
     results = [run(label, mode, n, args, [*overrides, *extra]) for label, mode, n, extra in runs]
     base = results[0]
     print(f"{'run':<12}{'procs':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}  {'peak GiB per rank':<22}{'ckpt block ms':>14}")
@@ -190,11 +228,6 @@ def main() -> None:
     print(json.dumps(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _degree(overrides: list[str], name: str) -> int:
-    flag = f"--parallel.{name}"
-    return int(overrides[overrides.index(flag) + 1]) if flag in overrides else 1
 
 
 if __name__ == "__main__":

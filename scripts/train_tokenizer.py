@@ -3,10 +3,10 @@
     python scripts/train_tokenizer.py --data data/stories.jsonl --text-field text \
         --vocab-size 2048 --out data/tokenizer.json
 
-Special tokens use the Llama 3 names and get ids 0 and 1. No BOS/EOS post-processor is
-attached on purpose: titan's data pipeline adds BOS/EOS itself, so `encode()` must return
-only the text's tokens. After training, the CLI prints corpus statistics, including the
-unigram entropy: the loss a model that learned nothing beyond token frequencies reaches.
+The training itself is titan.data.tokenizer.train_bpe: special tokens with the Llama 3 names
+get ids 0 and 1, and no BOS/EOS post-processor is attached. After training, the CLI prints
+corpus statistics, including the unigram entropy: the loss a model that learned nothing beyond
+token frequencies reaches.
 """
 
 import argparse
@@ -14,13 +14,11 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-BOS_TOKEN = "<|begin_of_text|>"
-EOS_TOKEN = "<|end_of_text|>"
-SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN]  # order here fixes their ids: 0 and 1
+from titan.data.tokenizer import SPECIAL_TOKENS, train_bpe
 
 
 def iter_texts(path: str, text_field: str = "text") -> Iterator[str]:
@@ -32,36 +30,6 @@ def iter_texts(path: str, text_field: str = "text") -> Iterator[str]:
             if not line.strip():
                 continue
             yield json.loads(line)[text_field] if is_jsonl else line.rstrip("\n")
-
-
-def train_tokenizer(
-    texts: Iterable[str],
-    vocab_size: int = 2048,
-    special_tokens: list[str] = SPECIAL_TOKENS,
-    min_frequency: int = 2,
-    show_progress: bool = True,
-) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on an iterable of documents and return it.
-
-    Byte-level means every string is encodable (no <unk>): the 256 byte symbols are
-    always in the vocab, whatever the training text contained.
-    """
-    tok = Tokenizer(models.BPE())
-    # GPT-2 style: split on words/punctuation/whitespace with a regex, map bytes to
-    # printable symbols; no prefix space, so decode(encode(s)) == s exactly.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(special_tokens),  # added first -> ids 0..len-1
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
-    )
-    # With the length known, the progress bar (show_progress) shows a total and an ETA.
-    length = len(texts) if hasattr(texts, "__len__") else None
-    tok.train_from_iterator(texts, trainer=trainer, length=length)
-    return tok
 
 
 def corpus_stats(tok: Tokenizer, texts: list[str]) -> dict:
@@ -95,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
 
     texts = list(iter_texts(args.data, args.text_field))
-    tok = train_tokenizer(texts, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
+    tok = train_bpe(texts, args.vocab_size, args.min_frequency, show_progress=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     tok.save(args.out)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import pytest
 # Inductor compiles in a pool of worker processes by default; a test process that forks distributed workers
 # (tests/distributed.py) after a compile would hand them that pool's state, and their own compiles hang.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Prepared token shards (and fetched corpora) of this test session, shared by its processes and CLI runs.
+os.environ.setdefault("TITAN_CACHE", tempfile.mkdtemp(prefix="titan-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
@@ -25,11 +28,16 @@ def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
     """Overrides that make the debug recipe quick: a small model, short sequences, no trackers."""
     values = {
         "job.output_dir": str(tmp_path),
+        # The project's own generated corpus and tokenizer: no download.
+        "data.source": "data/stories.jsonl",
+        "tokenizer.path": "data/tokenizer.json",
+        "validation.interval": "0",
         "metrics.wandb": "disabled",
         "metrics.tensorboard": "false",
         "metrics.log_freq": "1",
         "metrics.peak_flops": "1e11",
         "training.seq_len": "64",
+        "training.global_batch_size": "0",  # local_batch_size x data-parallel size, as each test sets them
         "training.local_batch_size": "4",
         **extra,
     }

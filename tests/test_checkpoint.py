@@ -216,4 +216,4 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
 def test_empty_checkpoint_folder_with_resume_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}))
-    _assert_clear_error(result, "checkpoint.resume", "neither a complete checkpoint")
+    _assert_clear_error(result, "checkpoint.resume", "not a complete titan checkpoint")

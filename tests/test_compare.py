@@ -20,7 +20,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     common = {"training.steps": "3", "training.local_batch_size": "2", "model.overrides.n_layers": "1"}
     variants = {
-        "a": {},
+        "a": {"validation.interval": "2", "validation.fraction": "0.1", "validation.steps": "1"},
         "b": {"optimizer.lr": "1e-3", "training.seq_len": "32"},
     }
 
@@ -63,10 +63,16 @@ def test_compare_lists_both_runs_and_exactly_the_keys_that_differ(runs, tmp_path
         assert "3/3" in cells
         assert f"{metrics[-1]['loss']:.4f}" in cells  # final loss
         assert f"{min(m['loss'] for m in metrics):.4f}" in cells  # min loss
+        validation = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in m]
+        if run == a:  # validated at steps 2 and 3 (the end); the table shows the last
+            assert [m["step"] for m in validation] == [2, 3] and f"{validation[-1]['val_loss']:.4f}" in cells
+        else:
+            assert not validation
         assert f"{sorted(m['tokens_per_s'] for m in metrics)[1]:,.0f}" in cells  # median tokens/s
 
     diff = section(out, "config keys that differ:")
-    assert set(diff) == {"job.name", "optimizer.lr", "training.seq_len"}, out
+    assert set(diff) == {"job.name", "optimizer.lr", "training.seq_len", "validation.interval", "validation.fraction",
+                         "validation.steps"}, out
     assert diff["job.name"] == ['"a"', '"b"']
     assert [float(v) for v in diff["optimizer.lr"]] == [load_config(DEBUG_RECIPE).optimizer.lr, 1e-3]
     assert diff["training.seq_len"] == ["64", "32"]

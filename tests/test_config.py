@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from titan.config import ConfigError, load_config, to_toml
+from titan.config import ConfigError, batch_split, load_config, to_toml
 
 
 def test_overrides_convert_to_the_field_types():
@@ -47,8 +47,8 @@ BAD_CONFIGS = [
     (["--training.seq_len", "0"], {}, ["training.seq_len", "positive"]),
     (["--optimizer.lr", "fast"], {}, ["optimizer.lr", "float", "fast"]),
     (["--lr_scheduler.decay", "exponential"], {}, ["lr_scheduler.decay", "cosine", "exponential"]),
-    (["--training.global_batch_size", "12"], {}, ["training.global_batch_size", "12", "multiple", "local_batch_size"]),
-    (["--training.global_batch_size", "16"], {"WORLD_SIZE": "4"}, ["global_batch_size", "data-parallel size (4)"]),
+    (["--training.global_batch_size", "12"], {}, ["training.global_batch_size (12)", "local_batch_size (8)", "divides 12"]),
+    (["--training.global_batch_size", "18"], {"WORLD_SIZE": "4"}, ["global_batch_size (18)", "data-parallel size (4)"]),
     (["--parallel.tp", "2"], {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
     (["--metrics.log_freq", "0"], {}, ["metrics.log_freq"]),
     (["--optimizer.beta2", "1.5"], {}, ["beta2", "1.5"]),
@@ -97,3 +97,12 @@ def test_recipe_that_is_not_toml(tmp_path):
 def test_bad_files_and_model_choices_fail_before_training(tmp_path, extra, words):
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
     _assert_user_error(result, words)
+
+
+@pytest.mark.parametrize("world,local,expected", [(1, 8, (8, 1)), (2, 8, (4, 1)), (8, 8, (1, 1)), (1, 2, (2, 4)), (2, 2, (2, 2))])
+def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, local, expected):
+    config = load_config(DEBUG_RECIPE, ["--training.global_batch_size", "8", "--training.local_batch_size", str(local)],
+                         world_size=world)
+    assert batch_split(config, world) == expected  # (rows per micro-batch, micro-batches per step) of each rank
+    micro, accumulation = expected
+    assert micro * accumulation * world == 8

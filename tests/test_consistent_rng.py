@@ -6,9 +6,8 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
-from test_parallel import GLOBAL_BATCH, LOSS_RTOL, _with_local_batch, global_batches, layout_overrides
+from test_parallel import GLOBAL_BATCH, LOSS_RTOL, _with_local_batch, layout_overrides
 from titan.config import load_config
-from titan.parallel.rng import Dropout
 from titan.trainer import Trainer, build_model
 
 INIT_LAYOUTS_2 = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
@@ -64,8 +63,8 @@ def test_four_process_initialisation_is_bitwise_single_process(tmp_path):
     assert_bitwise_init(run_distributed(initial_weights, 4, tmp_path, layouts), layouts, tmp_path)
 
 
-def train_recording_masks(overrides, batches):
-    """Train on the global batches; return the losses and every dropout mask, keyed by (module, step, row)."""
+def train_recording_masks(overrides, steps):
+    """Train `steps` steps; return the losses and every dropout mask, keyed by (module, step, row)."""
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
     masks = {}
 
@@ -80,30 +79,22 @@ def train_recording_masks(overrides, batches):
 
     for module in trainer.dropouts:
         module.register_forward_hook(record, prepend=True)  # before TP's hook turns the output local
-    dp_rank, dp, local = trainer.dp_rank, trainer.dims.dp, trainer.config.training.local_batch_size
-    rows = GLOBAL_BATCH // dp
-    losses = []
-    for inputs, labels in batches:
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        inputs, labels = inputs[mine], labels[mine]
-        loss, _ = trainer.train_step([(inputs[k : k + local], labels[k : k + local]) for k in range(0, rows, local)])
-        losses.append(loss.item())
+    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(steps)]
     return losses, masks
 
 
-def dropout_layouts(tmp, layouts, batches):
-    return {name: train_recording_masks(layout_overrides(tmp / name, {**DROPOUT, **layout}), batches) for name, layout in layouts.items()}
+def dropout_layouts(tmp, layouts):
+    return {name: train_recording_masks(layout_overrides(tmp / name, {**DROPOUT, **layout}), DROPOUT_STEPS) for name, layout in layouts.items()}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dropout_masks_and_losses_match_single_process(tmp_path):
-    batches = (global_batches(tmp_path) * 2)[:DROPOUT_STEPS]
-    ref_losses, ref_masks = train_recording_masks(layout_overrides(tmp_path / "single", {**DROPOUT, "training.local_batch_size": "8"}), batches)
+    ref_losses, ref_masks = train_recording_masks(layout_overrides(tmp_path / "single", {**DROPOUT, "training.local_batch_size": "8"}), DROPOUT_STEPS)
     streams = {key[0] for key in ref_masks}
     assert any("attention.dropout" in s for s in streams) and any("ffn_dropout" in s for s in streams)
     layouts = _with_local_batch(DROPOUT_LAYOUTS, 2)
-    per_rank = run_distributed(dropout_layouts, 2, tmp_path, layouts, batches)
+    per_rank = run_distributed(dropout_layouts, 2, tmp_path, layouts)
     for name in layouts:
         masks = {}
         for result in per_rank:
@@ -115,8 +106,7 @@ def test_dropout_masks_and_losses_match_single_process(tmp_path):
 
 
 def test_dropout_is_really_on_and_differs_by_step_and_row(tmp_path):
-    batches = global_batches(tmp_path)[:2]
-    _, masks = train_recording_masks(layout_overrides(tmp_path, {**DROPOUT, "training.local_batch_size": "8"}), batches)
+    _, masks = train_recording_masks(layout_overrides(tmp_path, {**DROPOUT, "training.local_batch_size": "8"}), 2)
     stream = "layers.0.ffn_dropout"
     kept = torch.stack([masks[(stream, 0, r)] for r in range(GLOBAL_BATCH)]).float().mean().item()
     assert abs(kept - 0.9) < 0.02
@@ -127,11 +117,11 @@ def test_dropout_is_really_on_and_differs_by_step_and_row(tmp_path):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_redraws_the_same_dropout_masks(tmp_path, mode):
-    batch = global_batches(tmp_path)[0]
     trainers = [Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp_path / m, {**DROPOUT, "training.local_batch_size": "8",
                                                                                    "activation_checkpoint.mode": m})))
                 for m in ("none", mode)]
-    losses = [t.forward_backward([batch]) for t in trainers]
+    batches = next(trainers[0].loader)
+    losses = [t.forward_backward(batches) for t in trainers]
     assert torch.equal(losses[0], losses[1])
     for (name, a), (_, b) in zip(trainers[0].model_parts.named_parameters(), trainers[1].model_parts.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
@@ -150,7 +140,7 @@ def plain_dtensor_random_init():
 
 @pytest.mark.distributed
 def test_negative_control_plain_dtensor_random_init_differs_from_one_device():
-    """Why titan/parallel/rng.py exists: on a CPU mesh, torch draws each shard from the rank's own
+    """Why titan/parallel/rng exists: on a CPU mesh, torch draws each shard from the rank's own
     same-seeded generator, so shards repeat each other and the tensor differs from one device's."""
     (local0, full0), (local1, _) = run_distributed(plain_dtensor_random_init, 2)
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides  # noqa: E402
 from distributed import run_distributed  # noqa: E402
 from test_checkpoint import _assert_clear_error  # noqa: E402
 from test_hf import TOL, hf_logits, max_diff, randomize_, read_checkpoint, tiny_hf_config  # noqa: E402
-from titan import hf_io  # noqa: E402
+from titan import hf_io, hf_match  # noqa: E402
 from titan.config import ConfigError, load_config  # noqa: E402
 from titan.trainer import Trainer  # noqa: E402
 
@@ -253,7 +253,7 @@ def test_flavor_matching_and_sizes():
     spec = models.get_model_spec("llama3")
     for name in ("debug", "1B", "8B"):  # a published size converts to exactly its flavor
         args = spec.hf.args_from_config(spec.hf.config_from_args(spec.flavors[name]))
-        assert hf_io.recipe_model(spec, args) == (name, {})
+        assert hf_match.recipe_model(spec, args) == (name, {})
     assert hf_io.parse_size("2GB") == 2 * 10**9 and hf_io.parse_size("1GiB") == 2**30 and hf_io.parse_size("100") == 100
     with pytest.raises(ConfigError, match="max-shard-size"):
         hf_io.parse_size("2 potatoes")

@@ -1,130 +1,108 @@
-"""The data pipeline: packing, resumable state, disjoint data-parallel shards, and clear errors."""
+"""The data plane from the user's side: prepared sources, mixtures, validation, resume, and one-line errors."""
 
 import json
+import math
+import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from titan.config import ConfigError, load_config
-from titan.data import PackedLoader, Tokenizer, build_loader
-
-DOCS = [f"document {i} " + "word " * (i % 7) for i in range(23)]
-
-
-def char_encode(text: str) -> list[int]:
-    return [1, *(ord(c) for c in text), 2]  # BOS, characters, EOS
+from helpers import assert_one_line_error
+from titan.config import load_config
+from titan.data import IGNORE, build_loaders
+from titan.trainer import Trainer, build_model
 
 
-def make_loader(docs=DOCS, rank=0, size=1, seq_len=16, batch=2, encode=char_encode):
-    return PackedLoader(lambda: iter(docs), encode, seq_len=seq_len, batch_size=batch, dp_rank=rank, dp_size=size)
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sequences_are_the_concatenated_documents_cut_into_windows():
-    loader = make_loader()
-    stream = [t for d in DOCS for t in char_encode(d)]
-    n = len(stream) // 17
-    got = torch.cat([loader.next_sequence() for _ in range(n)])
-    assert got.tolist() == stream[: 17 * n]
+def test_training_logs_validation_loss_and_perplexity(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{"training.steps": "4", "validation.interval": "2", "validation.fraction": "0.1",
+                                            "validation.steps": "2", "model.overrides.n_layers": "1"})
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
+    assert result.returncode == 0, result.stderr
+    validation = [r for r in records(tmp_path / "debug") if "val_loss" in r]
+    assert [r["step"] for r in validation] == [2, 4]
+    assert all(r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"])) for r in validation)
+    assert validation[1]["val_loss"] < validation[0]["val_loss"]  # it learns
+    assert "step 4 validation: loss" in result.stderr
 
 
-def test_inputs_and_labels_are_shifted_by_one():
-    inputs, labels = next(make_loader())
-    assert inputs.shape == labels.shape == (2, 16)
-    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+def test_validation_loss_is_the_mean_token_loss_over_the_held_out_documents(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{"validation.interval": "5", "validation.fraction": "0.1", "validation.steps": "3",
+                                            "model.overrides.n_layers": "1"})
+    config = load_config(DEBUG_RECIPE, overrides)
+    trainer = Trainer(config)
+    # Reference: the plain model on the validation batches, summing token losses by hand.
+    model = build_model(config, torch.device("cpu")).eval()
+    loader = build_loaders(config, 4, range(4), 4)[1]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for step in range(3):
+            (batch,) = loader.batches_at(step * 4)
+            logits = model(batch.inputs, batch.rows, batch.document_ids)
+            keep = batch.labels != IGNORE
+            total += F.cross_entropy(logits[keep], batch.labels[keep], reduction="sum").item()
+            count += int(keep.sum())
+    assert trainer.evaluate() == pytest.approx(total / count, rel=1e-6)
+    # The held-out documents are never trained on: no validation window appears in the training epoch.
+    train_loader = trainer.loader
+    train_windows = {tuple(train_loader.sources[0].sample(k)[0]) for k in range(train_loader.sources[0].samples_per_epoch)}
+    held = loader.sources[0]
+    assert not any(tuple(held.sample(k)[0]) in train_windows for k in range(held.samples_per_epoch))
 
 
-@pytest.mark.parametrize("stop_after", [0, 1, 5, 13, 40])  # 40 batches span several epochs
-def test_resume_from_state_dict_yields_exactly_the_uninterrupted_sequences(stop_after):
-    reference = make_loader()
-    expected = [next(reference) for _ in range(stop_after + 10)]
-    first = make_loader()
-    for _ in range(stop_after):
-        next(first)
-    state = json.loads(json.dumps(first.state_dict()))  # the state must survive serialisation
-    resumed = make_loader()
-    resumed.load_state_dict(state)
-    for want in expected[stop_after:]:
-        got = next(resumed)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+def test_a_mixture_blends_sources_by_weight_and_logs_the_realised_shares(tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(f"line {i} of another source, with words of its own." for i in range(400)) + "\n")
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(DEBUG_RECIPE.read_text() + f"""
+[[data.sources]]
+source = "data/stories.jsonl"
+weight = 3.0
+
+[[data.sources]]
+source = "{other}"
+weight = 1.0
+""")
+    result = run_titan("train", "--config", str(recipe), *tiny_overrides(tmp_path, **{"training.steps": "2", "model.overrides.n_layers": "1"}))
+    assert result.returncode == 0, result.stderr
+    assert "data data/stories.jsonl:" in result.stderr and "weight 0.750, realised 0.750" in result.stderr
+    assert f"data {other}:" in result.stderr and "weight 0.250, realised 0.250" in result.stderr
 
 
-def test_resume_on_the_real_corpus_and_tokenizer():
-    cfg = load_config(DEBUG_RECIPE, ["--training.seq_len", "64", "--training.local_batch_size", "4"])
-    tokenizer = Tokenizer(cfg.tokenizer)
-    straight = build_loader(cfg, tokenizer)
-    expected = [next(straight)[0] for _ in range(12)]
-    first = build_loader(cfg, tokenizer)
-    for _ in range(7):
-        next(first)
-    resumed = build_loader(cfg, tokenizer)
-    resumed.load_state_dict(first.state_dict())
-    assert all(torch.equal(next(resumed)[0], want) for want in expected[7:])
+def test_resuming_a_prepared_corpus_far_into_training_takes_well_under_a_second(tmp_path):
+    config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path))
+    loader, _ = build_loaders(config, 8, range(8), 4)
+    start = time.perf_counter()
+    loader.load_state_dict({"next_sample": 10_000_000})  # thousands of epochs of this corpus in
+    next(loader)
+    assert time.perf_counter() - start < 0.5
 
 
-def test_data_parallel_ranks_read_disjoint_documents_covering_the_stream():
-    seen = {0: [], 1: []}
-
-    def recording(rank):
-        return lambda text: (seen[rank].append(text), char_encode(text))[1]
-
-    loaders = [make_loader(rank=r, size=2, encode=recording(r)) for r in (0, 1)]
-    for _ in range(30):  # several epochs
-        for loader in loaders:
-            next(loader)
-    assert loaders[0].state_dict()["epoch"] >= 2
-    assert not set(seen[0]) & set(seen[1])
-    assert set(seen[0]) | set(seen[1]) == set(DOCS)
-
-
-def test_same_seed_same_order():
-    a, b = make_loader(), make_loader()
-    assert all(torch.equal(next(a)[0], next(b)[0]) for _ in range(5))
-
-
-def test_empty_dataset_is_a_clear_error(tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    cfg = load_config(DEBUG_RECIPE, ["--data.source", str(empty)])
-    with pytest.raises(ConfigError, match="has no documents"):
-        build_loader(cfg, Tokenizer(cfg.tokenizer))
-
-
-def test_fewer_documents_than_ranks_is_a_clear_error():
-    with pytest.raises(ConfigError, match="fewer than the data-parallel size"):
-        next(make_loader(docs=["only one"], rank=1, size=2))
-
-
-def test_missing_text_field_is_a_clear_error(tmp_path):
-    path = tmp_path / "other.jsonl"
-    path.write_text(json.dumps({"body": "hello"}) + "\n")
-    cfg = load_config(DEBUG_RECIPE, ["--data.source", str(path)])
-    with pytest.raises(ConfigError, match="no field 'text'; fields: body"):
-        build_loader(cfg, Tokenizer(cfg.tokenizer))
-
-
-@pytest.mark.parametrize("fmt", ["text", "parquet"])
-def test_text_and_parquet_files_load(tmp_path, fmt):
-    texts = ["the cat sat", "a dog ran far away", "birds sing"]
-    if fmt == "text":
-        path = tmp_path / "corpus.txt"
-        path.write_text("\n".join(texts) + "\n")
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        path = tmp_path / "corpus.parquet"
-        pq.write_table(pa.table({"content": texts}), path)
-    cfg = load_config(DEBUG_RECIPE, ["--data.source", str(path), "--data.text_field", "content" if fmt == "parquet" else "text"])
-    tokenizer = Tokenizer(cfg.tokenizer)
-    loader = build_loader(cfg, tokenizer)
-    loader.seq_len = 8
-    first = loader.next_sequence().tolist()
-    assert first == [t for text in texts for t in tokenizer.encode(text)][:9]
-
-
-def test_unreachable_hub_dataset_is_a_clear_error(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{"data.source": "nobody/no-such-dataset"}), env=env, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "data.source: could not open hub dataset 'nobody/no-such-dataset'" in result.stderr
+@pytest.mark.parametrize(
+    "extra,content,words",
+    [
+        ({"data.sources": '[{source = "data/stories.jsonl", weight = 0.0}]'}, None, ["data.sources[0].weight", "> 0"]),
+        ({"data.sources": '[{source = "data/stories.jsonl", weight = -1.0}]'}, None, ["data.sources[0].weight"]),
+        ({"validation.interval": "2", "validation.fraction": "0.9999"}, None, ["validation.fraction = 0.9999", "data source"]),
+        ({"validation.interval": "2", "validation.fraction": "0.0"}, None, ["validation.fraction = 0.0", "validation.source"]),
+        ({"validation.fraction": "1.0"}, None, ["validation.fraction", "[0, 1)"]),
+        ({}, "", ["has no documents"]),
+        ({}, '{"text": ""}\n{"text": "   "}\n', ["empty"]),
+        ({}, '{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n', ["corpus.jsonl", "line 3"]),
+        ({}, b'{"text": "a\x00b"}\n\xff\xfe\x00\x01', ["corpus.jsonl"]),
+    ],
+    ids=["weight_zero", "weight_negative", "split_leaves_no_training_data", "validation_without_held_out_data",
+         "fraction_one", "empty_source", "only_empty_texts", "malformed_record", "binary_data"],
+)
+def test_bad_data_gives_one_line_error(tmp_path, extra, content, words):
+    if content is not None:
+        path = tmp_path / "corpus.jsonl"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        extra = {"data.source": str(path), **extra}
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
+    assert_one_line_error(result, *words)

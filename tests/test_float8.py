@@ -14,11 +14,11 @@ from torch.distributed.tensor import DTensor
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from models.llama.hf import from_hf_state_dict, to_hf_state_dict
-from test_checkpoint import full_weights, straight_and_resumed, trainer_for
-from test_parallel import global_batches, layout_overrides
+from helpers import full_weights, micro_batches_of_rank, rows_of
+from test_checkpoint import straight_and_resumed, trainer_for
+from test_parallel import STEPS as PARALLEL_STEPS, layout_overrides
 from titan import float8
-from titan.config import ConfigError, load_config
-from titan.parallel.mesh import ParallelDims
+from titan.config import ConfigError, Layout, load_config
 from titan.trainer import Trainer, build_model
 
 SMALL = {
@@ -110,9 +110,9 @@ def test_float8_run_tracks_the_fp32_run_and_learns(tmp_path, fp32_losses, recipe
 def test_activation_checkpointing_gives_bitwise_identical_float8_gradients(tmp_path, mode):
     plain = Trainer(config(tmp_path / "plain", **F8))
     checkpointed = Trainer(config(tmp_path / mode, **F8, **{"activation_checkpoint.mode": mode}))
-    batch = next(plain.loader)
-    plain.forward_backward([batch])
-    checkpointed.forward_backward([batch])
+    batches = next(plain.loader)
+    plain.forward_backward(batches)
+    checkpointed.forward_backward(batches)
     for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), checkpointed.model_parts.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
 
@@ -145,7 +145,7 @@ def test_float8_trained_model_exports_to_hf_and_loads_into_a_plain_model(tmp_pat
         assert torch.equal(value, state[name]), name
     # The same weights without float8 rounding: the logits differ by float8's error only. Measured: 9.2e-4 of
     # the largest logit; bound ~5x.
-    tokens = next(trainer.loader)[0]
+    tokens = next(trainer.loader)[0].inputs
     with torch.no_grad():
         ours, theirs = trained(tokens), plain(tokens)
     assert 0 < (ours - theirs).abs().max() < 5e-3 * theirs.abs().max()
@@ -207,18 +207,19 @@ TOLERANCES = {"fsdp2_hp_all_gather": FSDP_TOL, "fsdp2_float8_all_gather": FSDP_T
               "tp2_float8_styles": (3e-7, 1e-5), "tp2_sequence_parallel": (7.5e-6, 2.5e-3)}
 
 
+def _twice(batch):
+    from titan.data import Batch
+
+    half = rows_of(batch, slice(0, 4))
+    double = lambda t: None if t is None else torch.cat([t, t])  # noqa: E731
+    return Batch(double(half.inputs), double(half.labels), torch.arange(8), double(half.document_ids),
+                 2 * half.loss_tokens, 2 * half.loss_tokens)
+
+
 def train_on(trainer: Trainer, batches):
-    """tests/test_parallel.py's train_on for a built trainer: each data-parallel rank takes its rows of the
-    global batches. Returns the losses and the full weights."""
-    dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh else 0
-    rows, local = len(batches[0][0]) // trainer.dims.dp, trainer.config.training.local_batch_size
-    losses = []
-    for inputs, labels in batches:
-        inputs, labels = inputs[dp_rank * rows : (dp_rank + 1) * rows], labels[dp_rank * rows : (dp_rank + 1) * rows]
-        loss, _ = trainer.train_step([(inputs[k : k + local], labels[k : k + local]) for k in range(0, rows, local)])
-        losses.append(loss.item())
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
-    return losses, params
+    """Train on the given global batches, each data-parallel rank taking its rows. Returns the losses and the full weights."""
+    losses = [trainer.train_step(micro_batches_of_rank(trainer, batch))[0].item() for batch in batches]
+    return losses, full_weights(trainer)
 
 
 def _train_layouts(tmp, layouts, batches):
@@ -264,8 +265,10 @@ def _train_layouts(tmp, layouts, batches):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
-    batches = [(torch.cat([x[:4], x[:4]]), torch.cat([y[:4], y[:4]])) for x, y in global_batches(tmp_path / "data")]
     single = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {"training.local_batch_size": "8", **F8})))
+    # Both ranks get the same four rows, so each rank's float8 activation scales (amax of its own rows) equal
+    # the single process's (amax of the same rows twice).
+    batches = [_twice(next(single.loader)[0]) for _ in range(PARALLEL_STEPS)]
     ref_losses, ref_params = train_on(single, batches)
     results = run_distributed(_train_layouts, 2, tmp_path, DP2_LAYOUTS, batches)
     for name in DP2_LAYOUTS:
@@ -310,20 +313,20 @@ def test_invalid_float8_recipe_is_refused(tmp_path, overrides, words):
                                            ((10, 0), True)])
 def test_gpus_without_float8_matmuls_are_refused(tmp_path, capability, ok):
     cfg = config(tmp_path, **F8)
-    check = functools.partial(float8.check_float8, cfg, ParallelDims(1, 1, 1, 1), torch.device("cuda"), capability=capability)
+    check = functools.partial(float8.check_float8, cfg, Layout(), torch.device("cuda"), capability=capability)
     if ok:
         check()
     else:
         with pytest.raises(ConfigError, match=rf"float8\.enable .*compute capability 8\.9 .* has {capability[0]}\.{capability[1]}"):
             check()
-    float8.check_float8(config(tmp_path), ParallelDims(1, 1, 1, 1), torch.device("cuda"), capability=(7, 0))  # float8 off: fine
+    float8.check_float8(config(tmp_path), Layout(), torch.device("cuda"), capability=(7, 0))  # float8 off: fine
 
 
 def test_rowwise_with_gw_hp_under_cpu_autocast_is_refused(tmp_path):
     cfg = config(tmp_path, **F8, **{"float8.recipe": "rowwise_with_gw_hp", "training.mixed_precision": "bf16"})
     with pytest.raises(ConfigError, match="rowwise_with_gw_hp.*mixed_precision = 'bf16'"):
-        float8.check_float8(cfg, ParallelDims(1, 1, 1, 1), CPU)
-    float8.check_float8(cfg, ParallelDims(1, 2, 1, 1), CPU)  # FSDP casts the parameters instead: it works
+        float8.check_float8(cfg, Layout(), CPU)
+    float8.check_float8(cfg, Layout(dp_shard=2), CPU)  # FSDP casts the parameters instead: it works
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ import torch
 
 import models
 from models.llama import FLAVORS, Transformer, flops_per_token
+from models.llama.model import document_positions
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -88,3 +89,67 @@ def test_unknown_override_is_rejected():
         models.model_args(spec, "debug", {"n_layer": 2})
     with pytest.raises(ValueError, match="must be int"):
         models.model_args(spec, "debug", {"n_layers": "two"})
+
+
+def _small_model(**overrides):
+    import dataclasses
+
+    args = dataclasses.replace(FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+def _packed(lengths: list[int], vocab=128, seed=0):
+    """Documents of these lengths, packed into one row: tokens, positions, document ids, and each document alone."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, vocab, (n,), generator=g) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return docs, torch.cat(docs)[None], positions[None], ids[None]
+
+
+@pytest.mark.parametrize("explicit_attention", [False, True])
+def test_document_masking_gives_each_document_the_loss_it_has_alone(explicit_attention):
+    model = _small_model(attn_dropout=0.1 if explicit_attention else 0.0)
+    model.train(explicit_attention)  # attention dropout in training takes the explicit path instead of SDPA ...
+    for layer in model.layers.values():
+        layer.attention.dropout.forward = lambda x, rows: x  # ... here without dropping, to compare with SDPA
+    docs, tokens, positions, ids = _packed([7, 19, 1, 12, 25])
+    assert torch.equal(document_positions(ids), positions)  # what the model derives from the ids
+    logits = model(tokens, None, ids)
+    start = 0
+    for doc in docs:
+        alone = model(doc[None])
+        torch.testing.assert_close(logits[:, start : start + len(doc)], alone, rtol=0, atol=1e-6)
+        start += len(doc)
+        if len(doc) == 1:
+            continue
+        packed_loss = torch.nn.functional.cross_entropy(logits[0, start - len(doc) : start - 1], doc[1:])
+        alone_loss = torch.nn.functional.cross_entropy(alone[0, :-1], doc[1:])
+        torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-6, atol=0)
+    # Without the mask the later documents see the earlier ones: the check above would fail.
+    unmasked = model(tokens)
+    assert (unmasked[:, 7:26] - logits[:, 7:26]).abs().max() > 1e-3
+
+
+def test_document_mask_never_lets_a_token_attend_across_a_boundary():
+    model = _small_model()
+    _, tokens, positions, ids = _packed([5, 9, 3])
+    captured = {}
+    attention = model.layers["0"].attention
+    hook = attention.register_forward_pre_hook(lambda m, args: captured.update(mask=args[3]))
+    model(tokens, None, ids)
+    hook.remove()
+    mask = captured["mask"][0, 0]
+    for q in range(17):
+        for k in range(17):
+            assert bool(mask[q, k]) == (k <= q and int(ids[0, q]) == int(ids[0, k])), (q, k)
+    # Changing one document leaves every other document's logits unchanged.
+    changed = tokens.clone()
+    changed[0, 5:14] = (changed[0, 5:14] + 1) % 128
+    before, after = model(tokens, None, ids), model(changed, None, ids)
+    assert torch.equal(before[:, :5], after[:, :5]) and torch.equal(before[:, 14:], after[:, 14:])
+    assert not torch.equal(before[:, 5:14], after[:, 5:14])

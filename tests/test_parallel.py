@@ -1,7 +1,8 @@
 """Every parallel layout trains exactly like one process: same global batches, same losses, same weights.
 
-The reference is titan's own single-process run of the same recipe on the same global batches. Each
-layout runs in real processes joined by gloo; the layouts of one world size share one launch.
+The reference is titan's own single-process run of the same recipe. Each layout reads its rows of the
+recipe's global batches through its own loader, in real processes joined by gloo; the layouts of one world
+size share one launch.
 """
 
 import json
@@ -11,12 +12,11 @@ import subprocess
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import free_port, run_distributed
+from helpers import full_weights
 from titan.config import load_config
-from titan.data import Tokenizer, build_loader
 from titan.trainer import Trainer
 
 GLOBAL_BATCH, STEPS = 8, 5
@@ -24,6 +24,8 @@ MODEL = {
     "model.overrides.dim": "64", "model.overrides.n_heads": "4", "model.overrides.n_kv_heads": "2",
     "model.overrides.n_layers": "4", "model.overrides.multiple_of": "32", "training.seq_len": "32",
     "lr_scheduler.warmup_steps": "2", "optimizer.lr": "3e-3",
+    # A held-out split, evaluated after training (train_on); the trainer itself would evaluate every 1000 steps.
+    "validation.interval": "1000", "validation.fraction": "0.05", "validation.steps": "2",
 }
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 LAYOUTS_2 = {
@@ -31,6 +33,8 @@ LAYOUTS_2 = {
     "fsdp2_accumulate2": {"parallel.dp_shard": "2", "training.local_batch_size": "2"},
     "tp2_sp_lossparallel": {"parallel.tp": "2"},
     "tp2_plain": {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false"},
+    "tp2_accumulate2": {"parallel.tp": "2", "training.local_batch_size": "4"},
+    "pp2_accumulate2": {"parallel.pp": "2", "training.local_batch_size": "4"},
     **{f"pp2_{s}": {"parallel.pp": "2", "parallel.pp_schedule": s} for s in PP_SCHEDULES},
     "fsdp2_selective_ac": {"parallel.dp_shard": "2", "activation_checkpoint.mode": "selective"},
     "tp2_full_ac_every2": {"parallel.tp": "2", "activation_checkpoint.mode": "full", "activation_checkpoint.every": "2"},
@@ -55,45 +59,26 @@ def layout_overrides(tmp, layout: dict) -> list[str]:
     return tiny_overrides(tmp, **{"metrics.log_freq": "100", **MODEL, "training.global_batch_size": str(GLOBAL_BATCH), **layout})
 
 
-def global_batches(tmp):
-    cfg = load_config(DEBUG_RECIPE, tiny_overrides(tmp, **MODEL, **{"training.local_batch_size": str(GLOBAL_BATCH)}))
-    loader = build_loader(cfg, Tokenizer(cfg.tokenizer))
-    return [next(loader) for _ in range(STEPS)]
-
-
-def train_on(overrides: list[str], batches):
-    """Train on the given global batches; each data-parallel rank takes its rows. Returns losses and full weights."""
+def train_on(overrides: list[str]):
+    """Train STEPS steps on the recipe's own global batches (each rank reads its rows), then evaluate on the
+    validation batches. Returns the losses (the validation loss last) and the full weights."""
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
-    dp, local = trainer.dims.dp, trainer.config.training.local_batch_size
-    dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh else 0
-    rows = GLOBAL_BATCH // dp
-    losses = []
-    for inputs, labels in batches:
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        inputs, labels = inputs[mine], labels[mine]
-        micro = [(inputs[k : k + local], labels[k : k + local]) for k in range(0, rows, local)]
-        loss, _ = trainer.train_step(micro)
-        losses.append(loss.item())
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
-    return losses, params
+    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS)]
+    return [*losses, trainer.evaluate()], full_weights(trainer)
 
 
-def train_layouts(tmp, layouts: dict, batches) -> dict:
-    out = {}
-    for name, layout in layouts.items():
-        out[name] = train_on(layout_overrides(tmp / name, layout), batches)
-    return out
+def train_layouts(tmp, layouts: dict) -> dict:
+    return {name: train_on(layout_overrides(tmp / name, layout)) for name, layout in layouts.items()}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    batches = global_batches(tmp)
-    return batches, train_on(layout_overrides(tmp, {"training.local_batch_size": str(GLOBAL_BATCH)}), batches)
+    return train_on(layout_overrides(tmp, {"training.local_batch_size": str(GLOBAL_BATCH)}))
 
 
 def check_matches(reference, per_rank: list[dict], layouts):
-    _, (ref_losses, ref_params) = reference
+    ref_losses, ref_params = reference
     for name in layouts:
         losses = per_rank[0][name][0]
         params = {}
@@ -125,7 +110,7 @@ LAYOUTS_8 = {
 @pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)], ids=["2_processes", "4_processes", "8_processes"])
 def test_layouts_match_single_process(reference, tmp_path, world, layouts):
     layouts = _with_local_batch(layouts, world)
-    results = run_distributed(train_layouts, world, tmp_path, layouts, reference[0])
+    results = run_distributed(train_layouts, world, tmp_path, layouts)
     check_matches(reference, results, layouts)
 
 

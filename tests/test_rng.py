@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import math
@@ -9,14 +10,34 @@ import random
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.parallel import rng
+from titan.parallel.rng import philox
+from titan.parallel.rng.philox import bernoulli_mask, stream_key
+from titan.parallel.rng.shards import global_indices
 
 M32 = 0xFFFFFFFF
 SEED = 1234
+
+
+def sample(kind, index, seed=SEED, stream="w", counter=0, dtype=torch.float32, **params):
+    """Distribution `kind` at arbitrary global indices, through the generation path the fills take."""
+    out = torch.empty(index.shape, dtype=dtype)
+    flat = index.reshape(-1)
+    philox.generate_into(out.view(-1), lambda s, e: flat[s:e], seed, stream, counter, kind, params)
+    return out
+
+
+def uniform24(index, seed=SEED, stream="w", counter=0):
+    """The documented 24-bit uniform dropout compares against: (word 0 >> 8) / 2**24."""
+    (w0,) = philox._words(index, stream_key(seed, stream), counter, 1)
+    return (w0 >> 8).double() / 2**24
 
 
 # --------------------------------------------------------------------------------------
@@ -37,16 +58,19 @@ KAT = [
 
 @pytest.mark.parametrize("counter,key,expected", KAT)
 def test_philox_known_answers(counter, key, expected):
-    out = rng.philox4x32(torch.tensor(counter), torch.tensor(key))
-    assert out.dtype == torch.int64
-    assert out.tolist() == expected
+    words = philox._philox_words(*(torch.tensor([c]) for c in counter), *key)
+    assert all(w.dtype == torch.int64 for w in words)
+    assert [w.item() for w in words] == expected
+    # as fills and dropout call it: tensors for the index words, Python ints for the counter words and the key
+    words = philox._philox_words(torch.tensor([counter[0]]), torch.tensor([counter[1]]), *counter[2:], *key)
+    assert [w.item() for w in words] == expected
 
 
-def philox_reference(counter, key, rounds=10):
-    """Scalar Philox4x32 with Python ints (arbitrary precision, so no overflow tricks)."""
+def philox_reference(counter, key):
+    """Scalar Philox4x32-10 with Python ints (arbitrary precision, so no overflow tricks)."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
-    for _ in range(rounds):
+    for _ in range(10):
         p0 = 0xD2511F53 * c0
         p1 = 0xCD9E8D57 * c2
         c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & M32, p1 & M32, ((p0 >> 32) ^ c3 ^ k1) & M32, p0 & M32
@@ -70,36 +94,35 @@ def _word(r: random.Random) -> int:
 
 def test_philox_matches_python_reference():
     r = random.Random(0)
-    counters = [[_word(r) for _ in range(4)] for _ in range(400)]
-    keys = [[_word(r) for _ in range(2)] for _ in range(400)]
-    out = rng.philox4x32(torch.tensor(counters), torch.tensor(keys))
-    expected = [philox_reference(c, k) for c, k in zip(counters, keys)]
-    assert out.tolist() == expected
-    # other round counts and a broadcast key
-    out7 = rng.philox4x32(torch.tensor(counters), torch.tensor(keys[0]), rounds=7)
-    assert out7.tolist() == [philox_reference(c, keys[0], rounds=7) for c in counters]
+    counters = torch.tensor([[_word(r) for _ in range(4)] for _ in range(400)])
+    keys = torch.tensor([[_word(r) for _ in range(2)] for _ in range(400)])
+    out = torch.stack(philox._philox_words(*counters.unbind(1), *keys.unbind(1)), dim=1)
+    assert out.tolist() == [philox_reference(c, k) for c, k in zip(counters.tolist(), keys.tolist())]
+    # the shortcut for one or two words gives the same first words
+    for need in (1, 2):
+        short = philox._philox_words(*counters.unbind(1), *keys.unbind(1), need=need)
+        assert torch.equal(torch.stack(short, dim=1), out[:, :need])
 
 
 def test_elements_use_documented_counter_layout():
-    """uniform/normal/mask are the documented functions of one Philox block per element."""
+    """normal, trunc_normal and the keep mask are the documented functions of one Philox block per element."""
     seed, stream = 7, "layers.3.attention.wq.weight"
-    key = rng.stream_key(seed, stream)
+    key = stream_key(seed, stream)
     idx = [0, 1, 5, M32, 1 << 32, (1 << 40) + 12345, (1 << 62) + 3]
+    t = torch.tensor(idx)
     for counter in [0, 9, M32, (1 << 32) + 5, (1 << 64) - 1]:
         words = [philox_reference([i & M32, i >> 32, counter & M32, counter >> 32], key) for i in idx]
-        t = torch.tensor(idx)
-        u = rng.uniform(t, seed, stream, counter, dtype=torch.float64)
-        assert u.tolist() == [(w[0] >> 8) / 2**24 for w in words]
-        z = rng.normal(t, seed, stream, counter, dtype=torch.float64)
+        for p_keep in (0.5, 0.3):
+            m = bernoulli_mask(t, seed, stream, counter, p_keep=p_keep)
+            assert m.tolist() == [(w[0] >> 8) / 2**24 < p_keep for w in words]
+        z = sample("normal", t, seed, stream, counter, dtype=torch.float64)
         ref = [
             math.sqrt(-2.0 * math.log((w[0] + 0.5) / 2**32)) * math.cos(2.0 * math.pi * (w[1] / 2**32))
             for w in words
         ]
         torch.testing.assert_close(z, torch.tensor(ref, dtype=torch.float64), rtol=1e-13, atol=1e-13)
-        m = rng.bernoulli_mask(t, seed, stream, counter, p_keep=0.5)
-        assert m.tolist() == [(w[0] >> 8) < (1 << 23) for w in words]
         mean, std, a, b = 0.1, 2.0, -1.0, 2.5
-        x = rng.trunc_normal(t, seed, stream, counter, mean=mean, std=std, a=a, b=b, dtype=torch.float64)
+        x = sample("trunc_normal", t, seed, stream, counter, dtype=torch.float64, mean=mean, std=std, a=a, b=b)
         lo, hi = (math.erf((v - mean) / std / math.sqrt(2)) for v in (a, b))  # 2 Phi(.) - 1
         u53 = torch.tensor([((w[0] >> 5) * 2**26 + (w[1] >> 6)) / 2**53 for w in words], dtype=torch.float64)
         ref = torch.erfinv(lo + u53 * (hi - lo)) * std * math.sqrt(2) + mean
@@ -110,7 +133,7 @@ def test_trunc_normal_extreme_words_stay_inside_bounds():
     """The smallest / largest 53-bit uniforms map to the bounds; the clamp catches erfinv rounding."""
     words = [torch.tensor([0, M32]), torch.tensor([0, M32])]
     for mean, std, a, b in [(0.0, 1.0, -2.0, 2.0), (0.0, 1.0, -0.1, 0.3), (1.0, 3.0, -5.0, 0.2)]:
-        x = rng._trunc_normal_from_words([w.clone() for w in words], mean, std, a, b)
+        x = philox._trunc_normal_from_words([w.clone() for w in words], mean, std, a, b)
         assert x[0].item() == a and a < x[1].item() <= b
         assert b - x[1].item() < 1e-12
 
@@ -124,12 +147,12 @@ def test_stream_key_is_documented_blake2b():
             ).digest(),
             "little",
         )
-        assert rng.stream_key(seed, stream) == ((s & M32) ^ (h >> 32), h & M32)
+        assert stream_key(seed, stream) == ((s & M32) ^ (h >> 32), h & M32)
     # distinct seeds below 2**32 never collide for one stream; streams differ for one seed
-    assert len({rng.stream_key(s, "w") for s in range(1000)}) == 1000
-    assert len({rng.stream_key(0, f"layers.{i}.w") for i in range(1000)}) == 1000
+    assert len({stream_key(s, "w") for s in range(1000)}) == 1000
+    assert len({stream_key(0, f"layers.{i}.w") for i in range(1000)}) == 1000
     with pytest.raises(TypeError):
-        rng.stream_key(1.0, "w")
+        stream_key(1.0, "w")
 
 
 # --------------------------------------------------------------------------------------
@@ -137,12 +160,11 @@ def test_stream_key_is_documented_blake2b():
 # --------------------------------------------------------------------------------------
 
 GENERATORS = {
-    "uniform": lambda idx, seed, stream, counter: rng.uniform(idx, seed, stream, counter),
-    "normal": lambda idx, seed, stream, counter: rng.normal(idx, seed, stream, counter, mean=0.1, std=0.02),
-    "trunc_normal": lambda idx, seed, stream, counter: rng.trunc_normal(
-        idx, seed, stream, counter, std=0.02, a=-0.04, b=0.03
+    "normal": lambda idx, seed, stream, counter: sample("normal", idx, seed, stream, counter, mean=0.1, std=0.02),
+    "trunc_normal": lambda idx, seed, stream, counter: sample(
+        "trunc_normal", idx, seed, stream, counter, std=0.02, a=-0.04, b=0.03
     ),
-    "mask": lambda idx, seed, stream, counter: rng.bernoulli_mask(idx, seed, stream, counter, p_keep=0.5),
+    "mask": lambda idx, seed, stream, counter: bernoulli_mask(idx, seed, stream, counter, p_keep=0.5),
 }
 
 
@@ -163,12 +185,12 @@ def test_same_inputs_same_values_and_any_change_differs(kind):
 def test_streams_counters_and_neighbours_are_uncorrelated():
     n = 200_000
     idx = torch.arange(n)
-    a = rng.normal(idx, SEED, "a", 0, dtype=torch.float64)
+    a = sample("normal", idx, SEED, "a", 0, dtype=torch.float64)
     others = [
-        rng.normal(idx, SEED, "b", 0, dtype=torch.float64),
-        rng.normal(idx, SEED, "a", 1, dtype=torch.float64),
-        rng.normal(idx, SEED + 1, "a", 0, dtype=torch.float64),
-        rng.normal(idx + 1, SEED, "a", 0, dtype=torch.float64),  # neighbouring elements
+        sample("normal", idx, SEED, "b", 0, dtype=torch.float64),
+        sample("normal", idx, SEED, "a", 1, dtype=torch.float64),
+        sample("normal", idx, SEED + 1, "a", 0, dtype=torch.float64),
+        sample("normal", idx + 1, SEED, "a", 0, dtype=torch.float64),  # neighbouring elements
     ]
     for b in others:
         corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
@@ -176,63 +198,72 @@ def test_streams_counters_and_neighbours_are_uncorrelated():
 
 
 def test_dtype_is_a_single_rounding_of_the_float64_value():
-    idx = torch.arange(10_000)
-    for fn in (rng.uniform, rng.normal, rng.trunc_normal):
-        ref = fn(idx, SEED, "w", dtype=torch.float64)
+    for fill in (rng.normal_, rng.trunc_normal_):
+        ref = fill(torch.empty(10_000, dtype=torch.float64), seed=SEED, stream="w")
         for dt in (torch.float32, torch.bfloat16, torch.float16):
-            assert torch.equal(fn(idx, SEED, "w", dtype=dt), ref.to(dt))
+            assert torch.equal(fill(torch.empty(10_000, dtype=dt), seed=SEED, stream="w"), ref.to(dt))
 
 
 def test_chunking_and_threads_do_not_change_values(monkeypatch):
-    idx = torch.arange(5 * 7 * 11).view(5, 7, 11)
-    x = torch.empty(5, 7, 11)
-    ref = {k: g(idx, SEED, "w", 2) for k, g in GENERATORS.items()}
-    rng.trunc_normal_(x, std=0.02, a=-0.04, b=0.03, seed=SEED, stream="w", counter=2)
-    assert torch.equal(x, ref["trunc_normal"])
-    monkeypatch.setattr(rng, "_CPU_CHUNK", 13)
-    for k, g in GENERATORS.items():
-        assert torch.equal(g(idx, SEED, "w", 2), ref[k]), k
-    y = torch.zeros(5, 7, 11)
-    rng.trunc_normal_(y, std=0.02, a=-0.04, b=0.03, seed=SEED, stream="w", counter=2)
-    assert torch.equal(y, ref["trunc_normal"])
+    shape = (5, 7, 11)
+    idx = torch.arange(math.prod(shape)).view(shape)
+
+    def draw(x):
+        return rng.trunc_normal_(x, std=0.02, a=-0.04, b=0.03, seed=SEED, stream="w")
+
+    ref = draw(torch.empty(shape))
+    ref_mask = bernoulli_mask(idx, SEED, "w", 2, p_keep=0.5)
+    assert torch.equal(ref, sample("trunc_normal", idx, std=0.02, a=-0.04, b=0.03))
+    monkeypatch.setattr(philox, "_CPU_CHUNK", 13)
+    assert torch.equal(draw(torch.zeros(shape)), ref)
+    assert torch.equal(bernoulli_mask(idx, SEED, "w", 2, p_keep=0.5), ref_mask)
     # a parameter that requires grad, filled by several worker threads
-    p = torch.nn.Parameter(torch.zeros(5, 7, 11))
-    rng.trunc_normal_(p, std=0.02, a=-0.04, b=0.03, seed=SEED, stream="w", counter=2)
-    assert torch.equal(p.detach(), ref["trunc_normal"]) and p.requires_grad and p.grad_fn is None
+    p = torch.nn.Parameter(torch.zeros(shape))
+    draw(p)
+    assert torch.equal(p.detach(), ref) and p.requires_grad and p.grad_fn is None
 
 
 def test_fill_of_plain_tensors():
     shape = (6, 9)
     idx = torch.arange(54).view(shape)
     x = torch.empty(shape, dtype=torch.float64)
-    assert rng.normal_(x, 0.5, 2.0, seed=SEED, stream="w", counter=1) is x
-    assert torch.equal(x, rng.normal(idx, SEED, "w", 1, mean=0.5, std=2.0, dtype=torch.float64))
-    rng.uniform_(x, -1.0, 3.0, seed=SEED, stream="w")
-    assert torch.equal(x, rng.uniform(idx, SEED, "w", low=-1.0, high=3.0, dtype=torch.float64))
+    assert rng.normal_(x, 0.5, 2.0, seed=SEED, stream="w") is x
+    assert torch.equal(x, sample("normal", idx, dtype=torch.float64, mean=0.5, std=2.0))
     # non-contiguous view: values follow the view's logical (row-major) positions
     t = torch.empty(9, 6).t()
     rng.trunc_normal_(t, seed=SEED, stream="w")
-    assert torch.equal(t, rng.trunc_normal(idx, SEED, "w"))
+    assert torch.equal(t, sample("trunc_normal", idx))
     # parameters that require grad, and meta tensors
     p = torch.nn.Parameter(torch.empty(shape))
     rng.normal_(p, std=0.02, seed=SEED, stream="w")
-    assert torch.equal(p.detach(), rng.normal(idx, SEED, "w", std=0.02))
+    assert torch.equal(p.detach(), sample("normal", idx, std=0.02))
     rng.normal_(torch.empty(shape, device="meta"), seed=SEED, stream="w")
     with pytest.raises(TypeError):
         rng.normal_(torch.empty(shape, dtype=torch.int64), seed=SEED, stream="w")
-    with pytest.raises(ValueError):
-        rng.fill_(x, "laplace", SEED, "w")
     # bad parameters are rejected before anything is written
     before = x.clone()
     with pytest.raises(ValueError):
         rng.trunc_normal_(x, a=1.0, b=-1.0, seed=SEED, stream="w")
     with pytest.raises(ValueError):
         rng.normal_(x, std=-1.0, seed=SEED, stream="w")
-    with pytest.raises(TypeError):
-        rng.fill_(x, "normal", SEED, "w", sdt=0.02)
-    with pytest.raises(ValueError):
-        rng.normal_(x, seed=SEED, stream="w", counter=-1)
     assert torch.equal(x, before)
+    for counter in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            bernoulli_mask(idx, SEED, "w", counter, p_keep=0.5)
+
+
+def test_dropout_of_plain_tensors():
+    """Dropout keeps where the mask of (module name, step, global row and position) is True and scales by 1/(1-p)."""
+    drop = rng.Dropout(0.25)
+    drop.stream, drop.seed, drop.step = "layers.1.ffn_dropout", 42, 5
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([7, 2, 9, 4])
+    mask = bernoulli_mask(rows.view(-1, 1, 1) * 48 + torch.arange(48).view(6, 8), 42, drop.stream, 5, p_keep=0.75)
+    assert torch.equal(drop(x, rows), x * mask.float() / 0.75)
+    # a row's mask does not depend on which other rows are in the batch
+    assert torch.equal(drop(x[1:3], rows[1:3]), drop(x, rows)[1:3])
+    drop.eval()
+    assert drop(x, rows) is x
 
 
 # --------------------------------------------------------------------------------------
@@ -261,19 +292,17 @@ def big_index():
 
 
 def test_uniform_statistics(big_index):
-    u = rng.uniform(big_index, SEED, "stats", 5)
-    assert u.dtype == torch.float32
+    u = uniform24(big_index, SEED, "stats", 5)
     assert u.min() >= 0.0 and u.max() < 1.0
-    u64 = u.double()
-    assert abs(u64.mean().item() - 0.5) < 6 * math.sqrt(1 / 12 / N)
+    assert abs(u.mean().item() - 0.5) < 6 * math.sqrt(1 / 12 / N)
     var_se = math.sqrt((1 / 80 - 1 / 144) / N)  # (mu4 - sigma^4) / n
-    assert abs(u64.var().item() - 1 / 12) < 6 * var_se
+    assert abs(u.var().item() - 1 / 12) < 6 * var_se
     assert ks_statistic(u, lambda x: x) < KS_BOUND
 
 
 def test_normal_statistics(big_index):
     mean, std = 0.25, 3.0
-    z = rng.normal(big_index, SEED, "stats", 5, mean=mean, std=std).double()
+    z = sample("normal", big_index, SEED, "stats", 5, mean=mean, std=std).double()
     assert abs(z.mean().item() - mean) < 6 * std / math.sqrt(N)
     assert abs(z.var().item() / std**2 - 1.0) < 6 * math.sqrt(2 / N)
     assert ks_statistic(z, lambda x: torch.special.ndtr((x - mean) / std)) < KS_BOUND
@@ -282,7 +311,7 @@ def test_normal_statistics(big_index):
 
 @pytest.mark.parametrize("mean,std,a,b", [(0.0, 1.0, -2.0, 2.0), (0.5, 2.0, -1.0, 3.0), (0.0, 0.02, -0.04, 0.01)])
 def test_trunc_normal_statistics(big_index, mean, std, a, b):
-    x = rng.trunc_normal(big_index, SEED, "stats", 5, mean=mean, std=std, a=a, b=b).double()
+    x = sample("trunc_normal", big_index, SEED, "stats", 5, mean=mean, std=std, a=a, b=b).double()
     assert x.min() >= a and x.max() <= b
     al, be = (a - mean) / std, (b - mean) / std
     t = torch.tensor([al, be], dtype=torch.float64)
@@ -299,24 +328,24 @@ def test_trunc_normal_statistics(big_index, mean, std, a, b):
 
 
 def test_bernoulli_mask_statistics(big_index):
+    u = uniform24(big_index, SEED, "drop", 2)
     for p in [0.9, 0.1, 0.5]:
-        m = rng.bernoulli_mask(big_index, SEED, "drop", 2, p_keep=p)
+        m = bernoulli_mask(big_index, SEED, "drop", 2, p_keep=p)
         assert m.dtype == torch.bool
         assert abs(m.double().mean().item() - p) < 6 * math.sqrt(p * (1 - p) / N)
-        assert torch.equal(m, rng.uniform(big_index, SEED, "drop", 2, dtype=torch.float64) < p)
+        assert torch.equal(m, u < p)
     # exact at the boundary: keep iff u < p_keep, with p_keep equal to / just above a drawn u
     idx = big_index[:64]
-    u = rng.uniform(idx, SEED, "drop", 2, dtype=torch.float64)
     for i in range(64):
         p = u[i].item()
-        assert not rng.bernoulli_mask(idx[i : i + 1], SEED, "drop", 2, p_keep=p).item()
-        assert rng.bernoulli_mask(idx[i : i + 1], SEED, "drop", 2, p_keep=p + 2**-30).item()
-    assert rng.bernoulli_mask(big_index[:1000], SEED, "d", p_keep=1.0).all()
-    assert not rng.bernoulli_mask(big_index[:1000], SEED, "d", p_keep=0.0).any()
+        assert not bernoulli_mask(idx[i : i + 1], SEED, "drop", 2, p_keep=p).item()
+        assert bernoulli_mask(idx[i : i + 1], SEED, "drop", 2, p_keep=p + 2**-30).item()
+    assert bernoulli_mask(big_index[:1000], SEED, "d", p_keep=1.0).all()
+    assert not bernoulli_mask(big_index[:1000], SEED, "d", p_keep=0.0).any()
 
 
 # --------------------------------------------------------------------------------------
-# Sharding: a shard built from global indices is bitwise the slice of the full tensor
+# Sharding: a shard's global indices, fills and dropout are bitwise the slice of the full tensor
 # --------------------------------------------------------------------------------------
 
 
@@ -332,83 +361,42 @@ def ref_split(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor
 
 def ref_offset_slice(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:
     """This rank's shard from torch's compute_local_shape_and_global_offset (Shard placements only)."""
-    shape, offset = _compute_local_shape_and_global_offset(tuple(full.shape), tuple(mesh_shape), list(coord), placements)
+    shape, offset = _compute_local_shape_and_global_offset(
+        tuple(full.shape), tuple(mesh_shape), list(coord), placements
+    )
     return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-
-
-def full_values(shape):
-    idx = torch.arange(math.prod(shape)).view(shape)
-    return {
-        "index": idx,
-        "normal": rng.normal_(torch.empty(shape), 0.1, 0.02, seed=SEED, stream="w", counter=3),
-        "trunc_normal": rng.trunc_normal_(
-            torch.empty(shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED, stream="w", counter=3
-        ),
-        "uniform": rng.uniform_(torch.empty(shape, dtype=torch.float64), -2.0, 2.0, seed=SEED, stream="w", counter=3),
-        "mask": rng.bernoulli_mask(idx, SEED, "w", 3, p_keep=0.7),
-    }
-
-
-def local_values(shape, mesh_shape, coord, placements):
-    gi = rng.global_indices(shape, mesh_shape, coord, placements)
-    local_shape = tuple(gi.shape)
-    layout = dict(global_shape=shape, mesh_shape=mesh_shape, mesh_coord=coord, placements=placements)
-    return {
-        "index": gi,
-        "normal": rng.normal_(torch.empty(local_shape), 0.1, 0.02, seed=SEED, stream="w", counter=3, **layout),
-        "trunc_normal": rng.trunc_normal_(
-            torch.empty(local_shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED, stream="w", counter=3,
-            **layout,
-        ),
-        "uniform": rng.uniform_(
-            torch.empty(local_shape, dtype=torch.float64), -2.0, 2.0, seed=SEED, stream="w", counter=3, **layout
-        ),
-        "mask": rng.bernoulli_mask(gi, SEED, "w", 3, p_keep=0.7),
-    }
 
 
 MESHES = [(2,), (3,), (2, 2), (2, 3)]
 SHAPES = [(5, 7), (9, 10, 11), (33, 11, 13)]
 
 
-def check_layout(shape, mesh_shape, placements, full):
-    """Every rank's pieces equal torch's reference shards, and together cover the tensor."""
-    only_shard = not any(isinstance(p, _StridedShard) for p in placements)
-    n_replicas = math.prod(
-        n for n, p in zip(mesh_shape, placements) if not isinstance(p, (Shard, _StridedShard))
-    )
-    covered = torch.zeros(math.prod(shape), dtype=torch.int64)
-    rebuilt = {k: torch.zeros_like(v) for k, v in full.items()}
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        local = local_values(shape, mesh_shape, coord, placements)
-        # Partial("sum") fills: coordinate 0 of each Partial mesh dim holds the value, others zeros
-        holds_value = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Partial))
-        for kind, full_t in full.items():
-            expected = ref_split(full_t, mesh_shape, coord, placements)
-            if only_shard:
-                assert torch.equal(expected, ref_offset_slice(full_t, mesh_shape, coord, placements))
-            got = local[kind]
-            if kind in ("normal", "trunc_normal", "uniform") and not holds_value:
-                assert torch.equal(got, torch.zeros_like(expected)), (kind, coord)
-                continue
-            assert got.shape == expected.shape and torch.equal(got, expected), (kind, coord, placements)
-            rebuilt[kind].view(-1)[local["index"].reshape(-1)] = got.reshape(-1)
-        covered.index_add_(0, local["index"].reshape(-1), torch.ones(local["index"].numel(), dtype=torch.int64))
-    assert torch.equal(covered, torch.full_like(covered, n_replicas))
-    for kind, full_t in full.items():
-        assert torch.equal(rebuilt[kind], full_t), kind
+def layouts(shape, mesh_shape, partial=True):
+    """Every mix of Replicate, (Partial,) and Shard over the mesh dims, and FSDP2-over-TP strided shards."""
+    options = [Replicate()] + [Partial()] * partial + [Shard(d) for d in range(len(shape))]
+    out = [list(p) for p in itertools.product(options, repeat=len(mesh_shape))]
+    if len(mesh_shape) == 2:
+        out += [[_StridedShard(d, split_factor=mesh_shape[1]), Shard(d)] for d in range(len(shape))]
+    return out
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_shards_reassemble_to_unsharded_generation(shape):
-    full = full_values(shape)
-    options = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))]
-    n_checked = 0
+def test_global_indices_are_dtensors_split(shape):
+    """Every rank's indices are DTensor's own shard of arange, and together they cover the tensor once per replica."""
+    full = torch.arange(math.prod(shape)).view(shape)
     for mesh_shape in MESHES:
-        for placements in itertools.product(options, repeat=len(mesh_shape)):
-            check_layout(shape, mesh_shape, list(placements), full)
-            n_checked += 1
-    assert n_checked == sum(len(options) ** len(m) for m in MESHES)
+        for placements in layouts(shape, mesh_shape):
+            sharded = [isinstance(p, (Shard, _StridedShard)) for p in placements]
+            n_replicas = math.prod(n for n, s in zip(mesh_shape, sharded) if not s)
+            covered = torch.zeros(full.numel(), dtype=torch.int64)
+            for coord in itertools.product(*(range(n) for n in mesh_shape)):
+                gi = global_indices(shape, mesh_shape, coord, placements)
+                expected = ref_split(full, mesh_shape, coord, placements)
+                assert gi.shape == expected.shape and torch.equal(gi, expected), (mesh_shape, coord, placements)
+                if not any(isinstance(p, _StridedShard) for p in placements):
+                    assert torch.equal(expected, ref_offset_slice(full, mesh_shape, coord, placements))
+                covered.index_add_(0, gi.reshape(-1), torch.ones(gi.numel(), dtype=torch.int64))
+            assert torch.equal(covered, torch.full_like(covered, n_replicas)), (mesh_shape, placements)
 
 
 @pytest.mark.parametrize(
@@ -416,15 +404,16 @@ def test_shards_reassemble_to_unsharded_generation(shape):
     [
         # FSDP2 over TP on dim 0: dp mesh dim gets _StridedShard(0, split_factor=tp)
         ((12, 5), (2, 3), [_StridedShard(0, split_factor=3), Shard(0)]),
-        ((33, 11, 13), (2, 3), [_StridedShard(0, split_factor=3), Shard(0)]),
         ((7, 3), (3, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # uneven, with empty shards
-        ((9, 10, 11), (3, 2), [_StridedShard(2, split_factor=2), Shard(2)]),
         ((9, 10, 11), (2, 2), [_StridedShard(1, split_factor=3), Partial()]),
         ((9, 10, 11), (3,), [_StridedShard(1, split_factor=2)]),
     ],
 )
 def test_strided_shard(shape, mesh_shape, placements):
-    check_layout(shape, mesh_shape, placements, full_values(shape))
+    full = torch.arange(math.prod(shape)).view(shape)
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        gi = global_indices(shape, mesh_shape, coord, placements)
+        assert torch.equal(gi, ref_split(full, mesh_shape, coord, placements))
 
 
 def test_strided_shard_is_right_to_left_sharding_when_even():
@@ -432,77 +421,85 @@ def test_strided_shard_is_right_to_left_sharding_when_even():
     full = torch.arange(12 * 5).view(12, 5)
     dp, tp = 2, 3
     for d, t in itertools.product(range(dp), range(tp)):
-        gi = rng.global_indices((12, 5), (dp, tp), (d, t), [_StridedShard(0, split_factor=tp), Shard(0)])
+        gi = global_indices((12, 5), (dp, tp), (d, t), [_StridedShard(0, split_factor=tp), Shard(0)])
         assert torch.equal(gi, full.chunk(tp)[t].chunk(dp)[d])
 
 
 def test_negative_shard_dim_and_errors():
-    a = rng.global_indices((4, 6), (2,), (1,), [Shard(-1)])
-    assert torch.equal(a, rng.global_indices((4, 6), (2,), (1,), [Shard(1)]))
+    a = global_indices((4, 6), (2,), (1,), [Shard(-1)])
+    assert torch.equal(a, global_indices((4, 6), (2,), (1,), [Shard(1)]))
     with pytest.raises(ValueError):
-        rng.global_indices((4, 6), (2,), (2,), [Shard(0)])  # coordinate out of range
+        global_indices((4, 6), (2,), (2,), [Shard(0)])  # coordinate out of range
     with pytest.raises(ValueError):
-        rng.global_indices((4, 6), (2,), (0,), [Shard(2)])
-    with pytest.raises(ValueError):  # local tensor of the wrong shape
-        rng.normal_(torch.empty(4, 6), seed=0, stream="w", global_shape=(4, 6), mesh_shape=(2,), mesh_coord=(0,),
-                    placements=[Shard(0)])
+        global_indices((4, 6), (2,), (0,), [Shard(2)])
 
 
-def test_partial_fill_rule():
-    layout = dict(global_shape=(4, 6), mesh_shape=(2,), placements=[Partial("avg")])
-    ref = rng.normal(torch.arange(24).view(4, 6), SEED, "w")
-    for c in range(2):
-        x = rng.normal_(torch.empty(4, 6), seed=SEED, stream="w", mesh_coord=(c,), **layout)
-        assert torch.equal(x, ref)
-    layout["placements"] = [Partial("sum")]
-    x0 = rng.normal_(torch.empty(4, 6), seed=SEED, stream="w", mesh_coord=(0,), **layout)
-    x1 = rng.normal_(torch.full((4, 6), 5.0), seed=SEED, stream="w", mesh_coord=(1,), **layout)
-    assert torch.equal(x0 + x1, ref)
-
-
-class _StubMesh:
-    """Just what dtensor_global_indices reads from a DeviceMesh."""
-
-    def __init__(self, shape, coord):
-        self.shape, self._coord = tuple(shape), coord
-
-    def get_coordinate(self):
-        return self._coord
-
-
-def test_dtensor_global_indices_with_mesh_triple():
-    placements = [Shard(1), Shard(0)]
-    for coord in itertools.product(range(2), range(3)):
-        got = rng.dtensor_global_indices(_StubMesh((2, 3), coord), placements, (9, 10))
-        assert torch.equal(got, rng.global_indices((9, 10), (2, 3), coord, placements))
-    assert rng.dtensor_global_indices(_StubMesh((2, 3), None), placements, (9, 10)).numel() == 0
-    with pytest.raises(ValueError):
-        rng.dtensor_global_indices(_StubMesh((2,), (0,)))
-
-
-def test_dtensor_fill_on_single_rank_mesh(tmp_path):
-    """A real DTensor on a 1-rank gloo mesh goes through the DTensor branch and fills its local tensor."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-        created = True
+@contextlib.contextmanager
+def as_rank(rank: int, world: int):
+    """This process as rank `rank` of `world` on torch's fake process group: real DTensors, no peers."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        if dist.get_world_size() != 1:
-            pytest.skip("needs a 1-rank default group")
-        mesh = init_device_mesh("cpu", (1,))
-        d = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
-        rng.trunc_normal_(d, std=0.02, seed=SEED, stream="layers.0.w", counter=1)
-        ref = rng.trunc_normal(torch.arange(24).view(6, 4), SEED, "layers.0.w", 1, std=0.02)
-        assert torch.equal(d.to_local(), ref)
-        assert torch.equal(rng.dtensor_global_indices(d), torch.arange(24).view(6, 4))
-        with pytest.raises(ValueError):
-            rng.normal_(d, seed=SEED, stream="w", placements=[Shard(0)])
+        yield
     finally:
-        if created:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+
+
+def local_dtensor(shape, mesh, placements, dtype=torch.float32, fill=0.0):
+    local_shape = ref_split(torch.empty(shape), mesh.shape, mesh.get_coordinate(), placements).shape
+    local = torch.full(local_shape, fill, dtype=dtype)
+    return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(),
+                              run_check=False)
+
+
+def one_process(shape):
+    """What one process draws for the whole tensor: the fills, and dropout of ones at global rows 3, 5, ..."""
+    drop = rng.Dropout(0.3)
+    drop.stream, drop.seed, drop.step = "layers.0.attention.dropout", 9, 4
+    return {
+        "normal": rng.normal_(torch.empty(shape), 0.1, 0.02, seed=SEED, stream="w"),
+        "trunc_normal": rng.trunc_normal_(torch.empty(shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED,
+                                          stream="w"),
+        "dropout": drop(torch.ones(shape), 3 + 2 * torch.arange(shape[0])),
+    }, drop
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_dtensor_fills_and_dropout_are_slices_of_one_process(mesh_shape):
+    """On every rank of every layout, the public fills and Dropout give a DTensor's local tensor exactly the
+    slice of what one process draws (each rank is played in turn on a fake process group)."""
+    fulls = {shape: one_process(shape) for shape in SHAPES}
+    for rank in range(math.prod(mesh_shape)):
+        with as_rank(rank, math.prod(mesh_shape)):
+            mesh = init_device_mesh("cpu", mesh_shape)
+            coord = mesh.get_coordinate()
+            for shape, (full, drop) in fulls.items():
+                for placements in layouts(shape, mesh_shape):
+                    d = local_dtensor(shape, mesh, placements)
+                    gi = global_indices(shape, mesh_shape, coord, placements)
+                    assert torch.equal(rng.dtensor_global_indices(d), gi)
+                    if any(isinstance(p, Partial) for p in placements):
+                        with pytest.raises(ValueError):  # writing every rank would multiply a Partial("sum") value
+                            rng.normal_(d, seed=SEED, stream="w")
+                    else:
+                        rng.normal_(d, 0.1, 0.02, seed=SEED, stream="w")
+                        assert torch.equal(d.to_local(), ref_split(full["normal"], mesh_shape, coord, placements))
+                        d = local_dtensor(shape, mesh, placements, torch.bfloat16)
+                        rng.trunc_normal_(d, 0.0, 1.0, -0.5, 1.5, seed=SEED, stream="w")
+                        assert torch.equal(d.to_local(), ref_split(full["trunc_normal"], mesh_shape, coord, placements))
+                    if any(isinstance(p, (Shard, _StridedShard)) and p.dim in (0, -len(shape)) for p in placements):
+                        continue  # a sharded batch dim arrives as plain local rows, not as a DTensor
+                    # Partial too: every rank drops the same elements of its partial value
+                    x = local_dtensor(shape, mesh, placements, fill=1.0)
+                    out = drop(x, 3 + 2 * torch.arange(shape[0]))
+                    assert torch.equal(out.to_local(), ref_split(full["dropout"], mesh_shape, coord, placements))
+
+
+def test_rank_outside_the_mesh_holds_nothing():
+    with as_rank(3, 4):
+        d = DTensor.from_local(torch.empty(0), DeviceMesh("cpu", [0, 1]), [Shard(0)], shape=torch.Size((6, 4)),
+                               stride=(4, 1), run_check=False)
+        assert d.to_local().numel() == 0
+        assert rng.dtensor_global_indices(d).numel() == 0
+        assert rng.normal_(d, seed=SEED, stream="w") is d

@@ -52,9 +52,9 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     big = tiny_trainer(tmp_path / "big", **{"training.local_batch_size": "8"})
     small = tiny_trainer(tmp_path / "small", **{"training.local_batch_size": "2", "training.global_batch_size": "8"})
     assert small.grad_accum == 4
-    batch = next(big.loader)
-    loss_big = big.forward_backward([batch])
-    micro = [(batch[0][i : i + 2], batch[1][i : i + 2]) for i in range(0, 8, 2)]
+    loss_big = big.forward_backward(next(big.loader))
+    micro = next(small.loader)
+    assert len(micro) == 4
     loss_small = small.forward_backward(micro)
     # fp32 sums of the same terms in another order. Measured: loss differs by 1 ulp (9.5e-7 of 8.0), and the
     # worst gradient element by 4e-7 of its tensor's largest element; the bounds leave ~25x headroom.
@@ -79,8 +79,8 @@ def test_lr_schedules_by_hand():
 def test_activation_checkpointing_gives_bitwise_identical_gradients(tmp_path, mode):
     plain = tiny_trainer(tmp_path / "plain")
     checkpointed = tiny_trainer(tmp_path / mode, **{"activation_checkpoint.mode": mode})
-    batch = next(plain.loader)
-    assert torch.equal(plain.forward_backward([batch]), checkpointed.forward_backward([batch]))
+    batches = next(plain.loader)
+    assert torch.equal(plain.forward_backward(batches), checkpointed.forward_backward(batches))
     for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), checkpointed.model_parts.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
 
@@ -89,9 +89,9 @@ def test_activation_checkpointing_gives_bitwise_identical_gradients(tmp_path, mo
 def test_compiled_blocks_match_eager(tmp_path):
     eager = tiny_trainer(tmp_path / "eager")
     compiled = tiny_trainer(tmp_path / "compiled", **{"compile.enable": "true"})
-    batch = next(eager.loader)
+    batches = next(eager.loader)
     # Inductor fuses and reorders fp32 arithmetic. Measured: loss 6e-8 relative, gradients 5.2e-7 of their
     # tensor's largest element; bounds ~5x that.
-    torch.testing.assert_close(compiled.forward_backward([batch]), eager.forward_backward([batch]), rtol=5e-7, atol=0)
+    torch.testing.assert_close(compiled.forward_backward(batches), eager.forward_backward(batches), rtol=5e-7, atol=0)
     for (name, a), (_, b) in zip(eager.model_parts.named_parameters(), compiled.model_parts.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=3e-6 * a.grad.abs().max().item(), msg=name)

@@ -1,8 +1,10 @@
-"""The `titan` command line: train, config show, compare, convert."""
+"""The `titan` command line: train, config show, data prepare, compare, convert."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -19,6 +21,8 @@ config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 convert_app = typer.Typer(help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+data_app = typer.Typer(help="Prepare data: tokenize sources once into token shards.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -63,6 +67,36 @@ def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """Print the fully resolved recipe (defaults and overrides applied) as TOML."""
     try:
         typer.echo(to_toml(load_config(config, ctx.args)), nl=False)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@data_app.command("prepare", context_settings=OVERRIDES)
+def data_prepare(
+    ctx: typer.Context,
+    config: Path = CONFIG_OPTION,
+    workers: int = typer.Option(None, "--workers", help="Tokenizer processes; overrides data.prepare_workers."),
+) -> None:
+    """Tokenize a recipe's sources once into token shards, where `titan train` finds them.
+
+    Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
+    already prepared with the same files and tokenizer is skipped.
+    """
+    try:
+        overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
+        cfg = load_config(config, overrides)
+        from titan.data import validation_source  # imported late, as in train: titan.data imports torch
+        from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
+
+        cache_root = cache_root_for(cfg.data)
+        for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
+            start = time.perf_counter()
+            done = find_prepared(source, cfg.tokenizer, cache_root)
+            path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
+            seconds = time.perf_counter() - start
+            meta = json.loads((path / "meta.json").read_text())
+            speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
+            typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
     except ConfigError as e:
         _fail(str(e))
 

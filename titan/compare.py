@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titan.config import Layout
+
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
 
 
@@ -34,6 +36,12 @@ class Run:
     def curve(self) -> list[dict]:
         """The logged training steps in order, the latest of each (a resumed run may log a step again)."""
         by_step = {r["step"]: r for r in self.records if "loss" in r}
+        return [by_step[s] for s in sorted(by_step)]
+
+    @property
+    def validation(self) -> list[dict]:
+        """The validation records in step order, the latest of each."""
+        by_step = {r["step"]: r for r in self.records if "val_loss" in r}
         return [by_step[s] for s in sorted(by_step)]
 
 
@@ -101,13 +109,6 @@ def flatten(table: dict, prefix: str = "") -> dict:
 # Summaries
 
 
-def layout_name(info: dict) -> str:
-    """The parallel degrees other than 1, e.g. 'dp_shard2-tp2'; 'single' when there are none."""
-    layout = info.get("layout") or {}
-    parts = [f"{name}{degree}" for name, degree in layout.items() if degree not in (1, None)]
-    return "-".join(parts) or "single"
-
-
 def wall_time_s(records: list[dict]) -> float | None:
     """Seconds from the trainer's start to its last logged step, summed over restarts (resumed runs).
 
@@ -146,12 +147,13 @@ def summarize(run: Run) -> dict:
         "run": str(run.path),
         "job": run.config.get("job.name", run.path.name),
         "recipe": _recipe_name(run),
-        "layout": layout_name(run.info),
+        "layout": Layout(**(run.info.get("layout") or {})).name,
         "world_size": run.info.get("world_size"),
         "last_step": curve[-1]["step"],
         "steps": steps,
         "final_loss": curve[-1]["loss"],
         "min_loss": min(losses) if losses else None,
+        "val_loss": run.validation[-1]["val_loss"] if run.validation else None,
         "tokens_per_s": median("tokens_per_s"),
         "mfu": median("mfu"),
         "peak_memory_gib": max(peaks) if peaks else None,
@@ -192,7 +194,7 @@ def run_labels(runs: list[Run]) -> list[str]:
 
 def format_report(runs: list[Run]) -> str:
     labels = run_labels(runs)
-    header = ["run", "recipe", "job", "layout", "steps", "final loss", "min loss", "tokens/s", "MFU", "peak mem", "wall time"]
+    header = ["run", "recipe", "job", "layout", "steps", "final loss", "min loss", "val loss", "tokens/s", "MFU", "peak mem", "wall time"]
     rows = []
     for label, run in zip(labels, runs):
         s = summarize(run)
@@ -204,6 +206,7 @@ def format_report(runs: list[Run]) -> str:
             f"{s['last_step']}/{s['steps']}" if s["steps"] else str(s["last_step"]),
             _num(s["final_loss"], "{:.4f}"),
             _num(s["min_loss"], "{:.4f}"),
+            _num(s["val_loss"], "{:.4f}"),
             _num(s["tokens_per_s"], "{:,.0f}"),
             _num(s["mfu"] and 100 * s["mfu"], "{:.2f}%"),
             _num(s["peak_memory_gib"], "{:.2f} GiB"),
@@ -277,7 +280,10 @@ def plot(runs: list[Run], out: str | Path) -> Path:
         curve = run.curve
         steps = [r["step"] for r in curve]
         style = {"label": label, "marker": "o" if len(curve) <= 30 else None, "markersize": 3}
-        loss_step.plot(steps, [r["loss"] for r in curve], **style)
+        (line,) = loss_step.plot(steps, [r["loss"] for r in curve], **style)
+        if run.validation:  # validation loss: dashed, in the run's colour
+            loss_step.plot([r["step"] for r in run.validation], [r["val_loss"] for r in run.validation],
+                           linestyle="--", color=line.get_color(), label=f"{label} (validation)")
         if all("tokens_seen" in r for r in curve):
             loss_tokens.plot([r["tokens_seen"] for r in curve], [r["loss"] for r in curve], **style)
         if all("tokens_per_s" in r for r in curve):

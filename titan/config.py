@@ -46,19 +46,61 @@ class Tokenizer:
 
 
 @dataclass
-class Data:
-    # A local file or folder (text, jsonl/json, parquet), or a HF hub dataset name (needs the hub or its cache).
+class DataSource:
+    """One source of documents, prepared once into token shards (see titan/data/prepared.py)."""
+
+    # A local file or folder (text, jsonl/json, parquet), a HF hub dataset name (in the HF cache when offline),
+    # or a corpus titan fetches and caches itself ("titan:shakespeare").
     source: str = "data/stories.jsonl"
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
     split: str = "train"
     subset: str = ""  # the hub dataset's configuration name, if it has several
+    weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
+
+
+@dataclass
+class Data:
+    # One source (the keys mean what they mean in DataSource) ...
+    source: str = "data/stories.jsonl"
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
+    text_field: str = "text"
+    split: str = "train"
+    subset: str = ""
+    # ... or a mixture: several [[data.sources]] blended by weight; the single-source keys are then unused.
+    sources: list[DataSource] = field(default_factory=list)
+    shuffle: bool = True  # shuffle documents every epoch, by (seed, epoch)
+    # Tokens attend only within their own document and positions restart at each document.
+    document_mask: bool = True
+    cache_dir: str = ""  # prepared token shards; "" = $TITAN_CACHE/prepared (TITAN_CACHE defaults to ~/.cache/titan)
+    prepare_workers: int = 0  # tokenizer processes for `titan data prepare`; 0 = min(8, CPU count)
+    # `titan train` prepares a missing local source itself up to this size; larger ones need `titan data prepare`.
+    auto_prepare_max_mb: float = 1024.0
+
+    def source_list(self) -> list[DataSource]:
+        """The sources to blend: [[data.sources]], or the single source these keys describe."""
+        if self.sources:
+            return self.sources
+        return [DataSource(self.source, self.format, self.text_field, self.split, self.subset, 1.0)]
+
+
+@dataclass
+class Validation:
+    interval: int = 0  # evaluate every N steps (and at the end); 0 disables validation
+    steps: int = 4  # global batches per evaluation (the same batches every time)
+    # Held-out documents: this fraction of every training source, chosen by a hash of the document's index
+    # (the same split for every seed), or a separate source when `source` is set.
+    fraction: float = 0.05
+    source: str = ""
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
+    text_field: str = "text"
+    split: str = "validation"
 
 
 @dataclass
 class Training:
-    local_batch_size: int = 8  # sequences per micro-batch on each data-parallel rank
-    global_batch_size: int = 0  # sequences per optimizer step; 0 means local_batch_size x data-parallel size
+    local_batch_size: int = 8  # most sequences per micro-batch on each data-parallel rank (a memory cap)
+    global_batch_size: int = 0  # sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size
     seq_len: int = 256
     steps: int = 100
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -172,6 +214,7 @@ class Config:
     tokenizer: Tokenizer = field(default_factory=Tokenizer)
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
@@ -267,8 +310,8 @@ def _suggest(prefix: str, key: str, cls) -> str:
     everywhere = here + _all_keys()
     match = difflib.get_close_matches(prefix + key, everywhere, n=1, cutoff=0.6)
     if not match:  # the right key in the wrong section?
-        match = [k for k in _all_keys() if k.endswith("." + key)][:1]
-    return f" (did you mean {match[0]}?)" if match else f"; valid keys here: {', '.join(here)}"
+        match = [k for k in _all_keys() if k.endswith("." + key)]
+    return f" (did you mean {' or '.join(match)}?)" if match else f"; valid keys here: {', '.join(here)}"
 
 
 def _all_keys() -> list[str]:
@@ -355,7 +398,15 @@ def validate(config: Config, world_size: int) -> None:
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     require(p.dp_shard >= 1 or p.dp_shard == -1, f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}")
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
-    require(config.data.source != "", "data.source must name a local file, folder or hub dataset")
+    d, v = config.data, config.validation
+    require(d.source != "", "data.source must name a local file, folder or hub dataset")
+    for i, source in enumerate(d.sources):
+        require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
+        require(source.weight > 0, f"data.sources[{i}].weight must be > 0 (a share of the mixture), got {source.weight}")
+    require(d.prepare_workers >= 0, f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}")
+    require(v.interval >= 0, f"validation.interval must be >= 0 (0 disables validation), got {v.interval}")
+    require(v.steps > 0, f"validation.steps must be positive, got {v.steps}")
+    require(0 <= v.fraction < 1, f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}")
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
@@ -370,36 +421,66 @@ def validate(config: Config, world_size: int) -> None:
             "float8.precompute_dynamic_scale only serves float8.enable_fsdp_float8_all_gather; enable that too, or turn it off")
     require(all(s.strip() for s in f8.skip), f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}")
     # The parallel layout and the batch arithmetic both depend on the world size.
-    dp = data_parallel_size(config, world_size)
+    dp = Layout.from_config(p, world_size).dp
     if t.global_batch_size:
-        require(
-            t.global_batch_size % (t.local_batch_size * dp) == 0,
-            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of training.local_batch_size ({t.local_batch_size}) "
-            f"x data-parallel size ({dp}) = {t.local_batch_size * dp}",
-        )
+        require(t.global_batch_size % dp == 0,
+                f"training.global_batch_size ({t.global_batch_size}) must split evenly over the data-parallel size ({dp}); "
+                f"use a multiple of {dp}")
+        rows, micro = t.global_batch_size // dp, min(t.local_batch_size, t.global_batch_size // dp)
+        require(rows % micro == 0,
+                f"training.global_batch_size ({t.global_batch_size}) gives each of the {dp} data-parallel ranks {rows} rows, "
+                f"which do not split into micro-batches of training.local_batch_size ({t.local_batch_size}); "
+                f"use a local_batch_size that divides {rows}")
 
 
-def parallel_degrees(p: Parallel, world_size: int) -> tuple[int, int, int, int]:
-    """(dp_replicate, dp_shard, tp, pp) with dp_shard = -1 resolved; they must multiply to the world size."""
-    others = p.dp_replicate * p.tp * p.pp
-    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
-    if dp_shard < 1 or others * dp_shard != world_size:
-        raise ConfigError(
-            f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
-            f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
-        )
-    return p.dp_replicate, dp_shard, p.tp, p.pp
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: the one description of a parallel layout, used by the trainer, the mesh,
+    the metrics and `titan compare` (this module is torch-free, so reports never import torch)."""
+
+    dp_replicate: int = 1  # HSDP replicas
+    dp_shard: int = 1  # FSDP shards
+    tp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def from_config(cls, p: Parallel, world_size: int) -> Layout:
+        """The recipe's degrees with dp_shard = -1 resolved; they must multiply to the world size."""
+        others = p.dp_replicate * p.tp * p.pp
+        dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
+        if dp_shard < 1 or others * dp_shard != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
+                f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
+            )
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: replicas x shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        """The degrees other than 1, e.g. 'dp_shard2-tp2'; 'single' when there are none."""
+        return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items() if v != 1) or "single"
 
 
-def data_parallel_size(config: Config, world_size: int) -> int:
-    dp_replicate, dp_shard, _, _ = parallel_degrees(config.parallel, world_size)
-    return dp_replicate * dp_shard
-
-
-def gradient_accumulation_steps(config: Config, world_size: int) -> int:
+def batch_split(config: Config, world_size: int) -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per step) of each data-parallel rank. The global batch is the
+    contract: each rank reads global_batch_size / dp rows, local_batch_size at most at a time; with no
+    global batch size set, one micro-batch of local_batch_size per rank."""
     t = config.training
-    dp = data_parallel_size(config, world_size)
-    return (t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size else 1
+    dp = Layout.from_config(config.parallel, world_size).dp
+    if not t.global_batch_size:
+        return t.local_batch_size, 1
+    rows = t.global_batch_size // dp
+    micro = min(t.local_batch_size, rows)
+    return micro, rows // micro
 
 
 def to_dict(config: Config) -> dict:
@@ -416,18 +497,18 @@ def to_toml(config: Config) -> str:
             if isinstance(value, dict):
                 nested.append((key, value))
             else:
-                lines.append(f"{key} = {_toml_value(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
         for key, table in nested:
-            lines.append(f"{key} = {{ {', '.join(f'{k} = {_toml_value(v)}' for k, v in table.items())} }}")
+            lines.append(f"{key} = {{ {', '.join(f'{k} = {toml_value(v)}' for k, v in table.items())} }}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan.config import Config, ConfigError
+from titan.config import Config, ConfigError, Layout
 
 log = logging.getLogger("titan")
 
@@ -47,7 +47,7 @@ def _torchao():
     return float8
 
 
-def check_float8(config: Config, dims, device: torch.device, spec=None, args=None,
+def check_float8(config: Config, layout: Layout, device: torch.device, spec=None, args=None,
                  capability: tuple[int, int] | None = None) -> None:
     """Refuse float8 where it cannot run, before any work. With the model's `spec` and `args`, also refuse a
     filter that converts nothing. `capability` stands in for the GPU's (for tests)."""
@@ -65,7 +65,7 @@ def check_float8(config: Config, dims, device: torch.device, spec=None, args=Non
             )
     elif device.type != "cpu":
         raise ConfigError(f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}")
-    if device.type == "cpu" and f8.recipe == "rowwise_with_gw_hp" and config.training.mixed_precision == "bf16" and dims.dp == 1:
+    if device.type == "cpu" and f8.recipe == "rowwise_with_gw_hp" and config.training.mixed_precision == "bf16" and layout.dp == 1:
         # Without FSDP, bf16 is autocast; torchao 0.18's Float8Linear follows CUDA autocast only, so on the CPU its
         # high-precision weight-gradient matmul meets an fp32 input and a bf16 gradient and fails.
         raise ConfigError(
@@ -76,9 +76,9 @@ def check_float8(config: Config, dims, device: torch.device, spec=None, args=Non
     if spec is not None:
         with torch.device("meta"):
             model = spec.build(args)
-        keep = module_filter(model, spec.blocks(model), config, dims.tp)
+        keep = module_filter(model, spec.blocks(model), config, layout.tp)
         if not any(keep(module, name) for name, module in model.named_modules()):
-            multiple = f"{MULTIPLE} x parallel.tp = {MULTIPLE * dims.tp}" if dims.tp > 1 else str(MULTIPLE)
+            multiple = f"{MULTIPLE} x parallel.tp = {MULTIPLE * layout.tp}" if layout.tp > 1 else str(MULTIPLE)
             raise ConfigError(
                 f"float8.enable converts no linear layer: none in the transformer blocks has in and out features that are "
                 f"multiples of {multiple} and a name free of float8.skip {config.float8.skip}"
@@ -113,15 +113,15 @@ def linear_config(config: Config, fsdp: bool):
     return linear
 
 
-def convert(model: nn.Module, blocks: list[nn.Module], config: Config, dims) -> list[str]:
+def convert(model: nn.Module, blocks: list[nn.Module], config: Config, layout: Layout) -> list[str]:
     """Swap the chosen linears of `model` (on the meta device, before any parallelism) for Float8Linear.
     Returns the names of the converted linears."""
     if not config.float8.enable:
         return []
     float8 = _torchao()
-    keep = module_filter(model, blocks, config, dims.tp)
+    keep = module_filter(model, blocks, config, layout.tp)
     chosen = [name for name, module in model.named_modules() if keep(module, name)]
-    float8.convert_to_float8_training(model, module_filter_fn=keep, config=linear_config(config, fsdp=dims.dp > 1))
+    float8.convert_to_float8_training(model, module_filter_fn=keep, config=linear_config(config, fsdp=layout.dp > 1))
     skipped = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in chosen]
     log.info("float8 (%s recipe): %d linear layers converted; left in high precision: %s", config.float8.recipe,
              len(chosen), ", ".join(skipped) or "none")
@@ -161,12 +161,12 @@ def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
 
 
 @torch.no_grad()
-def precompute_scales(config: Config, dims, parts: list[nn.Module]) -> None:
+def precompute_scales(config: Config, layout: Layout, parts: list[nn.Module]) -> None:
     """Called after each optimizer step: with float8 all-gather and float8.precompute_dynamic_scale, the
     scales of the next forward's float8 all-gathers, for every FSDP-sharded weight in one all-reduce
     (instead of one per weight); otherwise nothing."""
     f8 = config.float8
-    if not (f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_dynamic_scale and dims.dp > 1):
+    if not (f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_dynamic_scale and layout.dp > 1):
         return
     precompute = _torchao().precompute_float8_dynamic_scale_for_fsdp
     for part in parts:

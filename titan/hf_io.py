@@ -17,7 +17,6 @@ Llama's q/k RoPE layout; this module does the files, the checks and the sharded 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -34,8 +33,9 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 import models
-from titan.checkpoint import MARKER, complete_checkpoints
-from titan.config import Config, ConfigError, Model, _toml_value, to_toml
+from titan.checkpoint import MARKER, find_checkpoint, model_shapes, read_train_state, write_train_state
+from titan.config import Config, ConfigError, Model, to_toml, toml_value
+from titan.hf_match import check_model_matches, describe_match, model_toml
 
 log = logging.getLogger("titan")
 
@@ -43,9 +43,6 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-# Model args that are training choices rather than properties of the weights: the RoPE table's length (titan
-# sizes it by training.seq_len) and dropout. They may differ between an HF model and the recipe that uses it.
-_TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -141,64 +138,6 @@ def load_hf(folder: Path, spec: models.ModelSpec) -> tuple[Any, dict[str, Tensor
     return args, state, dtypes
 
 
-def parameter_shapes(spec: models.ModelSpec, args) -> dict[str, list[int]]:
-    """Every parameter's shape, by name, as a titan trainer lists them (a tied head once)."""
-    with torch.device("meta"):
-        model = spec.build(args)
-    return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model args as a recipe: flavor + overrides
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _same_model(spec: models.ModelSpec, a, b) -> bool:
-    """Whether two args describe the same network: HF's description of them is equal."""
-    try:
-        return spec.hf.config_from_args(a) == spec.hf.config_from_args(b)
-    except ValueError:  # an impossible combination
-        return False
-
-
-def recipe_model(spec: models.ModelSpec, args, flavor: str | None = None) -> tuple[str, dict[str, Any]]:
-    """(flavor, overrides) that make a recipe build `args`: the given flavor, or the one needing fewest overrides.
-
-    Overrides that do not change the network (e.g. RoPE scaling details while scaling is off, or another way
-    to reach the same FFN size) are left out; `{}` means the flavor matches exactly.
-    """
-    candidates = [flavor] if flavor else list(spec.flavors)
-    best: tuple[str, dict] | None = None
-    for name in candidates:
-        if name not in spec.flavors:
-            raise ConfigError(f"unknown flavor {name!r} for {spec.name}; flavors: {', '.join(spec.flavors)}")
-        base = spec.flavors[name]
-        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if getattr(base, f.name) != getattr(args, f.name)}
-        for key in list(overrides):
-            trial = {k: v for k, v in overrides.items() if k != key}
-            if _same_model(spec, dataclasses.replace(base, **trial), args):
-                overrides = trial
-        if best is None or len(overrides) < len(best[1]):
-            best = (name, overrides)
-    return best
-
-
-def model_toml(name: str, flavor: str, overrides: dict[str, Any]) -> str:
-    lines = ["[model]", f"name = {_toml_value(name)}", f"flavor = {_toml_value(flavor)}"]
-    if overrides:
-        lines.append("overrides = { " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in overrides.items()) + " }")
-    return "\n".join(lines)
-
-
-def describe_match(spec: models.ModelSpec, args, flavor: str | None = None) -> tuple[str, str, dict]:
-    """A sentence on how `args` relate to titan's flavors, with the (flavor, overrides) to use."""
-    name, overrides = recipe_model(spec, args, flavor)
-    if not overrides:
-        return f"the model is exactly titan's {spec.name} flavor {name!r}", name, overrides
-    chosen = "the requested" if flavor else "the closest"
-    return f"the model matches no titan flavor exactly; {chosen} is {name!r} with {len(overrides)} overrides", name, overrides
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Writing folders atomically; DCP in one process
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,24 +182,17 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     spec = hf_spec(model_name)
     args, state, file_dtype = load_hf(hf_dir, spec)
     sentence, flavor, overrides = describe_match(spec, args, flavor)
-    shapes = parameter_shapes(spec, args)
+    shapes = model_shapes(spec, args)
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
     tensors = {name: state[name].to(torch.float32).contiguous() for name in shapes}
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
-    train_state = {
-        "step": 0,
-        "tokens_seen": 0,
-        "lr_scheduler": {},
-        "data_parallel_size": 1,
-        "model": {"name": spec.name, "flavor": flavor, "shapes": shapes},
-        "recipe": to_toml(recipe),
-        "parts": ["model"],  # weights only: no optimizer, scheduler or data state
-        "source": {"hf_checkpoint": str(hf_dir.resolve())},
-    }
     with _atomic_folder(out_dir) as tmp:
         with _single_process():
             dcp.save({"model": tensors}, checkpoint_id=str(tmp), no_dist=True)
-        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
+        # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
+        write_train_state(tmp, step=0, tokens_seen=0, lr_scheduler={}, recipe=to_toml(recipe),
+                          model={"name": spec.name, "flavor": flavor, "shapes": shapes},
+                          parts=["model"], source={"hf_checkpoint": str(hf_dir.resolve())})
         (tmp / MARKER).write_text("")
     n_params = sum(math.prod(s) for s in shapes.values())
     return "\n".join([
@@ -271,11 +203,11 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
         model_toml(spec.name, flavor, overrides),
         "",
         "[checkpoint]",
-        f"resume = {_toml_value(str(out_dir))}",
+        f"resume = {toml_value(str(out_dir))}",
         'load_only = ["model"]',
         "",
         "(checkpoint.resume names this folder on every start: once the run has checkpoints of its own, set it back "
-        f'to "auto"; or use checkpoint.init_from_hf = {_toml_value(str(hf_dir))}, which only applies to a fresh start.)',
+        f'to "auto"; or use checkpoint.init_from_hf = {toml_value(str(hf_dir))}, which only applies to a fresh start.)',
     ])
 
 
@@ -284,27 +216,13 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A complete checkpoint folder, the newest in a `checkpoints/` folder, or the newest of a run folder."""
-    path = Path(path)
-    if (path / MARKER).is_file():
-        return path
-    for folder in (path, path / "checkpoints"):
-        found = complete_checkpoints(folder)
-        if found:
-            return found[max(found)]
-    if not path.exists():
-        raise ConfigError(f"checkpoint {path} does not exist")
-    raise ConfigError(f"{path} is not a complete titan checkpoint (no {MARKER} marker), nor a folder of them")
-
-
 def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, Tensor]]:
     """(checkpoint folder, spec, model args, full parameters by name) of a titan checkpoint, in one process."""
     path = find_checkpoint(path)
+    train_state = read_train_state(path)
     try:
-        train_state = json.loads((path / "train_state.json").read_text())
         model = tomllib.loads(train_state["recipe"])["model"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint {path} is corrupt: cannot read the recipe in train_state.json ({e})") from None
     spec = hf_spec(model.get("name", "llama3"))
     try:
@@ -312,7 +230,7 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         args = models.model_args(spec, model.get("flavor", "debug"), model.get("overrides", {}))
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
-    shapes = parameter_shapes(spec, args)
+    shapes = model_shapes(spec, args)
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:  # DCP raises assorted errors on truncated or foreign files
@@ -408,48 +326,6 @@ def dcp_to_hf(checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAU
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_model_matches(spec: models.ModelSpec, recipe_args, hf_args, state: dict[str, Tensor], source: str,
-                        recipe_name: str) -> None:
-    """ConfigError naming the first parameter whose shape differs, else the first arg that changes the network."""
-    hint = _Hint(spec, hf_args)
-    mine = parameter_shapes(spec, recipe_args)
-    for name, shape in mine.items():
-        if name not in state:
-            raise ConfigError(f"{source} has no parameter {name} (shape {shape} in this recipe's {recipe_name} model){hint}")
-        if list(state[name].shape) != shape:
-            raise ConfigError(f"{source} does not match this recipe's {recipe_name} model: {name} has shape "
-                              f"{list(state[name].shape)} there but {shape} here{hint}")
-    extra = [name for name in parameter_shapes(spec, hf_args) if name not in mine]
-    if extra:
-        raise ConfigError(f"{source} has parameter {extra[0]}, which this recipe's {recipe_name} model lacks{hint}")
-    # Same shapes; what else changes the computation (RoPE, norm eps, head split, tying)?
-    present = {k: getattr(recipe_args, k) for k in _TRAINING_CHOICES if hasattr(recipe_args, k)}
-    theirs = dataclasses.replace(hf_args, **present)
-    if not _same_model(spec, recipe_args, theirs):
-        for f in dataclasses.fields(recipe_args):
-            value = getattr(theirs, f.name)
-            if value != getattr(recipe_args, f.name) and not _same_model(spec, dataclasses.replace(recipe_args, **{f.name: value}), recipe_args):
-                raise ConfigError(f"{source} does not match this recipe's {recipe_name} model: {f.name} is {value!r} there "
-                                  f"but {getattr(recipe_args, f.name)!r} here{hint}")
-        raise ConfigError(f"{source} does not match this recipe's {recipe_name} model{hint}")
-
-
-class _Hint:
-    """'; set model.flavor = ... and model.overrides = {...}', worked out only when an error message needs it."""
-
-    def __init__(self, spec: models.ModelSpec, hf_args):
-        self.spec, self.hf_args = spec, hf_args
-
-    def __str__(self) -> str:
-        flavor, overrides = recipe_model(self.spec, self.hf_args)
-        # Leave out the training choices: the recipe keeps its own sequence length and dropout.
-        overrides = {k: v for k, v in overrides.items() if k not in _TRAINING_CHOICES}
-        text = f"; to use it, set model.flavor = {_toml_value(flavor)}"
-        if overrides:
-            text += " and model.overrides = { " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in overrides.items()) + " }"
-        return text
-
-
 @torch.no_grad()
 def copy_into_parameters(named_parameters, state: dict[str, Tensor]) -> int:
     """Copy full tensors into parameters by name: DTensors get the elements at their shard's global indices,
@@ -477,21 +353,17 @@ def copy_into_parameters(named_parameters, state: dict[str, Tensor]) -> int:
     return count
 
 
-def init_from_hf(trainer) -> None:
-    """At a fresh start, load `checkpoint.init_from_hf` into the trainer's model, whatever its layout."""
-    config = trainer.config
-    source = Path(config.checkpoint.init_from_hf)
-    if trainer.step > 0 or trainer.checkpointer.find_resume_point() is not None:
-        log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
-        return
-    spec = hf_spec(config.model.name)
-    recipe_name = f"{config.model.name} {config.model.flavor}"
+def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
+    """Load the HF folder `source` into these parameters (this rank's, of any layout), after checking that
+    it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug")."""
+    source = Path(source)
+    spec = hf_spec(spec.name)
     try:
         hf_args, state, file_dtype = load_hf(source, spec)
     except ConfigError as e:
         raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
-    check_model_matches(spec, trainer.model_args, hf_args, state, f"checkpoint.init_from_hf {source}", recipe_name)
-    count = copy_into_parameters(trainer.model_parts.named_parameters(), state)
-    n_params = sum(math.prod(s) for s in parameter_shapes(spec, hf_args).values())
+    check_model_matches(spec, model_args, hf_args, state, f"checkpoint.init_from_hf {source}", recipe_model)
+    count = copy_into_parameters(named_parameters, state)
+    n_params = sum(math.prod(s) for s in model_shapes(spec, hf_args).values())
     log.info("initialised the model from HF checkpoint %s: %d parameter tensors on this rank (model: %.2fM parameters, "
              "%s in the files)", source, count, n_params / 1e6, file_dtype)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from titan.config import Config
+from titan.config import Config, Layout
 
 log = logging.getLogger("titan")
 
@@ -152,10 +152,8 @@ def run_names(config: Config, extra_info: dict) -> dict:
     """What the trackers call the run: name (job.name), group (metrics.wandb_group, else the recipe's file
     name, else job.name), layout (e.g. 'dp_shard2-tp2') and tags (recipe, model, layout, world size, and
     metrics.wandb_tags)."""
-    from titan.compare import layout_name
-
     recipe = Path(config.job.recipe).stem if config.job.recipe else ""
-    layout = layout_name(extra_info)
+    layout = Layout(**extra_info["layout"]).name
     tags = [f"model:{config.model.name}-{config.model.flavor}", f"layout:{layout}"]
     if recipe:
         tags.insert(0, f"recipe:{recipe}")

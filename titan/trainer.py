@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import signal
@@ -18,15 +20,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import models
 from titan import __version__
-from titan.checkpoint import Checkpointer
-from titan.compare import layout_name
-from titan.config import Config, ConfigError, gradient_accumulation_steps, to_toml
-from titan.data import Tokenizer, build_loader
+from titan.checkpoint import Checkpointer, model_shapes
+from titan.config import Config, ConfigError, Layout, batch_split, to_toml
+from titan.data import IGNORE, Batch, Tokenizer, build_loaders
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titan.parallel import pp
-from titan.parallel.mesh import ParallelDims, build_mesh, init_distributed
+from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout
 from titan.parallel.rng import Dropout
 
@@ -57,7 +58,7 @@ def resolve_model(config: Config):
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     """The plain single-device model, initialised from the seed: the reference every layout must equal."""
     spec, args = resolve_model(config)
-    return build_model_parts(config, spec, args, ParallelDims(1, 1, 1, 1), {}, device).parts[0]
+    return build_model_parts(config, spec, args, Layout(), {}, device).parts[0]
 
 
 class Trainer:
@@ -66,10 +67,10 @@ class Trainer:
         t = config.training
         self.device = pick_device(t.device)
         # Everything that can be wrong with the recipe is checked before joining the other processes.
-        self.dims = ParallelDims.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        self.layout = Layout.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         spec, self.model_args = resolve_model(config)
         self.spec = spec
-        check_layout(config, spec, self.model_args, self.dims, self.device)
+        check_layout(config, spec, self.model_args, self.layout, self.device)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         setup_logging(self.rank)
         torch.manual_seed(config.job.seed)
@@ -82,34 +83,37 @@ class Trainer:
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {self.model_args.vocab_size}; "
                 "use a matching tokenizer.path or set model.overrides.vocab_size"
             )
-        self.mesh = build_mesh(self.dims, self.device)
+        self.mesh = build_mesh(self.layout, self.device)
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
-        self.loader = build_loader(config, self.tokenizer, dp_rank, self.dims.dp)
+        self.micro_batch_size, self.grad_accum = batch_split(config, self.world_size)
+        # This rank's rows of every global batch: an equal, contiguous share per data-parallel rank.
+        rows_per_rank = self.micro_batch_size * self.grad_accum
+        self.loader, self.validation_loader = build_loaders(
+            config, rows_per_rank * self.layout.dp, range(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank),
+            self.micro_batch_size,
+        )
 
-        self.model_parts = build_model_parts(config, spec, self.model_args, self.dims, self.mesh, self.device)
+        self.model_parts = build_model_parts(config, spec, self.model_args, self.layout, self.mesh, self.device)
         self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
-        self.dp_rank = dp_rank
-        # One rank per data-parallel group writes the loader position: the first TP and PP rank.
-        self.is_data_writer = not self.mesh or (self.mesh["tp"].get_local_rank() == 0 and self.mesh["pp"].get_local_rank() == 0)
         self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
 
-        self.grad_accum = gradient_accumulation_steps(config, self.world_size)
-        self.tokens_per_step = t.local_batch_size * self.grad_accum * self.dims.dp * t.seq_len
-        # Each rank's summed token loss times this is its share of the step's mean loss; gradients are then
-        # summed over data-parallel ranks, so every layout computes the gradient of the same global mean.
-        self.loss_scale = 1.0 / self.tokens_per_step
-        self.loss_parallel = self.dims.tp > 1 and config.parallel.loss_parallel
+        self.tokens_per_step = rows_per_rank * self.layout.dp * t.seq_len
+        # Each rank's summed token loss times this is its share of the step's mean loss (1 / the step's
+        # loss-bearing tokens, set per step); gradients are then summed over data-parallel ranks, so every
+        # layout computes the gradient of the same global mean.
+        self.loss_scale = 1.0
+        self.loss_parallel = self.layout.tp > 1 and config.parallel.loss_parallel
         self.schedule = None
-        if self.dims.pp > 1:
+        if self.layout.pp > 1:
             self.schedule = pp.build_schedule(
                 config.parallel, list(zip(self.model_parts.stage_ids, self.model_parts.parts)), self.model_parts.n_stages,
-                pp.microbatches(config.parallel, t.local_batch_size), self.loss_fn, self.device, self.mesh["pp"].get_group(),
+                pp.microbatches(config.parallel, self.micro_batch_size), self.loss_fn, self.device, self.mesh["pp"].get_group(),
             )
         # FSDP's MixedPrecisionPolicy casts parameters itself; autocast covers the layouts without FSDP.
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if t.mixed_precision == "bf16" and self.dims.dp == 1 else contextlib.nullcontext()
+            if t.mixed_precision == "bf16" and self.layout.dp == 1 else contextlib.nullcontext()
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
@@ -119,24 +123,34 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
-        self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, self)
+        self.control_group = new_gloo_group()  # checkpoint barriers and the stop vote
+        self.checkpointer = Checkpointer(
+            config.checkpoint, self.run_dir / "checkpoints", model_parts=self.model_parts, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, loader=self.loader, rank=self.rank, recipe=to_toml(config),
+            model={"name": config.model.name, "flavor": config.model.flavor, "shapes": model_shapes(spec, self.model_args)},
+            save_group=new_gloo_group(), control_group=self.control_group,
+        )
         self.step = self.checkpointer.resume()
         if config.checkpoint.init_from_hf:
-            from titan.hf_io import init_from_hf  # a fresh start (nothing resumed) takes the HF weights
+            if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
+                from titan.hf_io import init_from_hf
 
-            init_from_hf(self)
+                init_from_hf(self.model_parts.named_parameters(), spec, self.model_args, config.checkpoint.init_from_hf,
+                             f"{config.model.name} {config.model.flavor}")
+            else:
+                log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
         self.stop_signal: str | None = None
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
             config.model.name, config.model.flavor, self.n_params() / 1e6, self.device.type, self.world_size,
-            layout_name(self.run_info()), self.tokens_per_step, t.local_batch_size, t.seq_len, self.grad_accum, self.dims.dp,
+            self.layout.name, self.tokens_per_step, self.micro_batch_size, t.seq_len, self.grad_accum, self.layout.dp,
             self.run_dir,
         )
 
     def n_params(self) -> int:
         """Parameters of the whole model (not this rank's shard)."""
         local = sum(p.numel() for _, p in self.model_parts.named_parameters())
-        if self.dims.pp == 1:
+        if self.layout.pp == 1:
             return local
         total = torch.tensor(local if self.mesh["tp"].get_local_rank() == 0 and self.mesh["dp"].get_local_rank() == 0 else 0)
         dist.all_reduce(total)
@@ -149,59 +163,68 @@ class Trainer:
             "python_version": platform.python_version(),
             "device": str(self.device) if self.device.type == "cpu" else torch.cuda.get_device_name(self.device),
             "world_size": self.world_size,
-            "layout": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp},
+            "layout": dataclasses.asdict(self.layout),
             "hostname": platform.node(),
         }
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step's mean token loss (see loss_scale)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * self.loss_scale
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE) * self.loss_scale
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors."""
         loss = self.forward_backward(micro_batches)
         params = list(self.model_parts.parameters())
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
         self.optimizer.step()
-        precompute_float8_scales(self.config, self.dims, self.model_parts.parts)  # no-op unless float8 all-gather
+        precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless float8 all-gather
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
         return self.global_loss(loss), grad_norm
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate the step's gradients; returns this rank's share of the step's loss.
-
-        The global batch is laid out as [data-parallel rank][micro-batch][row]; each sample's row in it keys
-        its dropout masks, so every layout and accumulation drops the same elements.
-        """
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Accumulate the step's gradients; returns this rank's share of the step's loss."""
         for module in self.dropouts:
             module.step = self.step
-        loss_sum = torch.zeros((), device=self.device)
-        parallel_loss = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
-        first_row = self.dp_rank * sum(len(inputs) for inputs, _ in micro_batches)
-        for inputs, labels in micro_batches:
-            rows = torch.arange(first_row, first_row + len(inputs), device=self.device)
-            first_row += len(inputs)
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            if self.schedule is not None:
-                loss_sum += self._pipeline_forward_backward(inputs, labels, rows, parallel_loss)
-                continue
-            with self.autocast:
-                logits = self.model_parts.parts[0](inputs, rows)
-            with parallel_loss:
-                loss = self.loss_fn(logits, labels)
-                loss.backward()
-            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-        return loss_sum
+        self.loss_scale = 1.0 / micro_batches[0].step_loss_tokens
+        return sum((self._micro_batch_loss(batch, train=True) for batch in micro_batches), torch.zeros((), device=self.device))
 
-    def _pipeline_forward_backward(self, inputs, labels, rows, parallel_loss) -> torch.Tensor:
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the validation batches (the same batches at every evaluation and on every layout)."""
+        loader = self.validation_loader
+        steps = [loader.batches_at(i * loader.global_batch) for i in range(self.config.validation.steps)]
+        self.loss_scale = 1.0 / sum(batches[0].step_loss_tokens for batches in steps)
+        self.model_parts.train(False)
+        loss = sum((self._micro_batch_loss(b, train=False) for batches in steps for b in batches), torch.zeros((), device=self.device))
+        self.model_parts.train()
+        return self.global_loss(loss).item()
+
+    def _micro_batch_loss(self, batch: Batch, train: bool) -> torch.Tensor:
+        """Forward (and backward, when training) one micro-batch; returns its scaled loss sum, detached."""
+        batch = batch.to(self.device)
+        # A fresh context per micro-batch: loss_parallel() is a generator-based context, usable once.
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            if self.schedule is not None:
+                return self._pipeline_loss(batch, train)
+            with self.autocast:
+                logits = self.model_parts.parts[0](batch.inputs, batch.rows, batch.document_ids)
+            loss = self.loss_fn(logits, batch.labels)
+            if train:
+                loss.backward()
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         last = self.model_parts.has_last_stage
-        args = (inputs, rows) if self.model_parts.has_first_stage else ()
-        with parallel_loss, self.autocast:
-            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+        args = ()
+        if self.model_parts.has_first_stage:
+            args = tuple(x for x in (batch.inputs, batch.rows, batch.document_ids) if x is not None)
+        run = self.schedule.step if train else self.schedule.eval
+        with self.autocast:
+            run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
             return torch.zeros((), device=self.device)
         return torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
@@ -210,9 +233,9 @@ class Trainer:
         """Sum the shares over data-parallel ranks, and take it from the last pipeline stage."""
         if not self.mesh:
             return local
-        if self.dims.dp > 1:
+        if self.layout.dp > 1:
             dist.all_reduce(local, group=self.mesh["dp"].get_group())
-        if self.dims.pp > 1:
+        if self.layout.pp > 1:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())  # stages without the loss hold 0
         return local
 
@@ -229,7 +252,7 @@ class Trainer:
         with _stop_on_signals(self):
             while self.step < total:
                 step_start = time.perf_counter()
-                batches = [next(self.loader) for _ in range(self.grad_accum)]
+                batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batches)
                 losses.append(loss)
@@ -239,9 +262,13 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     self._log_step(loss, grad_norm, lr, (time.perf_counter() - window_start) / window_steps)
                     window_start, window_steps = time.perf_counter(), 0
-                self.checkpointer.maybe_save(self.step, final=self.step == total)
+                interval = self.config.validation.interval
+                if interval and (self.step % interval == 0 or self.step == total):
+                    self._log_validation()
+                    window_start = time.perf_counter()  # evaluation time is not step time
+                self._log_checkpoint(self.checkpointer.maybe_save(self.step, self.tokens_seen, final=self.step == total))
                 if self._stop_requested():
-                    self.checkpointer.save(self.step, wait=True)
+                    self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, wait=True))
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved in "
                                     f"{self.checkpointer.folder}: run the same command to resume")
                 self.step_times.append(time.perf_counter() - step_start)
@@ -261,16 +288,32 @@ class Trainer:
             "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
             "step_time_s": step_time,
             "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
-            "tokens_seen": self.step * self.tokens_per_step,
+            "tokens_seen": self.tokens_seen,
         }
         self.metrics.log(self.step, metrics)
         log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
 
+    def _log_validation(self) -> None:
+        start = time.perf_counter()
+        loss = self.evaluate()
+        metrics = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_time_s": time.perf_counter() - start}
+        self.metrics.log(self.step, metrics)
+        log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, metrics["val_perplexity"],
+                 metrics["val_time_s"])
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def _log_checkpoint(self, metrics: dict | None) -> None:
+        if metrics:
+            self.metrics.log(self.step, metrics)
+
     def _stop_requested(self) -> bool:
         """Whether any rank received a stop signal; all ranks agree, so they stop at the same step."""
         flag = torch.tensor(int(self.stop_signal is not None))
-        if self.checkpointer.control_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.checkpointer.control_group)
+        if self.control_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
         if flag and self.stop_signal is None:
             self.stop_signal = "another rank's signal"
         return bool(flag)

@@ -7,12 +7,14 @@ Build it on the meta device, move it with `to_empty`, then call `init_weights`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titan.parallel import rng
 
@@ -83,13 +85,46 @@ def rope_table(args: ModelArgs, device=None) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim) by the angles of each
+    token's position, rope: (batch or 1, seq, head_dim/2, 2)."""
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """Flex attention is fast only compiled (eager, it materialises the scores); built on first use, as
+    torch.compile imports dynamo, which CPU runs never need."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
+    """Where a query may attend to a key: earlier or same position, same document. On GPUs a flex attention
+    block mask, whose kernel skips the blocks that are all masked; otherwise (the CPU, where flex attention
+    has no backward in torch 2.13, or the explicit path under attention dropout) a boolean (batch, 1, seq,
+    seq) mask for SDPA."""
+    batch, seq = document_ids.shape
+    if flex:
+        def same_document_causal(b, h, q, kv):
+            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+
+        return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document: 0 where the id changes (and at the start), counting up.
+    Derived from the ids, not passed along, so pipeline stages never index the RoPE table with anything but
+    positions in [0, seq)."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 class Attention(nn.Module):
@@ -102,7 +137,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """mask: from document_mask; None: causal."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -110,15 +146,18 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.training and self.dropout.p:
+        if isinstance(mask, BlockMask):
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+        elif self.training and self.dropout.p:
             # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(q)
+            if mask is None:
+                mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(q)
             out = self.dropout(probs, rows) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -144,8 +183,8 @@ class TransformerBlock(nn.Module):
         self.attention_dropout = rng.Dropout(args.resid_dropout)  # on each residual branch's output
         self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows), rows)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask), rows)
         return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
 
@@ -173,20 +212,29 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """tokens: (batch, seq) ids -> logits (batch, seq, vocab).
 
         rows: each sample's row in the step's global batch, which dropout masks are keyed by (default:
-        0..batch-1). Pipeline stages other than the first take hidden states for `tokens`, and stages other
-        than the last return (hidden states, rows) for the next stage.
+        0..batch-1). document_ids (batch, seq): packed documents (consecutive tokens with one id), each
+        attending only to itself, with positions from 0 (default: one causal sequence). Pipeline stages
+        other than the first take hidden states for `tokens`, and stages other than the last return their
+        hidden states and the other arguments given, for the next stage.
         """
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
+        seq = tokens.shape[1]
+        if document_ids is None:
+            rope, mask = self.rope[:seq].unsqueeze(0), None
+        else:
+            rope = self.rope[document_positions(document_ids)]
+            explicit_attention = self.training and self.args.attn_dropout > 0  # needs a boolean mask
+            mask = document_mask(document_ids, flex=tokens.is_cuda and not explicit_attention)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope, rows)
+            h = layer(h, rope, rows, mask)
         if self.output is None:
-            return h, rows
+            return (h, rows) if document_ids is None else (h, rows, document_ids)
         return self.output(self.norm(h))
 
     @torch.no_grad()

@@ -57,7 +57,8 @@ def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool, st
             plan[f"{block}.attention_norm"] = SequenceParallel()
             plan[f"{block}.ffn_norm"] = SequenceParallel()
         plan[f"{block}.attention"] = prepare_input(
-            input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+            input_layouts=(between, None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
         )
         # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
         # attention probabilities by head (dim 1), residual branches by sequence (dim 1) under SP.

@@ -1,20 +1,80 @@
-from titan.config import Config, ConfigError
-from titan.data.dataset import iter_texts, open_documents
-from titan.data.loader import PackedLoader
+"""The data plane: sources prepared once into token shards, one global batch per step, validation batches."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from titan.config import Config, ConfigError, DataSource
+from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens, held_out
 from titan.data.tokenizer import Tokenizer
 
+__all__ = ["IGNORE", "Batch", "GlobalBatchLoader", "Tokenizer", "build_loaders", "open_prepared", "validation_source"]
+log = logging.getLogger("titan")
 
-def build_loader(config: Config, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: int = 1) -> PackedLoader:
-    dataset = open_documents(config.data)
-    # Read the first record now, so an empty dataset or a wrong text field fails before any training starts.
-    if next(iter_texts(dataset, config.data), None) is None:
-        raise ConfigError(f"data.source: {config.data.source} has no documents")
-    return PackedLoader(
-        texts=lambda: iter_texts(dataset, config.data),
-        encode=tokenizer.encode,
-        seq_len=config.training.seq_len,
-        batch_size=config.training.local_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        source_name=config.data.source,
-    )
+
+def open_prepared(config: Config, source: DataSource):
+    """The source's prepared tokens (PreparedDocuments), preparing a small local source on first use."""
+    from titan.data.prepared import PreparedDocuments, cache_root_for, ensure_prepared
+
+    d = config.data
+    path = ensure_prepared(source, config.tokenizer, cache_root_for(d), d.prepare_workers, d.auto_prepare_max_mb)
+    return PreparedDocuments(path)
+
+
+def validation_source(config: Config) -> DataSource | None:
+    v = config.validation
+    return DataSource(v.source, v.format, v.text_field, v.split) if v.source else None
+
+
+def build_loaders(
+    config: Config, global_batch: int, rows: range, micro_batch_size: int
+) -> tuple[GlobalBatchLoader, GlobalBatchLoader | None]:
+    """The training loader and, when validation is on, the validation loader: global batches of
+    `global_batch` rows, of which this rank reads `rows`, `micro_batch_size` rows at a time."""
+    d, v, t = config.data, config.validation, config.training
+    sources = d.source_list()
+    train, held = [], []
+    for stream, source in enumerate(sources):
+        documents = open_prepared(config, source)
+        in_validation = held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+        train.append(PackedSamples(documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream))
+        what = f"data source {source.source}" + (f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else "")
+        check_enough_tokens(train[-1], what)
+        if in_validation.any():
+            held.append((source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream)))
+    blend = Blend([s.weight for s in sources])
+    _log_mixture(sources, train, blend, t.steps * global_batch)
+    loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batch_size, d.document_mask)
+    if not v.interval:
+        return loader, None
+    if v.source:
+        documents = open_prepared(config, validation_source(config))
+        held = [(1.0, PackedSamples(documents, np.arange(documents.n_documents), t.seq_len, 0, False))]
+        check_enough_tokens(held[0][1], f"validation.source {v.source}")
+    elif not held:
+        raise ConfigError(
+            f"validation.fraction = {v.fraction} holds out no document; raise it, set validation.source, "
+            "or set validation.interval = 0"
+        )
+    else:
+        for _, samples in held:
+            check_enough_tokens(samples, f"the validation split (validation.fraction = {v.fraction})")
+    weights, held = zip(*held)
+    available = sum(s.samples_per_epoch for s in held)
+    if v.steps * global_batch > available:
+        log.warning("validation reads %d sequences per evaluation but its split holds %d: some repeat",
+                    v.steps * global_batch, available)
+    return loader, GlobalBatchLoader(list(held), Blend(list(weights)), global_batch, rows, micro_batch_size, d.document_mask)
+
+
+def _log_mixture(sources: list[DataSource], train: list[PackedSamples], blend: Blend, run_samples: int) -> None:
+    total_weight = sum(s.weight for s in sources)
+    counts = blend.counts(run_samples)
+    for source, samples, count in zip(sources, train, counts):
+        log.info(
+            "data %s: %d sequences per epoch; weight %.3f, realised %.3f of this run's %d sequences (%.2f epochs)",
+            source.source, samples.samples_per_epoch, source.weight / total_weight, count / max(run_samples, 1),
+            run_samples, count / samples.samples_per_epoch,
+        )

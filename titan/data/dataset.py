@@ -2,67 +2,157 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from titan.config import ConfigError, Data
+from titan.config import ConfigError, Data, DataSource
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def _local_files(source: Path, fmt: str) -> tuple[str, list[str]]:
+@dataclass
+class Documents:
+    """Where a source's records come from: local files of one format, read one file at a time (so errors and
+    progress name the file), or a hub dataset."""
+
+    cfg: Data | DataSource
+    path: str  # cfg.source, with a `titan:` corpus resolved to its local file
+    fmt: str  # text, json, parquet or hub
+    files: list[Path]  # the local files in reading order; empty for a hub dataset
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
     files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     if fmt == "auto":
         formats = {_FORMAT_BY_SUFFIX.get(p.suffix) for p in files} - {None}
         if len(formats) != 1:
-            raise ConfigError(
-                f"data.source: cannot tell the format of {source} (found {sorted(formats) or 'no .txt/.jsonl/.json/.parquet files'}); "
-                "set data.format to text, json or parquet"
-            )
+            found = sorted(formats) or "no .txt/.jsonl/.json/.parquet files"
+            raise ConfigError(f"data.source: cannot tell the format of {source} (found {found}); "
+                              "set data.format to text, json or parquet")
         fmt = formats.pop()
-    files = [str(p) for p in files if _FORMAT_BY_SUFFIX.get(p.suffix) == fmt] if source.is_dir() else [str(source)]
+    files = [p for p in files if _FORMAT_BY_SUFFIX.get(p.suffix) == fmt] if source.is_dir() else [source]
     if not files:
         raise ConfigError(f"data.source: no {fmt} files in {source}")
     return fmt, files
 
 
-def open_documents(cfg: Data):
-    """A streaming HF IterableDataset of records; errors name the recipe key at fault."""
+def open_documents(cfg: Data | DataSource) -> Documents:
+    """The source's local files, checked, or its hub dataset (opened only when read: no network here)."""
+    path = cfg.source
+    if path.startswith("titan:"):
+        from titan.data.corpora import resolve_source  # fetches the corpus on first use
+
+        path = resolve_source(path)
+    source = Path(path).expanduser()
+    looks_local = source.exists() or path.startswith((".", "/", "~")) or source.suffix in _FORMAT_BY_SUFFIX
+    if cfg.format == "hub" or not looks_local:
+        return Documents(cfg, path, "hub", [])
+    if not source.exists():
+        raise ConfigError(f"data.source: file or folder not found: {source}")
+    fmt, files = _local_files(source, cfg.format)
+    if all(f.stat().st_size == 0 for f in files):
+        raise ConfigError(f"data.source: {cfg.source} has no documents (empty files)")
+    return Documents(cfg, str(source), fmt, files)
+
+
+def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
+    """The text of each record of `file` (one of documents.files), or of the whole source when None, in order."""
+    if file is None and documents.files:
+        for f in documents.files:
+            yield from iter_texts(documents, f)
+        return
     import datasets
 
     datasets.disable_progress_bars()
-    source = Path(cfg.source)
-    looks_local = source.exists() or cfg.source.startswith((".", "/", "~")) or source.suffix in _FORMAT_BY_SUFFIX
-    if cfg.format != "hub" and looks_local:
-        if not source.exists():
-            raise ConfigError(f"data.source: file or folder not found: {source}")
-        fmt, files = _local_files(source, cfg.format)
-        if all(Path(f).stat().st_size == 0 for f in files):
-            raise ConfigError(f"data.source: {cfg.source} has no documents (empty files)")
-        try:
-            return datasets.load_dataset(fmt, data_files={cfg.split: files}, split=cfg.split, streaming=True)
-        except Exception as e:
-            raise ConfigError(f"data.source: could not read {cfg.source} as {fmt}: {_first_line(e)}") from None
+    # It logs its own line for a file it cannot parse; ours names the line at fault instead.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    cfg, where = documents.cfg, str(file) if file is not None else repr(documents.path)
     try:
-        return datasets.load_dataset(cfg.source, cfg.subset or None, split=cfg.split, streaming=True)
-    except Exception as e:  # offline, unknown name, bad split: all surface as assorted exception types
-        raise ConfigError(
-            f"data.source: could not open hub dataset {cfg.source!r} (split {cfg.split!r}): {_first_line(e)}. "
-            "Without internet, use a local file or a dataset already in the HF cache"
-        ) from None
+        if file is None:
+            dataset = datasets.load_dataset(documents.path, cfg.subset or None, split=cfg.split, streaming=True)
+        else:
+            dataset = datasets.load_dataset(documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split,
+                                            streaming=True)
+        for number, record in enumerate(dataset, 1):
+            if cfg.text_field not in record:
+                raise ConfigError(
+                    f"data.text_field: records of {where} have no field {cfg.text_field!r}; fields: {', '.join(record)}"
+                )
+            text = record[cfg.text_field]
+            if text is None:  # HF gives every record the fields of all: a record without this one holds None
+                raise ConfigError(f"data.text_field: record {number} of {where} has no {cfg.text_field!r} (or null)")
+            if not isinstance(text, str):
+                raise ConfigError(f"data.text_field: record {number} of {where}: {cfg.text_field!r} holds "
+                                  f"{type(text).__name__}, not text")
+            if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
+                raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
+            yield text
+    except ConfigError:
+        raise
+    except Exception as e:  # pyarrow, UnicodeDecodeError, network and hub errors: assorted types
+        if file is None:
+            raise ConfigError(
+                f"data.source: could not open hub dataset {documents.path!r} (split {cfg.split!r}): {_first_line(e)}. "
+                "Without internet, use a local file or a dataset already in the HF cache"
+            ) from None
+        raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
+
+
+def _unreadable(file: Path, fmt: str, error: str) -> str:
+    """The message for a local file the reader failed on: binary data, or the first malformed JSON line."""
+    if fmt in ("text", "json") and (binary := _binary_line(file)):
+        return f"data.source: {file} is not a text file: {binary}; remove it from the source"
+    if fmt == "json" and (bad := _bad_json_line(file)):
+        return f"data.source: {file}: {bad}; fix or remove that line"
+    return f"data.source: could not read {file} as {fmt}: {error}"
+
+
+def _binary_line(file: Path) -> str | None:
+    """Where a file first holds a NUL byte or invalid UTF-8, e.g. 'line 3 holds NUL bytes (binary data?)'."""
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if b"\x00" in line:
+                return f"line {number} holds NUL bytes (binary data?)"
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"line {number} is not UTF-8 text (binary data?)"
+    return None
+
+
+def _bad_json_line(file: Path) -> str | None:
+    """The first line of a JSON file that is not a JSON object, e.g. 'line 3 is not valid JSON (...)'.
+
+    HF's JSON reader (pyarrow) numbers rows within the block it is parsing, not lines of the file, and a
+    blank line or a block boundary shifts that count; so on a parse error we read the file again ourselves.
+    """
+    with open(file, encoding="utf-8-sig") as f:
+        if f.read(4096).lstrip().startswith("["):  # one JSON array, as HF reads it too: parse it whole
+            f.seek(0)
+            try:
+                json.load(f)
+            except json.JSONDecodeError as e:
+                return f"line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
+            return None
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+            if not isinstance(record, dict):
+                return f"line {number} is not a JSON object (one {{...}} record per line)"
+    return None
 
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def iter_texts(dataset, cfg: Data) -> Iterator[str]:
-    for record in dataset:
-        if cfg.text_field not in record:
-            raise ConfigError(
-                f"data.text_field: records of {cfg.source} have no field {cfg.text_field!r}; fields: {', '.join(record)}"
-            )
-        text = record[cfg.text_field]
-        if not isinstance(text, str):
-            raise ConfigError(f"data.text_field: {cfg.text_field!r} of {cfg.source} holds {type(text).__name__}, not text")
-        yield text

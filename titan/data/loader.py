@@ -1,80 +1,219 @@
-"""Tokenize documents, pack them into fixed-length sequences, and batch them for one data-parallel rank.
+"""One global batch per step, the same for every layout; each data-parallel rank reads its rows of it.
 
-Document i of the stream belongs to data-parallel rank i % dp_size, so ranks never share a document.
-The state is (epoch, index of the next document, tokens left over from packing): restoring it resumes at
-exactly the next sequence. The state does not depend on `datasets`' own iterator state or shuffle buffer;
-resuming re-reads the stream up to the saved document (a cost linear in the documents already seen).
+The sample order is a pure function of (seed, epoch): every epoch shuffles the documents of each source,
+concatenates them, and cuts the stream into windows of seq_len + 1 tokens (inputs and, shifted by one,
+labels); a window never spans two epochs, and the tail that fills no window is dropped. With several
+sources, a fixed blend pattern says which source serves each global sample (`Blend`). Global sample g is
+row g % G of step g // G for a global batch of G rows, so the loader's whole state is one integer, the next
+global sample: resuming costs the same at any position, and a run resumed with another data-parallel size
+reads exactly the batches the original run would have read.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from titan.config import ConfigError
 
+IGNORE = -100  # label of a token that carries no loss (F.cross_entropy's default ignore_index)
 
-class PackedLoader:
-    def __init__(
-        self,
-        texts: Callable[[], Iterator[str]],  # a fresh pass over the documents, from the start
-        encode: Callable[[str], list[int]],
-        seq_len: int,
-        batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        source_name: str = "the dataset",
-    ):
-        self._texts, self._encode = texts, encode
-        self.seq_len, self.batch_size = seq_len, batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self._source_name = source_name
-        self._epoch, self._next_doc, self._buffer = 0, 0, []
-        self._stream: Iterator[tuple[int, str]] | None = None
+
+@dataclass
+class Batch:
+    """Rows of one micro-batch, with everything the model, dropout and the loss read."""
+
+    inputs: torch.Tensor  # (rows, seq_len) token ids
+    labels: torch.Tensor  # (rows, seq_len) next tokens; IGNORE where the next token is another document's
+    rows: torch.Tensor  # (rows,) each row's index in the step's global batch: dropout masks are keyed by it
+    # (rows, seq_len) the document of each token: tokens attend only within their document, and positions
+    # (for RoPE) restart at 0 where the id changes. None: each row is one causal sequence.
+    document_ids: torch.Tensor | None
+    loss_tokens: int  # labels of this micro-batch that carry a loss
+    step_loss_tokens: int  # ... of the step's whole global batch: every rank divides its loss sum by this
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.inputs), move(self.labels), move(self.rows), move(self.document_ids),
+                     self.loss_tokens, self.step_loss_tokens)
+
+
+class PackedSamples:
+    """Windows of seq_len + 1 tokens cut from a set of documents, in a shuffled order per epoch.
+
+    `documents` is anything with `lengths` (int64 per document) and `tokens(doc, start, stop)`, such as
+    PreparedDocuments; `subset` picks the documents (a train or validation split) by index.
+    """
+
+    def __init__(self, documents, subset: np.ndarray, seq_len: int, seed: int, shuffle: bool, stream: int = 0):
+        self.documents, self.subset = documents, np.asarray(subset, dtype=np.int64)
+        self.window = seq_len + 1
+        self.seed, self.shuffle, self.stream = seed, shuffle, stream
+        self.samples_per_epoch = int(np.asarray(documents.lengths)[self.subset].sum()) // self.window
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(documents in this epoch's order, the stream offset where each starts, plus the end)."""
+        if epoch not in self._epochs:
+            order = self.subset
+            if self.shuffle:
+                # numpy's PCG64 from explicit integers: the same permutation on every platform and rank.
+                order = order[np.random.default_rng([self.seed, self.stream, epoch]).permutation(len(order))]
+            starts = np.zeros(len(order) + 1, dtype=np.int64)
+            np.cumsum(np.asarray(self.documents.lengths)[order], out=starts[1:])
+            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}  # rows may straddle two epochs
+            self._epochs[epoch] = (order, starts)
+        return self._epochs[epoch]
+
+    def sample(self, index: int) -> tuple[np.ndarray, list[int]]:
+        """Sample `index` (counted across epochs): its window of tokens and the length of each document
+        segment in it, in order."""
+        epoch, k = divmod(index, self.samples_per_epoch)
+        order, starts = self._epoch(epoch)
+        begin, end = k * self.window, (k + 1) * self.window
+        doc = int(np.searchsorted(starts, begin, side="right")) - 1
+        pieces, lengths = [], []
+        while begin < end:
+            stop = min(end, int(starts[doc + 1]))
+            offset = begin - int(starts[doc])
+            pieces.append(self.documents.tokens(int(order[doc]), offset, offset + stop - begin))
+            lengths.append(stop - begin)
+            begin, doc = stop, doc + 1
+        return np.concatenate(pieces), lengths
+
+    def segments(self, indices: np.ndarray) -> np.ndarray:
+        """How many document segments each of these samples holds, without reading any token."""
+        counts = np.empty(len(indices), dtype=np.int64)
+        epochs, ks = np.divmod(indices, self.samples_per_epoch)
+        for epoch in np.unique(epochs):
+            _, starts = self._epoch(int(epoch))
+            k = ks[epochs == epoch]
+            first = np.searchsorted(starts, k * self.window, side="right")
+            last = np.searchsorted(starts, (k + 1) * self.window - 1, side="right")
+            counts[epochs == epoch] = last - first + 1
+        return counts
+
+
+class Blend:
+    """Which source serves each global sample: a fixed pattern of `period` samples in which source d appears
+    in proportion to its weight (each slot goes to the source furthest below its share), repeated. Sample g
+    is then the n-th sample of its source with n known in O(1), so a mixture resumes anywhere at once."""
+
+    def __init__(self, weights: list[float], period: int = 4096):
+        shares = np.asarray(weights, dtype=np.float64) / sum(weights)
+        self.period = period if len(weights) > 1 else 1
+        pattern, counts = np.empty(self.period, dtype=np.int64), np.zeros(len(weights), dtype=np.int64)
+        for slot in range(self.period):
+            source = int(np.argmax(shares * (slot + 1) - counts))
+            pattern[slot], counts[source] = source, counts[source] + 1
+        self.pattern, self.per_period = pattern, counts
+        # ordinal[slot]: how many earlier slots of the pattern went to the same source.
+        self.ordinal = np.zeros(self.period, dtype=np.int64)
+        for source in range(len(weights)):
+            slots = pattern == source
+            self.ordinal[slots] = np.arange(int(slots.sum()))
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(source, that source's own sample index) of global sample `sample`."""
+        cycle, slot = divmod(sample, self.period)
+        source = int(self.pattern[slot])
+        return source, cycle * int(self.per_period[source]) + int(self.ordinal[slot])
+
+    def counts(self, n_samples: int) -> np.ndarray:
+        """Samples each source serves among the first n_samples."""
+        cycles, rest = divmod(n_samples, self.period)
+        return cycles * self.per_period + np.bincount(self.pattern[:rest], minlength=len(self.per_period))
+
+
+class GlobalBatchLoader:
+    """This rank's micro-batches of each step's global batch.
+
+    `rows` are this rank's rows of the global batch (contiguous, so shares may differ between ranks);
+    they are read `micro_batch_size` at a time.
+    """
+
+    def __init__(self, sources: list[PackedSamples], blend: Blend, global_batch: int, rows: range,
+                 micro_batch_size: int, document_mask: bool):
+        self.sources, self.blend = sources, blend
+        self.global_batch, self.rows, self.micro_batch_size = global_batch, rows, micro_batch_size
+        self.document_mask = document_mask
+        self.next_sample = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "next_doc": self._next_doc, "buffer": list(self._buffer), "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+        return {"next_sample": self.next_sample, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        self._epoch, self._next_doc, self._buffer = state["epoch"], state["next_doc"], list(state["buffer"])
-        self._stream = None  # reopened lazily at the saved document
-
-    def _open(self) -> Iterator[tuple[int, str]]:
-        docs = enumerate(self._texts())
-        return itertools.islice(docs, self._next_doc, None)
-
-    def _next_document(self) -> list[int]:
-        seen_any = False
-        while True:
-            if self._stream is None:
-                self._stream = self._open()
-            for index, text in self._stream:
-                seen_any = True
-                self._next_doc = index + 1
-                if index % self.dp_size == self.dp_rank:
-                    return self._encode(text)
-            # End of an epoch: start over, unless the pass yielded nothing for this rank.
-            if self._next_doc <= self.dp_rank:
-                if self._next_doc == 0 and not seen_any:
-                    raise ConfigError(f"data.source: {self._source_name} has no documents")
-                raise ConfigError(
-                    f"data.source: {self._source_name} has {self._next_doc} documents, fewer than the data-parallel size {self.dp_size}"
-                )
-            self._epoch, self._next_doc, self._stream, seen_any = self._epoch + 1, 0, None, False
-
-    def next_sequence(self) -> torch.Tensor:
-        """seq_len + 1 tokens: the inputs and, shifted by one, the labels."""
-        while len(self._buffer) < self.seq_len + 1:
-            self._buffer.extend(self._next_document())
-        sequence, self._buffer = self._buffer[: self.seq_len + 1], self._buffer[self.seq_len + 1 :]
-        return torch.tensor(sequence, dtype=torch.long)
+        self.next_sample = int(state["next_sample"])
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), each (batch_size, seq_len)."""
-        batch = torch.stack([self.next_sequence() for _ in range(self.batch_size)])
-        return batch[:, :-1], batch[:, 1:]
+    def __next__(self) -> list[Batch]:
+        batches = self.batches_at(self.next_sample)
+        self.next_sample += self.global_batch
+        return batches
+
+    def batches_at(self, first_sample: int) -> list[Batch]:
+        """The micro-batches of this rank's rows of the global batch that starts at global sample
+        `first_sample` (a pure function of it)."""
+        step_loss_tokens = self._loss_tokens(np.arange(first_sample, first_sample + self.global_batch))
+        return [
+            self._batch(first_sample, range(start, min(start + self.micro_batch_size, self.rows.stop)), step_loss_tokens)
+            for start in range(self.rows.start, self.rows.stop, self.micro_batch_size)
+        ]
+
+    def _loss_tokens(self, samples: np.ndarray) -> int:
+        """Labels carrying a loss in these samples: every token but the window's last, less one for each
+        document boundary when documents are masked (a document's last token does not predict the next's first).
+        Counted for the whole global batch from the sample order alone, with no collective."""
+        window = self.sources[0].window - 1
+        if not self.document_mask:
+            return len(samples) * window
+        located = np.array([self.blend.locate(int(s)) for s in samples]).reshape(-1, 2)
+        total = 0
+        for source_id, source in enumerate(self.sources):
+            mine = located[located[:, 0] == source_id, 1]
+            total += int((window - (source.segments(mine) - 1)).sum())
+        return total
+
+    def _batch(self, first_sample: int, rows: range, step_loss_tokens: int) -> Batch:
+        tokens, document_ids = [], []
+        for row in rows:
+            source_id, index = self.blend.locate(first_sample + row)
+            window, lengths = self.sources[source_id].sample(index)
+            tokens.append(window)
+            document_ids.append(np.repeat(np.arange(len(lengths)), lengths))
+        tokens = torch.from_numpy(np.stack(tokens))
+        # Copies, not views: masking labels must not write into the inputs (a one-row slice counts as
+        # contiguous, so .contiguous() would return a view), and pipelining sends contiguous tensors.
+        inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        batch_rows = torch.arange(rows.start, rows.stop)
+        if not self.document_mask:
+            return Batch(inputs, labels, batch_rows, None, labels.numel(), step_loss_tokens)
+        ids = torch.from_numpy(np.stack(document_ids))
+        labels[ids[:, 1:] != ids[:, :-1]] = IGNORE
+        return Batch(inputs, labels, batch_rows, ids[:, :-1].contiguous(), int((labels != IGNORE).sum()), step_loss_tokens)
+
+
+def held_out(n_documents: int, fraction: float) -> np.ndarray:
+    """Whether each document belongs to the validation split: a hash of its index below `fraction`, so the
+    split never depends on the seed, the layout or the other documents."""
+    x = np.arange(n_documents, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # splitmix64: wrapping 64-bit arithmetic is the point
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53 < fraction
+
+
+def check_enough_tokens(samples: PackedSamples, what: str) -> None:
+    if samples.samples_per_epoch == 0:
+        tokens = int(np.asarray(samples.documents.lengths)[samples.subset].sum())
+        raise ConfigError(
+            f"{what} has {tokens} tokens in {len(samples.subset)} documents, fewer than one sequence of "
+            f"training.seq_len + 1 = {samples.window}; use more data or a shorter training.seq_len"
+        )
+

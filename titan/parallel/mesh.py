@@ -8,33 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan.config import ConfigError, Parallel, parallel_degrees
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-
-    @classmethod
-    def from_config(cls, cfg: Parallel, world_size: int) -> ParallelDims:
-        return cls(*parallel_degrees(cfg, world_size))
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+from titan.config import ConfigError, Layout
 
 
 def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
@@ -53,17 +32,23 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> dict[str, DeviceMesh]:
+def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
     """Sub-meshes by role: pp, tp, dp (both data-parallel dims flattened: data loading, loss sums) and
     fsdp (dp_shard, or dp_replicate x dp_shard for HSDP). Empty for one process."""
-    if dims.world_size == 1:
+    if layout.world_size == 1:
         return {}
     root = init_device_mesh(
-        device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
+        device.type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
     )
     return {
         "pp": root["pp"],
         "tp": root["tp"],
         "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-        "fsdp": root["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else root["dp_shard"],
+        "fsdp": root["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else root["dp_shard"],
     }
+
+
+def new_gloo_group():
+    """A gloo group over every rank (None for one process): for work that must not share a group with
+    training's collectives, such as checkpoint barriers, stop votes and DCP's background saves."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None

@@ -14,11 +14,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from models import ModelSpec
 from titan import float8
-from titan.config import Config, ConfigError
+from titan.config import Config, ConfigError, Layout, batch_split
 from titan.parallel import pp
 from titan.parallel.ac import apply_activation_checkpointing
 from titan.parallel.fsdp import apply_fsdp
-from titan.parallel.mesh import ParallelDims
 
 
 @dataclass
@@ -49,66 +48,66 @@ class ModelParts:
                     seen.add(name)
                     yield name, p
 
-    def train(self):
+    def train(self, mode: bool = True):
         for part in self.parts:
-            part.train()
+            part.train(mode)
 
 
-def check_layout(config: Config, spec: ModelSpec, args, dims: ParallelDims, device: torch.device) -> None:
+def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device) -> None:
     """Every combination that cannot work, refused with its reason before any work starts."""
     p = config.parallel
-    n_stages = dims.pp * pp.stages_per_rank(p) if dims.pp > 1 else 1
+    n_stages = layout.pp * pp.stages_per_rank(p) if layout.pp > 1 else 1
     try:
-        spec.check_parallelism(args, dims.tp, n_stages)
+        spec.check_parallelism(args, layout.tp, n_stages)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if dims.pp > 1:
+    if layout.pp > 1:
         pp.stage_layers(args.n_layers, p)
-        pp.microbatches(p, config.training.local_batch_size)
-        if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and dims.dp > 1:
+        pp.microbatches(p, batch_split(config, layout.world_size)[0])
+        if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.
             raise ConfigError(
                 f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} gives wrong "
                 "gradients in torch 2.13; use 'default' or 'never'"
             )
-    if config.compile.enable and dims.tp > 1 and p.sequence_parallel and device.type == "cpu":
+    if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
         raise ConfigError("compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
                           "set parallel.sequence_parallel = false or compile.enable = false")
-    float8.check_float8(config, dims, device, spec, args)
+    float8.check_float8(config, layout, device, spec, args)
 
 
-def build_model_parts(config: Config, spec: ModelSpec, args, dims: ParallelDims, mesh: dict[str, DeviceMesh],
+def build_model_parts(config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh],
                       device: torch.device) -> ModelParts:
     with torch.device("meta"):
         model = spec.build(args)
-    if dims.pp > 1:
+    if layout.pp > 1:
         layers = pp.stage_layers(args.n_layers, config.parallel)
         n_stages = len(layers)
-        ids = pp.stage_ids(mesh["pp"].get_local_rank(), dims.pp, n_stages, config.parallel.pp_schedule)
+        ids = pp.stage_ids(mesh["pp"].get_local_rank(), layout.pp, n_stages, config.parallel.pp_schedule)
         parts = [spec.pipeline_stage(model, layers[s], s == 0, s == n_stages - 1) for s in ids]
     else:
         n_stages, ids, parts = 1, [0], [model]
     for part in parts:
-        parallelize(part, spec, config, dims, mesh)
+        parallelize(part, spec, config, layout, mesh)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     return ModelParts(parts, ids, n_stages)
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, config: Config, dims: ParallelDims, mesh: dict[str, DeviceMesh]) -> None:
+def parallelize(model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, mesh: dict[str, DeviceMesh]) -> None:
     p = config.parallel
     blocks = spec.blocks(model)
-    float8.convert(model, blocks, config, dims)
-    if dims.tp > 1:
+    float8.convert(model, blocks, config, layout)
+    if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile.enable:
         for block in blocks:
             block.compile()
-    if dims.dp > 1:
-        reshard = {"always": True, "never": False, "default": dims.pp == 1}[p.fsdp_reshard_after_forward]
+    if layout.dp > 1:
+        reshard = {"always": True, "never": False, "default": layout.pp == 1}[p.fsdp_reshard_after_forward]
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else None
         apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload)

@@ -1,0 +1,298 @@
+"""Prepared sources (titan/data/prepared.py): the token shards read back exactly, their folder's name tracks the
+source and the tokenizer, preparation survives interruption and concurrency, and bad sources give one-line errors."""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DEBUG_RECIPE, ROOT, run_titan
+from helpers import assert_one_line_error
+from titan.cli import app
+from titan.config import ConfigError, DataSource
+from titan.config import Tokenizer as TokenizerConfig
+from titan.data import prepared
+from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
+from titan.data.tokenizer import Tokenizer
+
+TOKENIZER = TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json"))
+TEXTS = [f"Story {i}: " + "the cat sat on the mat and looked at the sun. " * (i % 5) for i in range(40)]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def leftovers(cache: Path) -> list[str]:
+    """Anything in the cache but complete folders and their lock files."""
+    return [p.name for p in cache.iterdir() if not p.name.endswith(".lock") and not (p / "COMPLETE").is_file()]
+
+
+def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp_path):
+    texts = TEXTS[:10] + ["", "   \n\t "] + TEXTS[10:]  # empty texts are skipped and counted
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", texts)))
+    path = prepare(source, TOKENIZER, tmp_path / "cache", workers=1, progress=False, shard_tokens=100)
+    documents = PreparedDocuments(path)
+    expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
+    assert documents.n_documents == len(TEXTS) and documents.n_tokens == sum(map(len, expected))
+    assert documents.lengths.dtype == np.int64 and documents.lengths.tolist() == [len(e) for e in expected]
+    assert all(documents.tokens(i).tolist() == e for i, e in enumerate(expected))
+    assert documents.tokens(3, 2, 5).tolist() == expected[3][2:5]
+    assert documents.tokens(3, -4).tolist() == expected[3][-4:] and documents.tokens(3, 5, 2).tolist() == []
+    assert documents.tokens(3).dtype == np.int64
+    meta = documents.meta
+    assert meta["empty_documents_skipped"] == 2 and meta["dtype"] == "uint16"
+    # Shards end at document boundaries and hold at most 100 tokens, unless one document alone is longer.
+    index = np.load(path / "documents.npy")
+    assert len(meta["shard_tokens"]) > 5
+    for shard, size in enumerate(meta["shard_tokens"]):
+        rows = index[index[:, 0] == shard]
+        assert rows[0, 1] == 0 and (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2]).all()
+        assert size == rows[:, 2].sum() and (size <= 100 or len(rows) == 1)
+        assert (path / f"tokens-{shard:05d}.bin").stat().st_size == 2 * size
+
+
+def test_a_folder_of_text_files_reads_in_file_order_one_document_per_line(tmp_path):
+    (tmp_path / "corpus" / "b").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("first line\nsecond line\n")
+    (tmp_path / "corpus" / "b" / "c.txt").write_text("third line\n\nfourth line\n")
+    path = prepare(DataSource(str(tmp_path / "corpus")), TOKENIZER, tmp_path / "cache", 1, False)
+    documents = PreparedDocuments(path)
+    tokenizer = Tokenizer(TOKENIZER)
+    assert [tokenizer.decode(documents.tokens(i, 1, -1).tolist()) for i in range(documents.n_documents)] == [
+        "first line", "second line", "third line", "fourth line"]
+    assert documents.path.name.startswith("corpus-")
+
+
+def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": TEXTS, "id": list(range(len(TEXTS)))}), tmp_path / "corpus.parquet")
+    parquet = prepare(DataSource(str(tmp_path / "corpus.parquet")), TOKENIZER, tmp_path / "cache", 1, False)
+    jsonl = prepare(DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1,
+                    False)
+    assert parquet != jsonl
+    for name in ("documents.npy", "tokens-00000.bin"):
+        assert (parquet / name).read_bytes() == (jsonl / name).read_bytes()
+
+
+def test_preparing_twice_gives_identical_files_whatever_the_number_of_workers(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 20)))
+    one = prepare(source, TOKENIZER, tmp_path / "one", workers=1, progress=False, shard_tokens=5000)
+    two = prepare(source, TOKENIZER, tmp_path / "two", workers=2, progress=False, shard_tokens=5000)
+    assert one.name == two.name and len(json.loads((one / "meta.json").read_text())["shard_tokens"]) > 1
+    assert folder_files(one) == folder_files(two)
+    # A complete folder is reused at once.
+    mtime = (one / "COMPLETE").stat().st_mtime_ns
+    assert prepare(source, TOKENIZER, tmp_path / "one", workers=1, progress=False) == one
+    assert (one / "COMPLETE").stat().st_mtime_ns == mtime
+
+
+def test_the_folder_changes_with_the_tokenizer_and_the_source_files(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
+    cache = tmp_path / "cache"
+    base = prepare(source, TOKENIZER, cache, 1, False)
+    assert base.name.startswith("corpus-") and PreparedDocuments(base).fingerprint == base.name.split("-")[-1]
+    other_bos = TokenizerConfig(path=TOKENIZER.path, bos_token=TOKENIZER.eos_token)
+    edited = tmp_path / "tokenizer.json"
+    edited.write_text(Path(TOKENIZER.path).read_text() + "\n")  # the same vocabulary, another file
+    names = {base.name, prepare(source, other_bos, cache, 1, False).name,
+             prepare(source, TokenizerConfig(path=str(edited)), cache, 1, False).name}
+    assert len(names) == 3
+    stat = Path(source.source).stat()
+    os.utime(source.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))  # touched, same contents
+    assert prepare(source, TOKENIZER, cache, 1, False).name not in names
+    # Neither the split name nor a differently spelt path of the same file changes anything.
+    same = DataSource(str(tmp_path / "." / "corpus.jsonl"), format="json", split="validation")
+    assert prepare(same, TOKENIZER, cache, 1, False) == prepare(source, TOKENIZER, cache, 1, False)
+
+
+def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_rerun_completes(tmp_path, monkeypatch):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 10)))
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(prepared, "_CHUNK_CHARS", 1000)
+    add = prepared._ShardWriter.add
+
+    def add_then_interrupt(self, tokens, lengths):
+        add(self, tokens, lengths)
+        if self.documents > 50:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepared._ShardWriter, "add", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, TOKENIZER, cache, workers=1, progress=False)
+    assert leftovers(cache) == []  # the temporary folder is gone
+    monkeypatch.setattr(prepared._ShardWriter, "add", add)
+    path = prepare(source, TOKENIZER, cache, workers=1, progress=False)
+    assert PreparedDocuments(path).n_documents == len(TEXTS) * 10
+
+
+def test_a_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
+    cache = tmp_path / "cache"
+    path = prepare(source, TOKENIZER, cache, 1, False)
+    # What a SIGKILL leaves: a half-written temporary folder, and (say, after a partial copy) a folder without
+    # its COMPLETE marker under the final name.
+    (path / "COMPLETE").unlink()
+    stale = cache / f".{path.name}.tmp-999999"
+    stale.mkdir()
+    (stale / "tokens-00000.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ConfigError, match="not a complete prepared source.*titan data prepare"):
+        PreparedDocuments(path)
+    assert prepare(source, TOKENIZER, cache, 1, False) == path
+    assert PreparedDocuments(path).n_documents == len(TEXTS) and leftovers(cache) == []
+    # A truncated shard is caught too.
+    with open(path / "tokens-00000.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ConfigError, match="tokens-00000.bin"):
+        PreparedDocuments(path)
+
+
+@pytest.mark.slow
+def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
+    source = write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 3000)
+    cache = tmp_path / "cache"
+    script = ("import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
+              "from titan.data.prepared import prepare; "
+              "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False)")
+    child = subprocess.Popen([sys.executable, "-c", script, str(source), TOKENIZER.path, str(cache)], cwd=ROOT)
+    deadline = time.time() + 60
+    while not any(p.name.startswith(".") and any(p.iterdir()) for p in cache.glob("*")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert leftovers(cache)  # the killed run's temporary folder
+    folder = cache / leftovers(cache)[0][1:].split(".tmp-")[0]
+    with pytest.raises(ConfigError):
+        ensure_prepared(DataSource(str(source)), TOKENIZER, cache, 1, auto_max_mb=0.001)
+    assert prepare(DataSource(str(source)), TOKENIZER, cache, 1, False) == folder
+    assert PreparedDocuments(folder).n_documents == len(TEXTS) * 3000 and leftovers(cache) == []
+
+
+def _prepare_in_child(source: str, cache: str, log: str) -> None:
+    write = prepared._write
+
+    def slow_write(*args):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # long enough for the other process to find the lock taken
+        write(*args)
+
+    prepared._write = slow_write
+    prepare(DataSource(source), TOKENIZER, Path(cache), workers=1, progress=False)
+
+
+def test_two_processes_preparing_one_source_at_once_write_it_once(tmp_path):
+    source = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
+    cache, log = tmp_path / "cache", tmp_path / "writers.log"
+    context = multiprocessing.get_context("fork")  # quick: this test's process has everything imported already
+    children = [context.Process(target=_prepare_in_child, args=(str(source), str(cache), str(log))) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert len(log.read_text().split()) == 1  # one wrote, the other waited and reused its folder
+    (folder,) = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+    assert PreparedDocuments(folder).n_documents == len(TEXTS)
+
+
+def test_ensure_prepared_prepares_small_local_sources_and_refuses_large_or_hub_ones(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"corpus.jsonl .*data.auto_prepare_max_mb.*titan data prepare --config"):
+        ensure_prepared(source, TOKENIZER, cache, 1, auto_max_mb=0.001)
+    path = ensure_prepared(source, TOKENIZER, cache, 1, auto_max_mb=1)
+    assert PreparedDocuments(path).n_documents == len(TEXTS)
+    assert ensure_prepared(source, TOKENIZER, cache, 1, auto_max_mb=0.001) == path  # prepared: no size limit
+    with pytest.raises(ConfigError, match=r"hub dataset.*titan data prepare --config") as error:
+        ensure_prepared(DataSource("someone/some-dataset"), TOKENIZER, cache, 1, auto_max_mb=1e9)
+    assert "\n" not in str(error.value)
+
+
+def test_cache_root_follows_the_recipe_then_the_environment(monkeypatch, tmp_path):
+    from titan.config import Data
+
+    assert prepared.cache_root_for(Data(cache_dir=str(tmp_path))) == tmp_path
+    monkeypatch.setenv("TITAN_CACHE", str(tmp_path / "titan"))
+    assert prepared.cache_root_for(Data()) == tmp_path / "titan" / "prepared"
+    monkeypatch.delenv("TITAN_CACHE")
+    assert prepared.cache_root_for(Data()) == Path.home() / ".cache" / "titan" / "prepared"
+
+
+# Bad sources: (file name, contents, words of the one-line error).
+BAD_SOURCES = {
+    "empty_file": ("corpus.jsonl", b"", ["corpus.jsonl", "has no documents"]),
+    "no_records": ("corpus.jsonl", b"\n\n", ["corpus.jsonl", "has no documents"]),
+    "only_empty_texts": ("corpus.jsonl", b'{"text": ""}\n{"text": "  "}\n', ["corpus.jsonl", "empty"]),
+    "malformed_record": ("corpus.jsonl", b'{"text": "fine"}\n\n{"text": "also fine"}\n{"text": broken\n',
+                         ["corpus.jsonl", "line 4", "not valid JSON"]),
+    "not_an_object": ("corpus.jsonl", b'{"text": "fine"}\n["a", "list"]\n', ["corpus.jsonl", "line 2"]),
+    "binary_jsonl": ("corpus.jsonl", b'{"text": "a\x00b"}\n\xff\xfe\x00\x01', ["corpus.jsonl", "line 1", "NUL"]),
+    "binary_txt_nul": ("corpus.txt", b"one line\nanother\x00line\n", ["corpus.txt", "line 2", "NUL"]),
+    "binary_txt_utf8": ("corpus.txt", b"one line\n\xff\xfe\x80\n", ["corpus.txt", "line 2", "UTF-8"]),
+    "missing_text_field": ("corpus.jsonl", b'{"body": "a"}\n', ["corpus.jsonl", "'text'", "body"]),
+    "non_text_field": ("corpus.jsonl", b'{"text": "a"}\n{"text": 5}\n', ["corpus.jsonl", "record 2", "int"]),
+    "text_field_in_some": ("corpus.jsonl", b'{"text": "a"}\n{"body": "b"}\n',
+                           ["corpus.jsonl", "record 2", "'text'"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SOURCES)
+def test_a_bad_source_raises_one_line_naming_the_file(tmp_path, case):
+    name, content, words = BAD_SOURCES[case]
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        prepare(DataSource(str(tmp_path / name)), TOKENIZER, tmp_path / "cache", 1, False)
+    message = str(error.value)
+    assert "\n" not in message and all(w in message for w in words), (words, message)
+    assert not (tmp_path / "cache").exists() or leftovers(tmp_path / "cache") == []
+
+
+@pytest.mark.slow
+def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
+    running = {}
+    for case, (name, content, _) in BAD_SOURCES.items():  # each CLI imports torch: run them side by side
+        (tmp_path / case).mkdir()
+        (tmp_path / case / name).write_bytes(content)
+        args = ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path,
+                "--data.source", str(tmp_path / case / name),
+                "--data.cache_dir", str(tmp_path / "cache"), "--workers", "1"]
+        running[case] = subprocess.Popen([sys.executable, "-m", "titan", *args], cwd=ROOT, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for case, child in running.items():
+        stdout, stderr = child.communicate(timeout=120)
+        result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+        assert_one_line_error(result, *BAD_SOURCES[case][2])
+
+
+def test_the_cli_prepares_every_source_of_the_recipe_and_prints_its_figures(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", TEXTS + [" "])
+    held = write_jsonl(tmp_path / "held.jsonl", TEXTS[:5])
+    args = ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path, "--data.source", str(train), "--validation.source",
+            str(held), "--data.cache_dir", str(tmp_path / "cache"), "--workers", "1"]
+    result = run_titan(*args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{train}: {tmp_path / 'cache'}/train-")
+    assert f"40 documents, {sum(len(Tokenizer(TOKENIZER).encode(t)) for t in TEXTS):,} tokens" in lines[0]
+    assert "(1 empty documents skipped)" in lines[0] and " s, " in lines[0] and lines[0].endswith("tokens/s")
+    assert lines[1].startswith(f"{held}: ") and "5 documents" in lines[1]
+    again = CliRunner().invoke(app, args)  # in this process: a second real CLI would only import torch again
+    assert again.exit_code == 0, again.output
+    assert [line.endswith("already prepared") for line in again.stdout.splitlines()] == [True, True]

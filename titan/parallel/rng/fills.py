@@ -1,0 +1,108 @@
+"""What titan draws: in-place weight fills and dropout, identical on every parallel layout.
+
+A fill gives each element of a parameter the value the unsharded tensor has at that element's global index
+(Philox counter 0), so a shard filled on any rank of any mesh is bitwise the slice one process would produce.
+Dropout keys its mask by the module's name, the optimizer step (the counter) and the element's index in the
+step's global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from titan.parallel.rng.philox import bernoulli_mask, generate_into
+from titan.parallel.rng.shards import ShardIndex, dtensor_global_indices
+
+
+def _fill(tensor: Tensor, kind: str, seed: int, stream: str, params: dict) -> Tensor:
+    """Fill a plain tensor (the whole tensor) or a DTensor (its local shard) in place; meta tensors are left alone.
+
+    Values follow the logical row-major position, so a non-contiguous tensor gets what a contiguous one would.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+        coord = mesh.get_coordinate()
+        if coord is None:  # a rank outside the mesh holds nothing
+            return tensor
+        # Writing the value on every rank would multiply a Partial("sum") tensor; parameters are never Partial.
+        if any(p.is_partial() for p in placements):
+            raise ValueError(f"cannot fill a DTensor with Partial placements {placements}")
+        local, layout = tensor._local_tensor, (mesh.shape, coord, placements)  # to_local() would record autograd
+    else:
+        local, layout = tensor, ((), (), ())
+    if not local.is_floating_point():
+        raise TypeError(f"can only fill floating-point tensors, got {local.dtype}")
+    if local.is_meta:
+        return tensor
+    index = ShardIndex(tensor.shape, *layout, device=local.device)
+    if tuple(local.shape) != index.local_shape:  # the index maths split differently from DTensor: never write
+        raise ValueError(f"local tensor of shape {tuple(local.shape)}, but layout {layout} gives {index.local_shape}")
+    local = local.detach()  # same storage; autograd stays out of it (worker threads included)
+    if local.is_contiguous():
+        generate_into(local.view(-1), index.flat, seed, stream, 0, kind, params)
+    else:
+        buf = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+        generate_into(buf.view(-1), index.flat, seed, stream, 0, kind, params)
+        local.copy_(buf)
+    return tensor
+
+
+def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, *, seed: int, stream: str) -> Tensor:
+    """Fill ``tensor`` (plain or DTensor) in place with Normal(mean, std) from (seed, stream); returns it."""
+    return _fill(tensor, "normal", seed, stream, {"mean": mean, "std": std})
+
+
+def trunc_normal_(
+    tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, *, seed: int, stream: str
+) -> Tensor:
+    """Fill ``tensor`` (plain or DTensor) in place with Normal(mean, std) truncated to the absolute bounds
+    [a, b], as ``nn.init.trunc_normal_`` (same argument order), from (seed, stream); returns it."""
+    return _fill(tensor, "trunc_normal", seed, stream, {"mean": mean, "std": std, "a": a, "b": b})
+
+
+class Dropout(torch.nn.Module):
+    """Inverted dropout whose mask is a pure function of (seed, this module's name, optimizer step, and
+    the element's position in the step's global batch).
+
+    So every layout drops exactly what one device would: a data-parallel rank or micro-batch passes the
+    global batch rows it holds (`rows`), a tensor-parallel shard arrives as a DTensor (the TP plan says
+    how the local tensor is sharded), and activation-checkpoint recomputation redraws the same mask.
+    The owner sets `stream` (the module's name) and `seed` at init; the trainer sets `step`.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.stream, self.seed, self.step = p, "", 0, 0
+
+    def forward(self, x: Tensor, rows: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return dropout(x, self.p, rows, seed=self.seed, stream=self.stream, step=self.step)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: int) -> Tensor:
+    """`x` (batch first; a plain tensor of whole rows, or a DTensor sharded along other dims) with elements
+    dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch."""
+    from torch.distributed.tensor import DTensor
+
+    local = x.to_local() if isinstance(x, DTensor) else x
+    if isinstance(x, DTensor):
+        if any(pl.is_shard(0) for pl in x.placements):
+            raise ValueError("dropout: the batch dim must not be sharded within the DTensor's mesh; pass rows instead")
+        index = dtensor_global_indices(x)
+    else:
+        index = torch.arange(local.numel(), device=local.device).view(local.shape)
+    per_row = math.prod(x.shape[1:])  # x.shape is the global shape for a DTensor
+    row_shift = (rows.to(index.device) - torch.arange(local.shape[0], device=index.device)) * per_row
+    index = index + row_shift.view(-1, *([1] * (local.dim() - 1)))
+    mask = bernoulli_mask(index, seed, stream, step, p_keep=1.0 - p)
+    out = local * mask.to(local.dtype) / (1.0 - p)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False) if isinstance(x, DTensor) else out

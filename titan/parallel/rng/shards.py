@@ -1,0 +1,140 @@
+"""The global flat index of every element of a local shard, so a shard can draw what the whole tensor holds there.
+
+For each tensor dim, start from ``arange(global_size)``. For each mesh dim in order, apply its placement: a
+``Shard(d)`` keeps this rank's chunk of dim d's vector, split exactly as DTensor chunks (``torch.chunk`` sizes,
+trailing chunks possibly empty), and FSDP2-over-TP's ``_StridedShard(d, split_factor=k)`` splits it into k pieces
+and keeps this rank's chunk of each; ``Replicate`` and ``Partial`` leave the vectors alone. The per-dim vectors
+combined with the global row-major strides give the flat indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def _placement_types():
+    # Imported on use: torch.distributed.tensor takes about a second to import and plain tensors never need it.
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return Shard, _StridedShard, Replicate, Partial
+
+
+def _chunk(v: Tensor, num_chunks: int, i: int) -> Tensor:
+    """Chunk ``i`` of ``torch.chunk(v, num_chunks)`` padded with empty chunks (DTensor's rule)."""
+    n = v.numel()
+    size = -(-n // num_chunks)  # ceil
+    start = min(i * size, n)
+    return v[start : min(start + size, n)]
+
+
+def _dim_index_vectors(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], mesh_coord: Sequence[int], placements: Sequence
+) -> list[Tensor | None]:
+    """Per tensor dim, the global indices (1-D, CPU) this rank holds; None = the whole dim.
+
+    Mesh dims are applied left to right, each splitting the indices left by the previous ones, exactly like
+    ``distribute_tensor`` and ``compute_local_shape_and_global_offset``.
+    """
+    Shard, _StridedShard, Replicate, Partial = _placement_types()
+    ndim = len(global_shape)
+    if not (len(mesh_shape) == len(mesh_coord) == len(placements)):
+        raise ValueError(
+            f"mesh_shape {tuple(mesh_shape)}, mesh_coord {tuple(mesh_coord)} and placements "
+            f"{tuple(placements)} must have one entry per mesh dim"
+        )
+    vecs: list[Tensor | None] = [None] * ndim
+    for md, p in enumerate(placements):
+        n, r = int(mesh_shape[md]), int(mesh_coord[md])
+        if not 0 <= r < n:
+            raise ValueError(f"mesh coordinate {r} out of range for mesh dim {md} of size {n}")
+        if isinstance(p, (Shard, _StridedShard)):
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise ValueError(f"{p} shards dim {p.dim} of a {ndim}-d tensor")
+            v = vecs[d] if vecs[d] is not None else torch.arange(int(global_shape[d]))
+            if isinstance(p, _StridedShard):
+                sf = int(p.split_factor)
+                v = torch.cat([_chunk(_chunk(v, sf, j), n, r) for j in range(sf)])
+            else:
+                v = _chunk(v, n, r)
+            vecs[d] = v
+        elif not isinstance(p, (Replicate, Partial)):
+            raise TypeError(f"unsupported placement {p!r} on mesh dim {md}")
+    return vecs
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= int(size)
+    return strides[::-1]
+
+
+class ShardIndex:
+    """Global flat indices of one rank's local shard, whole (:meth:`full`) or by flat ranges (:meth:`flat`,
+    bounded memory). With no mesh dims the shard is the whole tensor."""
+
+    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None):
+        self.global_shape = tuple(int(s) for s in global_shape)
+        vecs = _dim_index_vectors(self.global_shape, mesh_shape, mesh_coord, placements)
+        self.local_shape = tuple(self.global_shape[d] if v is None else v.numel() for d, v in enumerate(vecs))
+        self.trivial = all(v is None for v in vecs)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.vecs = [None if v is None else v.to(self.device) for v in vecs]
+        self.gstrides = _contiguous_strides(self.global_shape)
+
+    def flat(self, start: int, end: int) -> Tensor:
+        """Global indices of local flat (row-major) positions [start, end)."""
+        f = torch.arange(start, end, dtype=torch.int64, device=self.device)
+        if self.trivial:
+            return f
+        out = torch.zeros_like(f)
+        for d in reversed(range(len(self.local_shape))):
+            size, v, gs = self.local_shape[d], self.vecs[d], self.gstrides[d]
+            c = f.remainder(size) if d else f
+            g = c if v is None else v[c]
+            out.add_(g, alpha=gs) if gs != 1 else out.add_(g)
+            if d:
+                f = f.div(size, rounding_mode="floor")
+        return out
+
+    def full(self) -> Tensor:
+        """All indices, shaped like the local shard."""
+        ndim = len(self.global_shape)
+        out = torch.zeros(self.local_shape, dtype=torch.int64, device=self.device)
+        for d in range(ndim):
+            v = self.vecs[d]
+            if v is None:
+                v = torch.arange(self.global_shape[d], device=self.device)
+            view = [1] * ndim
+            view[d] = -1
+            out.add_(v.view(view) * self.gstrides[d])
+        return out
+
+
+def global_indices(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    mesh_coord: Sequence[int],
+    placements: Sequence,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Flat row-major global index (int64, shaped like the local shard) of every element of the shard that the
+    rank at ``mesh_coord`` of a ``mesh_shape`` mesh holds under ``placements`` (one per mesh dim)."""
+    return ShardIndex(global_shape, mesh_shape, mesh_coord, placements, device).full()
+
+
+def dtensor_global_indices(tensor, device: torch.device | str | None = None) -> Tensor:
+    """:func:`global_indices` of this rank's shard of the DTensor ``tensor`` (on its device unless ``device``);
+    a rank outside the mesh gets an empty index tensor, as its local tensor is empty too."""
+    mesh = tensor.device_mesh
+    device = tensor.device if device is None else device
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return global_indices(tuple(tensor.shape), mesh.shape, coord, tuple(tensor.placements), device)
