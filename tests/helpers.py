@@ -62,5 +62,5 @@ def rows_of(batch, rows: slice):
 def micro_batches_of_rank(trainer, global_batch) -> list:
     """The trainer's data-parallel rank's micro-batches of a global batch given whole."""
     dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh else 0
-    share, local = len(global_batch.rows) // trainer.dims.dp, trainer.config.training.local_batch_size
+    share, local = len(global_batch.rows) // trainer.layout.dp, trainer.micro_batch_size
     return [rows_of(global_batch, slice(s, s + local)) for s in range(dp_rank * share, (dp_rank + 1) * share, local)]

@@ -16,7 +16,8 @@ from slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, unavaila
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 TINY = [
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--model.overrides.n_layers", "1",
+    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "0",
+    "--model.overrides.n_layers", "1", "--data.source", str(ROOT / "data" / "stories.jsonl"), "--tokenizer.path", str(ROOT / "data" / "tokenizer.json"),
     "--metrics.wandb", "disabled", "--metrics.tensorboard", "false", "--metrics.log_freq", "1",
     "--metrics.peak_flops", "1e11",
 ]
@@ -58,6 +59,7 @@ def submit(cluster, out_dir: Path, name: str, *overrides: str) -> int:
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": "1",
         "TITAN_WORKDIR": str(ROOT),
+        "TITAN_CACHE": os.environ["TITAN_CACHE"],  # the tests' own cache (conftest), not the user's
         "TITAN_RDZV_PORT": str(free_ports(1)[0]),
     }
     options = ["--nodes=2", f"--job-name={name}", f"--output={out_dir}/slurm-%j.out", "--time=10"]

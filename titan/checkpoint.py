@@ -113,7 +113,12 @@ class Checkpointer:
         if "model" in parts:
             state["model"] = {name: p for name, p in named}
         if "optimizer" in parts:
-            for _, p in named:  # AdamW creates its state lazily; loading needs it to exist
+            missing = [name for name, p in named if p not in self.optimizer.state]
+            if missing and len(missing) < len(named):
+                # Some parameters are other tensors than those the optimizer stepped (e.g. FSDP left a module
+                # unsharded): saving would write zeros for their state.
+                raise RuntimeError(f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?")
+            for _, p in named:  # AdamW creates its state lazily; loading into a fresh optimizer needs it to exist
                 if p not in self.optimizer.state:
                     self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
             state["optimizer"] = {name: self.optimizer.state[p] for name, p in named}

@@ -199,6 +199,7 @@ class Trainer:
         self.loss_scale = 1.0 / sum(batches[0].step_loss_tokens for batches in steps)
         self.model_parts.train(False)
         loss = sum((self._micro_batch_loss(b, train=False) for batches in steps for b in batches), torch.zeros((), device=self.device))
+        self.model_parts.reshard()
         self.model_parts.train()
         return self.global_loss(loss).item()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
 from models import ModelSpec
@@ -39,6 +40,15 @@ class ModelParts:
     def parameters(self):
         for part in self.parts:
             yield from part.parameters()
+
+    def reshard(self) -> None:
+        """Put FSDP's sharded parameters back. A forward without backward (evaluation) leaves the modules
+        that skip resharding after forward (the last block, the root) holding unsharded parameters, which
+        are other tensors than the ones the optimizer and checkpoints know."""
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def named_parameters(self):
         seen = set()
@@ -70,6 +80,13 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
             raise ConfigError(
                 f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} gives wrong "
                 "gradients in torch 2.13; use 'default' or 'never'"
+            )
+        if config.validation.interval and p.pp_schedule.lower() in pp.V_SHAPED:
+            # torch 2.13: a V-shaped schedule's eval() still runs its backward actions and fails at the first
+            # pair of adjacent stages on one rank ("can't steal_bwd_input").
+            raise ConfigError(
+                f"validation with the V-shaped schedule {p.pp_schedule} fails in torch 2.13 (its eval path runs "
+                "backward actions); use another parallel.pp_schedule, or set validation.interval = 0"
             )
     if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
