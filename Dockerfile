@@ -38,7 +38,6 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/titan
 COPY pyproject.toml README.md train.py ./
 COPY titan titan
-COPY models models
 RUN pip install --no-cache-dir . && titan --help > /dev/null
 COPY recipes recipes
 COPY data data

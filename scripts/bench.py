@@ -41,11 +41,23 @@ LAYOUTS = {
 # name -> [(label, mode, processes, overrides)]
 COMPARISONS = {
     "bare": [("bare", "bare", 1, []), ("titan", "titan", 1, [])],
-    "float8": [("titan", "titan", 1, ["--float8.enable", "false"]), ("float8", "titan", 1, ["--float8.enable", "true"])],
-    "dropout": [("dropout0", "titan", 1, []),
-                ("dropout0.1", "titan", 1, ["--model.overrides.resid_dropout", "0.1", "--model.overrides.attn_dropout", "0.1"])],
-    "checkpoint": [("sync", "titan", 1, ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]),
-                   ("async", "titan", 1, ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.async_save", "true"])],
+    "float8": [
+        ("titan", "titan", 1, ["--float8.enable", "false"]),
+        ("float8", "titan", 1, ["--float8.enable", "true"]),
+    ],
+    "dropout": [
+        ("dropout0", "titan", 1, []),
+        ("dropout0.1", "titan", 1, ["--model.overrides.resid_dropout", "0.1", "--model.overrides.attn_dropout", "0.1"]),
+    ],
+    "checkpoint": [
+        ("sync", "titan", 1, ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]),
+        (
+            "async",
+            "titan",
+            1,
+            ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.async_save", "true"],
+        ),
+    ],
     "layouts": [(name, "titan", n, extra) for name, (n, extra) in LAYOUTS.items()],
 }
 
@@ -60,8 +72,21 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.trainer import Trainer, build_model, pick_device, resolve_model
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
-    overrides = ["--training.steps", str(steps), "--metrics.wandb", "disabled", "--metrics.tensorboard", "false",
-                 "--metrics.log_freq", str(steps), "--checkpoint.enable", "false", "--job.output_dir", run_dir, *overrides]
+    overrides = [
+        "--training.steps",
+        str(steps),
+        "--metrics.wandb",
+        "disabled",
+        "--metrics.tensorboard",
+        "false",
+        "--metrics.log_freq",
+        str(steps),
+        "--checkpoint.enable",
+        "false",
+        "--job.output_dir",
+        run_dir,
+        *overrides,
+    ]
     config = load_config(recipe, overrides)
     blocked = []
     if mode == "titan":
@@ -111,13 +136,35 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
 def run(label: str, mode: str, processes: int, args, overrides: list[str]) -> dict:
     """One measurement in fresh processes; returns rank 0's result with every rank's peak memory."""
     with tempfile.TemporaryDirectory(prefix="titan-bench-") as out:
-        child = [__file__, "--_mode", mode, "--_out", out, "--config", args.config, "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), *overrides]
+        child = [
+            __file__,
+            "--_mode",
+            mode,
+            "--_out",
+            out,
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *overrides,
+        ]
         if processes == 1:
             cmd = [sys.executable, *child]
         else:
-            cmd = ["torchrun", "--nproc-per-node", str(processes), "--master-port", str(29500 + os.getpid() % 1000), *child]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))}
+            cmd = [
+                "torchrun",
+                "--nproc-per-node",
+                str(processes),
+                "--master-port",
+                str(29500 + os.getpid() % 1000),
+                *child,
+            ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes))),
+        }
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode != 0:
             sys.exit(f"{label} run failed:\n{done.stderr[-4000:]}")
@@ -158,7 +205,8 @@ def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
                 seconds = time.perf_counter() - start
                 meta = json.loads((path / "meta.json").read_text())
                 label = f"{Path(source.source).name}, {n} worker{'s' if n > 1 else ''}"
-                print(f"{label:<32}{meta['documents']:>10,}{meta['tokens']:>12,}{seconds:>9.2f}{meta['tokens'] / seconds:>12,.0f}")
+                rate = meta["tokens"] / seconds
+                print(f"{label:<32}{meta['documents']:>10,}{meta['tokens']:>12,}{seconds:>9.2f}{rate:>12,.0f}")
         t = config.training
         global_batch = t.global_batch_size or t.local_batch_size
         loader, _ = build_loaders(config, global_batch, range(global_batch), batch_split(config, 1)[0])
@@ -166,8 +214,10 @@ def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
         for _ in range(steps):
             next(loader)
         seconds = time.perf_counter() - start
-        print(f"loader, one rank reading the whole global batch of {global_batch} x {t.seq_len}: "
-              f"{steps * global_batch * t.seq_len / seconds:,.0f} tokens/s ({1000 * seconds / steps:.2f} ms per step)")
+        print(
+            f"loader, one rank reading the whole global batch of {global_batch} x {t.seq_len}: "
+            f"{steps * global_batch * t.seq_len / seconds:,.0f} tokens/s ({1000 * seconds / steps:.2f} ms per step)"
+        )
         start = time.perf_counter()
         loader.load_state_dict({"next_sample": 10_000_000})
         next(loader)
@@ -211,20 +261,35 @@ def main() -> None:
 
         t = load_config(args.config, overrides).training
         global_batch = t.global_batch_size or t.local_batch_size
-        runs = [(label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)]) for label, mode, n, extra in runs]
+        runs = [
+            (label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)])
+            for label, mode, n, extra in runs
+        ]
     results = [run(label, mode, n, args, [*overrides, *extra]) for label, mode, n, extra in runs]
     base = results[0]
-    print(f"{'run':<12}{'procs':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}  {'peak GiB per rank':<22}{'ckpt block ms':>14}")
+    print(
+        f"{'run':<12}{'procs':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}  "
+        f"{'peak GiB per rank':<22}{'ckpt block ms':>14}"
+    )
     for r in results:
         r["step_time_vs_first"] = r["step_time_ms"] / base["step_time_ms"]
         memory = " ".join(f"{m:.2f}" for m in r["peak_memory_gib_per_rank"])
         blocked = f"{r['checkpoint_blocked_ms']:.0f}" if r["checkpoint_blocked_ms"] is not None else "-"
-        print(f"{r['run']:<12}{r['world_size']:>6}{r['step_time_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>7.2f}%  "
-              f"{memory:<22}{blocked:>14}")
+        print(
+            f"{r['run']:<12}{r['world_size']:>6}{r['step_time_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}"
+            f"{100 * r['mfu']:>7.2f}%  {memory:<22}{blocked:>14}"
+        )
     for r in results[1:]:
         print(f"{r['run']} step time / {base['run']} step time = {r['step_time_vs_first']:.3f}")
-    report = {"recipe": args.config, "compare": args.compare, "steps": args.steps, "warmup": args.warmup,
-              "overrides": overrides, "device": base["device"], "results": results}
+    report = {
+        "recipe": args.config,
+        "compare": args.compare,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "overrides": overrides,
+        "device": base["device"],
+        "results": results,
+    }
     print(json.dumps(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -23,8 +23,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -44,7 +50,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -55,7 +63,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
                 # A rank that died without reporting (a crash) leaves the others waiting in a collective.
-                dead = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [
+                    f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                ]
                 if dead or time.monotonic() > deadline:
                     errors.append("; ".join(dead) or f"timed out after {timeout:.0f}s")
                 continue

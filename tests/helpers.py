@@ -1,10 +1,20 @@
-"""What several test files need: documents in memory, full weights of a sharded model, the one-line-error check."""
+"""What several test files need: documents in memory, the layout tests' tiny model and tolerances, full
+weights of a sharded model, runs stopped and resumed, a tiny HF Llama, and the one-line-error check."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
+
+from conftest import DEBUG_RECIPE, tiny_overrides
+from titan.config import load_config
+from titan.trainer import Preempted, Trainer
 
 
 class InMemoryDocuments:
@@ -55,8 +65,14 @@ def rows_of(batch, rows: slice):
 
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
     labels = batch.labels[rows]
-    return Batch(batch.inputs[rows], labels, batch.rows[rows], pick(batch.document_ids),
-                 int((labels != IGNORE).sum()), batch.step_loss_tokens)
+    return Batch(
+        batch.inputs[rows],
+        labels,
+        batch.rows[rows],
+        pick(batch.document_ids),
+        int((labels != IGNORE).sum()),
+        batch.step_loss_tokens,
+    )
 
 
 def micro_batches_of_rank(trainer, global_batch) -> list:
@@ -64,3 +80,162 @@ def micro_batches_of_rank(trainer, global_batch) -> list:
     dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh else 0
     share, local = len(global_batch.rows) // trainer.layout.dp, trainer.micro_batch_size
     return [rows_of(global_batch, slice(s, s + local)) for s in range(dp_rank * share, (dp_rank + 1) * share, local)]
+
+
+# -- the layout tests: each layout trains on its rows of the recipe's global batches
+
+GLOBAL_BATCH, STEPS = 8, 5
+MODEL = {
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.n_layers": "4",
+    "model.overrides.multiple_of": "32",
+    "training.seq_len": "32",
+    "lr_scheduler.warmup_steps": "2",
+    "optimizer.lr": "3e-3",
+    # A held-out split, evaluated after training (train_on); the trainer itself would evaluate every 1000 steps.
+    "validation.interval": "1000",
+    "validation.fraction": "0.05",
+    "validation.steps": "2",
+}
+# Tolerances, measured on this machine (fp32, 5 AdamW steps, every layout below): losses differ from the
+# single process by at most 1.8e-7 relative and weights by at most 2.0e-6 absolute (TP's output head;
+# reduce-scatters and split matmuls sum in other orders, and Adam's per-element normalisation magnifies
+# rounding in near-zero gradients). Bounds: ~5x the measurement. A real bug is far outside: dropping FSDP's
+# gradient-sum setting (gradients halved) moves the loss by 3.6e-6 and the weights by 6.8e-4.
+LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-5
+
+
+def layout_overrides(tmp, layout: dict) -> list[str]:
+    return tiny_overrides(
+        tmp, **{"metrics.log_freq": "100", **MODEL, "training.global_batch_size": str(GLOBAL_BATCH), **layout}
+    )
+
+
+def with_local_batch(layouts: dict, world: int) -> dict:
+    """Fill in local_batch_size = global batch / data-parallel size where the layout does not set it."""
+    result = {}
+    for name, layout in layouts.items():
+        dp = world // (int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.pp", 1)))
+        result[name] = {"training.local_batch_size": str(GLOBAL_BATCH // dp), **layout}
+    return result
+
+
+# -- runs stopped and resumed
+
+SMALL = {
+    "model.overrides.n_layers": "2",
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.multiple_of": "32",
+    "training.seq_len": "32",
+    "training.steps": "10",
+    "lr_scheduler.warmup_steps": "3",
+    "optimizer.lr": "3e-3",
+    "model.overrides.resid_dropout": "0.1",
+}
+
+
+def trainer_for(run_root, **extra) -> Trainer:
+    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(run_root, **{**SMALL, **extra})))
+
+
+def straight_and_resumed(root, extra: dict | None = None):
+    extra = extra or {}
+    straight = trainer_for(root / "straight", **extra)
+    straight_losses = straight.train()
+    first = trainer_for(root / "resumed", **extra)
+    first_losses = losses_until_preempted(first, 5)
+    second = trainer_for(root / "resumed", **extra)
+    assert second.step == 5
+    second_losses = second.train()
+    return straight_losses, first_losses + second_losses, full_weights(straight), full_weights(second)
+
+
+def losses_until_preempted(trainer, stop_after):
+    losses = []
+    step = trainer.train_step
+
+    def recording_step(batches):
+        loss, norm = step(batches)
+        losses.append(loss.item())
+        if trainer.step == stop_after:
+            trainer.stop_signal = "SIGUSR1"  # what the signal handler sets
+        return loss, norm
+
+    trainer.train_step = recording_step
+    with pytest.raises(Preempted, match=f"at step {stop_after}"):
+        trainer.train()
+    return losses
+
+
+# -- a tiny random HF Llama (transformers is imported where it is used: most tests never need it)
+
+# fp32 on CPU. Measured max |logit diff| (transformers 5.23, torch 2.13, |logits| up to ~2.9): 1.2e-6 for
+# HF -> titan and 1.2e-6 for titan -> HF, tied or not. It is rounding only: with every computation forced to
+# float64 on both sides (HF keeps RMSNorm, softmax and RoPE in float32 even in a float64 model, titan keeps
+# RoPE in float32) the two models agree to 2e-14. The rounding grows fast with the weight scale (std 0.2:
+# ~1e-5, each model ~1.3e-5 from a float64 reference), hence the modest scale in `randomize_`.
+TOL = 1e-5
+
+
+def tiny_hf_config(tied: bool):
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,  # not titan's default for dim 64 (170): needs a computed ffn_dim_multiplier
+        vocab_size=320,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        tie_word_embeddings=tied,
+        attn_implementation="eager",  # an independent reference: titan uses SDPA
+    )
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is far from uniform (so a q/k layout error shows) and norms not 1.
+
+    HF's default init (std 0.02) makes attention nearly uniform, which would hide a q/k layout error; std 0.07
+    moves the logits by ~0.5 without the permutation while keeping fp32 rounding ~8x under TOL (see above).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied parameter is listed once
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.07 * noise)
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config = json.loads((path / "config.json").read_text())
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    return config, weights
+
+
+def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()

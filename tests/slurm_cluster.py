@@ -27,7 +27,15 @@ from pathlib import Path
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 PACKAGES = ("slurm-wlm", "munge")
 FINAL_STATES = {
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
 }
 
 
@@ -44,7 +52,10 @@ def unavailable(install: bool = True) -> str | None:
         _apt_install()
         missing = [b for b in BINARIES if shutil.which(b) is None]
     if missing:
-        return f"{', '.join(missing)} not found: install Debian's {' and '.join(PACKAGES)} (apt-get install -y {' '.join(PACKAGES)})"
+        packages = " ".join(PACKAGES)
+        return (
+            f"{', '.join(missing)} not found: install Debian's {' and '.join(PACKAGES)} (apt-get install -y {packages})"
+        )
     return None
 
 
@@ -119,10 +130,17 @@ class SlurmCluster:
         self._write_conf(free_ports(1 + len(self.nodes)))
 
         munge_dir = self.munge_socket.parent
-        self._spawn("munged", [
-            "munged", "--foreground", f"--socket={self.munge_socket}", f"--key-file={key}",
-            f"--pid-file={munge_dir / 'munged.pid'}", f"--seed-file={munge_dir / 'munged.seed'}",
-        ])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+        )
         self._until(lambda: self.munge_socket.exists(), timeout, "munged did not create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         for node in self.nodes:
@@ -166,7 +184,10 @@ class SlurmCluster:
             "SlurmdDebug=info",
         ]
         for node, port in zip(self.nodes, ports[1:]):
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus_per_node} State=UNKNOWN")
+            lines.append(
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus_per_node} "
+                "State=UNKNOWN"
+            )
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
@@ -206,7 +227,7 @@ class SlurmCluster:
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline and self._run(["squeue", "--noheader"], check=False).stdout.strip():
                     time.sleep(0.3)
-        for name, process in reversed(list(self._daemons.items())):  # slurmd, then slurmctld, then munged
+        for process in reversed(list(self._daemons.values())):  # slurmd, then slurmctld, then munged
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
@@ -238,8 +259,12 @@ class SlurmCluster:
     # -----------------------------------------------------------------------------------------
     # Jobs
 
-    def _run(self, command: list[str], check: bool = True, timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
-        result = subprocess.run(command, env=kwargs.pop("env", self.env), capture_output=True, text=True, timeout=timeout, **kwargs)
+    def _run(
+        self, command: list[str], check: bool = True, timeout: float = 30, **kwargs
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            command, env=kwargs.pop("env", self.env), capture_output=True, text=True, timeout=timeout, **kwargs
+        )
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
@@ -264,7 +289,7 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job_id)
-            if (until(info) if until else info.get("JobState") in FINAL_STATES):
+            if until(info) if until else info.get("JobState") in FINAL_STATES:
                 return info
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s")

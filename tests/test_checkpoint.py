@@ -11,51 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
+from helpers import SMALL, assert_one_line_error, straight_and_resumed, trainer_for
 from titan.checkpoint import complete_checkpoints
-from titan.config import load_config
-from titan.trainer import Preempted, Trainer
-
-SMALL = {"model.overrides.n_layers": "2", "model.overrides.dim": "64", "model.overrides.n_heads": "4",
-         "model.overrides.n_kv_heads": "2", "model.overrides.multiple_of": "32", "training.seq_len": "32",
-         "training.steps": "10", "lr_scheduler.warmup_steps": "3", "optimizer.lr": "3e-3",
-         "model.overrides.resid_dropout": "0.1"}
-
-
-def trainer_for(run_root, **extra) -> Trainer:
-    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(run_root, **{**SMALL, **extra})))
-
-
-def full_weights(trainer):
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
-
-
-def straight_and_resumed(root, extra: dict | None = None):
-    extra = extra or {}
-    straight = trainer_for(root / "straight", **extra)
-    straight_losses = straight.train()
-    first = trainer_for(root / "resumed", **extra)
-    first_losses = _losses_until_preempted(first, 5)
-    second = trainer_for(root / "resumed", **extra)
-    assert second.step == 5
-    second_losses = second.train()
-    return straight_losses, first_losses + second_losses, full_weights(straight), full_weights(second)
-
-
-def _losses_until_preempted(trainer, stop_after):
-    losses = []
-    step = trainer.train_step
-
-    def recording_step(batches):
-        loss, norm = step(batches)
-        losses.append(loss.item())
-        if trainer.step == stop_after:
-            trainer.stop_signal = "SIGUSR1"  # what the signal handler sets
-        return loss, norm
-
-    trainer.train_step = recording_step
-    with pytest.raises(Preempted, match=f"at step {stop_after}"):
-        trainer.train()
-    return losses
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
@@ -68,8 +25,9 @@ def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"parallel.dp_shard": "2", "training.local_batch_size": "2"}, {"parallel.pp": "2"}],
-                         ids=["fsdp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [{"parallel.dp_shard": "2", "training.local_batch_size": "2"}, {"parallel.pp": "2"}], ids=["fsdp2", "pp2"]
+)
 def test_resume_under_fsdp2_and_pp2_is_bitwise_identical(tmp_path, layout):
     results = run_distributed(straight_and_resumed, 2, tmp_path, layout)
     straight, resumed, weights_straight, weights_resumed = results[0]
@@ -80,9 +38,17 @@ def test_resume_under_fsdp2_and_pp2_is_bitwise_identical(tmp_path, layout):
 
 @pytest.mark.distributed
 def test_async_save_under_fsdp2_resumes_bitwise(tmp_path):
-    results = run_distributed(straight_and_resumed, 2, tmp_path,
-                              {"parallel.dp_shard": "2", "training.local_batch_size": "2", "checkpoint.async_save": "true",
-                               "checkpoint.interval": "2"})
+    results = run_distributed(
+        straight_and_resumed,
+        2,
+        tmp_path,
+        {
+            "parallel.dp_shard": "2",
+            "training.local_batch_size": "2",
+            "checkpoint.async_save": "true",
+            "checkpoint.interval": "2",
+        },
+    )
     straight, resumed, _, _ = results[0]
     assert straight == resumed
 
@@ -96,7 +62,7 @@ KILL_DURING_SAVE = """
 import os, signal, sys
 import torch.distributed.checkpoint as dcp
 sys.path.insert(0, {tests!r})
-from test_checkpoint import trainer_for
+from helpers import trainer_for
 from pathlib import Path
 
 real_save = dcp.save
@@ -127,8 +93,12 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
 def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
     # Enough steps to still be training when the signal lands, few enough to end if it never did.
     overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
-    proc = subprocess.Popen([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stderr:  # wait until training is under way
         if re.search(r"step +1/3000", line):
             break
@@ -142,7 +112,9 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
 
 def reshard_job(root, layout: dict, batch):
     """Load the checkpoint saved under FSDP2 with another layout; logits on `batch`, then train on."""
-    trainer = trainer_for(root / "load", **{"checkpoint.resume": str(root / "saved" / "debug" / "checkpoints"), **layout})
+    trainer = trainer_for(
+        root / "load", **{"checkpoint.resume": str(root / "saved" / "debug" / "checkpoints"), **layout}
+    )
     trainer.model_parts.parts[0].eval()
     with torch.no_grad():
         logits = trainer.model_parts.parts[0](batch)
@@ -154,7 +126,9 @@ def reshard_job(root, layout: dict, batch):
 
 
 def save_under_fsdp2(root, batch):
-    trainer = trainer_for(root / "saved", **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "4"})
+    trainer = trainer_for(
+        root / "saved", **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "4"}
+    )
     trainer.train()
     trainer.model_parts.parts[0].eval()
     with torch.no_grad():
@@ -178,9 +152,15 @@ def test_checkpoint_saved_under_fsdp2_loads_under_tp2_and_one_process(tmp_path):
 def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path):
     source = trainer_for(tmp_path / "source", **{"training.steps": "3"})
     source.train()
-    fresh = trainer_for(tmp_path / "finetune", **{"checkpoint.resume": str(tmp_path / "source" / "debug" / "checkpoints" / "step-3"),
-                                                    "checkpoint.load_only": '["model"]'})
-    assert fresh.step == 0 and fresh.optimizer.state == {} or all(float(s["step"]) == 0 for s in fresh.optimizer.state.values())
+    fresh = trainer_for(
+        tmp_path / "finetune",
+        **{
+            "checkpoint.resume": str(tmp_path / "source" / "debug" / "checkpoints" / "step-3"),
+            "checkpoint.load_only": '["model"]',
+        },
+    )
+    assert fresh.step == 0
+    assert all(float(s["step"]) == 0 for s in fresh.optimizer.state.values())  # no optimizer state was loaded
     for (name, a), (_, b) in zip(source.model_parts.named_parameters(), fresh.model_parts.named_parameters()):
         assert torch.equal(a, b), name
 
@@ -192,28 +172,33 @@ def saved_run(tmp_path_factory):
     return root / "debug" / "checkpoints" / "step-2"
 
 
-def _assert_clear_error(result, *words):
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
-
-
 def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(saved_run), str(broken)], check=True)
     shard = broken / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(broken)}))
-    _assert_clear_error(result, "checkpoint", "corrupt")
+    result = run_titan(
+        "train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(broken)})
+    )
+    assert_one_line_error(result, "checkpoint", "corrupt")
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
-    result = run_titan("train", "--config", str(DEBUG_RECIPE),
-                       *tiny_overrides(tmp_path, **{**SMALL, "model.overrides.n_layers": "3", "checkpoint.resume": str(saved_run)}))
-    _assert_clear_error(result, "does not match", "parameters differ")
+    result = run_titan(
+        "train",
+        "--config",
+        str(DEBUG_RECIPE),
+        *tiny_overrides(tmp_path, **{**SMALL, "model.overrides.n_layers": "3", "checkpoint.resume": str(saved_run)}),
+    )
+    assert_one_line_error(result, "does not match", "parameters differ")
 
 
 def test_empty_checkpoint_folder_with_resume_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}))
-    _assert_clear_error(result, "checkpoint.resume", "not a complete titan checkpoint")
+    result = run_titan(
+        "train",
+        "--config",
+        str(DEBUG_RECIPE),
+        *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}),
+    )
+    assert_one_line_error(result, "checkpoint.resume", "not a complete titan checkpoint")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import free_port
-from test_parallel import MODEL
+from helpers import MODEL
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -33,14 +33,22 @@ LOSS_RTOL = 1e-6
 
 
 def recipe(tmp, name: str, **extra) -> list[str]:
-    values = {**MODEL, "training.steps": str(STEPS), "training.global_batch_size": str(GLOBAL_BATCH),
-              "checkpoint.enable": "false", "job.name": name, **extra}
+    values = {
+        **MODEL,
+        "training.steps": str(STEPS),
+        "training.global_batch_size": str(GLOBAL_BATCH),
+        "checkpoint.enable": "false",
+        "job.name": name,
+        **extra,
+    }
     return ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp, **values)]
 
 
 def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
     cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), "-m", "titan", "train", *args]
-    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -59,7 +67,9 @@ def assert_close_losses(got: dict, want: dict, what: str):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["no_accumulation", "accumulation_on_every_layout"])
 def test_titan_train_gives_the_single_process_losses_on_every_layout(tmp_path, accumulate):
     split = 2 if accumulate else 1
-    single = run_titan("train", *recipe(tmp_path, "single", **{"training.local_batch_size": str(GLOBAL_BATCH // split)}))
+    single = run_titan(
+        "train", *recipe(tmp_path, "single", **{"training.local_batch_size": str(GLOBAL_BATCH // split)})
+    )
     assert single.returncode == 0, single.stderr
     reference = losses(tmp_path / "single")
     assert len(reference) == STEPS
@@ -76,13 +86,20 @@ def test_titan_train_gives_the_single_process_losses_on_every_layout(tmp_path, a
 def test_a_run_resumed_on_another_data_parallel_size_continues_with_the_uninterrupted_losses(tmp_path, first, second):
     # A constant lr after warmup, so stopping at step 6 (training.steps = 6) does not change the schedule.
     common = {"lr_scheduler.decay": "constant", "lr_scheduler.warmup_steps": "2", "checkpoint.interval": "6"}
-    straight = run_titan("train", *recipe(tmp_path, "straight", **common, **{"training.steps": "12", "training.local_batch_size": "8"}))
+    straight = run_titan(
+        "train", *recipe(tmp_path, "straight", **common, **{"training.steps": "12", "training.local_batch_size": "8"})
+    )
     assert straight.returncode == 0, straight.stderr
 
     def run(layout: str, steps: int):
         overrides = {**common, "checkpoint.enable": "true", "training.steps": str(steps)}
         if layout == "fsdp2":
-            return torchrun(2, recipe(tmp_path, "resumed", **overrides, **{"parallel.dp_shard": "2", "training.local_batch_size": "4"}))
+            return torchrun(
+                2,
+                recipe(
+                    tmp_path, "resumed", **overrides, **{"parallel.dp_shard": "2", "training.local_batch_size": "4"}
+                ),
+            )
         return run_titan("train", *recipe(tmp_path, "resumed", **overrides, **{"training.local_batch_size": "8"}))
 
     for layout, steps in ((first, 6), (second, 12)):

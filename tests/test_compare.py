@@ -71,8 +71,14 @@ def test_compare_lists_both_runs_and_exactly_the_keys_that_differ(runs, tmp_path
         assert f"{sorted(m['tokens_per_s'] for m in metrics)[1]:,.0f}" in cells  # median tokens/s
 
     diff = section(out, "config keys that differ:")
-    assert set(diff) == {"job.name", "optimizer.lr", "training.seq_len", "validation.interval", "validation.fraction",
-                         "validation.steps"}, out
+    assert set(diff) == {
+        "job.name",
+        "optimizer.lr",
+        "training.seq_len",
+        "validation.interval",
+        "validation.fraction",
+        "validation.steps",
+    }, out
     assert diff["job.name"] == ['"a"', '"b"']
     assert [float(v) for v in diff["optimizer.lr"]] == [load_config(DEBUG_RECIPE).optimizer.lr, 1e-3]
     assert diff["training.seq_len"] == ["64", "32"]
@@ -190,8 +196,18 @@ def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeyp
         return FakeRun()
 
     monkeypatch.setattr(wandb, "init", fake_init)
-    overrides = ["--job.output_dir", str(tmp_path), "--job.name", "x", "--metrics.wandb", "offline",
-                 "--metrics.tensorboard", "true", "--metrics.wandb_tags", '["sweep-1"]']
+    overrides = [
+        "--job.output_dir",
+        str(tmp_path),
+        "--job.name",
+        "x",
+        "--metrics.wandb",
+        "offline",
+        "--metrics.tensorboard",
+        "true",
+        "--metrics.wandb_tags",
+        '["sweep-1"]',
+    ]
     config = load_config(DEBUG_RECIPE, overrides, world_size=4)
     info = {"world_size": 4, "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}}
     logger = metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info)

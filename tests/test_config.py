@@ -3,11 +3,14 @@
 import pytest
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from helpers import assert_one_line_error
 from titan.config import ConfigError, batch_split, load_config, to_toml
 
 
 def test_overrides_convert_to_the_field_types():
-    cfg = load_config(DEBUG_RECIPE, ["--training.steps", "7", "--optimizer.lr=1e-3", "--job.name", "123", "--job.deterministic"])
+    cfg = load_config(
+        DEBUG_RECIPE, ["--training.steps", "7", "--optimizer.lr=1e-3", "--job.name", "123", "--job.deterministic"]
+    )
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
     assert cfg.job.name == "123"  # a str field keeps the text as typed
     assert cfg.job.deterministic is True  # a bare flag means true
@@ -47,7 +50,11 @@ BAD_CONFIGS = [
     (["--training.seq_len", "0"], {}, ["training.seq_len", "positive"]),
     (["--optimizer.lr", "fast"], {}, ["optimizer.lr", "float", "fast"]),
     (["--lr_scheduler.decay", "exponential"], {}, ["lr_scheduler.decay", "cosine", "exponential"]),
-    (["--training.global_batch_size", "12"], {}, ["training.global_batch_size (12)", "local_batch_size (8)", "divides 12"]),
+    (
+        ["--training.global_batch_size", "12"],
+        {},
+        ["training.global_batch_size (12)", "local_batch_size (8)", "divides 12"],
+    ),
     (["--training.global_batch_size", "18"], {"WORLD_SIZE": "4"}, ["global_batch_size (18)", "data-parallel size (4)"]),
     (["--parallel.tp", "2"], {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
     (["--metrics.log_freq", "0"], {}, ["metrics.log_freq"]),
@@ -58,27 +65,17 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("overrides,env,words", BAD_CONFIGS, ids=[" ".join(c[0]) for c in BAD_CONFIGS])
 def test_bad_config_gives_one_line_error_naming_the_key(overrides, env, words):
     result = run_titan("config", "show", "--config", str(DEBUG_RECIPE), *overrides, env=env)
-    _assert_user_error(result, words)
-
-
-def _assert_user_error(result, words):
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr
-    message = errors[0]
-    for word in words:
-        assert word in message, (word, message)
+    assert_one_line_error(result, *words)
 
 
 def test_missing_recipe_file():
-    _assert_user_error(run_titan("train", "--config", "recipes/nope.toml"), ["recipe file not found", "nope.toml"])
+    assert_one_line_error(run_titan("train", "--config", "recipes/nope.toml"), "recipe file not found", "nope.toml")
 
 
 def test_recipe_that_is_not_toml(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[training\nsteps = 3\n")
-    _assert_user_error(run_titan("train", "--config", str(bad)), ["bad.toml", "not valid TOML"])
+    assert_one_line_error(run_titan("train", "--config", str(bad)), "bad.toml", "not valid TOML")
 
 
 # Errors found while building the run (files, model), still before any training.
@@ -96,13 +93,16 @@ def test_recipe_that_is_not_toml(tmp_path):
 )
 def test_bad_files_and_model_choices_fail_before_training(tmp_path, extra, words):
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
-    _assert_user_error(result, words)
+    assert_one_line_error(result, *words)
 
 
-@pytest.mark.parametrize("world,local,expected", [(1, 8, (8, 1)), (2, 8, (4, 1)), (8, 8, (1, 1)), (1, 2, (2, 4)), (2, 2, (2, 2))])
+@pytest.mark.parametrize(
+    "world,local,expected", [(1, 8, (8, 1)), (2, 8, (4, 1)), (8, 8, (1, 1)), (1, 2, (2, 4)), (2, 2, (2, 2))]
+)
 def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, local, expected):
-    config = load_config(DEBUG_RECIPE, ["--training.global_batch_size", "8", "--training.local_batch_size", str(local)],
-                         world_size=world)
+    config = load_config(
+        DEBUG_RECIPE, ["--training.global_batch_size", "8", "--training.local_batch_size", str(local)], world_size=world
+    )
     assert batch_split(config, world) == expected  # (rows per micro-batch, micro-batches per step) of each rank
     micro, accumulation = expected
     assert micro * accumulation * world == 8

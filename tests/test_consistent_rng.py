@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
-from test_parallel import GLOBAL_BATCH, LOSS_RTOL, _with_local_batch, layout_overrides
+from helpers import GLOBAL_BATCH, LOSS_RTOL, layout_overrides, with_local_batch
 from titan.config import load_config
 from titan.trainer import Trainer, build_model
 
@@ -40,7 +40,9 @@ def initial_weights(tmp, layouts):
 
 
 def assert_bitwise_init(per_rank, layouts, tmp):
-    reference = build_model(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"training.local_batch_size": "8"})), torch.device("cpu"))
+    reference = build_model(
+        load_config(DEBUG_RECIPE, layout_overrides(tmp, {"training.local_batch_size": "8"})), torch.device("cpu")
+    )
     expected = dict(reference.named_parameters())
     for name in layouts:
         got = {}
@@ -53,13 +55,13 @@ def assert_bitwise_init(per_rank, layouts, tmp):
 
 @pytest.mark.distributed
 def test_two_process_initialisation_is_bitwise_single_process(tmp_path):
-    layouts = _with_local_batch(INIT_LAYOUTS_2, 2)
+    layouts = with_local_batch(INIT_LAYOUTS_2, 2)
     assert_bitwise_init(run_distributed(initial_weights, 2, tmp_path, layouts), layouts, tmp_path)
 
 
 @pytest.mark.distributed
 def test_four_process_initialisation_is_bitwise_single_process(tmp_path):
-    layouts = _with_local_batch(INIT_LAYOUTS_4, 4)
+    layouts = with_local_batch(INIT_LAYOUTS_4, 4)
     assert_bitwise_init(run_distributed(initial_weights, 4, tmp_path, layouts), layouts, tmp_path)
 
 
@@ -84,16 +86,21 @@ def train_recording_masks(overrides, steps):
 
 
 def dropout_layouts(tmp, layouts):
-    return {name: train_recording_masks(layout_overrides(tmp / name, {**DROPOUT, **layout}), DROPOUT_STEPS) for name, layout in layouts.items()}
+    return {
+        name: train_recording_masks(layout_overrides(tmp / name, {**DROPOUT, **layout}), DROPOUT_STEPS)
+        for name, layout in layouts.items()
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dropout_masks_and_losses_match_single_process(tmp_path):
-    ref_losses, ref_masks = train_recording_masks(layout_overrides(tmp_path / "single", {**DROPOUT, "training.local_batch_size": "8"}), DROPOUT_STEPS)
+    ref_losses, ref_masks = train_recording_masks(
+        layout_overrides(tmp_path / "single", {**DROPOUT, "training.local_batch_size": "8"}), DROPOUT_STEPS
+    )
     streams = {key[0] for key in ref_masks}
     assert any("attention.dropout" in s for s in streams) and any("ffn_dropout" in s for s in streams)
-    layouts = _with_local_batch(DROPOUT_LAYOUTS, 2)
+    layouts = with_local_batch(DROPOUT_LAYOUTS, 2)
     per_rank = run_distributed(dropout_layouts, 2, tmp_path, layouts)
     for name in layouts:
         masks = {}
@@ -102,7 +109,9 @@ def test_dropout_masks_and_losses_match_single_process(tmp_path):
         assert masks.keys() == ref_masks.keys(), name
         for key, mask in ref_masks.items():
             assert torch.equal(masks[key], mask), f"{name}: dropout mask of {key} differs"
-        torch.testing.assert_close(torch.tensor(per_rank[0][name][0]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0, msg=name)
+        torch.testing.assert_close(
+            torch.tensor(per_rank[0][name][0]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0, msg=name
+        )
 
 
 def test_dropout_is_really_on_and_differs_by_step_and_row(tmp_path):
@@ -117,13 +126,23 @@ def test_dropout_is_really_on_and_differs_by_step_and_row(tmp_path):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_redraws_the_same_dropout_masks(tmp_path, mode):
-    trainers = [Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp_path / m, {**DROPOUT, "training.local_batch_size": "8",
-                                                                                   "activation_checkpoint.mode": m})))
-                for m in ("none", mode)]
+    trainers = [
+        Trainer(
+            load_config(
+                DEBUG_RECIPE,
+                layout_overrides(
+                    tmp_path / m, {**DROPOUT, "training.local_batch_size": "8", "activation_checkpoint.mode": m}
+                ),
+            )
+        )
+        for m in ("none", mode)
+    ]
     batches = next(trainers[0].loader)
     losses = [t.forward_backward(batches) for t in trainers]
     assert torch.equal(losses[0], losses[1])
-    for (name, a), (_, b) in zip(trainers[0].model_parts.named_parameters(), trainers[1].model_parts.named_parameters()):
+    for (name, a), (_, b) in zip(
+        trainers[0].model_parts.named_parameters(), trainers[1].model_parts.named_parameters()
+    ):
         assert torch.equal(a.grad, b.grad), name
 
 

@@ -16,12 +16,14 @@ from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 
-import models  # noqa: E402
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides  # noqa: E402
 from distributed import run_distributed  # noqa: E402
-from test_checkpoint import _assert_clear_error  # noqa: E402
-from test_hf import TOL, hf_logits, max_diff, randomize_, read_checkpoint, tiny_hf_config  # noqa: E402
-from titan import hf_io, hf_match  # noqa: E402
+from helpers import TOL, assert_one_line_error, hf_logits, max_diff, randomize_, read_checkpoint, tiny_hf_config  # noqa: E402
+from titan import (  # noqa: E402
+    hf_io,
+    hf_match,
+    models,  # noqa: E402
+)
 from titan.config import ConfigError, load_config  # noqa: E402
 from titan.trainer import Trainer  # noqa: E402
 
@@ -58,7 +60,7 @@ def hf_reference(hf_dir, tokens):
 
 def recipe_from_output(stdout: str) -> dict[str, str]:
     """The [model] table that hf-to-dcp prints, as command-line overrides."""
-    block = stdout[stdout.index("[model]"):].split("\n\n")[0]
+    block = stdout[stdout.index("[model]") :].split("\n\n")[0]
     model = tomllib.loads(block)["model"]
     overrides = {"model.name": model["name"], "model.flavor": model["flavor"]}
     for key, value in model.get("overrides", {}).items():
@@ -89,7 +91,10 @@ def logits_of(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in trainer.model_parts.named_parameters()
+    }
 
 
 # -- HF -> titan -------------------------------------------------------------------------------------------------
@@ -109,14 +114,18 @@ def test_init_from_hf_gives_the_hf_logits_and_the_converted_weights(converted, h
     from_hf = make_trainer(tmp_path / "a", overrides, **{"checkpoint.init_from_hf": str(hf_dir)})
     assert from_hf.step == 0
     assert max_diff(logits_of(from_hf, tokens), hf_reference) < TOL
-    resumed = make_trainer(tmp_path / "b", overrides, **{"checkpoint.resume": str(out), "checkpoint.load_only": '["model"]'})
+    resumed = make_trainer(
+        tmp_path / "b", overrides, **{"checkpoint.resume": str(out), "checkpoint.load_only": '["model"]'}
+    )
     mine, theirs = full_weights(from_hf), full_weights(resumed)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_init_from_hf_is_sensitive_to_the_qk_permutation(converted, hf_dir, hf_reference, tokens, tmp_path, monkeypatch):
+def test_init_from_hf_is_sensitive_to_the_qk_permutation(
+    converted, hf_dir, hf_reference, tokens, tmp_path, monkeypatch
+):
     """The logit comparison can fail: an import without the RoPE layout change is far off."""
-    from models.llama import hf
+    from titan.models.llama import hf
 
     original = hf.from_hf_state_dict
     monkeypatch.setattr(hf, "from_hf_state_dict", lambda sd, args: original(sd, args, permute_qk=False))
@@ -146,11 +155,16 @@ def _distributed_logits(root, overrides, layout, tokens):
 def test_init_from_hf_on_two_ranks_matches_one_process(converted, hf_dir, hf_reference, tokens, tmp_path):
     """Untied under TP2 (q/k rows split by head across ranks), tied under FSDP2."""
     tied = json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"]
-    layout = {"parallel.dp_shard": "2", "training.local_batch_size": "2"} if tied else {"parallel.tp": "2", "parallel.dp_shard": "1"}
+    layout = (
+        {"parallel.dp_shard": "2", "training.local_batch_size": "2"}
+        if tied
+        else {"parallel.tp": "2", "parallel.dp_shard": "1"}
+    )
     _, overrides = converted
     single = logits_of(make_trainer(tmp_path / "one", overrides, **{"checkpoint.init_from_hf": str(hf_dir)}), tokens)
-    results = run_distributed(_distributed_logits, 2, tmp_path / "two", overrides,
-                              {"checkpoint.init_from_hf": str(hf_dir), **layout}, tokens)
+    results = run_distributed(
+        _distributed_logits, 2, tmp_path / "two", overrides, {"checkpoint.init_from_hf": str(hf_dir), **layout}, tokens
+    )
     for logits, placements in results:
         assert any("Shard(dim=0)" in p for p in placements)  # really sharded
         torch.testing.assert_close(logits, single, rtol=TOL, atol=TOL)  # only the order of fp32 sums differs
@@ -163,16 +177,32 @@ def test_hf_to_dcp_to_hf_round_trip_is_exact(converted, hf_dir, tmp_path):
     config, weights = read_checkpoint(hf_dir)
     config_back, back = read_checkpoint(tmp_path / "back")
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
-    for key in ("hidden_size", "intermediate_size", "num_key_value_heads", "vocab_size", "max_position_embeddings",
-                "tie_word_embeddings", "rope_parameters", "rms_norm_eps"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rms_norm_eps",
+    ):
         assert config_back[key] == config[key], key
 
 
 # -- titan -> HF -------------------------------------------------------------------------------------------------
 
-SMALL = {"model.overrides.n_layers": "2", "model.overrides.dim": "64", "model.overrides.n_heads": "4",
-         "model.overrides.n_kv_heads": "2", "model.overrides.multiple_of": "32", "training.seq_len": "32",
-         "training.steps": "3", "lr_scheduler.warmup_steps": "0", "optimizer.lr": "3e-2"}
+SMALL = {
+    "model.overrides.n_layers": "2",
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.multiple_of": "32",
+    "training.seq_len": "32",
+    "training.steps": "3",
+    "lr_scheduler.warmup_steps": "0",
+    "optimizer.lr": "3e-2",
+}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -182,7 +212,9 @@ def test_trained_checkpoint_exports_to_hf_with_the_same_logits(tmp_path, tied):
     tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     ours = logits_of(trainer, tokens)
     out, limit = tmp_path / "hf", 100_000
-    result = run_titan("convert", "dcp-to-hf", str(tmp_path / "debug" / "checkpoints"), str(out), "--max-shard-size", "100KB")
+    result = run_titan(
+        "convert", "dcp-to-hf", str(tmp_path / "debug" / "checkpoints"), str(out), "--max-shard-size", "100KB"
+    )
     assert result.returncode == 0, result.stderr
     assert "step-3" in result.stdout
 
@@ -208,32 +240,49 @@ def test_trained_checkpoint_exports_to_hf_with_the_same_logits(tmp_path, tied):
 
 
 def test_hf_to_dcp_of_a_missing_folder_is_a_clear_error(tmp_path):
-    _assert_clear_error(run_titan("convert", "hf-to-dcp", str(tmp_path / "nope"), str(tmp_path / "out")), "does not exist")
+    assert_one_line_error(
+        run_titan("convert", "hf-to-dcp", str(tmp_path / "nope"), str(tmp_path / "out")), "does not exist"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_hf_to_dcp_of_a_folder_without_config_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    _assert_clear_error(run_titan("convert", "hf-to-dcp", str(tmp_path), str(tmp_path / "out")), "no config.json")
+    assert_one_line_error(run_titan("convert", "hf-to-dcp", str(tmp_path), str(tmp_path / "out")), "no config.json")
 
 
 def test_dcp_to_hf_of_a_folder_that_is_no_checkpoint_is_a_clear_error(tmp_path):
-    _assert_clear_error(run_titan("convert", "dcp-to-hf", str(tmp_path), str(tmp_path / "out")), "not a complete titan checkpoint")
+    assert_one_line_error(
+        run_titan("convert", "dcp-to-hf", str(tmp_path), str(tmp_path / "out")), "not a complete titan checkpoint"
+    )
 
 
 @pytest.mark.parametrize("hf_dir", [False], ids=["untied"], indirect=True)  # one run of the CLI is enough
 def test_init_from_hf_with_other_model_args_is_a_clear_error(hf_dir, tmp_path):
     """The debug flavor as it is: every shape differs; the message names the first and says what to set."""
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{"checkpoint.init_from_hf": str(hf_dir)}))
-    _assert_clear_error(result, "checkpoint.init_from_hf", "tok_embeddings.weight", "[1280, 64]", "[2048, 256]",
-                        'model.flavor = "debug"', "dim = 64")
+    result = run_titan(
+        "train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{"checkpoint.init_from_hf": str(hf_dir)})
+    )
+    assert_one_line_error(
+        result,
+        "checkpoint.init_from_hf",
+        "tok_embeddings.weight",
+        "[1280, 64]",
+        "[2048, 256]",
+        'model.flavor = "debug"',
+        "dim = 64",
+    )
 
 
 def test_init_from_hf_with_other_rope_settings_is_a_clear_error(converted, hf_dir, tmp_path):
     """Equal shapes, another network: RoPE theta differs."""
     _, overrides = converted
     with pytest.raises(ConfigError, match=r"rope_theta is 10000.0 there but 500000.0 here"):
-        make_trainer(tmp_path, {**overrides, "model.overrides.rope_theta": "500000.0"}, **{"checkpoint.init_from_hf": str(hf_dir)})
+        make_trainer(
+            tmp_path,
+            {**overrides, "model.overrides.rope_theta": "500000.0"},
+            **{"checkpoint.init_from_hf": str(hf_dir)},
+        )
 
 
 def test_only_safetensors_are_read_and_outputs_are_not_overwritten(hf_dir, tmp_path):

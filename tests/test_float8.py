@@ -13,17 +13,29 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
-from models.llama.hf import from_hf_state_dict, to_hf_state_dict
-from helpers import full_weights, micro_batches_of_rank, rows_of
-from test_checkpoint import straight_and_resumed, trainer_for
-from test_parallel import STEPS as PARALLEL_STEPS, layout_overrides
+from helpers import STEPS as PARALLEL_STEPS
+from helpers import (
+    assert_one_line_error,
+    full_weights,
+    layout_overrides,
+    micro_batches_of_rank,
+    rows_of,
+    straight_and_resumed,
+    trainer_for,
+)
 from titan import float8
 from titan.config import ConfigError, Layout, load_config
+from titan.models.llama.hf import from_hf_state_dict, to_hf_state_dict
 from titan.trainer import Trainer, build_model
 
 SMALL = {
-    "model.overrides.dim": "64", "model.overrides.n_heads": "4", "model.overrides.n_kv_heads": "2", "model.overrides.n_layers": "2",
-    "model.overrides.multiple_of": "32", "lr_scheduler.warmup_steps": "2", "metrics.log_freq": "100",
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.n_layers": "2",
+    "model.overrides.multiple_of": "32",
+    "lr_scheduler.warmup_steps": "2",
+    "metrics.log_freq": "100",
 }
 F8 = {"float8.enable": "true"}
 ALL_GATHER = {**F8, "float8.enable_fsdp_float8_all_gather": "true", "float8.precompute_dynamic_scale": "true"}
@@ -188,11 +200,20 @@ def test_float8_all_gather_checkpoint_resumes_bitwise_under_fsdp2(tmp_path):
 DP2_LAYOUTS = {
     "fsdp2_hp_all_gather": {"parallel.dp_shard": "2", "training.local_batch_size": "4", **F8},
     "fsdp2_float8_all_gather": {"parallel.dp_shard": "2", "training.local_batch_size": "4", **ALL_GATHER},
-    "fsdp2_float8_all_gather_selective_ac": {"parallel.dp_shard": "2", "training.local_batch_size": "4", **ALL_GATHER,
-                                             "activation_checkpoint.mode": "selective"},
+    "fsdp2_float8_all_gather_selective_ac": {
+        "parallel.dp_shard": "2",
+        "training.local_batch_size": "4",
+        **ALL_GATHER,
+        "activation_checkpoint.mode": "selective",
+    },
     # torchao's float8 TP styles: float8 activations into the collectives (here only all-reduces in high
     # precision remain: without sequence parallelism the activations are never all-gathered).
-    "tp2_float8_styles": {"parallel.tp": "2", "parallel.sequence_parallel": "false", "training.local_batch_size": "8", **F8},
+    "tp2_float8_styles": {
+        "parallel.tp": "2",
+        "parallel.sequence_parallel": "false",
+        "training.local_batch_size": "8",
+        **F8,
+    },
     # Sequence parallelism would all-gather float8 activations, which gloo cannot: torch's plain styles.
     "tp2_sequence_parallel": {"parallel.tp": "2", "training.local_batch_size": "8", **F8},
 }
@@ -203,8 +224,13 @@ DP2_LAYOUTS = {
 # outside: a float8 all-gather that scales each shard by its own amax moves the loss by 4.2e-5 and the
 # weights by 1.1e-2.
 FSDP_TOL = (6e-7, 3e-7)  # (loss rtol, weight atol)
-TOLERANCES = {"fsdp2_hp_all_gather": FSDP_TOL, "fsdp2_float8_all_gather": FSDP_TOL, "fsdp2_float8_all_gather_selective_ac": FSDP_TOL,
-              "tp2_float8_styles": (3e-7, 1e-5), "tp2_sequence_parallel": (7.5e-6, 2.5e-3)}
+TOLERANCES = {
+    "fsdp2_hp_all_gather": FSDP_TOL,
+    "fsdp2_float8_all_gather": FSDP_TOL,
+    "fsdp2_float8_all_gather_selective_ac": FSDP_TOL,
+    "tp2_float8_styles": (3e-7, 1e-5),
+    "tp2_sequence_parallel": (7.5e-6, 2.5e-3),
+}
 
 
 def _twice(batch):
@@ -212,12 +238,19 @@ def _twice(batch):
 
     half = rows_of(batch, slice(0, 4))
     double = lambda t: None if t is None else torch.cat([t, t])  # noqa: E731
-    return Batch(double(half.inputs), double(half.labels), torch.arange(8), double(half.document_ids),
-                 2 * half.loss_tokens, 2 * half.loss_tokens)
+    return Batch(
+        double(half.inputs),
+        double(half.labels),
+        torch.arange(8),
+        double(half.document_ids),
+        2 * half.loss_tokens,
+        2 * half.loss_tokens,
+    )
 
 
 def train_on(trainer: Trainer, batches):
-    """Train on the given global batches, each data-parallel rank taking its rows. Returns the losses and the full weights."""
+    """Train on the given global batches, each data-parallel rank taking its rows; returns the losses and the
+    full weights."""
     losses = [trainer.train_step(micro_batches_of_rank(trainer, batch))[0].item() for batch in batches]
     return losses, full_weights(trainer)
 
@@ -252,8 +285,11 @@ def _train_layouts(tmp, layouts, batches):
             weight = trainer.model_parts.parts[0].layers["0"].attention.wq.weight
             local = weight._local_tensor if isinstance(weight, DTensor) else weight
             results[name] = {
-                "losses": losses, "params": params, "gathered": sorted({str(d) for d in gathered}),
-                "float8_tp_styles": [s is not None for s in styles], "precomputed": getattr(local, "_precomputed_scale", None),
+                "losses": losses,
+                "params": params,
+                "gathered": sorted({str(d) for d in gathered}),
+                "float8_tp_styles": [s is not None for s in styles],
+                "precomputed": getattr(local, "_precomputed_scale", None),
                 "param_types": sorted({type(p).__name__ for p in params.values()}),
             }
     finally:
@@ -265,7 +301,9 @@ def _train_layouts(tmp, layouts, batches):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
-    single = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {"training.local_batch_size": "8", **F8})))
+    single = Trainer(
+        load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {"training.local_batch_size": "8", **F8}))
+    )
     # Both ranks get the same four rows, so each rank's float8 activation scales (amax of its own rows) equal
     # the single process's (amax of the same rows twice).
     batches = [_twice(next(single.loader)[0]) for _ in range(PARALLEL_STEPS)]
@@ -274,7 +312,9 @@ def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
     for name in DP2_LAYOUTS:
         result = results[0][name]
         loss_rtol, param_atol = TOLERANCES[name]
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=loss_rtol, atol=0, msg=name)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=loss_rtol, atol=0, msg=name
+        )
         assert result["param_types"] == ["Tensor"] and set(result["params"]) == set(ref_params), name  # high precision
         for key, value in ref_params.items():
             torch.testing.assert_close(result["params"][key], value, rtol=0, atol=param_atol, msg=f"{name}: {key}")
@@ -283,7 +323,9 @@ def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
         assert results[0][name]["gathered"] == ["torch.float8_e4m3fn"], name
         assert results[0][name]["precomputed"] is not None, name
     # ...and the plain float8 FSDP layout did not.
-    assert results[0]["fsdp2_hp_all_gather"]["gathered"] == [] and results[0]["fsdp2_hp_all_gather"]["precomputed"] is None
+    assert (
+        results[0]["fsdp2_hp_all_gather"]["gathered"] == [] and results[0]["fsdp2_hp_all_gather"]["precomputed"] is None
+    )
     assert results[0]["tp2_float8_styles"]["float8_tp_styles"] == [True]
     assert results[0]["tp2_sequence_parallel"]["float8_tp_styles"] == [False]
 
@@ -295,9 +337,14 @@ def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        ({"float8.recipe": "rowwise", "float8.enable_fsdp_float8_all_gather": "true"},
-         ["float8.enable_fsdp_float8_all_gather", "float8.recipe", "'rowwise'"]),
-        ({"float8.precompute_dynamic_scale": "true"}, ["float8.precompute_dynamic_scale", "float8.enable_fsdp_float8_all_gather"]),
+        (
+            {"float8.recipe": "rowwise", "float8.enable_fsdp_float8_all_gather": "true"},
+            ["float8.enable_fsdp_float8_all_gather", "float8.recipe", "'rowwise'"],
+        ),
+        (
+            {"float8.precompute_dynamic_scale": "true"},
+            ["float8.precompute_dynamic_scale", "float8.enable_fsdp_float8_all_gather"],
+        ),
         ({"float8.skip": '["output", ""]'}, ["float8.skip"]),
         ({"float8.recipe": "delayed"}, ["float8.recipe", "'tensorwise'", "'delayed'"]),
     ],
@@ -309,15 +356,19 @@ def test_invalid_float8_recipe_is_refused(tmp_path, overrides, words):
     assert all(w in str(error.value) for w in words), str(error.value)
 
 
-@pytest.mark.parametrize("capability,ok", [((7, 0), False), ((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
-                                           ((10, 0), True)])
+@pytest.mark.parametrize(
+    "capability,ok",
+    [((7, 0), False), ((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)],
+)
 def test_gpus_without_float8_matmuls_are_refused(tmp_path, capability, ok):
     cfg = config(tmp_path, **F8)
     check = functools.partial(float8.check_float8, cfg, Layout(), torch.device("cuda"), capability=capability)
     if ok:
         check()
     else:
-        with pytest.raises(ConfigError, match=rf"float8\.enable .*compute capability 8\.9 .* has {capability[0]}\.{capability[1]}"):
+        with pytest.raises(
+            ConfigError, match=rf"float8\.enable .*compute capability 8\.9 .* has {capability[0]}\.{capability[1]}"
+        ):
             check()
     float8.check_float8(config(tmp_path), Layout(), torch.device("cuda"), capability=(7, 0))  # float8 off: fine
 
@@ -333,16 +384,40 @@ def test_rowwise_with_gw_hp_under_cpu_autocast_is_refused(tmp_path):
     "world,overrides,words",
     [
         ("1", ["--float8.skip", '["layers"]'], ["float8.enable converts no linear layer", "float8.skip ['layers']"]),
-        ("2", ["--parallel.tp", "2", "--model.overrides.dim", "48", "--model.overrides.n_heads", "2", "--model.overrides.n_kv_heads", "2",
-               "--model.overrides.multiple_of", "48"], ["float8.enable converts no linear layer", "16 x parallel.tp = 32"]),
-        ("1", ["--float8.recipe", "rowwise_with_gw_hp", "--training.mixed_precision", "bf16"], ["rowwise_with_gw_hp", "bf16"]),
+        (
+            "2",
+            [
+                "--parallel.tp",
+                "2",
+                "--model.overrides.dim",
+                "48",
+                "--model.overrides.n_heads",
+                "2",
+                "--model.overrides.n_kv_heads",
+                "2",
+                "--model.overrides.multiple_of",
+                "48",
+            ],
+            ["float8.enable converts no linear layer", "16 x parallel.tp = 32"],
+        ),
+        (
+            "1",
+            ["--float8.recipe", "rowwise_with_gw_hp", "--training.mixed_precision", "bf16"],
+            ["rowwise_with_gw_hp", "bf16"],
+        ),
     ],
     ids=["everything_skipped", "tp_shards_off_16", "gw_hp_cpu_autocast"],
 )
 def test_float8_layout_errors_come_before_any_work(tmp_path, world, overrides, words):
     # WORLD_SIZE as torchrun sets it, without the other ranks: a hang would mean the check came too late.
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), "--float8.enable", *overrides,
-                       env={"WORLD_SIZE": world}, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
+    result = run_titan(
+        "train",
+        "--config",
+        str(DEBUG_RECIPE),
+        *tiny_overrides(tmp_path),
+        "--float8.enable",
+        *overrides,
+        env={"WORLD_SIZE": world},
+        timeout=120,
+    )
+    assert_one_line_error(result, *words)

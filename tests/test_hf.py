@@ -15,61 +15,20 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
-from models.llama.flavors import FLAVORS  # noqa: E402
-from models.llama.hf import (  # noqa: E402
+from helpers import TOL, hf_logits, max_diff, randomize_, read_checkpoint, tiny_hf_config  # noqa: E402
+from titan.models.llama.flavors import FLAVORS  # noqa: E402
+from titan.models.llama.hf import (  # noqa: E402
     args_from_hf_config,
     from_hf_state_dict,
     hf_config_from_args,
     permute_rope_rows,
     to_hf_state_dict,
 )
-from models.llama.model import Transformer, rope_frequencies  # noqa: E402
+from titan.models.llama.model import Transformer, rope_frequencies  # noqa: E402
 
-# fp32 on CPU. Measured max |logit diff| (transformers 5.23, torch 2.13, |logits| up to ~2.9): 1.2e-6 for
-# HF -> titan and 1.2e-6 for titan -> HF, tied or not. It is rounding only: with every computation forced to
-# float64 on both sides (HF keeps RMSNorm, softmax and RoPE in float32 even in a float64 model, titan keeps
-# RoPE in float32) the two models agree to 2e-14. The rounding grows fast with the weight scale (std 0.2:
-# ~1e-5, each model ~1.3e-5 from a float64 reference), hence the modest scale in `randomize_`.
-TOL = 1e-5
 BATCH, SEQ = 2, 24
-
-
-def tiny_hf_config(tied: bool) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=176,  # not titan's default for dim 64 (170): needs a computed ffn_dim_multiplier
-        vocab_size=320,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-        tie_word_embeddings=tied,
-        attn_implementation="eager",  # an independent reference: titan uses SDPA
-    )
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention is far from uniform (so a q/k layout error shows) and norms not 1.
-
-    HF's default init (std 0.02) makes attention nearly uniform, which would hide a q/k layout error; std 0.07
-    moves the logits by ~0.5 without the permutation while keeping fp32 rounding ~8x under TOL (see above).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied parameter is listed once
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.07 * noise)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -90,14 +49,6 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 320, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
 
 
-def read_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    config = json.loads((path / "config.json").read_text())
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(file))
-    return config, weights
-
-
 def titan_from_hf(path: Path, *, permute_qk: bool = True) -> Transformer:
     config, weights = read_checkpoint(path)
     args = args_from_hf_config(config)
@@ -105,18 +56,6 @@ def titan_from_hf(path: Path, *, permute_qk: bool = True) -> Transformer:
     model = Transformer(args)
     model.load_state_dict(from_hf_state_dict(weights, args, permute_qk=permute_qk), strict=True)
     return model.eval()
-
-
-def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def test_to_empty_keeps_the_tie():
@@ -240,9 +179,21 @@ LLAMA_31_8B = {
 }
 
 ARCH_FIELDS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "head_dim", "norm_eps",
-    "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_seq_len", "max_seq_len", "tie_embeddings",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "ffn_hidden_dim",
+    "head_dim",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+    "max_seq_len",
+    "tie_embeddings",
 )
 
 

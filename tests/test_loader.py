@@ -108,7 +108,9 @@ def test_document_ids_and_labels_follow_the_document_boundaries():
 
 @pytest.mark.parametrize("stop_after", [0, 1, 7, 23])  # 23 steps span several epochs
 @pytest.mark.parametrize("dp_after", [1, 2, 4])
-def test_resume_continues_with_the_global_batches_of_an_uninterrupted_run_on_any_data_parallel_size(stop_after, dp_after):
+def test_resume_continues_with_the_global_batches_of_an_uninterrupted_run_on_any_data_parallel_size(
+    stop_after, dp_after
+):
     docs = numbered_documents(30)
     straight = loader(docs)
     expected = [tokens_of(next(straight)) for _ in range(stop_after + 6)]

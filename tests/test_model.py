@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import models
-from models.llama import FLAVORS, Transformer, flops_per_token
-from models.llama.model import document_positions
+from titan import models
+from titan.models.llama import FLAVORS, Transformer, flops_per_token
+from titan.models.llama.model import document_positions
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -94,7 +94,9 @@ def test_unknown_override_is_rejected():
 def _small_model(**overrides):
     import dataclasses
 
-    args = dataclasses.replace(FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides)
+    args = dataclasses.replace(
+        FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides
+    )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")

@@ -15,18 +15,19 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import free_port, run_distributed
-from helpers import assert_one_line_error, full_weights
+from helpers import (
+    GLOBAL_BATCH,
+    LOSS_RTOL,
+    PARAM_ATOL,
+    STEPS,
+    assert_one_line_error,
+    full_weights,
+    layout_overrides,
+    with_local_batch,
+)
 from titan.config import load_config
 from titan.trainer import Trainer
 
-GLOBAL_BATCH, STEPS = 8, 5
-MODEL = {
-    "model.overrides.dim": "64", "model.overrides.n_heads": "4", "model.overrides.n_kv_heads": "2",
-    "model.overrides.n_layers": "4", "model.overrides.multiple_of": "32", "training.seq_len": "32",
-    "lr_scheduler.warmup_steps": "2", "optimizer.lr": "3e-3",
-    # A held-out split, evaluated after training (train_on); the trainer itself would evaluate every 1000 steps.
-    "validation.interval": "1000", "validation.fraction": "0.05", "validation.steps": "2",
-}
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 V_SHAPED = ["ZBVZeroBubble", "DualPipeV"]
 LAYOUTS_2 = {
@@ -40,7 +41,11 @@ LAYOUTS_2 = {
     # torch 2.13 cannot evaluate through a V-shaped schedule (titan refuses validation with them).
     **{f"pp2_{s}": {"parallel.pp": "2", "parallel.pp_schedule": s, "validation.interval": "0"} for s in V_SHAPED},
     "fsdp2_selective_ac": {"parallel.dp_shard": "2", "activation_checkpoint.mode": "selective"},
-    "tp2_full_ac_every2": {"parallel.tp": "2", "activation_checkpoint.mode": "full", "activation_checkpoint.every": "2"},
+    "tp2_full_ac_every2": {
+        "parallel.tp": "2",
+        "activation_checkpoint.mode": "full",
+        "activation_checkpoint.every": "2",
+    },
     "fsdp2_compile": {"parallel.dp_shard": "2", "compile.enable": "true"},
 }
 LAYOUTS_4 = {
@@ -50,16 +55,6 @@ LAYOUTS_4 = {
     "pp2_tp2": {"parallel.pp": "2", "parallel.tp": "2"},
     "pp2_fsdp2_interleaved": {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.pp_schedule": "Interleaved1F1B"},
 }
-# Tolerances, measured on this machine (fp32, 5 AdamW steps, every layout below): losses differ from the
-# single process by at most 1.8e-7 relative and weights by at most 2.0e-6 absolute (TP's output head;
-# reduce-scatters and split matmuls sum in other orders, and Adam's per-element normalisation magnifies
-# rounding in near-zero gradients). Bounds: ~5x the measurement. A real bug is far outside: dropping FSDP's
-# gradient-sum setting (gradients halved) moves the loss by 3.6e-6 and the weights by 6.8e-4.
-LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-5
-
-
-def layout_overrides(tmp, layout: dict) -> list[str]:
-    return tiny_overrides(tmp, **{"metrics.log_freq": "100", **MODEL, "training.global_batch_size": str(GLOBAL_BATCH), **layout})
 
 
 def train_on(overrides: list[str]):
@@ -90,19 +85,11 @@ def check_matches(reference, per_rank: list[dict], layouts):
         for rank_result in per_rank:  # pipeline ranks hold different layers
             params.update(rank_result[name][1])
         assert set(params) == set(ref_params), name
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[: len(losses)]), rtol=LOSS_RTOL, atol=0,
-                                   msg=name)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses[: len(losses)]), rtol=LOSS_RTOL, atol=0, msg=name
+        )
         for key, value in ref_params.items():
             torch.testing.assert_close(params[key], value, rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}")
-
-
-def _with_local_batch(layouts: dict, world: int) -> dict:
-    """Fill in local_batch_size = global batch / data-parallel size where the layout does not set it."""
-    result = {}
-    for name, layout in layouts.items():
-        dp = world // (int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.pp", 1)))
-        result[name] = {"training.local_batch_size": str(GLOBAL_BATCH // dp), **layout}
-    return result
 
 
 LAYOUTS_8 = {
@@ -113,9 +100,11 @@ LAYOUTS_8 = {
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)], ids=["2_processes", "4_processes", "8_processes"])
+@pytest.mark.parametrize(
+    "world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)], ids=["2_processes", "4_processes", "8_processes"]
+)
 def test_layouts_match_single_process(reference, tmp_path, world, layouts):
-    layouts = _with_local_batch(layouts, world)
+    layouts = with_local_batch(layouts, world)
     results = run_distributed(train_layouts, world, tmp_path, layouts)
     check_matches(reference, results, layouts)
 
@@ -127,36 +116,97 @@ def test_layouts_match_single_process(reference, tmp_path, world, layouts):
         ("3", ["--parallel.tp", "3"], ["parallel.tp = 3", "n_heads (8)"]),
         ("2", ["--parallel.tp", "2", "--model.overrides.n_kv_heads", "1"], ["parallel.tp = 2", "n_kv_heads (1)"]),
         ("8", ["--parallel.pp", "8"], ["8 pipeline stages", "4 layers"]),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_microbatches", "1"], ["pp_microbatches (1)", "at least parallel.pp (2)"]),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], ["local_batch_size (4)", "pp_microbatches (3)"]),
+        (
+            "2",
+            ["--parallel.pp", "2", "--parallel.pp_microbatches", "1"],
+            ["pp_microbatches (1)", "at least parallel.pp (2)"],
+        ),
+        (
+            "2",
+            ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"],
+            ["local_batch_size (4)", "pp_microbatches (3)"],
+        ),
         ("2", ["--parallel.pp", "2", "--parallel.pp_schedule", "Zigzag"], ["parallel.pp_schedule", "Zigzag", "1F1B"]),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_layers_per_stage", "[1, 2]"], ["pp_layers_per_stage [1, 2]", "4 layers"]),
-        ("4", ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.pp_schedule", "ZBVZeroBubble",
-               "--parallel.fsdp_reshard_after_forward", "always"], ["fsdp_reshard_after_forward", "ZBVZeroBubble"]),
+        (
+            "2",
+            ["--parallel.pp", "2", "--parallel.pp_layers_per_stage", "[1, 2]"],
+            ["pp_layers_per_stage [1, 2]", "4 layers"],
+        ),
+        (
+            "4",
+            [
+                "--parallel.pp",
+                "2",
+                "--parallel.dp_shard",
+                "2",
+                "--parallel.pp_schedule",
+                "ZBVZeroBubble",
+                "--parallel.fsdp_reshard_after_forward",
+                "always",
+            ],
+            ["fsdp_reshard_after_forward", "ZBVZeroBubble"],
+        ),
         ("2", ["--parallel.tp", "2", "--compile.enable"], ["compile.enable", "sequence_parallel"]),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--validation.interval", "10"],
-         ["validation", "DualPipeV", "validation.interval = 0"]),
+        (
+            "2",
+            ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--validation.interval", "10"],
+            ["validation", "DualPipeV", "validation.interval = 0"],
+        ),
     ],
-    ids=["world_size", "tp_heads", "tp_kv_heads", "pp_layers", "pp_too_few_microbatches", "pp_microbatch_split",
-         "pp_schedule_name", "pp_layer_list", "zero_bubble_reshard", "compile_tp_sp_cpu", "v_schedule_validation"],
+    ids=[
+        "world_size",
+        "tp_heads",
+        "tp_kv_heads",
+        "pp_layers",
+        "pp_too_few_microbatches",
+        "pp_microbatch_split",
+        "pp_schedule_name",
+        "pp_layer_list",
+        "zero_bubble_reshard",
+        "compile_tp_sp_cpu",
+        "v_schedule_validation",
+    ],
 )
 def test_invalid_layout_is_refused_before_any_work(tmp_path, world, overrides, words):
     # WORLD_SIZE as torchrun sets it: the layout is checked before the process group is joined.
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *overrides, env={"WORLD_SIZE": world})
+    result = run_titan(
+        "train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *overrides, env={"WORLD_SIZE": world}
+    )
     assert_one_line_error(result, *words)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2", "--parallel.tp", "2"], ["--parallel.pp", "2", "--parallel.dp_shard", "2"]],
-                         ids=["fsdp2_tp2", "pp2_fsdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallel.dp_shard", "2", "--parallel.tp", "2"], ["--parallel.pp", "2", "--parallel.dp_shard", "2"]],
+    ids=["fsdp2_tp2", "pp2_fsdp2"],
+)
 def test_torchrun_cli_writes_the_same_run_files_as_one_process(tmp_path, layout):
-    common = tiny_overrides(tmp_path, **{"training.steps": "3", "model.overrides.n_layers": "2", "training.local_batch_size": "2"})
+    common = tiny_overrides(
+        tmp_path, **{"training.steps": "3", "model.overrides.n_layers": "2", "training.local_batch_size": "2"}
+    )
     single = run_titan("train", "--config", str(DEBUG_RECIPE), *common, "--job.name", "single")
     assert single.returncode == 0, single.stderr
-    cmd = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "titan", "train",
-           "--config", str(DEBUG_RECIPE), *common, "--job.name", "parallel", *layout]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    cmd = [
+        "torchrun",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "titan",
+        "train",
+        "--config",
+        str(DEBUG_RECIPE),
+        *common,
+        "--job.name",
+        "parallel",
+        *layout,
+    ]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     files = lambda run: sorted(p.name for p in (tmp_path / run).iterdir())  # noqa: E731
     assert files("parallel") == files("single")

@@ -73,7 +73,11 @@ def test_a_folder_of_text_files_reads_in_file_order_one_document_per_line(tmp_pa
     documents = PreparedDocuments(path)
     tokenizer = Tokenizer(TOKENIZER)
     assert [tokenizer.decode(documents.tokens(i, 1, -1).tolist()) for i in range(documents.n_documents)] == [
-        "first line", "second line", "third line", "fourth line"]
+        "first line",
+        "second line",
+        "third line",
+        "fourth line",
+    ]
     assert documents.path.name.startswith("corpus-")
 
 
@@ -83,8 +87,9 @@ def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
 
     pq.write_table(pa.table({"text": TEXTS, "id": list(range(len(TEXTS)))}), tmp_path / "corpus.parquet")
     parquet = prepare(DataSource(str(tmp_path / "corpus.parquet")), TOKENIZER, tmp_path / "cache", 1, False)
-    jsonl = prepare(DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1,
-                    False)
+    jsonl = prepare(
+        DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1, False
+    )
     assert parquet != jsonl
     for name in ("documents.npy", "tokens-00000.bin"):
         assert (parquet / name).read_bytes() == (jsonl / name).read_bytes()
@@ -110,8 +115,11 @@ def test_the_folder_changes_with_the_tokenizer_and_the_source_files(tmp_path):
     other_bos = TokenizerConfig(path=TOKENIZER.path, bos_token=TOKENIZER.eos_token)
     edited = tmp_path / "tokenizer.json"
     edited.write_text(Path(TOKENIZER.path).read_text() + "\n")  # the same vocabulary, another file
-    names = {base.name, prepare(source, other_bos, cache, 1, False).name,
-             prepare(source, TokenizerConfig(path=str(edited)), cache, 1, False).name}
+    names = {
+        base.name,
+        prepare(source, other_bos, cache, 1, False).name,
+        prepare(source, TokenizerConfig(path=str(edited)), cache, 1, False).name,
+    }
     assert len(names) == 3
     stat = Path(source.source).stat()
     os.utime(source.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))  # touched, same contents
@@ -166,9 +174,11 @@ def test_a_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
 def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 3000)
     cache = tmp_path / "cache"
-    script = ("import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
-              "from titan.data.prepared import prepare; "
-              "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False)")
+    script = (
+        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
+        "from titan.data.prepared import prepare; "
+        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False)"
+    )
     child = subprocess.Popen([sys.executable, "-c", script, str(source), TOKENIZER.path, str(cache)], cwd=ROOT)
     deadline = time.time() + 60
     while not any(p.name.startswith(".") and any(p.iterdir()) for p in cache.glob("*")) and time.time() < deadline:
@@ -240,16 +250,18 @@ BAD_SOURCES = {
     "empty_file": ("corpus.jsonl", b"", ["corpus.jsonl", "has no documents"]),
     "no_records": ("corpus.jsonl", b"\n\n", ["corpus.jsonl", "has no documents"]),
     "only_empty_texts": ("corpus.jsonl", b'{"text": ""}\n{"text": "  "}\n', ["corpus.jsonl", "empty"]),
-    "malformed_record": ("corpus.jsonl", b'{"text": "fine"}\n\n{"text": "also fine"}\n{"text": broken\n',
-                         ["corpus.jsonl", "line 4", "not valid JSON"]),
+    "malformed_record": (
+        "corpus.jsonl",
+        b'{"text": "fine"}\n\n{"text": "also fine"}\n{"text": broken\n',
+        ["corpus.jsonl", "line 4", "not valid JSON"],
+    ),
     "not_an_object": ("corpus.jsonl", b'{"text": "fine"}\n["a", "list"]\n', ["corpus.jsonl", "line 2"]),
     "binary_jsonl": ("corpus.jsonl", b'{"text": "a\x00b"}\n\xff\xfe\x00\x01', ["corpus.jsonl", "line 1", "NUL"]),
     "binary_txt_nul": ("corpus.txt", b"one line\nanother\x00line\n", ["corpus.txt", "line 2", "NUL"]),
     "binary_txt_utf8": ("corpus.txt", b"one line\n\xff\xfe\x80\n", ["corpus.txt", "line 2", "UTF-8"]),
     "missing_text_field": ("corpus.jsonl", b'{"body": "a"}\n', ["corpus.jsonl", "'text'", "body"]),
     "non_text_field": ("corpus.jsonl", b'{"text": "a"}\n{"text": 5}\n', ["corpus.jsonl", "record 2", "int"]),
-    "text_field_in_some": ("corpus.jsonl", b'{"text": "a"}\n{"body": "b"}\n',
-                           ["corpus.jsonl", "record 2", "'text'"]),
+    "text_field_in_some": ("corpus.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["corpus.jsonl", "record 2", "'text'"]),
 }
 
 
@@ -270,11 +282,23 @@ def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
     for case, (name, content, _) in BAD_SOURCES.items():  # each CLI imports torch: run them side by side
         (tmp_path / case).mkdir()
         (tmp_path / case / name).write_bytes(content)
-        args = ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path,
-                "--data.source", str(tmp_path / case / name),
-                "--data.cache_dir", str(tmp_path / "cache"), "--workers", "1"]
-        running[case] = subprocess.Popen([sys.executable, "-m", "titan", *args], cwd=ROOT, text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        args = [
+            "data",
+            "prepare",
+            "--config",
+            str(DEBUG_RECIPE),
+            "--tokenizer.path",
+            TOKENIZER.path,
+            "--data.source",
+            str(tmp_path / case / name),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--workers",
+            "1",
+        ]
+        running[case] = subprocess.Popen(
+            [sys.executable, "-m", "titan", *args], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
     for case, child in running.items():
         stdout, stderr = child.communicate(timeout=120)
         result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
@@ -284,8 +308,22 @@ def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
 def test_the_cli_prepares_every_source_of_the_recipe_and_prints_its_figures(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", TEXTS + [" "])
     held = write_jsonl(tmp_path / "held.jsonl", TEXTS[:5])
-    args = ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path, "--data.source", str(train), "--validation.source",
-            str(held), "--data.cache_dir", str(tmp_path / "cache"), "--workers", "1"]
+    args = [
+        "data",
+        "prepare",
+        "--config",
+        str(DEBUG_RECIPE),
+        "--tokenizer.path",
+        TOKENIZER.path,
+        "--data.source",
+        str(train),
+        "--validation.source",
+        str(held),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--workers",
+        "1",
+    ]
     result = run_titan(*args)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

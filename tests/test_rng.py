@@ -117,8 +117,7 @@ def test_elements_use_documented_counter_layout():
             assert m.tolist() == [(w[0] >> 8) / 2**24 < p_keep for w in words]
         z = sample("normal", t, seed, stream, counter, dtype=torch.float64)
         ref = [
-            math.sqrt(-2.0 * math.log((w[0] + 0.5) / 2**32)) * math.cos(2.0 * math.pi * (w[1] / 2**32))
-            for w in words
+            math.sqrt(-2.0 * math.log((w[0] + 0.5) / 2**32)) * math.cos(2.0 * math.pi * (w[1] / 2**32)) for w in words
         ]
         torch.testing.assert_close(z, torch.tensor(ref, dtype=torch.float64), rtol=1e-13, atol=1e-13)
         mean, std, a, b = 0.1, 2.0, -1.0, 2.5
@@ -449,8 +448,9 @@ def as_rank(rank: int, world: int):
 def local_dtensor(shape, mesh, placements, dtype=torch.float32, fill=0.0):
     local_shape = ref_split(torch.empty(shape), mesh.shape, mesh.get_coordinate(), placements).shape
     local = torch.full(local_shape, fill, dtype=dtype)
-    return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(),
-                              run_check=False)
+    return DTensor.from_local(
+        local, mesh, placements, shape=torch.Size(shape), stride=torch.empty(shape).stride(), run_check=False
+    )
 
 
 def one_process(shape):
@@ -459,8 +459,9 @@ def one_process(shape):
     drop.stream, drop.seed, drop.step = "layers.0.attention.dropout", 9, 4
     return {
         "normal": rng.normal_(torch.empty(shape), 0.1, 0.02, seed=SEED, stream="w"),
-        "trunc_normal": rng.trunc_normal_(torch.empty(shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED,
-                                          stream="w"),
+        "trunc_normal": rng.trunc_normal_(
+            torch.empty(shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED, stream="w"
+        ),
         "dropout": drop(torch.ones(shape), 3 + 2 * torch.arange(shape[0])),
     }, drop
 
@@ -498,8 +499,14 @@ def test_dtensor_fills_and_dropout_are_slices_of_one_process(mesh_shape):
 
 def test_rank_outside_the_mesh_holds_nothing():
     with as_rank(3, 4):
-        d = DTensor.from_local(torch.empty(0), DeviceMesh("cpu", [0, 1]), [Shard(0)], shape=torch.Size((6, 4)),
-                               stride=(4, 1), run_check=False)
+        d = DTensor.from_local(
+            torch.empty(0),
+            DeviceMesh("cpu", [0, 1]),
+            [Shard(0)],
+            shape=torch.Size((6, 4)),
+            stride=(4, 1),
+            run_check=False,
+        )
         assert d.to_local().numel() == 0
         assert rng.dtensor_global_indices(d).numel() == 0
         assert rng.normal_(d, seed=SEED, stream="w") is d

@@ -16,10 +16,26 @@ from slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, unavaila
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 TINY = [
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "0",
-    "--model.overrides.n_layers", "1", "--data.source", str(ROOT / "data" / "stories.jsonl"), "--tokenizer.path", str(ROOT / "data" / "tokenizer.json"),
-    "--metrics.wandb", "disabled", "--metrics.tensorboard", "false", "--metrics.log_freq", "1",
-    "--metrics.peak_flops", "1e11",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "0",
+    "--model.overrides.n_layers",
+    "1",
+    "--data.source",
+    str(ROOT / "data" / "stories.jsonl"),
+    "--tokenizer.path",
+    str(ROOT / "data" / "tokenizer.json"),
+    "--metrics.wandb",
+    "disabled",
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.peak_flops",
+    "1e11",
 ]
 
 

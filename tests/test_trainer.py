@@ -19,7 +19,12 @@ def read_metrics(run_dir):
 
 @pytest.mark.slow
 def test_debug_recipe_trains_from_the_cli_and_the_loss_falls(tmp_path):
-    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{"training.steps": "30", "metrics.tensorboard": "true"}))
+    result = run_titan(
+        "train",
+        "--config",
+        str(DEBUG_RECIPE),
+        *tiny_overrides(tmp_path, **{"training.steps": "30", "metrics.tensorboard": "true"}),
+    )
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "debug"
     metrics = read_metrics(run_dir)

@@ -55,7 +55,11 @@ def find_checkpoint(path: Path, key: str = "checkpoint") -> Path:
         found = complete_checkpoints(folder)
         if found:
             return found[max(found)]
-    what = "does not exist" if not path.exists() else f"is not a complete titan checkpoint (no {MARKER} marker), nor a folder of them"
+    what = (
+        "does not exist"
+        if not path.exists()
+        else f"is not a complete titan checkpoint (no {MARKER} marker), nor a folder of them"
+    )
     raise ConfigError(f"{key}: {path} {what}")
 
 
@@ -67,10 +71,18 @@ def model_shapes(spec, args) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
-def write_train_state(folder: Path, *, step: int, tokens_seen: int, lr_scheduler: dict, model: dict, recipe: str,
-                      **extra) -> None:
+def write_train_state(
+    folder: Path, *, step: int, tokens_seen: int, lr_scheduler: dict, model: dict, recipe: str, **extra
+) -> None:
     """train_state.json. model: {"name", "flavor", "shapes"}; recipe: the resolved recipe as TOML."""
-    state = {"step": step, "tokens_seen": tokens_seen, "lr_scheduler": lr_scheduler, "model": model, "recipe": recipe, **extra}
+    state = {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "lr_scheduler": lr_scheduler,
+        "model": model,
+        "recipe": recipe,
+        **extra,
+    }
     (folder / "train_state.json").write_text(json.dumps(state, indent=1))
 
 
@@ -88,8 +100,21 @@ class Checkpointer:
     """Saves and restores the training state it is given: the model parts, the optimizer, the lr schedule
     and the data loader (anything with state_dict/load_state_dict), plus what describes the run."""
 
-    def __init__(self, cfg: Checkpoint, folder: Path, *, model_parts, optimizer, lr_scheduler, loader,
-                 model: dict, recipe: str, rank: int, save_group, control_group):
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        folder: Path,
+        *,
+        model_parts,
+        optimizer,
+        lr_scheduler,
+        loader,
+        model: dict,
+        recipe: str,
+        rank: int,
+        save_group,
+        control_group,
+    ):
         """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML.
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
@@ -117,10 +142,16 @@ class Checkpointer:
             if missing and len(missing) < len(named):
                 # Some parameters are other tensors than those the optimizer stepped (e.g. FSDP left a module
                 # unsharded): saving would write zeros for their state.
-                raise RuntimeError(f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?")
+                raise RuntimeError(
+                    f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?"
+                )
             for _, p in named:  # AdamW creates its state lazily; loading into a fresh optimizer needs it to exist
                 if p not in self.optimizer.state:
-                    self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
             state["optimizer"] = {name: self.optimizer.state[p] for name, p in named}
         return state
 
@@ -145,17 +176,28 @@ class Checkpointer:
         if self.rank == 0:
             (tmp / "data.json").write_text(json.dumps(self.loader.state_dict()))
             scheduler = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
-            write_train_state(tmp, step=step, tokens_seen=tokens_seen, lr_scheduler=scheduler, model=self.model, recipe=self.recipe)
+            write_train_state(
+                tmp, step=step, tokens_seen=tokens_seen, lr_scheduler=scheduler, model=self.model, recipe=self.recipe
+            )
         state = self._tensor_state(("model", "optimizer"))
         no_dist = self.save_group is None
         if self.cfg.async_save and not wait:
-            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist), tmp, final)
+            self._pending = (
+                dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist),
+                tmp,
+                final,
+            )
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
             self._pending = (None, tmp, final)
             self.finish_pending()
         blocked = time.perf_counter() - start
-        log.info("checkpoint step %d: %s (training blocked %.2fs)", step, "writing in background" if self._pending else final, blocked)
+        log.info(
+            "checkpoint step %d: %s (training blocked %.2fs)",
+            step,
+            "writing in background" if self._pending else final,
+            blocked,
+        )
         return {"checkpoint_blocked_s": blocked}
 
     def finish_pending(self) -> None:
@@ -190,7 +232,8 @@ class Checkpointer:
             if self.cfg.load_step >= 0:
                 if self.cfg.load_step not in found:
                     raise ConfigError(
-                        f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint of that step in {self.folder} "
+                        f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint of that step in "
+                        f"{self.folder} "
                         f"(found: {sorted(found) or 'none'})"
                     )
                 return found[self.cfg.load_step]
@@ -204,9 +247,13 @@ class Checkpointer:
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
             try:
-                dcp.load(tensors, checkpoint_id=str(path), process_group=self.save_group, no_dist=self.save_group is None)
+                dcp.load(
+                    tensors, checkpoint_id=str(path), process_group=self.save_group, no_dist=self.save_group is None
+                )
             except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
-                raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}") from None
+                raise ConfigError(
+                    f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
+                ) from None
         step = train_state["step"] if "train_state" in parts else 0
         if "lr_scheduler" in parts:
             # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
@@ -226,7 +273,11 @@ class Checkpointer:
     def _check_model(self, path: Path, saved: dict) -> None:
         current = self.model
         if saved["name"] != current["name"] or saved["shapes"] != current["shapes"]:
-            differing = sorted(k for k in set(saved["shapes"]) | set(current["shapes"]) if saved["shapes"].get(k) != current["shapes"].get(k))
+            differing = sorted(
+                k
+                for k in set(saved["shapes"]) | set(current["shapes"])
+                if saved["shapes"].get(k) != current["shapes"].get(k)
+            )
             raise ConfigError(
                 f"checkpoint {path} holds a {saved['name']} {saved['flavor']} model that does not match this recipe's "
                 f"{current['name']} {current['flavor']} ({len(differing)} parameters differ, e.g. {differing[:3]}); "

@@ -19,7 +19,9 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-convert_app = typer.Typer(help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True)
+convert_app = typer.Typer(
+    help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True
+)
 app.add_typer(convert_app, name="convert")
 data_app = typer.Typer(help="Prepare data: tokenize sources once into token shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -106,7 +108,8 @@ def compare(
     runs: list[Path] = typer.Argument(..., help="Run folders (<job.output_dir>/<job.name>), two or more to compare."),
     plot: Path = typer.Option(None, "--plot", help="Also draw loss vs steps and tokens, and tokens/s, into this PNG."),
 ) -> None:
-    """Compare runs from their folders: a table of loss, throughput, MFU, memory and time, and the config keys that differ.
+    """Compare runs from their folders: a table of loss, throughput, MFU, memory and time, and the config keys
+    that differ.
 
     Reads only the run folders (config.toml, metrics.jsonl, run_info.json); works offline.
     """
@@ -124,10 +127,14 @@ def compare(
 
 @convert_app.command("hf-to-dcp")
 def convert_hf_to_dcp(
-    hf_dir: Path = typer.Argument(..., help="A Hugging Face model folder: config.json and *.safetensors (sharded or not)."),
+    hf_dir: Path = typer.Argument(
+        ..., help="A Hugging Face model folder: config.json and *.safetensors (sharded or not)."
+    ),
     out_dir: Path = typer.Argument(..., help="The titan checkpoint folder to write (must not exist, or be empty)."),
     model: str = typer.Option("llama3", "--model", help="titan model family (model.name)."),
-    flavor: str = typer.Option("", "--flavor", help="Express the model as this flavor + overrides; default: the closest."),
+    flavor: str = typer.Option(
+        "", "--flavor", help="Express the model as this flavor + overrides; default: the closest."
+    ),
 ) -> None:
     """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
     from titan.hf_io import hf_to_dcp  # imported late: torch takes a while to import
@@ -140,7 +147,9 @@ def convert_hf_to_dcp(
 
 @convert_app.command("dcp-to-hf")
 def convert_dcp_to_hf(
-    checkpoint: Path = typer.Argument(..., help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."
+    ),
     out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),

@@ -194,24 +194,39 @@ def run_labels(runs: list[Run]) -> list[str]:
 
 def format_report(runs: list[Run]) -> str:
     labels = run_labels(runs)
-    header = ["run", "recipe", "job", "layout", "steps", "final loss", "min loss", "val loss", "tokens/s", "MFU", "peak mem", "wall time"]
+    header = [
+        "run",
+        "recipe",
+        "job",
+        "layout",
+        "steps",
+        "final loss",
+        "min loss",
+        "val loss",
+        "tokens/s",
+        "MFU",
+        "peak mem",
+        "wall time",
+    ]
     rows = []
     for label, run in zip(labels, runs):
         s = summarize(run)
-        rows.append([
-            label,
-            s["recipe"],
-            s["job"],
-            f"{s['layout']} ({s['world_size']} proc)" if s["world_size"] else s["layout"],
-            f"{s['last_step']}/{s['steps']}" if s["steps"] else str(s["last_step"]),
-            _num(s["final_loss"], "{:.4f}"),
-            _num(s["min_loss"], "{:.4f}"),
-            _num(s["val_loss"], "{:.4f}"),
-            _num(s["tokens_per_s"], "{:,.0f}"),
-            _num(s["mfu"] and 100 * s["mfu"], "{:.2f}%"),
-            _num(s["peak_memory_gib"], "{:.2f} GiB"),
-            _duration(s["wall_time_s"]),
-        ])
+        rows.append(
+            [
+                label,
+                s["recipe"],
+                s["job"],
+                f"{s['layout']} ({s['world_size']} proc)" if s["world_size"] else s["layout"],
+                f"{s['last_step']}/{s['steps']}" if s["steps"] else str(s["last_step"]),
+                _num(s["final_loss"], "{:.4f}"),
+                _num(s["min_loss"], "{:.4f}"),
+                _num(s["val_loss"], "{:.4f}"),
+                _num(s["tokens_per_s"], "{:,.0f}"),
+                _num(s["mfu"] and 100 * s["mfu"], "{:.2f}%"),
+                _num(s["peak_memory_gib"], "{:.2f} GiB"),
+                _duration(s["wall_time_s"]),
+            ]
+        )
     lines = _table(header, rows)
     if len(runs) > 1:
         diff = differing_keys(runs)
@@ -282,8 +297,13 @@ def plot(runs: list[Run], out: str | Path) -> Path:
         style = {"label": label, "marker": "o" if len(curve) <= 30 else None, "markersize": 3}
         (line,) = loss_step.plot(steps, [r["loss"] for r in curve], **style)
         if run.validation:  # validation loss: dashed, in the run's colour
-            loss_step.plot([r["step"] for r in run.validation], [r["val_loss"] for r in run.validation],
-                           linestyle="--", color=line.get_color(), label=f"{label} (validation)")
+            loss_step.plot(
+                [r["step"] for r in run.validation],
+                [r["val_loss"] for r in run.validation],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{label} (validation)",
+            )
         if all("tokens_seen" in r for r in curve):
             loss_tokens.plot([r["tokens_seen"] for r in curve], [r["loss"] for r in curve], **style)
         if all("tokens_per_s" in r for r in curve):

@@ -100,7 +100,9 @@ class Validation:
 @dataclass
 class Training:
     local_batch_size: int = 8  # most sequences per micro-batch on each data-parallel rank (a memory cap)
-    global_batch_size: int = 0  # sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size
+    global_batch_size: int = (
+        0  # sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size
+    )
     seq_len: int = 256
     steps: int = 100
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -155,7 +157,9 @@ class Parallel:
     sequence_parallel: bool = True  # shard norms and residuals along the sequence between TP regions
     loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits, never gathering them
     # Pipeline parallel
-    pp_schedule: str = "1F1B"  # GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+    pp_schedule: str = (
+        "1F1B"  # GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+    )
     pp_microbatches: int = 0  # micro-batches per local batch; 0: the number of pipeline stages
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for multi-stage schedules, else 1
     pp_layers_per_stage: list[int] = field(default_factory=list)  # e.g. [3, 5]; empty: as even as possible
@@ -166,8 +170,13 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     every: int = 1  # checkpoint every Nth transformer block
     # selective: outputs of these ops are saved, everything else is recomputed in backward.
-    save_ops: list[str] = field(default_factory=lambda: ["aten.mm", "aten._scaled_dot_product_efficient_attention",
-                                                          "aten._scaled_dot_product_flash_attention"])
+    save_ops: list[str] = field(
+        default_factory=lambda: [
+            "aten.mm",
+            "aten._scaled_dot_product_efficient_attention",
+            "aten._scaled_dot_product_flash_attention",
+        ]
+    )
 
 
 @dataclass
@@ -329,7 +338,7 @@ def _convert(tp, value, key: str):
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     origin = typing.get_origin(tp)
-    if isinstance(value, _CliValue) and tp is not str and not (origin is Literal):
+    if isinstance(value, _CliValue) and tp is not str and origin is not Literal:
         value = _parse_cli_literal(value)
     elif isinstance(value, _CliValue):
         value = str(value)
@@ -378,15 +387,23 @@ def validate(config: Config, world_size: int) -> None:
             raise ConfigError(message)
 
     t, p = config.training, config.parallel
-    require(config.job.name.strip() != "" and "/" not in config.job.name, f"job.name must be a non-empty folder name, got {config.job.name!r}")
+    require(
+        config.job.name.strip() != "" and "/" not in config.job.name,
+        f"job.name must be a non-empty folder name, got {config.job.name!r}",
+    )
     require(t.steps > 0, f"training.steps must be positive, got {t.steps}")
     require(t.seq_len > 0, f"training.seq_len must be positive, got {t.seq_len}")
     require(t.local_batch_size > 0, f"training.local_batch_size must be positive, got {t.local_batch_size}")
-    require(t.global_batch_size >= 0, f"training.global_batch_size must be positive (or 0 for local x data-parallel), got {t.global_batch_size}")
+    require(
+        t.global_batch_size >= 0,
+        f"training.global_batch_size must be positive (or 0 for local x data-parallel), got {t.global_batch_size}",
+    )
     require(t.max_grad_norm >= 0, f"training.max_grad_norm must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
     o = config.optimizer
     require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
-    require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1 and beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    require(
+        0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1 and beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
+    )
     require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
     s = config.lr_scheduler
     require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
@@ -396,17 +413,28 @@ def validate(config: Config, world_size: int) -> None:
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
     for name in ("dp_replicate", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    require(p.dp_shard >= 1 or p.dp_shard == -1, f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}")
+    require(
+        p.dp_shard >= 1 or p.dp_shard == -1,
+        f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
+    )
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     d, v = config.data, config.validation
     require(d.source != "", "data.source must name a local file, folder or hub dataset")
     for i, source in enumerate(d.sources):
         require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
-        require(source.weight > 0, f"data.sources[{i}].weight must be > 0 (a share of the mixture), got {source.weight}")
-    require(d.prepare_workers >= 0, f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}")
+        require(
+            source.weight > 0, f"data.sources[{i}].weight must be > 0 (a share of the mixture), got {source.weight}"
+        )
+    require(
+        d.prepare_workers >= 0,
+        f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
+    )
     require(v.interval >= 0, f"validation.interval must be >= 0 (0 disables validation), got {v.interval}")
     require(v.steps > 0, f"validation.steps must be positive, got {v.steps}")
-    require(0 <= v.fraction < 1, f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}")
+    require(
+        0 <= v.fraction < 1,
+        f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}",
+    )
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
@@ -414,23 +442,36 @@ def validate(config: Config, world_size: int) -> None:
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
     require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
     f8 = config.float8
-    require(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
-            f"float8.enable_fsdp_float8_all_gather needs float8.recipe = 'tensorwise' (torchao all-gathers float8 weights "
-            f"with one scale per tensor), got {f8.recipe!r}")
-    require(not f8.precompute_dynamic_scale or f8.enable_fsdp_float8_all_gather,
-            "float8.precompute_dynamic_scale only serves float8.enable_fsdp_float8_all_gather; enable that too, or turn it off")
-    require(all(s.strip() for s in f8.skip), f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}")
+    require(
+        not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
+        f"float8.enable_fsdp_float8_all_gather needs float8.recipe = 'tensorwise' (torchao all-gathers float8 weights "
+        f"with one scale per tensor), got {f8.recipe!r}",
+    )
+    require(
+        not f8.precompute_dynamic_scale or f8.enable_fsdp_float8_all_gather,
+        "float8.precompute_dynamic_scale only serves float8.enable_fsdp_float8_all_gather; enable that too, or turn "
+        "it off",
+    )
+    require(
+        all(s.strip() for s in f8.skip),
+        f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}",
+    )
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = Layout.from_config(p, world_size).dp
     if t.global_batch_size:
-        require(t.global_batch_size % dp == 0,
-                f"training.global_batch_size ({t.global_batch_size}) must split evenly over the data-parallel size ({dp}); "
-                f"use a multiple of {dp}")
+        require(
+            t.global_batch_size % dp == 0,
+            f"training.global_batch_size ({t.global_batch_size}) must split evenly over the data-parallel size ({dp}); "
+            f"use a multiple of {dp}",
+        )
         rows, micro = t.global_batch_size // dp, min(t.local_batch_size, t.global_batch_size // dp)
-        require(rows % micro == 0,
-                f"training.global_batch_size ({t.global_batch_size}) gives each of the {dp} data-parallel ranks {rows} rows, "
-                f"which do not split into micro-batches of training.local_batch_size ({t.local_batch_size}); "
-                f"use a local_batch_size that divides {rows}")
+        require(
+            rows % micro == 0,
+            f"training.global_batch_size ({t.global_batch_size}) gives each of the {dp} data-parallel ranks {rows} "
+            "rows, "
+            f"which do not split into micro-batches of training.local_batch_size ({t.local_batch_size}); "
+            f"use a local_batch_size that divides {rows}",
+        )
 
 
 @dataclass(frozen=True)

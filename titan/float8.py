@@ -47,8 +47,14 @@ def _torchao():
     return float8
 
 
-def check_float8(config: Config, layout: Layout, device: torch.device, spec=None, args=None,
-                 capability: tuple[int, int] | None = None) -> None:
+def check_float8(
+    config: Config,
+    layout: Layout,
+    device: torch.device,
+    spec=None,
+    args=None,
+    capability: tuple[int, int] | None = None,
+) -> None:
     """Refuse float8 where it cannot run, before any work. With the model's `spec` and `args`, also refuse a
     filter that converts nothing. `capability` stands in for the GPU's (for tests)."""
     f8 = config.float8
@@ -60,12 +66,21 @@ def check_float8(config: Config, layout: Layout, device: torch.device, spec=None
         if tuple(capability) < MIN_CUDA_CAPABILITY:
             name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
             raise ConfigError(
-                f"float8.enable needs float8 matmuls, i.e. a GPU of compute capability {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} "
-                f"or newer (Ada, Hopper, Blackwell); {name} has {capability[0]}.{capability[1]}; set float8.enable = false"
+                "float8.enable needs float8 matmuls, i.e. a GPU of compute capability "
+                f"{MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} "
+                f"or newer (Ada, Hopper, Blackwell); {name} has {capability[0]}.{capability[1]}; set float8.enable "
+                "= false"
             )
     elif device.type != "cpu":
-        raise ConfigError(f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}")
-    if device.type == "cpu" and f8.recipe == "rowwise_with_gw_hp" and config.training.mixed_precision == "bf16" and layout.dp == 1:
+        raise ConfigError(
+            f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}"
+        )
+    if (
+        device.type == "cpu"
+        and f8.recipe == "rowwise_with_gw_hp"
+        and config.training.mixed_precision == "bf16"
+        and layout.dp == 1
+    ):
         # Without FSDP, bf16 is autocast; torchao 0.18's Float8Linear follows CUDA autocast only, so on the CPU its
         # high-precision weight-gradient matmul meets an fp32 input and a bf16 gradient and fails.
         raise ConfigError(
@@ -80,7 +95,8 @@ def check_float8(config: Config, layout: Layout, device: torch.device, spec=None
         if not any(keep(module, name) for name, module in model.named_modules()):
             multiple = f"{MULTIPLE} x parallel.tp = {MULTIPLE * layout.tp}" if layout.tp > 1 else str(MULTIPLE)
             raise ConfigError(
-                f"float8.enable converts no linear layer: none in the transformer blocks has in and out features that are "
+                "float8.enable converts no linear layer: none in the transformer blocks has in and out features "
+                "that are "
                 f"multiples of {multiple} and a name free of float8.skip {config.float8.skip}"
             )
 
@@ -123,8 +139,12 @@ def convert(model: nn.Module, blocks: list[nn.Module], config: Config, layout: L
     chosen = [name for name, module in model.named_modules() if keep(module, name)]
     float8.convert_to_float8_training(model, module_filter_fn=keep, config=linear_config(config, fsdp=layout.dp > 1))
     skipped = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in chosen]
-    log.info("float8 (%s recipe): %d linear layers converted; left in high precision: %s", config.float8.recipe,
-             len(chosen), ", ".join(skipped) or "none")
+    log.info(
+        "float8 (%s recipe): %d linear layers converted; left in high precision: %s",
+        config.float8.recipe,
+        len(chosen),
+        ", ".join(skipped) or "none",
+    )
     return chosen
 
 
@@ -146,8 +166,10 @@ def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
         return None
     linears = [m for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
     why = (
-        "the float8.recipe is not tensorwise" if config.float8.recipe != "tensorwise"
-        else "some block linears stay in high precision" if not all(is_float8_linear(m) for m in linears)
+        "the float8.recipe is not tensorwise"
+        if config.float8.recipe != "tensorwise"
+        else "some block linears stay in high precision"
+        if not all(is_float8_linear(m) for m in linears)
         else "gloo cannot all-gather the float8 activations of sequence parallelism"
         if config.parallel.sequence_parallel and dist.get_backend(tp_mesh.get_group()) == "gloo"
         else ""
@@ -155,7 +177,11 @@ def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
     if why:
         log.info("float8 with tensor parallelism: torch's TP styles, collectives in high precision (%s)", why)
         return None
-    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 

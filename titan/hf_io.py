@@ -2,7 +2,7 @@
 
 An HF checkpoint is a folder with `config.json` and the weights as `model.safetensors`, or as shards
 `model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`. Only safetensors are read or
-written (no pickle). The model family's `HFAdapter` (models/__init__.py) maps configs and weights, including
+written (no pickle). The model family's `HFAdapter` (titan/models/__init__.py) maps configs and weights, including
 Llama's q/k RoPE layout; this module does the files, the checks and the sharded copies.
 
 * hf-to-dcp writes a titan checkpoint folder (the layout of titan/checkpoint.py) holding only the model:
@@ -32,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-import models
+from titan import models
 from titan.checkpoint import MARKER, find_checkpoint, model_shapes, read_train_state, write_train_state
 from titan.config import Config, ConfigError, Model, to_toml, toml_value
 from titan.hf_match import check_model_matches, describe_match, model_toml
@@ -68,7 +68,9 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"HF checkpoint folder {folder} {what}")
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise ConfigError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder (config.json + *.safetensors)")
+        raise ConfigError(
+            f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder (config.json + *.safetensors)"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -98,8 +100,14 @@ def hf_weight_files(folder: Path) -> list[Path]:
     if found:
         return found
     pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
-    hint = (f" (it has {', '.join(pickled[:3])}: pickle files, which titan does not read; convert them to safetensors "
-            "with transformers' save_pretrained)") if pickled else ""
+    hint = (
+        (
+            f" (it has {', '.join(pickled[:3])}: pickle files, which titan does not read; convert them to safetensors "
+            "with transformers' save_pretrained)"
+        )
+        if pickled
+        else ""
+    )
     raise ConfigError(f"{folder} has no *.safetensors weights{hint}")
 
 
@@ -151,7 +159,6 @@ def _single_process():
         yield
 
 
-
 @contextlib.contextmanager
 def _atomic_folder(out: Path):
     """Yield a temporary folder beside `out`, renamed to `out` when the block succeeds (as checkpoints are)."""
@@ -190,25 +197,35 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
         with _single_process():
             dcp.save({"model": tensors}, checkpoint_id=str(tmp), no_dist=True)
         # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
-        write_train_state(tmp, step=0, tokens_seen=0, lr_scheduler={}, recipe=to_toml(recipe),
-                          model={"name": spec.name, "flavor": flavor, "shapes": shapes},
-                          parts=["model"], source={"hf_checkpoint": str(hf_dir.resolve())})
+        write_train_state(
+            tmp,
+            step=0,
+            tokens_seen=0,
+            lr_scheduler={},
+            recipe=to_toml(recipe),
+            model={"name": spec.name, "flavor": flavor, "shapes": shapes},
+            parts=["model"],
+            source={"hf_checkpoint": str(hf_dir.resolve())},
+        )
         (tmp / MARKER).write_text("")
     n_params = sum(math.prod(s) for s in shapes.values())
-    return "\n".join([
-        f"wrote {out_dir}: a titan checkpoint (model weights only, float32) of the {spec.name} model in {hf_dir} "
-        f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {file_dtype} in the HF files)",
-        f"{sentence}. Start a run from it with, in the recipe:",
-        "",
-        model_toml(spec.name, flavor, overrides),
-        "",
-        "[checkpoint]",
-        f"resume = {toml_value(str(out_dir))}",
-        'load_only = ["model"]',
-        "",
-        "(checkpoint.resume names this folder on every start: once the run has checkpoints of its own, set it back "
-        f'to "auto"; or use checkpoint.init_from_hf = {toml_value(str(hf_dir))}, which only applies to a fresh start.)',
-    ])
+    return "\n".join(
+        [
+            f"wrote {out_dir}: a titan checkpoint (model weights only, float32) of the {spec.name} model in {hf_dir} "
+            f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {file_dtype} in the HF files)",
+            f"{sentence}. Start a run from it with, in the recipe:",
+            "",
+            model_toml(spec.name, flavor, overrides),
+            "",
+            "[checkpoint]",
+            f"resume = {toml_value(str(out_dir))}",
+            'load_only = ["model"]',
+            "",
+            "(checkpoint.resume names this folder on every start: once the run has checkpoints of its own, set it back "
+            f'to "auto"; or use checkpoint.init_from_hf = {toml_value(str(hf_dir))}, which only applies to a fresh '
+            "start.)",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,26 +251,42 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:  # DCP raises assorted errors on truncated or foreign files
-        raise ConfigError(f"checkpoint {path} is corrupt: cannot read its DCP metadata ({str(e).strip()[:200]})") from None
+        raise ConfigError(
+            f"checkpoint {path} is corrupt: cannot read its DCP metadata ({str(e).strip()[:200]})"
+        ) from None
     tensors = {}
     for name, shape in shapes.items():
         saved = metadata.get(f"model.{name}")
         if saved is None or list(getattr(saved, "size", [])) != shape:
             found = "absent" if saved is None else f"of shape {list(saved.size)}"
-            raise ConfigError(f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}")
+            raise ConfigError(
+                f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}"
+            )
         tensors[name] = torch.empty(shape, dtype=saved.properties.dtype)
     try:
         with _single_process():
             dcp.load({"model": tensors}, checkpoint_id=str(path), no_dist=True)
     except Exception as e:
-        raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}") from None
+        raise ConfigError(
+            f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
+        ) from None
     return path, spec, args, tensors
 
 
 def parse_size(text: str | int) -> int:
     """Bytes in '2GB', '500MB', '1.5GiB', '10KB' or a plain number (decimal units, as transformers reads them)."""
-    scales = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    scales = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Z]*)", str(text).strip().upper())
     if not match or match.group(2) not in scales:
         raise ConfigError(f"--max-shard-size {text!r}: expected a size like 2GB, 500MB, 1GiB or a number of bytes")
@@ -291,8 +324,10 @@ def write_hf_folder(folder: Path, config: dict, weights: dict[str, Tensor], max_
         save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values()),
-                         "total_parameters": sum(t.numel() for t in weights.values())},
+            "metadata": {
+                "total_size": sum(t.numel() * t.element_size() for t in weights.values()),
+                "total_parameters": sum(t.numel() for t in weights.values()),
+            },
             "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
         }
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -300,8 +335,9 @@ def write_hf_folder(folder: Path, config: dict, weights: dict[str, Tensor], max_
     return names
 
 
-def dcp_to_hf(checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-              dtype: str = "float32") -> str:
+def dcp_to_hf(
+    checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, dtype: str = "float32"
+) -> str:
     """Export the model of a titan checkpoint as an HF folder; returns the report to print."""
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -316,9 +352,12 @@ def dcp_to_hf(checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAU
         files = write_hf_folder(tmp, spec.hf.config_from_args(args, dtype), weights, max_bytes)
     n_params = sum(t.numel() for t in weights.values())
     shards = [f for f in files if f.endswith(".safetensors")]
-    return (f"wrote {out_dir}: {CONFIG_FILE} and {len(shards)} safetensors file{'s' * (len(shards) > 1)}"
-            f"{' with ' + INDEX_FILE if len(shards) > 1 else ''} ({len(weights)} tensors, {n_params / 1e6:.2f}M parameters, "
-            f"{dtype}) from {path}; no tokenizer files are written: copy them from the tokenizer the run used")
+    return (
+        f"wrote {out_dir}: {CONFIG_FILE} and {len(shards)} safetensors file{'s' * (len(shards) > 1)}"
+        f"{' with ' + INDEX_FILE if len(shards) > 1 else ''} ({len(weights)} tensors, {n_params / 1e6:.2f}M "
+        "parameters, "
+        f"{dtype}) from {path}; no tokenizer files are written: copy them from the tokenizer the run used"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,7 +386,9 @@ def copy_into_parameters(named_parameters, state: dict[str, Tensor]) -> int:
         else:
             local, values = param, full
         if tuple(values.shape) != tuple(local.shape):
-            raise ConfigError(f"parameter {name}: cannot copy a {list(values.shape)} tensor into a {list(local.shape)} shard")
+            raise ConfigError(
+                f"parameter {name}: cannot copy a {list(values.shape)} tensor into a {list(local.shape)} shard"
+            )
         local.detach().copy_(values.to(device=local.device, dtype=local.dtype))
         count += 1
     return count
@@ -365,5 +406,11 @@ def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: s
     check_model_matches(spec, model_args, hf_args, state, f"checkpoint.init_from_hf {source}", recipe_model)
     count = copy_into_parameters(named_parameters, state)
     n_params = sum(math.prod(s) for s in model_shapes(spec, hf_args).values())
-    log.info("initialised the model from HF checkpoint %s: %d parameter tensors on this rank (model: %.2fM parameters, "
-             "%s in the files)", source, count, n_params / 1e6, file_dtype)
+    log.info(
+        "initialised the model from HF checkpoint %s: %d parameter tensors on this rank (model: %.2fM parameters, "
+        "%s in the files)",
+        source,
+        count,
+        n_params / 1e6,
+        file_dtype,
+    )

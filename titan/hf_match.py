@@ -8,15 +8,13 @@ from typing import Any
 
 from torch import Tensor
 
-import models
+from titan import models
 from titan.checkpoint import model_shapes
 from titan.config import ConfigError, toml_value
 
 # Model args that are training choices rather than properties of the weights: the RoPE table's length (titan
 # sizes it by training.seq_len) and dropout. They may differ between an HF model and the recipe that uses it.
 _TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
-
-
 
 
 def _same_model(spec: models.ModelSpec, a, b) -> bool:
@@ -39,7 +37,11 @@ def recipe_model(spec: models.ModelSpec, args, flavor: str | None = None) -> tup
         if name not in spec.flavors:
             raise ConfigError(f"unknown flavor {name!r} for {spec.name}; flavors: {', '.join(spec.flavors)}")
         base = spec.flavors[name]
-        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if getattr(base, f.name) != getattr(args, f.name)}
+        overrides = {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(args)
+            if getattr(base, f.name) != getattr(args, f.name)
+        }
         for key in list(overrides):
             trial = {k: v for k, v in overrides.items() if k != key}
             if _same_model(spec, dataclasses.replace(base, **trial), args):
@@ -62,20 +64,29 @@ def describe_match(spec: models.ModelSpec, args, flavor: str | None = None) -> t
     if not overrides:
         return f"the model is exactly titan's {spec.name} flavor {name!r}", name, overrides
     chosen = "the requested" if flavor else "the closest"
-    return f"the model matches no titan flavor exactly; {chosen} is {name!r} with {len(overrides)} overrides", name, overrides
+    return (
+        f"the model matches no titan flavor exactly; {chosen} is {name!r} with {len(overrides)} overrides",
+        name,
+        overrides,
+    )
 
 
-def check_model_matches(spec: models.ModelSpec, recipe_args, hf_args, state: dict[str, Tensor], source: str,
-                        recipe_name: str) -> None:
+def check_model_matches(
+    spec: models.ModelSpec, recipe_args, hf_args, state: dict[str, Tensor], source: str, recipe_name: str
+) -> None:
     """ConfigError naming the first parameter whose shape differs, else the first arg that changes the network."""
     hint = _Hint(spec, hf_args)
     mine = model_shapes(spec, recipe_args)
     for name, shape in mine.items():
         if name not in state:
-            raise ConfigError(f"{source} has no parameter {name} (shape {shape} in this recipe's {recipe_name} model){hint}")
+            raise ConfigError(
+                f"{source} has no parameter {name} (shape {shape} in this recipe's {recipe_name} model){hint}"
+            )
         if list(state[name].shape) != shape:
-            raise ConfigError(f"{source} does not match this recipe's {recipe_name} model: {name} has shape "
-                              f"{list(state[name].shape)} there but {shape} here{hint}")
+            raise ConfigError(
+                f"{source} does not match this recipe's {recipe_name} model: {name} has shape "
+                f"{list(state[name].shape)} there but {shape} here{hint}"
+            )
     extra = [name for name in model_shapes(spec, hf_args) if name not in mine]
     if extra:
         raise ConfigError(f"{source} has parameter {extra[0]}, which this recipe's {recipe_name} model lacks{hint}")
@@ -85,9 +96,13 @@ def check_model_matches(spec: models.ModelSpec, recipe_args, hf_args, state: dic
     if not _same_model(spec, recipe_args, theirs):
         for f in dataclasses.fields(recipe_args):
             value = getattr(theirs, f.name)
-            if value != getattr(recipe_args, f.name) and not _same_model(spec, dataclasses.replace(recipe_args, **{f.name: value}), recipe_args):
-                raise ConfigError(f"{source} does not match this recipe's {recipe_name} model: {f.name} is {value!r} there "
-                                  f"but {getattr(recipe_args, f.name)!r} here{hint}")
+            if value != getattr(recipe_args, f.name) and not _same_model(
+                spec, dataclasses.replace(recipe_args, **{f.name: value}), recipe_args
+            ):
+                raise ConfigError(
+                    f"{source} does not match this recipe's {recipe_name} model: {f.name} is {value!r} there "
+                    f"but {getattr(recipe_args, f.name)!r} here{hint}"
+                )
         raise ConfigError(f"{source} does not match this recipe's {recipe_name} model{hint}")
 
 
@@ -103,5 +118,7 @@ class _Hint:
         overrides = {k: v for k, v in overrides.items() if k not in _TRAINING_CHOICES}
         text = f"; to use it, set model.flavor = {toml_value(flavor)}"
         if overrides:
-            text += " and model.overrides = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in overrides.items()) + " }"
+            text += (
+                " and model.overrides = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in overrides.items()) + " }"
+            )
         return text

@@ -90,13 +90,14 @@ class MetricsLogger:
         tracking = {
             **names,
             "command": ["titan", *sys.argv[1:]] if sys.argv[0].endswith(("titan", "__main__.py")) else sys.argv,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "slurm": {key[6:].lower(): os.environ[key] for key in SLURM_KEYS if key in os.environ},
         }
         if config.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # One folder per (group, layout): `tensorboard --logdir outputs` lists runs as <job>/tensorboard/<group>-<layout>.
+            # One folder per (group, layout): `tensorboard --logdir outputs` lists runs as
+            # <job>/tensorboard/<group>-<layout>.
             tb_dir = run_dir / "tensorboard" / re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{names['group']}-{names['layout']}")
             self._tb = SummaryWriter(log_dir=str(tb_dir))
             self._tb.add_text("run", _run_markdown(config, names, extra_info))
@@ -120,7 +121,12 @@ class MetricsLogger:
                 mode=mode,
                 config={**_flatten(config), **extra_info, "recipe": names["recipe"]},
             )
-            tracking["wandb"] = {"project": config.metrics.wandb_project, "id": run_id, "mode": mode, "url": self._wandb.url}
+            tracking["wandb"] = {
+                "project": config.metrics.wandb_project,
+                "id": run_id,
+                "mode": mode,
+                "url": self._wandb.url,
+            }
         (run_dir / "tracking.json").write_text(json.dumps(tracking, indent=2) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:
@@ -145,7 +151,14 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-SLURM_KEYS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME")
+SLURM_KEYS = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_RESTART_COUNT",
+    "SLURM_CLUSTER_NAME",
+)
 
 
 def run_names(config: Config, extra_info: dict) -> dict:
@@ -171,8 +184,13 @@ def run_names(config: Config, extra_info: dict) -> dict:
 def _run_markdown(config: Config, names: dict, extra_info: dict) -> str:
     from titan.config import to_toml
 
-    rows = [("run", names["name"]), ("recipe", names["recipe"] or "-"), ("group", names["group"]),
-            ("layout", names["layout"]), ("tags", ", ".join(names["tags"]))]
+    rows = [
+        ("run", names["name"]),
+        ("recipe", names["recipe"] or "-"),
+        ("group", names["group"]),
+        ("layout", names["layout"]),
+        ("tags", ", ".join(names["tags"])),
+    ]
     rows += [(key, json.dumps(value)) for key, value in extra_info.items() if key != "layout"]
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     config_block = "\n".join("    " + line for line in to_toml(config).splitlines())
@@ -197,7 +215,8 @@ def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
         f"| lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% "
-        f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta {_duration(eta_s)}"
+        f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta "
+        f"{_duration(eta_s)}"
     )
 
 

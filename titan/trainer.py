@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-import models
-from titan import __version__
+from titan import __version__, models
 from titan.checkpoint import Checkpointer, model_shapes
 from titan.config import Config, ConfigError, Layout, batch_split, to_toml
 from titan.data import IGNORE, Batch, Tokenizer, build_loaders
@@ -80,7 +79,8 @@ class Trainer:
         self.tokenizer = Tokenizer(config.tokenizer)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {self.model_args.vocab_size}; "
+                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{self.model_args.vocab_size}; "
                 "use a matching tokenizer.path or set model.overrides.vocab_size"
             )
         self.mesh = build_mesh(self.layout, self.device)
@@ -89,7 +89,9 @@ class Trainer:
         # This rank's rows of every global batch: an equal, contiguous share per data-parallel rank.
         rows_per_rank = self.micro_batch_size * self.grad_accum
         self.loader, self.validation_loader = build_loaders(
-            config, rows_per_rank * self.layout.dp, range(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank),
+            config,
+            rows_per_rank * self.layout.dp,
+            range(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank),
             self.micro_batch_size,
         )
 
@@ -107,13 +109,19 @@ class Trainer:
         self.schedule = None
         if self.layout.pp > 1:
             self.schedule = pp.build_schedule(
-                config.parallel, list(zip(self.model_parts.stage_ids, self.model_parts.parts)), self.model_parts.n_stages,
-                pp.microbatches(config.parallel, self.micro_batch_size), self.loss_fn, self.device, self.mesh["pp"].get_group(),
+                config.parallel,
+                list(zip(self.model_parts.stage_ids, self.model_parts.parts)),
+                self.model_parts.n_stages,
+                pp.microbatches(config.parallel, self.micro_batch_size),
+                self.loss_fn,
+                self.device,
+                self.mesh["pp"].get_group(),
             )
         # FSDP's MixedPrecisionPolicy casts parameters itself; autocast covers the layouts without FSDP.
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if t.mixed_precision == "bf16" and self.layout.dp == 1 else contextlib.nullcontext()
+            if t.mixed_precision == "bf16" and self.layout.dp == 1
+            else contextlib.nullcontext()
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
@@ -125,25 +133,50 @@ class Trainer:
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
         self.control_group = new_gloo_group()  # checkpoint barriers and the stop vote
         self.checkpointer = Checkpointer(
-            config.checkpoint, self.run_dir / "checkpoints", model_parts=self.model_parts, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, loader=self.loader, rank=self.rank, recipe=to_toml(config),
-            model={"name": config.model.name, "flavor": config.model.flavor, "shapes": model_shapes(spec, self.model_args)},
-            save_group=new_gloo_group(), control_group=self.control_group,
+            config.checkpoint,
+            self.run_dir / "checkpoints",
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            loader=self.loader,
+            rank=self.rank,
+            recipe=to_toml(config),
+            model={
+                "name": config.model.name,
+                "flavor": config.model.flavor,
+                "shapes": model_shapes(spec, self.model_args),
+            },
+            save_group=new_gloo_group(),
+            control_group=self.control_group,
         )
         self.step = self.checkpointer.resume()
         if config.checkpoint.init_from_hf:
             if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
                 from titan.hf_io import init_from_hf
 
-                init_from_hf(self.model_parts.named_parameters(), spec, self.model_args, config.checkpoint.init_from_hf,
-                             f"{config.model.name} {config.model.flavor}")
+                init_from_hf(
+                    self.model_parts.named_parameters(),
+                    spec,
+                    self.model_args,
+                    config.checkpoint.init_from_hf,
+                    f"{config.model.name} {config.model.flavor}",
+                )
             else:
                 log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
         self.stop_signal: str | None = None
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
-            config.model.name, config.model.flavor, self.n_params() / 1e6, self.device.type, self.world_size,
-            self.layout.name, self.tokens_per_step, self.micro_batch_size, t.seq_len, self.grad_accum, self.layout.dp,
+            config.model.name,
+            config.model.flavor,
+            self.n_params() / 1e6,
+            self.device.type,
+            self.world_size,
+            self.layout.name,
+            self.tokens_per_step,
+            self.micro_batch_size,
+            t.seq_len,
+            self.grad_accum,
+            self.layout.dp,
             self.run_dir,
         )
 
@@ -152,7 +185,9 @@ class Trainer:
         local = sum(p.numel() for _, p in self.model_parts.named_parameters())
         if self.layout.pp == 1:
             return local
-        total = torch.tensor(local if self.mesh["tp"].get_local_rank() == 0 and self.mesh["dp"].get_local_rank() == 0 else 0)
+        total = torch.tensor(
+            local if self.mesh["tp"].get_local_rank() == 0 and self.mesh["dp"].get_local_rank() == 0 else 0
+        )
         dist.all_reduce(total)
         return int(total)
 
@@ -169,7 +204,10 @@ class Trainer:
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step's mean token loss (see loss_scale)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE) * self.loss_scale
+        return (
+            F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE)
+            * self.loss_scale
+        )
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors."""
@@ -189,7 +227,9 @@ class Trainer:
         for module in self.dropouts:
             module.step = self.step
         self.loss_scale = 1.0 / micro_batches[0].step_loss_tokens
-        return sum((self._micro_batch_loss(batch, train=True) for batch in micro_batches), torch.zeros((), device=self.device))
+        return sum(
+            (self._micro_batch_loss(batch, train=True) for batch in micro_batches), torch.zeros((), device=self.device)
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -198,7 +238,10 @@ class Trainer:
         steps = [loader.batches_at(i * loader.global_batch) for i in range(self.config.validation.steps)]
         self.loss_scale = 1.0 / sum(batches[0].step_loss_tokens for batches in steps)
         self.model_parts.train(False)
-        loss = sum((self._micro_batch_loss(b, train=False) for batches in steps for b in batches), torch.zeros((), device=self.device))
+        loss = sum(
+            (self._micro_batch_loss(b, train=False) for batches in steps for b in batches),
+            torch.zeros((), device=self.device),
+        )
         self.model_parts.reshard()
         self.model_parts.train()
         return self.global_loss(loss).item()
@@ -267,11 +310,15 @@ class Trainer:
                 if interval and (self.step % interval == 0 or self.step == total):
                     self._log_validation()
                     window_start = time.perf_counter()  # evaluation time is not step time
-                self._log_checkpoint(self.checkpointer.maybe_save(self.step, self.tokens_seen, final=self.step == total))
+                self._log_checkpoint(
+                    self.checkpointer.maybe_save(self.step, self.tokens_seen, final=self.step == total)
+                )
                 if self._stop_requested():
                     self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, wait=True))
-                    raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved in "
-                                    f"{self.checkpointer.folder}: run the same command to resume")
+                    raise Preempted(
+                        f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved in "
+                        f"{self.checkpointer.folder}: run the same command to resume"
+                    )
                 self.step_times.append(time.perf_counter() - step_start)
         self.checkpointer.finish_pending()
         self.metrics.close()
@@ -297,10 +344,19 @@ class Trainer:
     def _log_validation(self) -> None:
         start = time.perf_counter()
         loss = self.evaluate()
-        metrics = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_time_s": time.perf_counter() - start}
+        metrics = {
+            "val_loss": loss,
+            "val_perplexity": math.exp(min(loss, 50.0)),
+            "val_time_s": time.perf_counter() - start,
+        }
         self.metrics.log(self.step, metrics)
-        log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, metrics["val_perplexity"],
-                 metrics["val_time_s"])
+        log.info(
+            "step %d validation: loss %.4f | perplexity %.2f | %.1fs",
+            self.step,
+            loss,
+            metrics["val_perplexity"],
+            metrics["val_time_s"],
+        )
 
     @property
     def tokens_seen(self) -> int:

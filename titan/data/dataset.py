@@ -34,8 +34,10 @@ def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
         formats = {_FORMAT_BY_SUFFIX.get(p.suffix) for p in files} - {None}
         if len(formats) != 1:
             found = sorted(formats) or "no .txt/.jsonl/.json/.parquet files"
-            raise ConfigError(f"data.source: cannot tell the format of {source} (found {found}); "
-                              "set data.format to text, json or parquet")
+            raise ConfigError(
+                f"data.source: cannot tell the format of {source} (found {found}); "
+                "set data.format to text, json or parquet"
+            )
         fmt = formats.pop()
     files = [p for p in files if _FORMAT_BY_SUFFIX.get(p.suffix) == fmt] if source.is_dir() else [source]
     if not files:
@@ -78,8 +80,9 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
         if file is None:
             dataset = datasets.load_dataset(documents.path, cfg.subset or None, split=cfg.split, streaming=True)
         else:
-            dataset = datasets.load_dataset(documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split,
-                                            streaming=True)
+            dataset = datasets.load_dataset(
+                documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split, streaming=True
+            )
         for number, record in enumerate(dataset, 1):
             if cfg.text_field not in record:
                 raise ConfigError(
@@ -89,8 +92,10 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
             if text is None:  # HF gives every record the fields of all: a record without this one holds None
                 raise ConfigError(f"data.text_field: record {number} of {where} has no {cfg.text_field!r} (or null)")
             if not isinstance(text, str):
-                raise ConfigError(f"data.text_field: record {number} of {where}: {cfg.text_field!r} holds "
-                                  f"{type(text).__name__}, not text")
+                raise ConfigError(
+                    f"data.text_field: record {number} of {where}: {cfg.text_field!r} holds "
+                    f"{type(text).__name__}, not text"
+                )
             if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
                 raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
             yield text

@@ -36,8 +36,14 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.inputs), move(self.labels), move(self.rows), move(self.document_ids),
-                     self.loss_tokens, self.step_loss_tokens)
+        return Batch(
+            move(self.inputs),
+            move(self.labels),
+            move(self.rows),
+            move(self.document_ids),
+            self.loss_tokens,
+            self.step_loss_tokens,
+        )
 
 
 class PackedSamples:
@@ -134,8 +140,15 @@ class GlobalBatchLoader:
     they are read `micro_batch_size` at a time.
     """
 
-    def __init__(self, sources: list[PackedSamples], blend: Blend, global_batch: int, rows: range,
-                 micro_batch_size: int, document_mask: bool):
+    def __init__(
+        self,
+        sources: list[PackedSamples],
+        blend: Blend,
+        global_batch: int,
+        rows: range,
+        micro_batch_size: int,
+        document_mask: bool,
+    ):
         self.sources, self.blend = sources, blend
         self.global_batch, self.rows, self.micro_batch_size = global_batch, rows, micro_batch_size
         self.document_mask = document_mask
@@ -160,7 +173,9 @@ class GlobalBatchLoader:
         `first_sample` (a pure function of it)."""
         step_loss_tokens = self._loss_tokens(np.arange(first_sample, first_sample + self.global_batch))
         return [
-            self._batch(first_sample, range(start, min(start + self.micro_batch_size, self.rows.stop)), step_loss_tokens)
+            self._batch(
+                first_sample, range(start, min(start + self.micro_batch_size, self.rows.stop)), step_loss_tokens
+            )
             for start in range(self.rows.start, self.rows.stop, self.micro_batch_size)
         ]
 
@@ -194,7 +209,9 @@ class GlobalBatchLoader:
             return Batch(inputs, labels, batch_rows, None, labels.numel(), step_loss_tokens)
         ids = torch.from_numpy(np.stack(document_ids))
         labels[ids[:, 1:] != ids[:, :-1]] = IGNORE
-        return Batch(inputs, labels, batch_rows, ids[:, :-1].contiguous(), int((labels != IGNORE).sum()), step_loss_tokens)
+        return Batch(
+            inputs, labels, batch_rows, ids[:, :-1].contiguous(), int((labels != IGNORE).sum()), step_loss_tokens
+        )
 
 
 def held_out(n_documents: int, fraction: float) -> np.ndarray:
@@ -216,4 +233,3 @@ def check_enough_tokens(samples: PackedSamples, what: str) -> None:
             f"{what} has {tokens} tokens in {len(samples.subset)} documents, fewer than one sequence of "
             f"training.seq_len + 1 = {samples.window}; use more data or a shorter training.seq_len"
         )
-

@@ -64,8 +64,15 @@ def cache_root_for(data_cfg: Data) -> Path:
     return cache_root() / "prepared"
 
 
-def prepare(src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path, workers: int = 0,
-            progress: bool = True, *, shard_tokens: int = SHARD_TOKENS) -> Path:
+def prepare(
+    src: DataSource,
+    tokenizer_cfg: TokenizerConfig,
+    cache_root: Path,
+    workers: int = 0,
+    progress: bool = True,
+    *,
+    shard_tokens: int = SHARD_TOKENS,
+) -> Path:
     """Tokenize `src` into <cache_root>/<slug>-<key>/ and return that folder; if a complete one exists, return it
     at once. `workers` tokenizer processes (0: one per CPU, at most 8, or this process alone for a local source
     under 8 MB; 1: this process)."""
@@ -86,8 +93,17 @@ def prepare(src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path, w
         tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
         try:
             tmp.mkdir()
-            _write(tmp, documents, identity, tokenizer_cfg, tokenizer, tokenizer_json.decode(), workers, progress,
-                   shard_tokens)
+            _write(
+                tmp,
+                documents,
+                identity,
+                tokenizer_cfg,
+                tokenizer,
+                tokenizer_json.decode(),
+                workers,
+                progress,
+                shard_tokens,
+            )
             os.rename(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -96,20 +112,24 @@ def prepare(src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path, w
     return folder
 
 
-def ensure_prepared(src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path, workers: int,
-                    auto_max_mb: float) -> Path:
+def ensure_prepared(
+    src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path, workers: int, auto_max_mb: float
+) -> Path:
     """For `titan train`: the source's complete prepared folder. A missing local source of at most `auto_max_mb`
     is prepared here; anything else must be prepared beforehand with `titan data prepare`."""
     documents, folder = _target(src, tokenizer_cfg, cache_root)
     if _is_complete(folder):
         return folder
     if not documents.files:
-        raise ConfigError(f"data source {src.source!r} (a hub dataset) is not prepared with this tokenizer; "
-                          f"{_RERUN} first")
+        raise ConfigError(
+            f"data source {src.source!r} (a hub dataset) is not prepared with this tokenizer; {_RERUN} first"
+        )
     megabytes = documents.total_bytes / 2**20
     if megabytes > auto_max_mb:
-        raise ConfigError(f"data source {src.source} ({megabytes:,.0f} MB) is not prepared with this tokenizer and is "
-                          f"larger than data.auto_prepare_max_mb = {auto_max_mb:g}; {_RERUN} first")
+        raise ConfigError(
+            f"data source {src.source} ({megabytes:,.0f} MB) is not prepared with this tokenizer and is "
+            f"larger than data.auto_prepare_max_mb = {auto_max_mb:g}; {_RERUN} first"
+        )
     log.info("preparing data source %s (%.1f MB) into %s", src.source, megabytes, folder)
     start = time.perf_counter()
     path = prepare(src, tokenizer_cfg, cache_root, workers, progress=False)
@@ -128,7 +148,8 @@ def describe(meta: dict) -> str:
     """'2,600 documents, 612,345 tokens' (plus the empty documents skipped, if any) from a meta.json."""
     empty = meta["empty_documents_skipped"]
     return f"{meta['documents']:,} documents, {meta['tokens']:,} tokens" + (
-        f" ({empty:,} empty documents skipped)" if empty else "")
+        f" ({empty:,} empty documents skipped)" if empty else ""
+    )
 
 
 class PreparedDocuments:
@@ -170,13 +191,22 @@ def _identity(documents: Documents, tokenizer_cfg: TokenizerConfig, tokenizer_js
     if documents.files:
         root = Path(documents.path)
         # Local data files are all read into the one split, whatever its name: split and subset change nothing.
-        source = {"files": [[f.relative_to(root).as_posix() if root.is_dir() else f.name, s.st_size, s.st_mtime_ns]
-                            for f in documents.files for s in [f.stat()]],
-                  "format": documents.fmt, "text_field": cfg.text_field}
+        source = {
+            "files": [
+                [f.relative_to(root).as_posix() if root.is_dir() else f.name, s.st_size, s.st_mtime_ns]
+                for f in documents.files
+                for s in [f.stat()]
+            ],
+            "format": documents.fmt,
+            "text_field": cfg.text_field,
+        }
     else:
         source = {"hub": documents.path, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field}
-    tokenizer = {"sha256": hashlib.sha256(tokenizer_json).hexdigest(), "bos_token": tokenizer_cfg.bos_token,
-                 "eos_token": tokenizer_cfg.eos_token}
+    tokenizer = {
+        "sha256": hashlib.sha256(tokenizer_json).hexdigest(),
+        "bos_token": tokenizer_cfg.bos_token,
+        "eos_token": tokenizer_cfg.eos_token,
+    }
     return {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer}
 
 
@@ -256,8 +286,17 @@ def _fsync(path: Path) -> None:
 # Writing
 
 
-def _write(folder: Path, documents: Documents, identity: dict, tokenizer_cfg: TokenizerConfig, tokenizer: Tokenizer,
-           tokenizer_json: str, workers: int, progress: bool, shard_tokens: int) -> None:
+def _write(
+    folder: Path,
+    documents: Documents,
+    identity: dict,
+    tokenizer_cfg: TokenizerConfig,
+    tokenizer: Tokenizer,
+    tokenizer_json: str,
+    workers: int,
+    progress: bool,
+    shard_tokens: int,
+) -> None:
     from tqdm import tqdm
 
     cfg = documents.cfg
@@ -267,13 +306,22 @@ def _write(folder: Path, documents: Documents, identity: dict, tokenizer_cfg: To
         workers = 1 if small else min(8, os.cpu_count() or 1)
     counts = collections.Counter()
     chunks = _text_chunks(documents, counts)
-    bar = tqdm(total=documents.total_bytes or None, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-               disable=not progress, desc=_folder_name(documents, identity).rsplit("-", 1)[0], mininterval=0.5,
-               delay=1)  # not for a source done (or failing) within a second
+    bar = tqdm(
+        total=documents.total_bytes or None,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not progress,
+        desc=_folder_name(documents, identity).rsplit("-", 1)[0],
+        mininterval=0.5,
+        delay=1,
+    )  # not for a source done (or failing) within a second
     start = time.perf_counter()
     with bar, _ShardWriter(folder, dtype, shard_tokens) as writer:
-        for tokens, lengths, read in _tokenized(chunks, (tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype),
-                                                workers):
+        for tokens, lengths, read in _tokenized(
+            chunks, (tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype), workers
+        ):
             writer.add(tokens, lengths)
             bar.update(read)
             tokens_per_s = writer.tokens / max(time.perf_counter() - start, 1e-9)
@@ -281,16 +329,23 @@ def _write(folder: Path, documents: Documents, identity: dict, tokenizer_cfg: To
     if not counts["records"]:
         raise ConfigError(f"data.source: {cfg.source} has no documents")
     if not writer.documents:
-        raise ConfigError(f"data.source: all {counts['records']:,} documents of {cfg.source} are empty or whitespace; "
-                          f"check data.text_field ({cfg.text_field!r})")
+        raise ConfigError(
+            f"data.source: all {counts['records']:,} documents of {cfg.source} are empty or whitespace; "
+            f"check data.text_field ({cfg.text_field!r})"
+        )
     if counts["empty"]:
         log.info("data source %s: skipped %d empty documents", cfg.source, counts["empty"])
     meta = {
         "format_version": FORMAT_VERSION,
         "key": _key(identity),
         "source": {"source": cfg.source, "path": documents.path, **identity["source"]},
-        "tokenizer": {"path": tokenizer_cfg.path, **identity["tokenizer"],
-                      "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+        "tokenizer": {
+            "path": tokenizer_cfg.path,
+            **identity["tokenizer"],
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
         "dtype": np.dtype(dtype).name,
         "documents": writer.documents,
         "tokens": writer.tokens,
@@ -363,8 +418,9 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _worker_encoder(texts)
 
 
-def _tokenized(chunks: Iterator[tuple[list[str], int]], encoder_args: tuple, workers: int
-               ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+def _tokenized(
+    chunks: Iterator[tuple[list[str], int]], encoder_args: tuple, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """(tokens, lengths, progress) of each chunk, in order, tokenized by `workers` processes (1: this one)."""
     if workers == 1:
         encode = _Encoder(*encoder_args)
@@ -438,8 +494,12 @@ class _ShardWriter:
         # The .npy header, now that the row count is known, space-padded to the size reserved for it.
         header = f"{{'descr': '<i8', 'fortran_order': False, 'shape': ({self.documents}, 3), }}"
         self.index.seek(0)
-        self.index.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", _HEADER_BYTES - 10)
-                         + header.encode().ljust(_HEADER_BYTES - 11) + b"\n")
+        self.index.write(
+            b"\x93NUMPY\x01\x00"
+            + struct.pack("<H", _HEADER_BYTES - 10)
+            + header.encode().ljust(_HEADER_BYTES - 11)
+            + b"\n"
+        )
         self._close(self.index)
 
     @staticmethod

@@ -8,7 +8,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from titan.config import ConfigError, Tokenizer as TokenizerConfig
+from titan.config import ConfigError
+from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import resolve_tokenizer_path
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -16,8 +17,9 @@ EOS_TOKEN = "<|end_of_text|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)  # order here fixes their ids: 0 and 1
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
-              ) -> HFTokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+) -> HFTokenizer:
     """A byte-level BPE tokenizer trained on `texts`, with SPECIAL_TOKENS as ids 0 and 1.
 
     Byte-level means every string is encodable (no <unk>): the 256 byte symbols are always in the vocab,

@@ -15,7 +15,11 @@ from titan.config import ActivationCheckpoint
 def apply_activation_checkpointing(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
     if cfg.mode == "none":
         return
-    context_fn = partial(create_selective_checkpoint_contexts, partial(_policy, frozenset(cfg.save_ops))) if cfg.mode == "selective" else None
+    context_fn = (
+        partial(create_selective_checkpoint_contexts, partial(_policy, frozenset(cfg.save_ops)))
+        if cfg.mode == "selective"
+        else None
+    )
     for i, block in enumerate(blocks):
         if i % cfg.every == 0:
             checkpoint(block, context_fn=context_fn)

@@ -38,7 +38,9 @@ def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
     if layout.world_size == 1:
         return {}
     root = init_device_mesh(
-        device.type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
+        device.type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
     )
     return {
         "pp": root["pp"],

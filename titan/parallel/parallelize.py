@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from models import ModelSpec
 from titan import float8
 from titan.config import Config, ConfigError, Layout, batch_split
+from titan.models import ModelSpec
 from titan.parallel import pp
 from titan.parallel.ac import apply_activation_checkpointing
 from titan.parallel.fsdp import apply_fsdp
@@ -78,7 +78,8 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.
             raise ConfigError(
-                f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} gives wrong "
+                f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} "
+                "gives wrong "
                 "gradients in torch 2.13; use 'default' or 'never'"
             )
         if config.validation.interval and p.pp_schedule.lower() in pp.V_SHAPED:
@@ -90,13 +91,16 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
             )
     if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
-        raise ConfigError("compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
-                          "set parallel.sequence_parallel = false or compile.enable = false")
+        raise ConfigError(
+            "compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
+            "set parallel.sequence_parallel = false or compile.enable = false"
+        )
     float8.check_float8(config, layout, device, spec, args)
 
 
-def build_model_parts(config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh],
-                      device: torch.device) -> ModelParts:
+def build_model_parts(
+    config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh], device: torch.device
+) -> ModelParts:
     with torch.device("meta"):
         model = spec.build(args)
     if layout.pp > 1:

@@ -40,12 +40,16 @@ def stage_layers(n_layers: int, cfg: Parallel) -> list[list[int]]:
     if counts:
         if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
             raise ConfigError(
-                f"parallel.pp_layers_per_stage {counts} must list {n_stages} non-negative counts (pp x stages per rank) "
+                f"parallel.pp_layers_per_stage {counts} must list {n_stages} non-negative counts (pp x stages per "
+                "rank) "
                 f"summing to the model's {n_layers} layers"
             )
     else:
         if n_stages > n_layers:
-            raise ConfigError(f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the model has {n_layers}")
+            raise ConfigError(
+                f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the "
+                f"model has {n_layers}"
+            )
         counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
     starts = [sum(counts[:s]) for s in range(n_stages)]
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
@@ -61,10 +65,13 @@ def microbatches(cfg: Parallel, local_batch_size: int) -> int:
     n = cfg.pp_microbatches or cfg.pp * stages_per_rank(cfg)
     if local_batch_size % n:
         raise ConfigError(
-            f"training.local_batch_size ({local_batch_size}) must divide into parallel.pp_microbatches ({n}) micro-batches"
+            f"training.local_batch_size ({local_batch_size}) must divide into parallel.pp_microbatches ({n}) "
+            "micro-batches"
         )
     if n < cfg.pp:
-        raise ConfigError(f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline")
+        raise ConfigError(
+            f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline"
+        )
     return n
 
 
@@ -81,7 +88,9 @@ def build_schedule(
     cls = schedule_class(cfg.pp_schedule)
     multi = issubclass(cls, PipelineScheduleMulti)
     if not multi and len(stages) != 1:
-        raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1")
+        raise ConfigError(
+            f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1"
+        )
     try:
         # scale_grads=False: titan's loss is already divided by the step's token count.
         return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

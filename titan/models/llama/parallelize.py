@@ -17,22 +17,32 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from models.llama.model import ModelArgs, Transformer
+from titan.models.llama.model import ModelArgs, Transformer
 
 
 def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
     """Raise ValueError when the degrees cannot split this model."""
-    for name, size in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_hidden_dim", args.ffn_hidden_dim),
-                       ("vocab_size", args.vocab_size)):
+    for name, size in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("ffn_hidden_dim", args.ffn_hidden_dim),
+        ("vocab_size", args.vocab_size),
+    ):
         if size % tp:
             raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({size})")
     if args.tie_embeddings and pp_stages > 1:
-        raise ValueError("tied embeddings (model tie_embeddings) cannot be split across pipeline stages; use parallel.pp = 1")
+        raise ValueError(
+            "tied embeddings (model tie_embeddings) cannot be split across pipeline stages; use parallel.pp = 1"
+        )
     if pp_stages > args.n_layers:
-        raise ValueError(f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers")
+        raise ValueError(
+            f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers"
+        )
 
 
-def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None) -> dict[str, nn.Module]:
+def tp_plan(
+    model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
+) -> dict[str, nn.Module]:
     """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
     needs one all-reduce (or, with sequence parallel, one all-gather + reduce-scatter) per sub-layer.
     With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions.
@@ -57,7 +67,8 @@ def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool, st
             plan[f"{block}.attention_norm"] = SequenceParallel()
             plan[f"{block}.ffn_norm"] = SequenceParallel()
         plan[f"{block}.attention"] = prepare_input(
-            input_layouts=(between, None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+            input_layouts=(between, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,
         )
         # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
@@ -79,8 +90,12 @@ def tp_plan(model: Transformer, sequence_parallel: bool, loss_parallel: bool, st
 def _sharded_input(placement) -> PrepareModuleInputOutput:
     """Hand the module its local input as a DTensor with this placement, and take back a local tensor."""
     return PrepareModuleInputOutput(
-        input_layouts=(placement, None), desired_input_layouts=(placement, None), use_local_input=False,
-        output_layouts=(placement,), desired_output_layouts=(placement,), use_local_output=True,
+        input_layouts=(placement, None),
+        desired_input_layouts=(placement, None),
+        use_local_input=False,
+        output_layouts=(placement,),
+        desired_output_layouts=(placement,),
+        use_local_output=True,
     )
 
 

@@ -1,5 +1,7 @@
-from models.llama.flavors import FLAVORS
-from models.llama.model import ModelArgs, Transformer
+from titan.models.llama.flavors import FLAVORS
+from titan.models.llama.model import ModelArgs, Transformer
+
+__all__ = ["FLAVORS", "ModelArgs", "Transformer", "flops_per_token"]
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -1,18 +1,19 @@
 """The model registry: a name maps to everything titan needs to train that family.
 
-Adding a family means adding a package under models/ and one entry here; the trainer is untouched.
+Adding a family means adding a package under titan/models/ and one entry here; the trainer is untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HFAdapter:
     """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
 
@@ -25,7 +26,7 @@ class HFAdapter:
     to_state_dict: Callable[[dict, Any], dict]  # (titan weights, args) -> HF weights
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
     flavors: dict[str, Any]  # flavor name -> model args dataclass
@@ -40,13 +41,24 @@ class ModelSpec:
 
 
 def _llama3() -> ModelSpec:
-    from models import llama
-    from models.llama import hf, parallelize
+    from titan.models import llama
+    from titan.models.llama import hf, parallelize
 
     return ModelSpec(
-        "llama3", llama.FLAVORS, llama.Transformer, llama.flops_per_token,
-        parallelize.check_parallelism, parallelize.tp_plan, parallelize.blocks, parallelize.pipeline_stage,
-        HFAdapter(hf.args_from_hf_config, hf.hf_config_from_args, hf.from_hf_state_dict, hf.to_hf_state_dict),
+        name="llama3",
+        flavors=llama.FLAVORS,
+        build=llama.Transformer,
+        flops_per_token=llama.flops_per_token,
+        check_parallelism=parallelize.check_parallelism,
+        tp_plan=parallelize.tp_plan,
+        blocks=parallelize.blocks,
+        pipeline_stage=parallelize.pipeline_stage,
+        hf=HFAdapter(
+            args_from_config=hf.args_from_hf_config,
+            config_from_args=hf.hf_config_from_args,
+            from_state_dict=hf.from_hf_state_dict,
+            to_state_dict=hf.to_hf_state_dict,
+        ),
     )
 
 
@@ -69,6 +81,10 @@ def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Any:
         if key not in fields:
             raise ValueError(f"unknown model.overrides.{key}; fields of {spec.name} args: {', '.join(fields)}")
         current = getattr(args, key)
-        if current is not None and not isinstance(value, type(current)) and not (isinstance(current, float) and isinstance(value, int)):
+        if (
+            current is not None
+            and not isinstance(value, type(current))
+            and not (isinstance(current, float) and isinstance(value, int))
+        ):
             raise ValueError(f"model.overrides.{key} must be {type(current).__name__}, got {value!r}")
     return dataclasses.replace(args, **overrides)

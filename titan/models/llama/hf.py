@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.llama.model import ModelArgs
+from titan.models.llama.model import ModelArgs
 
 # HF's default when a config names no rope_theta (transformers' LlamaConfig).
 _HF_DEFAULT_ROPE_THETA = 10000.0
@@ -97,7 +97,9 @@ def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
         raise ValueError(f"hidden_size ({dim}) must divide by num_attention_heads ({n_heads})")
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != dim // n_heads:
-        raise ValueError(f"head_dim: {head_dim} != hidden_size / num_attention_heads = {dim // n_heads} is not supported")
+        raise ValueError(
+            f"head_dim: {head_dim} != hidden_size / num_attention_heads = {dim // n_heads} is not supported"
+        )
     intermediate = int(hf["intermediate_size"])
     args = ModelArgs(
         dim=dim,

@@ -53,7 +53,10 @@ class ModelArgs:
 
     def validate(self) -> None:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads "
+                f"({self.n_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         for name in ("attn_dropout", "resid_dropout"):
@@ -109,6 +112,7 @@ def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | Bloc
     seq) mask for SDPA."""
     batch, seq = document_ids.shape
     if flex:
+
         def same_document_causal(b, h, q, kv):
             return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
@@ -137,7 +141,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
         """mask: from document_mask; None: causal."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -183,7 +189,9 @@ class TransformerBlock(nn.Module):
         self.attention_dropout = rng.Dropout(args.resid_dropout)  # on each residual branch's output
         self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
         x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask), rows)
         return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
