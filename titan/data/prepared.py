@@ -21,8 +21,6 @@ ranks of a job), the first prepares and the others wait for it and reuse its fol
 from __future__ import annotations
 
 import collections
-import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -31,7 +29,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
-import shutil
 import struct
 import sys
 import time
@@ -46,6 +43,7 @@ from titan.config import ConfigError, Data, DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import cache_root
 from titan.data.dataset import Documents, iter_texts, open_documents
+from titan.data.files import build_once, fsync, write_synced
 from titan.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -81,35 +79,12 @@ def prepare(
     tokenizer_json = tokenizer.path.read_bytes()
     identity = _identity(documents, tokenizer_cfg, tokenizer_json)
     folder = Path(cache_root) / _folder_name(documents, identity)
-    if _is_complete(folder):
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
-        if _is_complete(folder):  # another process prepared it while this one waited
-            return folder
-        # Whoever wrote these held the lock this process holds now: they are gone, interrupted.
-        for stale in [*folder.parent.glob(f".{folder.name}.tmp-*"), folder]:
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-        try:
-            tmp.mkdir()
-            _write(
-                tmp,
-                documents,
-                identity,
-                tokenizer_cfg,
-                tokenizer,
-                tokenizer_json.decode(),
-                workers,
-                progress,
-                shard_tokens,
-            )
-            os.rename(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync(folder.parent)
-    return folder
+
+    def build(tmp: Path) -> None:
+        args = (tokenizer_cfg, tokenizer, tokenizer_json.decode(), workers, progress, shard_tokens)
+        _write(tmp, documents, identity, *args)
+
+    return build_once(folder, _is_complete, build, "preparing")
 
 
 def ensure_prepared(
@@ -263,25 +238,6 @@ def _is_complete(path: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _locked(folder: Path):
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:  # "a": create it, never truncate
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process preparing %s", folder)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, as the death of its process does
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 
@@ -352,16 +308,9 @@ def _write(
         "empty_documents_skipped": counts["empty"],
         "shard_tokens": writer.sizes,
     }
-    _write_synced(folder / "meta.json", json.dumps(meta, indent=1).encode())
-    _write_synced(folder / "COMPLETE", meta["key"].encode())
-    _fsync(folder)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(folder / "meta.json", json.dumps(meta, indent=1).encode())
+    write_synced(folder / "COMPLETE", meta["key"].encode())
+    fsync(folder)
 
 
 def _text_chunks(documents: Documents, counts: collections.Counter) -> Iterator[tuple[list[str], int]]:
