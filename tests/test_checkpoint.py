@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SMALL, assert_one_line_error, straight_and_resumed, trainer_for
-from titan.checkpoint import complete_checkpoints
+from titan.checkpoint import Checkpointer, complete_checkpoints
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
@@ -202,3 +202,52 @@ def test_empty_checkpoint_folder_with_resume_path_is_a_clear_error(tmp_path):
         *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}),
     )
     assert_one_line_error(result, "checkpoint.resume", "not a complete titan checkpoint")
+
+
+def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_trainer(tmp_path):
+    """The checkpointer needs only its collaborators: a plain model, an optimizer, a schedule, a loader."""
+    from helpers import numbered_documents
+    from titan.config import Checkpoint, LRScheduler
+    from titan.config import Optimizer as OptimizerConfig
+    from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples
+    from titan.optim import build_lr_scheduler, build_optimizer
+    from titan.parallel.parallelize import ModelParts
+
+    def parts(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        optimizer = build_optimizer(list(model.parameters()), OptimizerConfig(lr=0.1))
+        scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=10)
+        docs = numbered_documents(20)
+        loader = GlobalBatchLoader([PackedSamples(docs, range(20), 7, 0, True)], Blend([1.0]), 4, range(4), 2, True)
+        checkpointer = Checkpointer(
+            Checkpoint(interval=1),
+            tmp_path / "checkpoints",
+            model_parts=ModelParts([model], [0], 1),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            loader=loader,
+            model={"name": "toy", "flavor": "-", "shapes": {n: list(p.shape) for n, p in model.named_parameters()}},
+            recipe="",
+            rank=0,
+            save_group=None,  # one process: no collectives
+            control_group=None,
+        )
+        return model, optimizer, scheduler, loader, checkpointer
+
+    model, optimizer, scheduler, loader, checkpointer = parts(seed=0)
+    for _ in range(3):
+        next(loader)
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+        scheduler.step()
+    assert checkpointer.save(3, tokens_seen=96) is not None
+    fresh_model, fresh_optimizer, fresh_scheduler, fresh_loader, fresh = parts(seed=1)
+    assert fresh.resume() == 3
+    for (name, a), b in zip(model.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b), name
+        for key, value in optimizer.state[a].items():
+            assert torch.equal(fresh_optimizer.state[b][key], value), (name, key)
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    assert fresh_loader.next_sample == loader.next_sample == 12

@@ -312,3 +312,16 @@ def test_flavor_matching_and_sizes():
     assert hf_io.parse_size("2GB") == 2 * 10**9 and hf_io.parse_size("1GiB") == 2**30 and hf_io.parse_size("100") == 100
     with pytest.raises(ConfigError, match="max-shard-size"):
         hf_io.parse_size("2 potatoes")
+
+
+def test_init_from_hf_fills_a_plain_model_without_a_trainer(hf_dir, tokens, hf_reference):
+    """init_from_hf needs only the parameters, the model's args and the folder."""
+    from titan.models.llama import Transformer
+
+    spec = models.get_model_spec("llama3")
+    args = spec.hf.args_from_config(json.loads((hf_dir / "config.json").read_text()))
+    torch.manual_seed(0)
+    model = Transformer(args).eval()  # random weights, every one of which the import must replace
+    hf_io.init_from_hf(model.named_parameters(), spec, args, hf_dir, "llama3 (from the HF config)")
+    with torch.no_grad():
+        assert max_diff(model(tokens), hf_reference) < TOL
