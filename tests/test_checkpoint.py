@@ -219,7 +219,9 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
         optimizer = build_optimizer(list(model.parameters()), OptimizerConfig(lr=0.1))
         scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=10)
         docs = numbered_documents(20)
-        loader = GlobalBatchLoader([PackedSamples(docs, range(20), 7, 0, True)], Blend([1.0]), 4, range(4), 2, True)
+        loader = GlobalBatchLoader(
+            [PackedSamples(docs, range(20), 7, 0, True)], Blend([1.0]), 4, range(4), [2, 2], True
+        )
         checkpointer = Checkpointer(
             Checkpoint(interval=1),
             tmp_path / "checkpoints",

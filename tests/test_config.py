@@ -4,7 +4,7 @@ import pytest
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import assert_one_line_error
-from titan.config import ConfigError, batch_split, load_config, to_toml
+from titan.config import ConfigError, batch_plan, load_config, to_toml
 
 
 def test_overrides_convert_to_the_field_types():
@@ -51,11 +51,22 @@ BAD_CONFIGS = [
     (["--optimizer.lr", "fast"], {}, ["optimizer.lr", "float", "fast"]),
     (["--lr_scheduler.decay", "exponential"], {}, ["lr_scheduler.decay", "cosine", "exponential"]),
     (
-        ["--training.global_batch_size", "12"],
-        {},
-        ["training.global_batch_size (12)", "local_batch_size (8)", "divides 12"],
+        ["--training.global_batch_size", "3"],
+        {"WORLD_SIZE": "4"},
+        ["global_batch_size (3)", "4 data-parallel", "at least 1"],
     ),
-    (["--training.global_batch_size", "18"], {"WORLD_SIZE": "4"}, ["global_batch_size (18)", "data-parallel size (4)"]),
+    (
+        ["--training.global_batch_size", "10", "--training.local_batch_size", "3", "--parallel.dp_weights", "[1, 9]"],
+        {"WORLD_SIZE": "2"},
+        ["weighted [1.0, 9.0]", "3 micro-batches", "only 1 rows"],
+    ),
+    (
+        ["--parallel.dp_weights", "[1, 2, 3]"],
+        {"WORLD_SIZE": "2"},
+        ["parallel.dp_weights has 3 entries", "2 data-parallel"],
+    ),
+    (["--parallel.dp_weights", "[1, 0]"], {"WORLD_SIZE": "2"}, ["parallel.dp_weights must all be > 0"]),
+    (["--straggler.threshold", "0.9"], {}, ["straggler.threshold must be >= 1"]),
     (["--parallel.tp", "2"], {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
     (["--metrics.log_freq", "0"], {}, ["metrics.log_freq"]),
     (["--optimizer.beta2", "1.5"], {}, ["beta2", "1.5"]),
@@ -97,12 +108,22 @@ def test_bad_files_and_model_choices_fail_before_training(tmp_path, extra, words
 
 
 @pytest.mark.parametrize(
-    "world,local,expected", [(1, 8, (8, 1)), (2, 8, (4, 1)), (8, 8, (1, 1)), (1, 2, (2, 4)), (2, 2, (2, 2))]
+    "world,local,weights,expected",
+    [
+        (1, 8, [], [[8]]),
+        (2, 8, [], [[4], [4]]),
+        (8, 8, [], [[1]] * 8),
+        (1, 2, [], [[2, 2, 2, 2]]),
+        (2, 2, [], [[2, 2], [2, 2]]),
+        (1, 3, [], [[3, 3, 2]]),  # 8 rows under a cap of 3: three micro-batches of near-equal size
+        (2, 4, [1, 3], [[1, 1], [3, 3]]),  # uneven shares, the same number of micro-batches on each rank
+    ],
 )
-def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, local, expected):
-    config = load_config(
-        DEBUG_RECIPE, ["--training.global_batch_size", "8", "--training.local_batch_size", str(local)], world_size=world
-    )
-    assert batch_split(config, world) == expected  # (rows per micro-batch, micro-batches per step) of each rank
-    micro, accumulation = expected
-    assert micro * accumulation * world == 8
+def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, local, weights, expected):
+    overrides = ["--training.global_batch_size", "8", "--training.local_batch_size", str(local)]
+    if weights:
+        overrides += ["--parallel.dp_weights", str(weights)]
+    config = load_config(DEBUG_RECIPE, overrides, world_size=world)
+    plan = batch_plan(config, world)  # each data-parallel rank's micro-batch sizes
+    assert plan == expected
+    assert sum(map(sum, plan)) == 8 and all(max(sizes) <= local for sizes in plan)

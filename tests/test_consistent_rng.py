@@ -23,6 +23,7 @@ DROPOUT_LAYOUTS = {
     "tp2_sp": {"parallel.tp": "2"},
     "tp2_plain": {"parallel.tp": "2", "parallel.sequence_parallel": "false"},
     "pp2_microbatches4": {"parallel.pp": "2", "parallel.pp_microbatches": "4"},
+    "dp2_weighted_1_3": {"parallel.dp_shard": "2", "parallel.dp_weights": "[1, 3]"},
 }
 DROPOUT_STEPS = 10
 

@@ -9,6 +9,7 @@ import torch
 
 from helpers import numbered_documents
 from titan.data.loader import IGNORE, Blend, GlobalBatchLoader, PackedSamples, held_out
+from titan.parallel.balance import micro_batch_sizes
 
 SEQ = 15  # windows of 16 tokens
 
@@ -20,7 +21,9 @@ def samples(docs, seed=0, shuffle=True, stream=0, subset=None):
 
 def loader(docs, global_batch=8, rows=None, micro=8, mask=True, seed=0):
     rows = rows or range(global_batch)
-    return GlobalBatchLoader([samples(docs, seed)], Blend([1.0]), global_batch, rows, micro, mask)
+    return GlobalBatchLoader(
+        [samples(docs, seed)], Blend([1.0]), global_batch, rows, micro_batch_sizes([len(rows)], micro)[0], mask
+    )
 
 
 def tokens_of(batches):
@@ -155,7 +158,7 @@ def test_blend_serves_each_source_in_proportion_and_in_order():
 
 def test_a_mixture_reads_each_source_by_its_own_order():
     a, b = numbered_documents(40, seed=1), numbered_documents(40, seed=2)
-    mixed = GlobalBatchLoader([samples(a), samples(b, stream=1)], Blend([3.0, 1.0]), 8, range(8), 8, True)
+    mixed = GlobalBatchLoader([samples(a), samples(b, stream=1)], Blend([3.0, 1.0]), 8, range(8), [8], True)
     alone = [samples(a), samples(b, stream=1)]
     (batch,) = next(mixed)
     blend, used = Blend([3.0, 1.0]), [0, 0]

@@ -47,9 +47,17 @@ LAYOUTS_2 = {
         "activation_checkpoint.every": "2",
     },
     "fsdp2_compile": {"parallel.dp_shard": "2", "compile.enable": "true"},
+    # Uneven shares: rank 1 reads 6 of the 8 rows, in micro-batches of 3 against rank 0's of 1.
+    "fsdp2_weighted_1_3": {"parallel.dp_shard": "2", "parallel.dp_weights": "[1, 3]"},
 }
 LAYOUTS_4 = {
     "hsdp2x2": {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"},
+    "hsdp2x2_weighted": {
+        "parallel.dp_replicate": "2",
+        "parallel.dp_shard": "2",
+        "parallel.dp_weights": "[1, 2, 3, 2]",
+        "training.local_batch_size": "4",
+    },
     "fsdp2_tp2": {"parallel.dp_shard": "2", "parallel.tp": "2"},
     "pp2_fsdp2": {"parallel.pp": "2", "parallel.dp_shard": "2"},
     "pp2_tp2": {"parallel.pp": "2", "parallel.tp": "2"},
@@ -68,6 +76,15 @@ def train_on(overrides: list[str]):
 
 def train_layouts(tmp, layouts: dict) -> dict:
     return {name: train_on(layout_overrides(tmp / name, layout)) for name, layout in layouts.items()}
+
+
+def train_through_a_replan(tmp):
+    """FSDP2 on even shares for 2 steps, then live on shares [1, 3] (what a straggler re-plan applies)."""
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"parallel.dp_shard": "2"})))
+    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(2)]
+    plan = trainer.apply_plan([1.0, 3.0])
+    losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 2)]
+    return plan, [*losses, trainer.evaluate()], full_weights(trainer)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +124,14 @@ def test_layouts_match_single_process(reference, tmp_path, world, layouts):
     layouts = with_local_batch(layouts, world)
     results = run_distributed(train_layouts, world, tmp_path, layouts)
     check_matches(reference, results, layouts)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(reference, tmp_path):
+    (plan, losses, weights), _ = run_distributed(train_through_a_replan, 2, tmp_path)
+    assert plan == [[1, 1], [3, 3]]  # from one micro-batch of 4 rows per rank to uneven ones
+    check_matches(reference, [{"replan": (losses, weights)}], ["replan"])
 
 
 @pytest.mark.parametrize(

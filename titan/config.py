@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from titan.parallel.balance import data_shares, micro_batch_sizes
+
 
 class ConfigError(ValueError):
     """A mistake in the recipe or the command line; the message says what, where and how to fix it."""
@@ -163,6 +165,20 @@ class Parallel:
     pp_microbatches: int = 0  # micro-batches per local batch; 0: the number of pipeline stages
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for multi-stage schedules, else 1
     pp_layers_per_stage: list[int] = field(default_factory=list)  # e.g. [3, 5]; empty: as even as possible
+    # Relative speed of each data-parallel rank (HSDP: replica-major), e.g. [1, 3]: its share of the global
+    # batch's rows; empty: even shares.
+    dp_weights: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Straggler:
+    """Re-plan the data shares when a data-parallel rank slows down (titan/straggler.py)."""
+
+    enable: bool = False
+    interval: int = 1  # time the probe every N steps
+    threshold: float = 1.2  # a rank is a straggler when the fastest is this many times quicker
+    hysteresis: float = 0.3  # re-plan only when some rank's weight would move by more than this
+    window: int = 7  # each rank's speed is the median of its last N probes
 
 
 @dataclass
@@ -228,6 +244,7 @@ class Config:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
     parallel: Parallel = field(default_factory=Parallel)
+    straggler: Straggler = field(default_factory=Straggler)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
@@ -456,22 +473,32 @@ def validate(config: Config, world_size: int) -> None:
         all(s.strip() for s in f8.skip),
         f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}",
     )
+    g = config.straggler
+    require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
+    require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
+    require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
+    require(
+        not g.enable or p.pp == 1,
+        "straggler.enable with parallel.pp > 1 is not supported yet (a re-plan would change the pipeline's "
+        "micro-batch shapes); turn one of them off",
+    )
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = Layout.from_config(p, world_size).dp
-    if t.global_batch_size:
+    if p.dp_weights:
         require(
-            t.global_batch_size % dp == 0,
-            f"training.global_batch_size ({t.global_batch_size}) must split evenly over the data-parallel size ({dp}); "
-            f"use a multiple of {dp}",
+            len(p.dp_weights) == dp,
+            f"parallel.dp_weights has {len(p.dp_weights)} entries but there are {dp} data-parallel ranks; "
+            "give one weight per rank",
         )
-        rows, micro = t.global_batch_size // dp, min(t.local_batch_size, t.global_batch_size // dp)
-        require(
-            rows % micro == 0,
-            f"training.global_batch_size ({t.global_batch_size}) gives each of the {dp} data-parallel ranks {rows} "
-            "rows, "
-            f"which do not split into micro-batches of training.local_batch_size ({t.local_batch_size}); "
-            f"use a local_batch_size that divides {rows}",
-        )
+        require(all(w > 0 for w in p.dp_weights), f"parallel.dp_weights must all be > 0, got {p.dp_weights}")
+    try:
+        batch_plan(config, world_size)
+    except ValueError as e:
+        raise ConfigError(
+            f"training.global_batch_size ({t.global_batch_size or 'local x dp'}) over {dp} data-parallel ranks"
+            f"{' weighted ' + str(p.dp_weights) if p.dp_weights else ''}: {e}; raise global_batch_size or "
+            "local_batch_size, or even out parallel.dp_weights"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -511,17 +538,15 @@ class Layout:
         return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items() if v != 1) or "single"
 
 
-def batch_split(config: Config, world_size: int) -> tuple[int, int]:
-    """(rows per micro-batch, micro-batches per step) of each data-parallel rank. The global batch is the
-    contract: each rank reads global_batch_size / dp rows, local_batch_size at most at a time; with no
-    global batch size set, one micro-batch of local_batch_size per rank."""
+def batch_plan(config: Config, world_size: int, weights: list[float] | None = None) -> list[list[int]]:
+    """Each data-parallel rank's micro-batch sizes (rows), in rank order. The global batch is the contract:
+    its rows are shared out by `weights` (default: parallel.dp_weights, else even), each rank reads its share
+    at most local_batch_size rows at a time, and every rank runs the same number of micro-batches (FSDP's
+    collectives run once per micro-batch on every rank). Without global_batch_size, local_batch_size per rank."""
     t = config.training
     dp = Layout.from_config(config.parallel, world_size).dp
-    if not t.global_batch_size:
-        return t.local_batch_size, 1
-    rows = t.global_batch_size // dp
-    micro = min(t.local_batch_size, rows)
-    return micro, rows // micro
+    rows = t.global_batch_size or t.local_batch_size * dp
+    return micro_batch_sizes(data_shares(rows, weights or config.parallel.dp_weights or [1.0] * dp), t.local_batch_size)
 
 
 def to_dict(config: Config) -> dict:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan import __version__, models
 from titan.checkpoint import Checkpointer, model_shapes
-from titan.config import Config, ConfigError, Layout, batch_split, to_toml
+from titan.config import Config, ConfigError, Layout, batch_plan, to_toml
 from titan.data import IGNORE, Batch, Tokenizer, build_loaders
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
@@ -29,6 +29,7 @@ from titan.parallel import pp
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout
 from titan.parallel.rng import Dropout
+from titan.straggler import Probe, StragglerDetector, gather_times
 
 log = logging.getLogger("titan")
 
@@ -85,14 +86,13 @@ class Trainer:
             )
         self.mesh = build_mesh(self.layout, self.device)
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
-        self.micro_batch_size, self.grad_accum = batch_split(config, self.world_size)
-        # This rank's rows of every global batch: an equal, contiguous share per data-parallel rank.
-        rows_per_rank = self.micro_batch_size * self.grad_accum
+        self.dp_rank = dp_rank
+        # Each data-parallel rank's micro-batch sizes: its contiguous share of every global batch.
+        plan = batch_plan(config, self.world_size)
+        self.global_batch = sum(map(sum, plan))
+        self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
         self.loader, self.validation_loader = build_loaders(
-            config,
-            rows_per_rank * self.layout.dp,
-            range(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank),
-            self.micro_batch_size,
+            config, self.global_batch, self._rows_of(plan), plan[dp_rank]
         )
 
         self.model_parts = build_model_parts(config, spec, self.model_args, self.layout, self.mesh, self.device)
@@ -100,7 +100,7 @@ class Trainer:
         self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
 
-        self.tokens_per_step = rows_per_rank * self.layout.dp * t.seq_len
+        self.tokens_per_step = self.global_batch * t.seq_len
         # Each rank's summed token loss times this is its share of the step's mean loss (1 / the step's
         # loss-bearing tokens, set per step); gradients are then summed over data-parallel ranks, so every
         # layout computes the gradient of the same global mean.
@@ -150,6 +150,15 @@ class Trainer:
             control_group=self.control_group,
         )
         self.step = self.checkpointer.resume()
+        if self.loader.dp_weights:  # a re-planned run resumes with the plan in force when it stopped
+            self.apply_plan(self.loader.dp_weights)
+        g = config.straggler
+        self.straggler = None
+        if g.enable and self.layout.dp > 1:
+            self.straggler = StragglerDetector(self.layout.dp, g.threshold, g.hysteresis, g.window)
+            weights = self.loader.dp_weights or config.parallel.dp_weights or [1.0] * self.layout.dp
+            self.straggler.weights = [w / max(weights) for w in weights]  # speeds relative to the fastest
+            self.probe = Probe(self.device)
         if config.checkpoint.init_from_hf:
             if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
                 from titan.hf_io import init_from_hf
@@ -165,7 +174,7 @@ class Trainer:
                 log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
         self.stop_signal: str | None = None
         log.info(
-            "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq x %d accum x %d dp) | %s",
+            "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq; this rank %s rows) | %s",
             config.model.name,
             config.model.flavor,
             self.n_params() / 1e6,
@@ -173,12 +182,44 @@ class Trainer:
             self.world_size,
             self.layout.name,
             self.tokens_per_step,
-            self.micro_batch_size,
+            self.global_batch,
             t.seq_len,
-            self.grad_accum,
-            self.layout.dp,
+            " + ".join(map(str, plan[dp_rank])),
             self.run_dir,
         )
+
+    def _rows_of(self, plan: list[list[int]]) -> range:
+        start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
+        return range(start, start + sum(plan[self.dp_rank]))
+
+    def apply_plan(self, weights: list[float]) -> list[list[int]]:
+        """Share the global batch's rows by `weights` from the next step on (every rank calls this with the
+        same weights). Nothing moves: each rank reads other rows of the same global batches."""
+        plan = batch_plan(self.config, self.world_size, weights)
+        for loader in (self.loader, self.validation_loader):
+            if loader is not None:
+                loader.assign(self._rows_of(plan), plan[self.dp_rank])
+        self.loader.dp_weights = list(weights)
+        self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
+        return plan
+
+    def _check_stragglers(self) -> None:
+        times = gather_times(self.probe.seconds(), self.mesh["dp"].get_group(), self.device)
+        self.metrics.log(self.step, {"probe_s_min": min(times), "probe_s_max": max(times)})
+        weights = self.straggler.update(times)
+        if weights is None:
+            return
+        rows = [sum(sizes) for sizes in self.apply_plan(weights)]
+        log.info(
+            "step %d: data-parallel speeds %s: rows per rank now %s",
+            self.step,
+            " ".join(f"{w:.2f}" for w in weights),
+            " ".join(map(str, rows)),
+        )
+        self.metrics.log(
+            self.step, {"replan": 1, **{f"dp_weight_{i}": w for i, w in enumerate(weights)},
+                        **{f"dp_rows_{i}": r for i, r in enumerate(rows)}},
+        )  # fmt: skip
 
     def n_params(self) -> int:
         """Parameters of the whole model (not this rank's shard)."""
@@ -306,6 +347,8 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     self._log_step(loss, grad_norm, lr, (time.perf_counter() - window_start) / window_steps)
                     window_start, window_steps = time.perf_counter(), 0
+                if self.straggler is not None and self.step % self.config.straggler.interval == 0:
+                    self._check_stragglers()
                 interval = self.config.validation.interval
                 if interval and (self.step % interval == 0 or self.step == total):
                     self._log_validation()

@@ -29,10 +29,10 @@ def validation_source(config: Config) -> DataSource | None:
 
 
 def build_loaders(
-    config: Config, global_batch: int, rows: range, micro_batch_size: int
+    config: Config, global_batch: int, rows: range, micro_batches: list[int]
 ) -> tuple[GlobalBatchLoader, GlobalBatchLoader | None]:
     """The training loader and, when validation is on, the validation loader: global batches of
-    `global_batch` rows, of which this rank reads `rows`, `micro_batch_size` rows at a time."""
+    `global_batch` rows, of which this rank reads `rows` in micro-batches of `micro_batches` rows."""
     d, v, t = config.data, config.validation, config.training
     sources = d.source_list()
     train, held = [], []
@@ -52,7 +52,7 @@ def build_loaders(
             )
     blend = Blend([s.weight for s in sources])
     _log_mixture(sources, train, blend, t.steps * global_batch)
-    loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batch_size, d.document_mask)
+    loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batches, d.document_mask)
     if not v.interval:
         return loader, None
     if v.source:
@@ -76,7 +76,7 @@ def build_loaders(
             available,
         )
     return loader, GlobalBatchLoader(
-        list(held), Blend(list(weights)), global_batch, rows, micro_batch_size, d.document_mask
+        list(held), Blend(list(weights)), global_batch, rows, micro_batches, d.document_mask
     )
 
 

@@ -11,6 +11,7 @@ reads exactly the batches the original run would have read.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,8 +137,9 @@ class Blend:
 class GlobalBatchLoader:
     """This rank's micro-batches of each step's global batch.
 
-    `rows` are this rank's rows of the global batch (contiguous, so shares may differ between ranks);
-    they are read `micro_batch_size` at a time.
+    `rows` are this rank's rows of the global batch (contiguous, so shares may differ between ranks), read
+    in micro-batches of `micro_batches` rows each (their sizes, summing to len(rows)). `assign` changes both
+    at a step boundary (a re-plan): the global batches stay the same, only who reads which rows changes.
     """
 
     def __init__(
@@ -146,19 +148,26 @@ class GlobalBatchLoader:
         blend: Blend,
         global_batch: int,
         rows: range,
-        micro_batch_size: int,
+        micro_batches: list[int],
         document_mask: bool,
     ):
-        self.sources, self.blend = sources, blend
-        self.global_batch, self.rows, self.micro_batch_size = global_batch, rows, micro_batch_size
+        self.sources, self.blend, self.global_batch = sources, blend, global_batch
         self.document_mask = document_mask
+        self.assign(rows, micro_batches)
         self.next_sample = 0
+        self.dp_weights: list[float] = []  # the re-planned shares in force (empty: the recipe's); checkpointed
+
+    def assign(self, rows: range, micro_batches: list[int]) -> None:
+        if sum(micro_batches) != len(rows) or not 0 <= rows.start <= rows.stop <= self.global_batch:
+            raise ValueError(f"micro-batches {micro_batches} do not cover rows {rows} of {self.global_batch}")
+        self.rows, self.micro_batches = rows, list(micro_batches)
 
     def state_dict(self) -> dict:
-        return {"next_sample": self.next_sample, "global_batch": self.global_batch}
+        return {"next_sample": self.next_sample, "global_batch": self.global_batch, "dp_weights": self.dp_weights}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_sample = int(state["next_sample"])
+        self.dp_weights = list(state.get("dp_weights", []))
 
     def __iter__(self):
         return self
@@ -172,11 +181,10 @@ class GlobalBatchLoader:
         """The micro-batches of this rank's rows of the global batch that starts at global sample
         `first_sample` (a pure function of it)."""
         step_loss_tokens = self._loss_tokens(np.arange(first_sample, first_sample + self.global_batch))
+        bounds = [self.rows.start, *(self.rows.start + n for n in itertools.accumulate(self.micro_batches))]
         return [
-            self._batch(
-                first_sample, range(start, min(start + self.micro_batch_size, self.rows.stop)), step_loss_tokens
-            )
-            for start in range(self.rows.start, self.rows.stop, self.micro_batch_size)
+            self._batch(first_sample, range(start, stop), step_loss_tokens)
+            for start, stop in zip(bounds[:-1], bounds[1:])
         ]
 
     def _loss_tokens(self, samples: np.ndarray) -> int:
