@@ -225,13 +225,68 @@ def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
         print(f"resume at global sample 10,000,000 and read one step: {1000 * (time.perf_counter() - start):.1f} ms")
 
 
+def straggler_figures(recipe: str, steps: int, overrides: list[str]) -> None:
+    """FSDP2 on two ranks, each pinned to its own core with one thread, and a busy loop pinned to rank 1's
+    core (rank 1 runs at about half speed): static even shares against straggler re-planning."""
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("--compare straggler needs two CPU cores")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {1}))
+    try:
+        results = {}
+        for label, extra in (("static", []), ("re-planned", ["--straggler.enable", "true"])):
+            with tempfile.TemporaryDirectory(prefix="titan-bench-") as out:
+                common = [
+                    *("--job.output_dir", out, "--job.name", "straggler", "--training.steps", str(steps)),
+                    *("--parallel.dp_shard", "2", "--metrics.log_freq", "1", "--metrics.wandb", "disabled"),
+                    *("--metrics.tensorboard", "false", "--checkpoint.enable", "false", "--validation.interval", "0"),
+                    *overrides,
+                    *extra,
+                ]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29500 + os.getpid() % 1000)}  # fmt: skip
+                ranks = [
+                    subprocess.Popen(
+                        [sys.executable, "-m", "titan", "train", "--config", recipe, *common],
+                        cwd=ROOT,
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                        text=True,
+                        preexec_fn=lambda r=r: os.sched_setaffinity(0, {r}),
+                    )
+                    for r in range(2)
+                ]
+                stderr = ranks[0].communicate()[1]
+                if any(p.wait() != 0 for p in ranks):
+                    sys.exit(f"{label} run failed:\n{stderr[-4000:]}")
+                metrics = Path(out) / "straggler" / "metrics.jsonl"
+                records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            times = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
+            replans = [r for r in records if r.get("replan")]
+            results[label] = (times, replans)
+    finally:
+        hog.kill()
+    static, _ = results["static"]
+    print(f"{'run':<12}{'median step ms':>16}{'after re-plan':>15}  re-plan")
+    for label, (times, replans) in results.items():
+        first = replans[0]["step"] if replans else None
+        after = [t for s, t in times.items() if first is not None and s > first + 1]
+        detail = "-"
+        if replans:
+            rows = [v for k, v in sorted(replans[0].items()) if k.startswith("dp_rows_")]
+            elapsed = sum(t for s, t in times.items() if s <= first)
+            detail = f"at step {first} ({elapsed:.1f} s in), rows per rank {rows}, {len(replans)} re-plan(s)"
+        median_after = f"{1000 * statistics.median(after):.0f}" if after else "-"
+        print(f"{label:<12}{1000 * statistics.median(times.values()):>16.0f}{median_after:>15}  {detail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "recipes" / "debug.toml"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="bare")
+    parser.add_argument("--compare", choices=sorted([*COMPARISONS, "straggler"]), default="bare")
     parser.add_argument("--init-flavors", help="comma-separated flavors: time their initialisation instead")
     parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="with --data: tokenizer processes")
@@ -247,6 +302,9 @@ def main() -> None:
         return
     if args.data:
         data_figures(args.config, overrides, args.workers)
+        return
+    if args.compare == "straggler":
+        straggler_figures(args.config, args.steps, overrides)
         return
 
     import torch
