@@ -25,6 +25,8 @@ convert_app = typer.Typer(
 app.add_typer(convert_app, name="convert")
 data_app = typer.Typer(help="Prepare data: tokenize sources once into token shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+simulate_app = typer.Typer(help="Simulate clusters larger than this machine.", no_args_is_help=True)
+app.add_typer(simulate_app, name="simulate")
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -161,6 +163,32 @@ def convert_dcp_to_hf(
         typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
     except ConfigError as e:
         _fail(str(e))
+
+
+@simulate_app.command("stragglers")
+def simulate_stragglers(
+    devices: int = typer.Option(1024, help="Devices in the cluster."),
+    tp: int = typer.Option(8, help="Tensor-parallel degree."),
+    pp: int = typer.Option(1, help="Pipeline-parallel degree."),
+    steps: int = typer.Option(300, help="Training steps to simulate."),
+    slow_factor: float = typer.Option(3.0, help="One device this many times slower ..."),
+    slow_start: int = typer.Option(50, help="... from this step ..."),
+    slow_end: int = typer.Option(150, help="... to this one."),
+    blip_rate: float = typer.Option(1e-5, help="Chance per device and step of a brief slowdown."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Static even shares, titan's straggler re-planning, and an oracle, on one speed trace."""
+    from titan.simulate import Scenario, compare
+
+    if devices % (tp * pp):
+        _fail(f"--devices {devices} is not a multiple of --tp x --pp = {tp * pp}")
+    s = Scenario(devices, tp, pp, steps, slow_factor=slow_factor, slow_start=slow_start, slow_end=slow_end,
+                 blip_rate=blip_rate, seed=seed)  # fmt: skip
+    results = compare(s)
+    typer.echo(f"{s.devices} devices, {s.replicas} data-parallel replicas of tp {tp} x pp {pp}, {steps} steps")
+    typer.echo(f"{'policy':<8}{'rows/s':>10}{'slow phase rows/s':>19}{'re-plans':>10}")
+    for policy, r in results.items():
+        typer.echo(f"{policy:<8}{r['rows_per_s']:>10,.0f}{r['slow_phase_rows_per_s']:>19,.0f}{r['replans']:>10}")
 
 
 def main() -> None:
