@@ -76,6 +76,19 @@ def test_layer_split_minimises_the_slowest_stage_as_brute_force_does(seed):
     assert stage_time(counts, costs, speeds) == pytest.approx(best, rel=1e-9)
 
 
+def test_the_recipe_s_stage_speeds_choose_the_pipeline_split():
+    from titan.config import Parallel
+    from titan.parallel.pp import stage_layers
+
+    assert stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 3.0])) == [[0], [1, 2, 3]]
+    assert stage_layers(8, Parallel(pp=2, pp_schedule="Interleaved1F1B", pp_stage_speeds=[1, 1, 3, 3])) == [
+        [0],
+        [1],
+        [2, 3, 4],
+        [5, 6, 7],
+    ]
+
+
 def test_layer_split_gives_a_faster_stage_more_layers():
     assert layer_split([1.0] * 4, [1.0, 1.0]) == [2, 2]
     assert layer_split([1.0] * 4, [1.0, 3.0]) == [1, 3]

@@ -37,6 +37,7 @@ LAYOUTS_2 = {
     "tp2_plain": {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false"},
     "tp2_accumulate2": {"parallel.tp": "2", "training.local_batch_size": "4"},
     "pp2_accumulate2": {"parallel.pp": "2", "training.local_batch_size": "4"},
+    "pp2_stage_speeds_1_3": {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 3]"},  # layers [1, 3]
     **{f"pp2_{s}": {"parallel.pp": "2", "parallel.pp_schedule": s} for s in PP_SCHEDULES if s not in V_SHAPED},
     # torch 2.13 cannot evaluate through a V-shaped schedule (titan refuses validation with them).
     **{f"pp2_{s}": {"parallel.pp": "2", "parallel.pp_schedule": s, "validation.interval": "0"} for s in V_SHAPED},

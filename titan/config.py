@@ -165,6 +165,9 @@ class Parallel:
     pp_microbatches: int = 0  # micro-batches per local batch; 0: the number of pipeline stages
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for multi-stage schedules, else 1
     pp_layers_per_stage: list[int] = field(default_factory=list)  # e.g. [3, 5]; empty: as even as possible
+    # Relative speed of each pipeline stage's devices, e.g. [1, 3]: layers are split to even out the stages'
+    # times (titan/parallel/balance.py); used when pp_layers_per_stage is empty.
+    pp_stage_speeds: list[float] = field(default_factory=list)
     # Relative speed of each data-parallel rank (HSDP: replica-major), e.g. [1, 3]: its share of the global
     # batch's rows; empty: even shares.
     dp_weights: list[float] = field(default_factory=list)

@@ -10,6 +10,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan.config import ConfigError, Parallel
+from titan.parallel.balance import layer_split
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}
@@ -37,6 +38,15 @@ def stage_layers(n_layers: int, cfg: Parallel) -> list[list[int]]:
     if cfg.pp_schedule.lower() in V_SHAPED and stages_per_rank(cfg) != 2:
         raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} needs parallel.pp_stages_per_rank = 2")
     counts = cfg.pp_layers_per_stage
+    if not counts and cfg.pp_stage_speeds:
+        if len(cfg.pp_stage_speeds) != n_stages or min(cfg.pp_stage_speeds) <= 0:
+            raise ConfigError(
+                f"parallel.pp_stage_speeds {cfg.pp_stage_speeds} must list {n_stages} positive speeds "
+                "(pp x stages per rank)"
+            )
+        if n_stages > n_layers:
+            raise ConfigError(f"parallel.pp_stage_speeds: {n_stages} stages need {n_layers} layers at least")
+        counts = layer_split([1.0] * n_layers, cfg.pp_stage_speeds)
     if counts:
         if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
             raise ConfigError(
