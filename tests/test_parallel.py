@@ -21,6 +21,7 @@ from helpers import (
     PARAM_ATOL,
     STEPS,
     assert_one_line_error,
+    full,
     full_weights,
     layout_overrides,
     with_local_batch,
@@ -150,6 +151,39 @@ def test_a_slow_rank_is_detected_and_given_fewer_rows_with_the_same_losses(refer
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0][:STEPS]), rtol=LOSS_RTOL, atol=0)
     saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "data.json").read_text())
     assert saved["dp_weights"] == pytest.approx([1.0, 1 / 3])  # a resumed run starts from the plan in force
+
+
+def train_through_a_pipeline_resplit(tmp):
+    """PP2 on layers [2, 2] for 3 steps, then [3, 1]: layer 2 moves from rank 1 to rank 0."""
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"parallel.pp": "2"})))
+    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)]
+
+    def moved_state():
+        named = dict(trainer.model_parts.named_parameters())
+        return {
+            (name, key): full(value).clone()
+            for name, p in named.items()
+            if name.startswith("layers.2.")
+            for key, value in trainer.optimizer.state[p].items()
+        }
+
+    before = moved_state()
+    trainer.resplit_pipeline([3, 1])
+    after = moved_state()
+    losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 3)]
+    return before, after, [*losses, trainer.evaluate()], full_weights(trainer)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_live_pipeline_resplit_moves_layers_with_their_optimizer_state(reference, tmp_path):
+    (before0, after0, losses, weights0), (before1, after1, _, weights1) = run_distributed(
+        train_through_a_pipeline_resplit, 2, tmp_path
+    )
+    assert not before0 and not after1 and before1.keys() == after0.keys() and len(after0) == 9 * 3
+    for key, value in before1.items():  # from rank 1 to rank 0, bitwise
+        assert torch.equal(after0[key], value), key
+    check_matches(reference, [{"resplit": (losses, weights0)}, {"resplit": ([], weights1)}], ["resplit"])
 
 
 @pytest.mark.distributed

@@ -256,11 +256,7 @@ class Checkpointer:
                 ) from None
         step = train_state["step"] if "train_state" in parts else 0
         if "lr_scheduler" in parts:
-            # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
-            groups = self.optimizer.param_groups
-            self.lr_scheduler.load_state_dict({**train_state["lr_scheduler"], "lr_lambdas": [None] * len(groups)})
-            for group, lr in zip(groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+            self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:
             try:
                 self.loader.load_state_dict(json.loads((path / "data.json").read_text()))
@@ -269,6 +265,31 @@ class Checkpointer:
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
         self.resumed_from = path
         return step
+
+    def restore_lr_scheduler(self, state: dict) -> None:
+        # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
+        groups = self.optimizer.param_groups
+        state = {k: v for k, v in state.items() if k != "lr_lambdas"}
+        self.lr_scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(groups)})
+        for group, lr in zip(groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+
+    # -- moving the state to rebuilt parts (a pipeline re-split) -------------------------------
+
+    def save_tensors(self, folder: Path) -> None:
+        """The model and optimizer tensors into `folder`, for load_tensors after the parts are rebuilt."""
+        dcp.save(self._tensor_state(("model", "optimizer")), checkpoint_id=str(folder), process_group=self.save_group,
+                 no_dist=self.save_group is None)  # fmt: skip
+
+    def rebind(self, model_parts, optimizer, lr_scheduler) -> None:
+        self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
+
+    def load_tensors(self, folder: Path) -> None:
+        dcp.load(self._tensor_state(("model", "optimizer")), checkpoint_id=str(folder), process_group=self.save_group,
+                 no_dist=self.save_group is None)  # fmt: skip
+        self._barrier()  # every rank has read it
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _check_model(self, path: Path, saved: dict) -> None:
         current = self.model

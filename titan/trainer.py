@@ -95,28 +95,13 @@ class Trainer:
             config, self.global_batch, self._rows_of(plan), plan[dp_rank]
         )
 
-        self.model_parts = build_model_parts(config, spec, self.model_args, self.layout, self.mesh, self.device)
-        self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
-        self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
-
+        self.loss_parallel = self.layout.tp > 1 and config.parallel.loss_parallel
+        self._build_model()
         self.tokens_per_step = self.global_batch * t.seq_len
         # Each rank's summed token loss times this is its share of the step's mean loss (1 / the step's
         # loss-bearing tokens, set per step); gradients are then summed over data-parallel ranks, so every
         # layout computes the gradient of the same global mean.
         self.loss_scale = 1.0
-        self.loss_parallel = self.layout.tp > 1 and config.parallel.loss_parallel
-        self.schedule = None
-        if self.layout.pp > 1:
-            self.schedule = pp.build_schedule(
-                config.parallel,
-                list(zip(self.model_parts.stage_ids, self.model_parts.parts)),
-                self.model_parts.n_stages,
-                pp.microbatches(config.parallel, self.micro_batch_size),
-                self.loss_fn,
-                self.device,
-                self.mesh["pp"].get_group(),
-            )
         # FSDP's MixedPrecisionPolicy casts parameters itself; autocast covers the layouts without FSDP.
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -187,6 +172,41 @@ class Trainer:
             " + ".join(map(str, plan[dp_rank])),
             self.run_dir,
         )
+
+    def _build_model(self) -> None:
+        """The model parts for the recipe's layout and pipeline split, their optimizer, lr schedule and
+        pipeline schedule; initialised from the seed."""
+        config = self.config
+        self.model_parts = build_model_parts(config, self.spec, self.model_args, self.layout, self.mesh, self.device)
+        self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
+        self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.schedule = None
+        if self.layout.pp > 1:
+            self.schedule = pp.build_schedule(
+                config.parallel,
+                list(zip(self.model_parts.stage_ids, self.model_parts.parts)),
+                self.model_parts.n_stages,
+                pp.microbatches(config.parallel, self.micro_batch_size),
+                self.loss_fn,
+                self.device,
+                self.mesh["pp"].get_group(),
+            )
+
+    def resplit_pipeline(self, layers_per_stage: list[int]) -> None:
+        """Continue on another pipeline layer split from the next step. The stages are rebuilt for the new
+        split and the model and optimizer state pass through a DCP checkpoint of their own, which reshards by
+        parameter name: layers that change rank arrive with their optimizer state, under any composition.
+        (Sending only the moved layers point to point would be cheaper; it is not written yet.)"""
+        folder = self.checkpointer.folder / f".resplit-step-{self.step}"
+        self.checkpointer.save_tensors(folder)
+        scheduler_state = self.lr_scheduler.state_dict()
+        self.config.parallel.pp_layers_per_stage = list(layers_per_stage)
+        self._build_model()
+        self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
+        self.checkpointer.load_tensors(folder)
+        self.checkpointer.restore_lr_scheduler(scheduler_state)
+        log.info("step %d: pipeline re-split into layers per stage %s", self.step, layers_per_stage)
 
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
