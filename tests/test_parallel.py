@@ -128,14 +128,13 @@ def test_layouts_match_single_process(reference, tmp_path, world, layouts):
     check_matches(reference, results, layouts)
 
 
-def train_with_a_slow_rank(tmp):
-    """FSDP2 with straggler detection on, where rank 1's probe takes 3x as long as rank 0's."""
-    overrides = {"parallel.dp_shard": "2", "straggler.enable": "true", "straggler.window": "2", "metrics.log_freq": "1"}
+def train_with_a_slow_rank(tmp, layout: dict, steps: int = STEPS):
+    """Straggler detection on, where rank 1's probe takes 3x as long as rank 0's."""
+    overrides = {**layout, "straggler.enable": "true", "straggler.window": "2", "metrics.log_freq": "1"}
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, overrides)))
-    slowdown = 3.0 if trainer.dp_rank == 1 else 1.0
+    slowdown = 3.0 if trainer.rank == 1 else 1.0
     trainer.probe.seconds = lambda: 0.01 * slowdown
-    trainer.config.training.steps = STEPS
-    losses = trainer.train()
+    losses = trainer.train(until=steps)
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     return losses, records, trainer.loader.rows
 
@@ -143,14 +142,16 @@ def train_with_a_slow_rank(tmp):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_slow_rank_is_detected_and_given_fewer_rows_with_the_same_losses(reference, tmp_path):
-    (losses, records, rows0), (_, _, rows1) = run_distributed(train_with_a_slow_rank, 2, tmp_path)
+    (losses, records, rows0), (_, _, rows1) = run_distributed(
+        train_with_a_slow_rank, 2, tmp_path, {"parallel.dp_shard": "2"}
+    )
     replans = [r for r in records if r.get("replan")]
     assert [r["step"] for r in replans] == [2]  # as soon as each rank's window of 2 probes is full, and once
     assert replans[0]["dp_rows_0"] == 6 and replans[0]["dp_rows_1"] == 2
     assert (rows0, rows1) == (range(0, 6), range(6, 8))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0][:STEPS]), rtol=LOSS_RTOL, atol=0)
-    saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "data.json").read_text())
-    assert saved["dp_weights"] == pytest.approx([1.0, 1 / 3])  # a resumed run starts from the plan in force
+    saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "train_state.json").read_text())
+    assert saved["plan"]["dp_weights"] == pytest.approx([1.0, 1 / 3])  # a resumed run starts from the plan in force
 
 
 def train_through_a_pipeline_resplit(tmp):
@@ -184,6 +185,20 @@ def test_a_live_pipeline_resplit_moves_layers_with_their_optimizer_state(referen
     for key, value in before1.items():  # from rank 1 to rank 0, bitwise
         assert torch.equal(after0[key], value), key
     check_matches(reference, [{"resplit": (losses, weights0)}, {"resplit": ([], weights1)}], ["resplit"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_slow_pipeline_rank_gets_fewer_layers_with_the_same_losses(reference, tmp_path):
+    (losses, records, _), _ = run_distributed(train_with_a_slow_rank, 2, tmp_path, {"parallel.pp": "2"})
+    replans = [r for r in records if r.get("replan")]
+    assert [(r["step"], r["pp_layers_0"], r["pp_layers_1"]) for r in replans] == [(2, 3, 1)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0][:STEPS]), rtol=LOSS_RTOL, atol=0)
+    saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "train_state.json").read_text())
+    assert saved["plan"]["pp_layers_per_stage"] == [3, 1]
+    # Resumed, the run rebuilds the split in force and goes on with the single-process losses.
+    (more, _, _), _ = run_distributed(train_with_a_slow_rank, 2, tmp_path, {"parallel.pp": "2"}, STEPS + 2)
+    assert len(more) == 2
 
 
 @pytest.mark.distributed

@@ -114,8 +114,10 @@ class Checkpointer:
         rank: int,
         save_group,
         control_group,
+        plan: dict | None = None,
     ):
-        """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML.
+        """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML;
+        plan: the re-planned shares and splits in force (a dict the trainer updates), restored in place.
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
         interleave with the main thread's (on gloo that aborts the job or deadlocks)."""
@@ -123,6 +125,7 @@ class Checkpointer:
         self.model_parts, self.optimizer, self.lr_scheduler, self.loader = model_parts, optimizer, lr_scheduler, loader
         self.model, self.recipe, self.rank = model, recipe, rank
         self.save_group, self.control_group = save_group, control_group
+        self.plan = {} if plan is None else plan
         self.resumed_from: Path | None = None
         self._pending: tuple[Future, Path, Path] | None = None
         if self.rank == 0 and self.folder.is_dir():
@@ -177,7 +180,13 @@ class Checkpointer:
             (tmp / "data.json").write_text(json.dumps(self.loader.state_dict()))
             scheduler = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
             write_train_state(
-                tmp, step=step, tokens_seen=tokens_seen, lr_scheduler=scheduler, model=self.model, recipe=self.recipe
+                tmp,
+                step=step,
+                tokens_seen=tokens_seen,
+                lr_scheduler=scheduler,
+                model=self.model,
+                recipe=self.recipe,
+                plan=self.plan,
             )
         state = self._tensor_state(("model", "optimizer"))
         no_dist = self.save_group is None
@@ -255,6 +264,9 @@ class Checkpointer:
                     f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
                 ) from None
         step = train_state["step"] if "train_state" in parts else 0
+        if "train_state" in parts:
+            self.plan.clear()
+            self.plan.update(train_state.get("plan", {}))
         if "lr_scheduler" in parts:
             self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:

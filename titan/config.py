@@ -480,13 +480,13 @@ def validate(config: Config, world_size: int) -> None:
     require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
     require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
     require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
-    require(
-        not g.enable or p.pp == 1,
-        "straggler.enable with parallel.pp > 1 is not supported yet (a re-plan would change the pipeline's "
-        "micro-batch shapes); turn one of them off",
-    )
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = Layout.from_config(p, world_size).dp
+    require(
+        not g.enable or p.pp == 1 or dp == 1,
+        "straggler.enable re-plans the data shares, or with parallel.pp > 1 the layer split; with both data and "
+        "pipeline parallelism it is not supported yet: turn it off, or use one of them",
+    )
     if p.dp_weights:
         require(
             len(p.dp_weights) == dp,

@@ -72,11 +72,12 @@ class Probe:
         return time.perf_counter() - start
 
 
-def gather_times(seconds: float, group, device: torch.device) -> list[float]:
-    """Every data-parallel rank's probe time, in rank order (one all-gather of a float)."""
-    if group is None:
-        return [seconds]
-    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [float(t) for t in out]
+def gather_times(seconds: float, index: int, count: int, device: torch.device) -> list[float]:
+    """The probe time of each of `count` groups of ranks (data-parallel or pipeline ranks; this rank is in
+    group `index`): the slowest of the group's ranks. One all-reduce over every rank, so that all of them,
+    tensor-parallel peers included, see the same times and make the same plan."""
+    times = torch.zeros(count, dtype=torch.float64, device=device)
+    times[index] = seconds
+    if dist.is_initialized():
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()

@@ -26,6 +26,7 @@ from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titan.parallel import pp
+from titan.parallel.balance import layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout
 from titan.parallel.rng import Dropout
@@ -117,6 +118,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
         self.control_group = new_gloo_group()  # checkpoint barriers and the stop vote
+        self.plan: dict = {}  # re-planned data shares and pipeline split in force, saved with checkpoints
         self.checkpointer = Checkpointer(
             config.checkpoint,
             self.run_dir / "checkpoints",
@@ -133,16 +135,26 @@ class Trainer:
             },
             save_group=new_gloo_group(),
             control_group=self.control_group,
+            plan=self.plan,
         )
         self.step = self.checkpointer.resume()
-        if self.loader.dp_weights:  # a re-planned run resumes with the plan in force when it stopped
-            self.apply_plan(self.loader.dp_weights)
+        # A re-planned run resumes with the plan in force when it stopped.
+        if self.plan.get("dp_weights"):
+            self.apply_plan(self.plan["dp_weights"])
+        if (
+            self.plan.get("pp_layers_per_stage", config.parallel.pp_layers_per_stage)
+            != config.parallel.pp_layers_per_stage
+        ):
+            self.resplit_pipeline(self.plan["pp_layers_per_stage"])
         g = config.straggler
         self.straggler = None
-        if g.enable and self.layout.dp > 1:
-            self.straggler = StragglerDetector(self.layout.dp, g.threshold, g.hysteresis, g.window)
-            weights = self.loader.dp_weights or config.parallel.dp_weights or [1.0] * self.layout.dp
-            self.straggler.weights = [w / max(weights) for w in weights]  # speeds relative to the fastest
+        if g.enable and (self.layout.dp > 1 or self.layout.pp > 1):
+            # One weight per data-parallel rank, or, in a pipeline, per pipeline rank.
+            ranks = self.layout.pp if self.layout.pp > 1 else self.layout.dp
+            self.straggler = StragglerDetector(ranks, g.threshold, g.hysteresis, g.window)
+            if self.layout.pp == 1:
+                weights = self.plan.get("dp_weights") or config.parallel.dp_weights or [1.0] * ranks
+                self.straggler.weights = [w / max(weights) for w in weights]  # speeds relative to the fastest
             self.probe = Probe(self.device)
         if config.checkpoint.init_from_hf:
             if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
@@ -201,7 +213,7 @@ class Trainer:
         folder = self.checkpointer.folder / f".resplit-step-{self.step}"
         self.checkpointer.save_tensors(folder)
         scheduler_state = self.lr_scheduler.state_dict()
-        self.config.parallel.pp_layers_per_stage = list(layers_per_stage)
+        self.config.parallel.pp_layers_per_stage = self.plan["pp_layers_per_stage"] = list(layers_per_stage)
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
         self.checkpointer.load_tensors(folder)
@@ -219,15 +231,35 @@ class Trainer:
         for loader in (self.loader, self.validation_loader):
             if loader is not None:
                 loader.assign(self._rows_of(plan), plan[self.dp_rank])
-        self.loader.dp_weights = list(weights)
+        self.plan["dp_weights"] = list(weights)
         self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
         return plan
 
     def _check_stragglers(self) -> None:
-        times = gather_times(self.probe.seconds(), self.mesh["dp"].get_group(), self.device)
+        """Probe, and re-plan when the speeds call for it: the pipeline's layer split when there is one, else
+        the data shares."""
+        pipeline = self.layout.pp > 1
+        index = self.mesh["pp" if pipeline else "dp"].get_local_rank()
+        times = gather_times(self.probe.seconds(), index, len(self.straggler.weights), self.device)
         self.metrics.log(self.step, {"probe_s_min": min(times), "probe_s_max": max(times)})
         weights = self.straggler.update(times)
         if weights is None:
+            return
+        if pipeline:
+            p = self.config.parallel
+            rank_of_stage = {
+                stage: r
+                for r in range(p.pp)
+                for stage in pp.stage_ids(r, p.pp, self.model_parts.n_stages, p.pp_schedule)
+            }
+            speeds = [weights[rank_of_stage[stage]] for stage in range(self.model_parts.n_stages)]
+            counts = layer_split([1.0] * self.model_args.n_layers, speeds)
+            self.resplit_pipeline(counts)
+            log.info("step %d: pipeline ranks' speeds %s", self.step, " ".join(f"{w:.2f}" for w in weights))
+            self.metrics.log(
+                self.step, {"replan": 1, **{f"pp_weight_{i}": w for i, w in enumerate(weights)},
+                            **{f"pp_layers_{i}": c for i, c in enumerate(counts)}},
+            )  # fmt: skip
             return
         rows = [sum(sizes) for sizes in self.apply_plan(weights)]
         log.info(
@@ -344,13 +376,14 @@ class Trainer:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())  # stages without the loss hold 0
         return local
 
-    def train(self) -> list[float]:
-        """Train to training.steps; returns the loss of every step run (metrics.jsonl holds the logged ones).
+    def train(self, until: int | None = None) -> list[float]:
+        """Train to step `until` (default: training.steps, which the lr schedule spans); returns the loss of
+        every step run (metrics.jsonl holds the logged ones).
 
         SIGTERM or SIGUSR1 (a SLURM preemption notice) saves a checkpoint at the next step boundary and
         raises Preempted.
         """
-        total = self.config.training.steps
+        total = until or self.config.training.steps
         losses: list[torch.Tensor] = []
         self.model_parts.train()
         first_step, window_start, window_steps = self.step, time.perf_counter(), 0

@@ -155,7 +155,6 @@ class GlobalBatchLoader:
         self.document_mask = document_mask
         self.assign(rows, micro_batches)
         self.next_sample = 0
-        self.dp_weights: list[float] = []  # the re-planned shares in force (empty: the recipe's); checkpointed
 
     def assign(self, rows: range, micro_batches: list[int]) -> None:
         if sum(micro_batches) != len(rows) or not 0 <= rows.start <= rows.stop <= self.global_batch:
@@ -163,11 +162,10 @@ class GlobalBatchLoader:
         self.rows, self.micro_batches = rows, list(micro_batches)
 
     def state_dict(self) -> dict:
-        return {"next_sample": self.next_sample, "global_batch": self.global_batch, "dp_weights": self.dp_weights}
+        return {"next_sample": self.next_sample, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_sample = int(state["next_sample"])
-        self.dp_weights = list(state.get("dp_weights", []))
 
     def __iter__(self):
         return self
