@@ -67,6 +67,11 @@ BAD_CONFIGS = [
     ),
     (["--parallel.dp_weights", "[1, 0]"], {"WORLD_SIZE": "2"}, ["parallel.dp_weights must all be > 0"]),
     (["--straggler.threshold", "0.9"], {}, ["straggler.threshold must be >= 1"]),
+    (
+        ["--straggler.enable", "true", "--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        {"WORLD_SIZE": "4"},
+        ["straggler.enable", "not supported yet"],
+    ),
     (["--parallel.tp", "2"], {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
     (["--metrics.log_freq", "0"], {}, ["metrics.log_freq"]),
     (["--optimizer.beta2", "1.5"], {}, ["beta2", "1.5"]),

@@ -252,6 +252,7 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
             ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--validation.interval", "10"],
             ["validation", "DualPipeV", "validation.interval = 0"],
         ),
+        ("2", ["--parallel.pp", "2", "--parallel.pp_stage_speeds", "[1, 2, 3]"], ["pp_stage_speeds", "2 positive"]),
     ],
     ids=[
         "world_size",
@@ -265,6 +266,7 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
         "zero_bubble_reshard",
         "compile_tp_sp_cpu",
         "v_schedule_validation",
+        "pp_stage_speeds_length",
     ],
 )
 def test_invalid_layout_is_refused_before_any_work(tmp_path, world, overrides, words):
