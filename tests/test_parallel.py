@@ -154,9 +154,9 @@ def test_a_slow_rank_is_detected_and_given_fewer_rows_with_the_same_losses(refer
     assert saved["plan"]["dp_weights"] == pytest.approx([1.0, 1 / 3])  # a resumed run starts from the plan in force
 
 
-def train_through_a_pipeline_resplit(tmp):
-    """PP2 on layers [2, 2] for 3 steps, then [3, 1]: layer 2 moves from rank 1 to rank 0."""
-    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"parallel.pp": "2"})))
+def train_through_a_pipeline_resplit(tmp, layout: dict):
+    """A pipeline on layers [2, 2] for 3 steps, then [3, 1]: layer 2 moves from pipeline rank 1 to rank 0."""
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, layout)))
     losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)]
 
     def moved_state():
@@ -169,22 +169,31 @@ def train_through_a_pipeline_resplit(tmp):
         }
 
     before = moved_state()
-    trainer.resplit_pipeline([3, 1])
+    how = trainer.resplit_pipeline([3, 1])
     after = moved_state()
     losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 3)]
-    return before, after, [*losses, trainer.evaluate()], full_weights(trainer)
+    return trainer.mesh["pp"].get_local_rank(), before, after, how, [*losses, trainer.evaluate()], full_weights(trainer)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_live_pipeline_resplit_moves_layers_with_their_optimizer_state(reference, tmp_path):
-    (before0, after0, losses, weights0), (before1, after1, _, weights1) = run_distributed(
-        train_through_a_pipeline_resplit, 2, tmp_path
-    )
-    assert not before0 and not after1 and before1.keys() == after0.keys() and len(after0) == 9 * 3
-    for key, value in before1.items():  # from rank 1 to rank 0, bitwise
-        assert torch.equal(after0[key], value), key
-    check_matches(reference, [{"resplit": (losses, weights0)}, {"resplit": ([], weights1)}], ["resplit"])
+@pytest.mark.parametrize(
+    "world,layout,how",
+    [(2, {"parallel.pp": "2"}, "27 tensors received point to point"),
+     (4, {"parallel.pp": "2", "parallel.dp_shard": "2"}, "state moved through DCP")],
+    ids=["pp2_point_to_point", "pp2_fsdp2_through_dcp"],
+)  # fmt: skip
+def test_a_live_pipeline_resplit_moves_layers_with_their_optimizer_state(reference, tmp_path, world, layout, how):
+    ranks = run_distributed(train_through_a_pipeline_resplit, world, tmp_path, layout)
+    first = [r for r in ranks if r[0] == 0]
+    second = [r for r in ranks if r[0] == 1]
+    assert first[0][3] == how
+    for _, before, after, _, _, _ in first:
+        assert not before and len(after) == 9 * 3  # 9 parameters, each with step, exp_avg and exp_avg_sq
+    for (_, before, _, _, _, _), (_, _, after, _, _, _) in zip(second, first):
+        for key, value in before.items():  # from pipeline rank 1 to rank 0, bitwise
+            assert torch.equal(after[key], value), key
+    check_matches(reference, [{"resplit": (r[4], r[5])} for r in ranks], ["resplit"])
 
 
 @pytest.mark.distributed

@@ -205,20 +205,50 @@ class Trainer:
                 self.mesh["pp"].get_group(),
             )
 
-    def resplit_pipeline(self, layers_per_stage: list[int]) -> None:
-        """Continue on another pipeline layer split from the next step. The stages are rebuilt for the new
-        split and the model and optimizer state pass through a DCP checkpoint of their own, which reshards by
-        parameter name: layers that change rank arrive with their optimizer state, under any composition.
-        (Sending only the moved layers point to point would be cheaper; it is not written yet.)"""
-        folder = self.checkpointer.folder / f".resplit-step-{self.step}"
-        self.checkpointer.save_tensors(folder)
+    def resplit_pipeline(self, layers_per_stage: list[int]) -> str:
+        """Continue on another pipeline layer split from the next step: the stages are rebuilt for the new
+        split and each parameter's value and optimizer state go to its new rank. With plain tensors (pipeline
+        parallelism alone) the moved layers are sent point to point; with FSDP or TP shards they pass through
+        a DCP checkpoint of their own, which reshards by parameter name under any composition."""
+        point_to_point = not any(isinstance(p, DTensor) for p in self.model_parts.parameters())
         scheduler_state = self.lr_scheduler.state_dict()
+        if point_to_point:
+            self._ensure_optimizer_state()
+            old = self._stage_state()
+            steps = next(iter(self.optimizer.state.values()))["step"].clone()  # every parameter took every step
+        else:
+            folder = self.checkpointer.folder / f".resplit-step-{self.step}"
+            self.checkpointer.save_tensors(folder)
         self.config.parallel.pp_layers_per_stage = self.plan["pp_layers_per_stage"] = list(layers_per_stage)
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
-        self.checkpointer.load_tensors(folder)
+        if point_to_point:
+            self._ensure_optimizer_state()
+            for state in self.optimizer.state.values():
+                state["step"] = steps.clone()
+            moved = pp.move_stage_state(old, self._stage_state(), self.mesh["pp"].get_group())
+            how = f"{moved} tensors received point to point"
+        else:
+            self.checkpointer.load_tensors(folder)
+            how = "state moved through DCP"
         self.checkpointer.restore_lr_scheduler(scheduler_state)
-        log.info("step %d: pipeline re-split into layers per stage %s", self.step, layers_per_stage)
+        log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, layers_per_stage, how)
+        return how
+
+    def _ensure_optimizer_state(self) -> None:
+        # AdamW creates its state at the first step; a re-split may come before it.
+        for p in self.model_parts.parameters():
+            if p not in self.optimizer.state:
+                zeros = torch.zeros_like
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(p), "exp_avg_sq": zeros(p)}
+
+    def _stage_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's parameters and their optimizer state, by name (the step count aside: it is the same for
+        every parameter)."""
+        return {
+            name: {"param": p.data, **{k: v for k, v in self.optimizer.state[p].items() if k != "step"}}
+            for name, p in self.model_parts.named_parameters()
+        }
 
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
