@@ -89,6 +89,16 @@ def test_the_recipe_s_stage_speeds_choose_the_pipeline_split():
     ]
 
 
+def test_memory_caps_bound_the_recipe_s_split():
+    from titan.config import ConfigError, Parallel
+    from titan.parallel.pp import stage_layers
+
+    fast_but_small = Parallel(pp=2, pp_stage_speeds=[1.0, 3.0], pp_stage_memory_gib=[4.0, 2.0])
+    assert stage_layers(4, fast_but_small, layer_gib=1.0) == [[0, 1], [2, 3]]  # the fast stage holds only 2
+    with pytest.raises(ConfigError, match="no split of the 4 layers"):
+        stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 1.0], pp_stage_memory_gib=[1.0, 1.0]), layer_gib=1.0)
+
+
 def test_layer_split_gives_a_faster_stage_more_layers():
     assert layer_split([1.0] * 4, [1.0, 1.0]) == [2, 2]
     assert layer_split([1.0] * 4, [1.0, 3.0]) == [1, 3]

@@ -262,6 +262,18 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
             ["validation", "DualPipeV", "validation.interval = 0"],
         ),
         ("2", ["--parallel.pp", "2", "--parallel.pp_stage_speeds", "[1, 2, 3]"], ["pp_stage_speeds", "2 positive"]),
+        (
+            "2",
+            [
+                "--parallel.pp",
+                "2",
+                "--parallel.pp_stage_speeds",
+                "[1, 1]",
+                "--parallel.pp_stage_memory_gib",
+                "[0.001, 1]",
+            ],
+            ["pp_stage_memory_gib", "no split of the 4 layers", "raise the caps"],
+        ),
     ],
     ids=[
         "world_size",
@@ -276,6 +288,7 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
         "compile_tp_sp_cpu",
         "v_schedule_validation",
         "pp_stage_speeds_length",
+        "pp_stage_memory_caps",
     ],
 )
 def test_invalid_layout_is_refused_before_any_work(tmp_path, world, overrides, words):

@@ -168,6 +168,9 @@ class Parallel:
     # Relative speed of each pipeline stage's devices, e.g. [1, 3]: layers are split to even out the stages'
     # times (titan/parallel/balance.py); used when pp_layers_per_stage is empty.
     pp_stage_speeds: list[float] = field(default_factory=list)
+    # With pp_stage_speeds: the GiB each stage may give its layers' weights, gradients and Adam moments
+    # (16 bytes per fp32 parameter); empty: no cap.
+    pp_stage_memory_gib: list[float] = field(default_factory=list)
     # Relative speed of each data-parallel rank (HSDP: replica-major), e.g. [1, 3]: its share of the global
     # batch's rows; empty: even shares.
     dp_weights: list[float] = field(default_factory=list)

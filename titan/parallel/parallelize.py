@@ -72,7 +72,8 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:
-        pp.stage_layers(args.n_layers, p)
+        with torch.device("meta"):
+            pp.stage_layers(args.n_layers, p, layer_gib(spec.build(args), spec))
         for sizes in batch_plan(config, layout.world_size):
             if len(set(sizes)) > 1:  # the schedule's buffers take the first micro-batch's shape
                 raise ConfigError(
@@ -104,13 +105,18 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     float8.check_float8(config, layout, device, spec, args)
 
 
+def layer_gib(model: nn.Module, spec: ModelSpec) -> float:
+    """One block's fp32 weights, gradients and two Adam moments (16 bytes per parameter), in GiB."""
+    return 16 * sum(p.numel() for p in spec.blocks(model)[0].parameters()) / 2**30
+
+
 def build_model_parts(
     config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh], device: torch.device
 ) -> ModelParts:
     with torch.device("meta"):
         model = spec.build(args)
     if layout.pp > 1:
-        layers = pp.stage_layers(args.n_layers, config.parallel)
+        layers = pp.stage_layers(args.n_layers, config.parallel, layer_gib(model, spec))
         n_stages = len(layers)
         ids = pp.stage_ids(mesh["pp"].get_local_rank(), layout.pp, n_stages, config.parallel.pp_schedule)
         parts = [spec.pipeline_stage(model, layers[s], s == 0, s == n_stages - 1) for s in ids]

@@ -32,7 +32,7 @@ def stages_per_rank(cfg: Parallel) -> int:
     return 2 if issubclass(schedule_class(cfg.pp_schedule), PipelineScheduleMulti) else 1
 
 
-def stage_layers(n_layers: int, cfg: Parallel) -> list[list[int]]:
+def stage_layers(n_layers: int, cfg: Parallel, layer_gib: float = 0.0) -> list[list[int]]:
     """Layer ids of every stage: the recipe's explicit counts, or an even split (earlier stages take the
     remainder, since the last stage also carries the output head)."""
     n_stages = cfg.pp * stages_per_rank(cfg)
@@ -47,7 +47,16 @@ def stage_layers(n_layers: int, cfg: Parallel) -> list[list[int]]:
             )
         if n_stages > n_layers:
             raise ConfigError(f"parallel.pp_stage_speeds: {n_stages} stages need {n_layers} layers at least")
-        counts = layer_split([1.0] * n_layers, cfg.pp_stage_speeds)
+        caps = cfg.pp_stage_memory_gib or None
+        if caps is not None and len(caps) != n_stages:
+            raise ConfigError(f"parallel.pp_stage_memory_gib {caps} must list {n_stages} caps, one per stage")
+        try:
+            counts = layer_split([1.0] * n_layers, cfg.pp_stage_speeds, [layer_gib] * n_layers, caps)
+        except ValueError:
+            raise ConfigError(
+                f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({layer_gib:.3g} GiB of "
+                "weights, gradients and Adam moments each) fits; raise the caps or use more stages"
+            ) from None
     if counts:
         if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
             raise ConfigError(
