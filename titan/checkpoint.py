@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from titan.config import Checkpoint, ConfigError
+from titan.optim import ensure_adamw_state
 
 log = logging.getLogger("titan")
 MARKER = "COMPLETE"
@@ -148,13 +149,7 @@ class Checkpointer:
                 raise RuntimeError(
                     f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?"
                 )
-            for _, p in named:  # AdamW creates its state lazily; loading into a fresh optimizer needs it to exist
-                if p not in self.optimizer.state:
-                    self.optimizer.state[p] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p),
-                    }
+            ensure_adamw_state(self.optimizer, [p for _, p in named])  # loading into it needs it to exist
             state["optimizer"] = {name: self.optimizer.state[p] for name, p in named}
         return state
 

@@ -19,6 +19,18 @@ def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
+def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Give each parameter the state AdamW creates at its first step (zeros), where it has none yet, so that
+    a checkpoint or a pipeline re-split can fill it in place."""
+    for p in params:
+        if p not in optimizer.state:
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+
+
 def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based)."""
     if step < cfg.warmup_steps:

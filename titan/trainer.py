@@ -24,7 +24,7 @@ from titan.config import Config, ConfigError, Layout, batch_plan, to_toml
 from titan.data import IGNORE, Batch, Tokenizer, build_loaders
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
-from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state
 from titan.parallel import pp
 from titan.parallel.balance import layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
@@ -213,7 +213,7 @@ class Trainer:
         point_to_point = not any(isinstance(p, DTensor) for p in self.model_parts.parameters())
         scheduler_state = self.lr_scheduler.state_dict()
         if point_to_point:
-            self._ensure_optimizer_state()
+            ensure_adamw_state(self.optimizer, list(self.model_parts.parameters()))  # a re-split before any step
             old = self._stage_state()
             steps = next(iter(self.optimizer.state.values()))["step"].clone()  # every parameter took every step
         else:
@@ -223,7 +223,7 @@ class Trainer:
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
         if point_to_point:
-            self._ensure_optimizer_state()
+            ensure_adamw_state(self.optimizer, list(self.model_parts.parameters()))
             for state in self.optimizer.state.values():
                 state["step"] = steps.clone()
             moved = pp.move_stage_state(old, self._stage_state(), self.mesh["pp"].get_group())
@@ -234,13 +234,6 @@ class Trainer:
         self.checkpointer.restore_lr_scheduler(scheduler_state)
         log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, layers_per_stage, how)
         return how
-
-    def _ensure_optimizer_state(self) -> None:
-        # AdamW creates its state at the first step; a re-split may come before it.
-        for p in self.model_parts.parameters():
-            if p not in self.optimizer.state:
-                zeros = torch.zeros_like
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(p), "exp_avg_sq": zeros(p)}
 
     def _stage_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's parameters and their optimizer state, by name (the step count aside: it is the same for
