@@ -53,7 +53,7 @@ def test_validation_loss_is_the_mean_token_loss_over_the_held_out_documents(tmp_
     trainer = Trainer(config)
     # Reference: the plain model on the validation batches, summing token losses by hand.
     model = build_model(config, torch.device("cpu")).eval()
-    loader = build_loaders(config, 4, range(4), 4)[1]
+    loader = build_loaders(config, 4, range(4), [4])[1]
     total, count = 0.0, 0
     with torch.no_grad():
         for step in range(3):
@@ -101,7 +101,7 @@ weight = 1.0
 
 def test_resuming_a_prepared_corpus_far_into_training_takes_well_under_a_second(tmp_path):
     config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path))
-    loader, _ = build_loaders(config, 8, range(8), 4)
+    loader, _ = build_loaders(config, 8, range(8), [4, 4])
     start = time.perf_counter()
     loader.load_state_dict({"next_sample": 10_000_000})  # thousands of epochs of this corpus in
     next(loader)
