@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
 
+import pickle
 import re
 import signal
 import subprocess
@@ -170,6 +171,31 @@ def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     trainer_for(root, **{"training.steps": "2"}).train()
     return root / "debug" / "checkpoints" / "step-2"
+
+
+class _RunsAShellCommand:
+    """What a malicious .metadata holds: unpickling it runs a command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_on_resume_and_conversion(tmp_path, saved_run):
+    crafted = tmp_path / "crafted"
+    subprocess.run(["cp", "-r", str(saved_run), str(crafted)], check=True)
+    created = tmp_path / "created-by-the-checkpoint"
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(f"touch {created}")))
+    overrides = tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(crafted)})
+    resumed = run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
+    converted = run_titan("convert", "dcp-to-hf", str(crafted), str(tmp_path / "hf"))
+    assert not created.exists()
+    for result in (resumed, converted):
+        assert_one_line_error(result, str(crafted), "not trusted", "posix.system")
 
 
 def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import shutil
 import time
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from titan.config import Checkpoint, ConfigError
 from titan.optim import ensure_adamw_state
@@ -32,6 +34,47 @@ log = logging.getLogger("titan")
 MARKER = "COMPLETE"
 PARTS = ("model", "optimizer", "lr_scheduler", "data", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's .metadata holds: its metadata classes, torch sizes, dtypes and layouts, paths."""
+
+    _SAFE = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (
+            (module, name) in self._SAFE
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class TrustedReader(dcp.FileSystemReader):
+    """DCP's file reader with a restricted unpickler for .metadata. DCP reads that file with plain pickle,
+    so a checkpoint someone shares could run code on resume or conversion; titan admits only the classes
+    DCP's metadata is made of and refuses the checkpoint otherwise. (The tensor files are read by DCP
+    with torch.load(weights_only=True) already.)"""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise ConfigError(f"checkpoint {self.path} is not trusted: its .metadata asks for {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def complete_checkpoints(folder: Path) -> dict[int, Path]:
@@ -250,9 +293,13 @@ class Checkpointer:
         self._check_model(path, train_state["model"])
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
+            TrustedReader(str(path)).read_metadata()  # refuse an untrusted checkpoint with its own message
             try:
                 dcp.load(
-                    tensors, checkpoint_id=str(path), process_group=self.save_group, no_dist=self.save_group is None
+                    tensors,
+                    storage_reader=TrustedReader(str(path)),
+                    process_group=self.save_group,
+                    no_dist=self.save_group is None,
                 )
             except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
                 raise ConfigError(

@@ -33,7 +33,14 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from titan import models
-from titan.checkpoint import MARKER, find_checkpoint, model_shapes, read_train_state, write_train_state
+from titan.checkpoint import (
+    MARKER,
+    TrustedReader,
+    find_checkpoint,
+    model_shapes,
+    read_train_state,
+    write_train_state,
+)
 from titan.config import Config, ConfigError, Model, to_toml, toml_value
 from titan.hf_match import check_model_matches, describe_match, model_toml
 
@@ -249,7 +256,9 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
     shapes = model_shapes(spec, args)
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = TrustedReader(str(path)).read_metadata().state_dict_metadata
+    except ConfigError:
+        raise
     except Exception as e:  # DCP raises assorted errors on truncated or foreign files
         raise ConfigError(
             f"checkpoint {path} is corrupt: cannot read its DCP metadata ({str(e).strip()[:200]})"
@@ -265,7 +274,7 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         tensors[name] = torch.empty(shape, dtype=saved.properties.dtype)
     try:
         with _single_process():
-            dcp.load({"model": tensors}, checkpoint_id=str(path), no_dist=True)
+            dcp.load({"model": tensors}, storage_reader=TrustedReader(str(path)), no_dist=True)
     except Exception as e:
         raise ConfigError(
             f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
