@@ -173,6 +173,12 @@ def saved_run(tmp_path_factory):
     return root / "debug" / "checkpoints" / "step-2"
 
 
+def train_resuming(tmp_path, checkpoint, **extra):
+    """`titan train` of the small run, resuming from `checkpoint`."""
+    overrides = tiny_overrides(tmp_path, **{**SMALL, **extra, "checkpoint.resume": str(checkpoint)})
+    return run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
+
+
 class _RunsAShellCommand:
     """What a malicious .metadata holds: unpickling it runs a command."""
 
@@ -190,8 +196,7 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_on_resume_and_con
     subprocess.run(["cp", "-r", str(saved_run), str(crafted)], check=True)
     created = tmp_path / "created-by-the-checkpoint"
     (crafted / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(f"touch {created}")))
-    overrides = tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(crafted)})
-    resumed = run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
+    resumed = train_resuming(tmp_path, crafted)
     converted = run_titan("convert", "dcp-to-hf", str(crafted), str(tmp_path / "hf"))
     assert not created.exists()
     for result in (resumed, converted):
@@ -203,30 +208,18 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):
     subprocess.run(["cp", "-r", str(saved_run), str(broken)], check=True)
     shard = broken / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    result = run_titan(
-        "train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(broken)})
-    )
+    result = train_resuming(tmp_path, broken)
     assert_one_line_error(result, "checkpoint", "corrupt")
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
-    result = run_titan(
-        "train",
-        "--config",
-        str(DEBUG_RECIPE),
-        *tiny_overrides(tmp_path, **{**SMALL, "model.overrides.n_layers": "3", "checkpoint.resume": str(saved_run)}),
-    )
+    result = train_resuming(tmp_path, saved_run, **{"model.overrides.n_layers": "3"})
     assert_one_line_error(result, "does not match", "parameters differ")
 
 
 def test_empty_checkpoint_folder_with_resume_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
-    result = run_titan(
-        "train",
-        "--config",
-        str(DEBUG_RECIPE),
-        *tiny_overrides(tmp_path, **{**SMALL, "checkpoint.resume": str(tmp_path / "empty")}),
-    )
+    result = train_resuming(tmp_path, tmp_path / "empty")
     assert_one_line_error(result, "checkpoint.resume", "not a complete titan checkpoint")
 
 
