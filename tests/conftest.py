@@ -39,6 +39,7 @@ def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
         "training.seq_len": "64",
         "training.global_batch_size": "0",  # local_batch_size x data-parallel size, as each test sets them
         "training.local_batch_size": "4",
+        "lr_scheduler.warmup_steps": "1",  # the recipe's 20 would outlast most tests' runs
         **extra,
     }
     return [item for key, value in values.items() for item in (f"--{key}", value)]

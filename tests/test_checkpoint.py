@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
 
+import json
 import pickle
 import re
 import signal
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SMALL, assert_one_line_error, straight_and_resumed, trainer_for
-from titan.checkpoint import Checkpointer, complete_checkpoints
+from titan.checkpoint import Checkpointer, complete_checkpoints, sha256_files
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
@@ -166,16 +167,19 @@ def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path):
         assert torch.equal(a, b), name
 
 
+SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
-    trainer_for(root, **{"training.steps": "2"}).train()
+    trainer_for(root, **SAVED).train()
     return root / "debug" / "checkpoints" / "step-2"
 
 
 def train_resuming(tmp_path, checkpoint, **extra):
-    """`titan train` of the small run, resuming from `checkpoint`."""
-    overrides = tiny_overrides(tmp_path, **{**SMALL, **extra, "checkpoint.resume": str(checkpoint)})
+    """`titan train` of the saved run's recipe, resuming from `checkpoint`."""
+    overrides = tiny_overrides(tmp_path, **{**SMALL, **SAVED, **extra, "checkpoint.resume": str(checkpoint)})
     return run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
 
 
@@ -196,6 +200,10 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_on_resume_and_con
     subprocess.run(["cp", "-r", str(saved_run), str(crafted)], check=True)
     created = tmp_path / "created-by-the-checkpoint"
     (crafted / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(f"touch {created}")))
+    # Whoever crafts it can rewrite the manifest too: the checksums pass, the unpickler must refuse.
+    manifest = json.loads((crafted / "manifest.json").read_text())
+    manifest["files"].update(sha256_files(crafted, [".metadata"]))
+    (crafted / "manifest.json").write_text(json.dumps(manifest))
     resumed = train_resuming(tmp_path, crafted)
     converted = run_titan("convert", "dcp-to-hf", str(crafted), str(tmp_path / "hf"))
     assert not created.exists()
@@ -209,6 +217,9 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):
     shard = broken / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     result = train_resuming(tmp_path, broken)
+    assert_one_line_error(result, str(broken), "__0_0.distcp has", "bytes", "were saved")
+    # Without the manifest check, DCP's own reading still refuses it.
+    result = train_resuming(tmp_path, broken, **{"checkpoint.verify": "false"})
     assert_one_line_error(result, "checkpoint", "corrupt")
 
 
@@ -262,7 +273,7 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
         model(torch.randn(3, 4)).square().sum().backward()
         optimizer.step()
         scheduler.step()
-    assert checkpointer.save(3, tokens_seen=96) is not None
+    assert checkpointer.save(3, tokens_seen=96, loss=1.0) is not None
     fresh_model, fresh_optimizer, fresh_scheduler, fresh_loader, fresh = parts(seed=1)
     assert fresh.resume() == 3
     for (name, a), b in zip(model.named_parameters(), fresh_model.parameters()):

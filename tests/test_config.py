@@ -9,9 +9,9 @@ from titan.config import ConfigError, batch_plan, load_config, to_toml
 
 def test_overrides_convert_to_the_field_types():
     cfg = load_config(
-        DEBUG_RECIPE, ["--training.steps", "7", "--optimizer.lr=1e-3", "--job.name", "123", "--job.deterministic"]
+        DEBUG_RECIPE, ["--training.steps", "70", "--optimizer.lr=1e-3", "--job.name", "123", "--job.deterministic"]
     )
-    assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-3
+    assert cfg.training.steps == 70 and cfg.optimizer.lr == 1e-3
     assert cfg.job.name == "123"  # a str field keeps the text as typed
     assert cfg.job.deterministic is True  # a bare flag means true
 
@@ -22,7 +22,7 @@ def test_model_overrides_table_takes_dotted_keys():
 
 
 def test_resolved_toml_loads_back_to_the_same_config(tmp_path):
-    cfg = load_config(DEBUG_RECIPE, ["--training.steps", "3", "--model.overrides.n_layers", "2"])
+    cfg = load_config(DEBUG_RECIPE, ["--training.steps", "30", "--model.overrides.n_layers", "2"])
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg

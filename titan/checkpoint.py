@@ -1,24 +1,32 @@
-"""Checkpoints of the whole training state: sharded (DCP), atomic, optionally async, reshardable on load.
+"""Checkpoints of the whole training state: sharded (DCP), atomic, verified, optionally async, reshardable on load.
 
 Layout of one checkpoint, `<run>/checkpoints/step-N/`:
     *.distcp, .metadata     model weights and optimizer state, one shard file per rank (DCP)
-    train_state.json        step, tokens seen, lr schedule, the model's parameter shapes, the resolved recipe
+    train_state.json        step, tokens seen, the step's loss, lr schedule, the model's parameter shapes, the
+                            recipe's math-changing values and the whole resolved recipe
     data.json               the data loader's position: the next global sample (the same on every rank)
+    manifest.json           every other file's size and SHA-256
     COMPLETE                written last; a folder without it is never loaded
 
-A checkpoint is written to `.tmp-step-N/` and renamed when complete, so a crash at any moment leaves the
-previous checkpoints untouched. Nothing here unpickles: tensors come through DCP, the rest is JSON.
+A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
+the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. Nothing is
+unpickled as is: DCP's .metadata goes through an allow-list (TrustedReader), the rest is JSON.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import hashlib
 import json
 import logging
+import math
+import os
 import pickle
 import re
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,10 +36,12 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from titan.config import Checkpoint, ConfigError
+from titan.files import fsync, write_error, write_synced
 from titan.optim import ensure_adamw_state
 
 log = logging.getLogger("titan")
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 PARTS = ("model", "optimizer", "lr_scheduler", "data", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -115,6 +125,66 @@ def model_shapes(spec, args) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
+# -- integrity: a manifest of every file's size and SHA-256, checked before a load --------------------
+
+
+def sha256_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of files in `folder`, hashed in threads (hashlib releases the GIL)."""
+
+    def digest(name: str) -> tuple[str, dict]:
+        with open(folder / name, "rb") as f:
+            return name, {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        return dict(pool.map(digest, names))
+
+
+def check_files(folder: Path, expected: dict[str, dict]) -> list[str]:
+    """What is wrong with the files of `expected` (a manifest's entries) in `folder`: one line each."""
+    problems, present = [], []
+    for name, entry in expected.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != entry["size"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, {entry['size']} were saved")
+        else:
+            present.append(name)
+    for name, entry in sha256_files(folder, present).items():
+        if entry["sha256"] != expected[name]["sha256"]:
+            problems.append(f"{name} does not match its SHA-256 (its bytes changed after the save)")
+    return problems
+
+
+def read_manifest(folder: Path) -> dict[str, dict] | str:
+    """The manifest's entries, or what is wrong with it."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        if isinstance(files, dict) and all({"size", "sha256"} <= set(e) for e in files.values()):
+            return files
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is missing or unreadable ({e.__class__.__name__})"
+    return f"{MANIFEST} is malformed"
+
+
+def verify(folder: Path, rank: int = 0, world: int = 1, group=None) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else the first problem. With several
+    ranks (and `group`), each hashes its share of the files and all learn the verdict."""
+    files = read_manifest(folder)
+    problems = [files] if isinstance(files, str) else []
+    if not problems:
+        names = sorted(files)[rank::world]
+        problems = check_files(folder, {n: files[n] for n in names})
+    if group is not None:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = [p for share in gathered for p in share]
+    return f"{folder}: {problems[0]}" if problems else None
+
+
+# -- what a checkpoint holds besides tensors --------------------------------------------------------
+
+
 def write_train_state(
     folder: Path, *, step: int, tokens_seen: int, lr_scheduler: dict, model: dict, recipe: str, **extra
 ) -> None:
@@ -127,7 +197,7 @@ def write_train_state(
         "recipe": recipe,
         **extra,
     }
-    (folder / "train_state.json").write_text(json.dumps(state, indent=1))
+    write_synced(folder / "train_state.json", json.dumps(state, indent=1).encode())
 
 
 def read_train_state(path: Path) -> dict:
@@ -138,6 +208,40 @@ def read_train_state(path: Path) -> dict:
     if not isinstance(state, dict) or not {"step", "model", "recipe"} <= state.keys():
         raise ConfigError(f"checkpoint {path} is corrupt: train_state.json lacks the step, model or recipe")
     return state
+
+
+def changed_keys(saved: dict, current: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
+    """(refused, allowed) descriptions of the math-changing keys whose values differ from the checkpoint's."""
+    refused, accepted = [], []
+    for key in current:
+        if key in saved and saved[key] != current[key]:
+            change = f"{key} {saved[key]!r} -> {current[key]!r}"
+            ok = any(key == a or key.startswith(a + ".") for a in allowed)
+            (accepted if ok else refused).append(change)
+    return refused, accepted
+
+
+def _cause(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save (DCP wraps each rank's error in a CheckpointException)."""
+    seen = set()
+    stack = [e]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        stack.extend([e.__cause__, e.__context__])
+        stack.extend(a for a in getattr(e, "args", ()) if isinstance(a, BaseException))
+    return None
+
+
+class SaveError(ConfigError):
+    """A checkpoint could not be written (full disk, read-only folder): the run stops, the saved ones are intact."""
 
 
 class Checkpointer:
@@ -159,9 +263,11 @@ class Checkpointer:
         save_group,
         control_group,
         plan: dict | None = None,
+        math_values: dict | None = None,
     ):
         """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML;
-        plan: the re-planned shares and splits in force (a dict the trainer updates), restored in place.
+        plan: the re-planned shares and splits in force (a dict the trainer updates), restored in place;
+        math_values: the recipe's math-changing values (config.math_values), compared on resume.
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
         interleave with the main thread's (on gloo that aborts the job or deadlocks)."""
@@ -169,12 +275,34 @@ class Checkpointer:
         self.model_parts, self.optimizer, self.lr_scheduler, self.loader = model_parts, optimizer, lr_scheduler, loader
         self.model, self.recipe, self.rank = model, recipe, rank
         self.save_group, self.control_group = save_group, control_group
+        self.world = dist.get_world_size(control_group) if control_group is not None else 1
         self.plan = {} if plan is None else plan
+        self.math_values = math_values or {}
         self.resumed_from: Path | None = None
-        self._pending: tuple[Future, Path, Path] | None = None
-        if self.rank == 0 and self.folder.is_dir():
-            for stale in self.folder.glob(".tmp-step-*"):  # left by a crash during a save
-                shutil.rmtree(stale, ignore_errors=True)
+        self.resumed_state: dict = {}  # the loaded train_state.json
+        self._pending: tuple[Future | None, Path, Path] | None = None
+        if self.rank == 0:
+            self._tidy()
+        self._barrier()
+
+    def _tidy(self) -> None:
+        """Clear what interrupted saves left (the caller owns the run folder): temporary and incomplete
+        folders go; a checkpoint that was being replaced comes back if its replacement never landed."""
+        if not self.folder.is_dir():
+            return
+        for child in sorted(self.folder.iterdir()):
+            if child.name.startswith(".replaced-"):
+                final = self.folder / child.name.removeprefix(".replaced-")
+                if (final / MARKER).is_file():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    shutil.rmtree(final, ignore_errors=True)
+                    child.rename(final)
+            elif child.name.startswith((".tmp-step-", ".resplit-step-")) or (
+                _STEP_DIR.match(child.name) and not (child / MARKER).is_file()
+            ):
+                log.info("removing %s, left by an interrupted save", child)
+                shutil.rmtree(child, ignore_errors=True)
 
     # -- what is saved -------------------------------------------------------------------------
 
@@ -198,46 +326,47 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, tokens_seen: int, final: bool = False) -> dict | None:
+    def maybe_save(self, step: int, tokens_seen: int, loss: float, final: bool = False) -> dict | None:
         if self.cfg.enable and (final or step % self.cfg.interval == 0):
-            return self.save(step, tokens_seen, wait=final)
+            return self.save(step, tokens_seen, loss, wait=final)
         return None
 
-    def save(self, step: int, tokens_seen: int, wait: bool = False) -> dict | None:
-        """Save (in the background with async_save, unless `wait`); returns the metrics to log, None if skipped."""
+    def save(self, step: int, tokens_seen: int, loss: float, wait: bool = False) -> dict | None:
+        """Save (in the background with async_save, unless `wait`); returns the metrics to log. An existing
+        checkpoint of the same step is replaced once the new one is complete."""
         self.finish_pending()  # one save in flight at a time
         final, tmp = self.folder / f"step-{step}", self.folder / f".tmp-step-{step}"
-        if final.exists():
-            return None
         start = time.perf_counter()
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        if self.rank == 0:
-            (tmp / "data.json").write_text(json.dumps(self.loader.state_dict()))
-            scheduler = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
-            write_train_state(
-                tmp,
-                step=step,
-                tokens_seen=tokens_seen,
-                lr_scheduler=scheduler,
-                model=self.model,
-                recipe=self.recipe,
-                plan=self.plan,
-            )
-        state = self._tensor_state(("model", "optimizer"))
-        no_dist = self.save_group is None
-        if self.cfg.async_save and not wait:
-            self._pending = (
-                dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist),
-                tmp,
-                final,
-            )
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
-            self._pending = (None, tmp, final)
-            self.finish_pending()
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self._barrier()
+            if self.rank == 0:
+                write_synced(tmp / "data.json", json.dumps(self.loader.state_dict()).encode())
+                scheduler = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
+                write_train_state(
+                    tmp,
+                    step=step,
+                    tokens_seen=tokens_seen,
+                    loss=loss if math.isfinite(loss) else None,
+                    lr_scheduler=scheduler,
+                    model=self.model,
+                    math=self.math_values,
+                    recipe=self.recipe,
+                    plan=self.plan,
+                )
+            state = self._tensor_state(("model", "optimizer"))
+            no_dist = self.save_group is None
+            if self.cfg.async_save and not wait:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
+                self._pending = (future, tmp, final)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
+                self._pending = (None, tmp, final)
+                self.finish_pending()
+        except (OSError, CheckpointException) as e:
+            raise self._save_error(e, step) from None
         blocked = time.perf_counter() - start
         log.info(
             "checkpoint step %d: %s (training blocked %.2fs)",
@@ -247,22 +376,66 @@ class Checkpointer:
         )
         return {"checkpoint_blocked_s": blocked}
 
+    def _save_error(self, e: BaseException, step: int) -> BaseException:
+        cause = _cause(e)
+        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+            return e
+        good = complete_checkpoints(self.folder)
+        return SaveError(
+            f"checkpoint step {step}: {write_error(cause)}; free space or set job.output_dir elsewhere "
+            f"(the last complete checkpoint, {good[max(good)] if good else 'none'}, is intact)"
+        )
+
     def finish_pending(self) -> None:
-        """Wait for the save in flight, then make it visible and prune old ones."""
+        """Wait for the save in flight, then seal it (manifest, COMPLETE, fsync), make it visible and prune."""
         if self._pending is None:
             return
         future, tmp, final = self._pending
         self._pending = None
-        if future is not None:
-            future.result()
+        try:
+            if future is not None:
+                future.result()
+            self._barrier()
+            self._seal(tmp, final)
+        except (OSError, CheckpointException) as e:
+            raise self._save_error(e, int(final.name.removeprefix("step-"))) from None
         self._barrier()
-        if self.rank == 0:
-            (tmp / MARKER).write_text("")
-            tmp.rename(final)  # atomic: the checkpoint appears complete or not at all
-            if self.cfg.keep_latest_k:
-                for old in list(complete_checkpoints(self.folder).values())[: -self.cfg.keep_latest_k]:
-                    shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
+
+    def _seal(self, tmp: Path, final: Path) -> None:
+        # Every rank hashes its share of the files (a shared file system, as the rename below needs already).
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        mine = sha256_files(tmp, names[self.rank :: self.world])
+        if self.control_group is not None:
+            shares: list = [None] * self.world
+            dist.all_gather_object(shares, mine, group=self.control_group)
+            mine = {name: entry for share in shares for name, entry in share.items()}
+        if self.rank != 0:
+            return
+        write_synced(tmp / MANIFEST, json.dumps({"files": mine}, indent=1).encode())
+        write_synced(tmp / MARKER, b"")
+        fsync(tmp)
+        replaced = final.with_name(".replaced-" + final.name)
+        if final.exists():  # a rewound run saving a step again: the old one goes once the new one is in place
+            final.rename(replaced)
+        tmp.rename(final)  # atomic: the checkpoint appears complete or not at all
+        fsync(self.folder)
+        shutil.rmtree(replaced, ignore_errors=True)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest keep_latest_k checkpoints, and always the newest one whose loss was finite."""
+        if not self.cfg.keep_latest_k:
+            return
+        found = list(complete_checkpoints(self.folder).values())
+        keep = set(found[-self.cfg.keep_latest_k :])
+        for path in reversed(found):
+            loss = _saved_loss(path)
+            if loss is not None and math.isfinite(loss):
+                keep.add(path)
+                break
+        for old in found:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _barrier(self) -> None:
         if self.control_group is not None:
@@ -270,27 +443,47 @@ class Checkpointer:
 
     # -- loading -------------------------------------------------------------------------------
 
+    def _verify(self, path: Path) -> str | None:
+        if not self.cfg.verify:
+            return None
+        return verify(path, self.rank, self.world, self.control_group)
+
     def find_resume_point(self) -> Path | None:
+        """The checkpoint to resume from: the recipe's path, or with resume = auto the newest complete one that
+        passes verification (a damaged one is skipped with a warning)."""
         resume = self.cfg.resume
         if resume == "never":
             return None
-        if resume == "auto":
-            found = complete_checkpoints(self.folder)
-            if self.cfg.load_step >= 0:
-                if self.cfg.load_step not in found:
-                    raise ConfigError(
-                        f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint of that step in "
-                        f"{self.folder} "
-                        f"(found: {sorted(found) or 'none'})"
-                    )
-                return found[self.cfg.load_step]
-            return found[max(found)] if found else None
-        return find_checkpoint(Path(resume), "checkpoint.resume")
+        if resume != "auto":
+            path = find_checkpoint(Path(resume), "checkpoint.resume")
+            problem = self._verify(path)
+            if problem:
+                raise ConfigError(f"checkpoint {problem}; resume from another checkpoint")
+            return path
+        found = complete_checkpoints(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in found:
+                raise ConfigError(
+                    f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint of that step in "
+                    f"{self.folder} (found: {sorted(found) or 'none'})"
+                )
+            problem = self._verify(found[self.cfg.load_step])
+            if problem:
+                raise ConfigError(f"checkpoint {problem}; choose another checkpoint.load_step")
+            return found[self.cfg.load_step]
+        for step in sorted(found, reverse=True):
+            problem = self._verify(found[step])
+            if problem is None:
+                return found[step]
+            log.warning("skipping damaged checkpoint %s", problem)
+        return None
 
     def load(self, path: Path, parts: tuple[str, ...]) -> int:
         """Load `parts` of the checkpoint at `path`; returns the step to continue from."""
         train_state = read_train_state(path)
         self._check_model(path, train_state["model"])
+        if "train_state" in parts:
+            self._check_math(path, train_state)
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
             TrustedReader(str(path)).read_metadata()  # refuse an untrusted checkpoint with its own message
@@ -309,6 +502,7 @@ class Checkpointer:
         if "train_state" in parts:
             self.plan.clear()
             self.plan.update(train_state.get("plan", {}))
+            self.resumed_state = train_state
         if "lr_scheduler" in parts:
             self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:
@@ -318,15 +512,48 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {path} is corrupt: cannot read data.json ({e})") from None
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
         self.resumed_from = path
+        if self.rank == 0 and path.parent.resolve() == self.folder.resolve():
+            self._set_aside_newer(step)
         return step
 
+    def _set_aside_newer(self, step: int) -> None:
+        """A run rewound to `step` (checkpoint.load_step) goes on from there: its later checkpoints belong to
+        the abandoned future, so they move to checkpoints/rewound/ (kept, never resumed from by `auto`)."""
+        newer = [p for s, p in complete_checkpoints(self.folder).items() if s > step]
+        if not newer:
+            return
+        aside = self.folder / "rewound" / datetime.datetime.now().strftime(f"from-step-{step}-%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in newer:
+            path.rename(aside / path.name)
+        log.warning("rewound to step %d: the later checkpoints %s moved to %s", step, [p.name for p in newer], aside)
+
+    def _check_math(self, path: Path, train_state: dict) -> None:
+        saved = train_state.get("math")
+        if not saved:
+            return  # saved by a titan that did not record them
+        refused, accepted = changed_keys(saved, self.math_values, self.cfg.allow_changes)
+        if refused:
+            keys = ",".join(change.split(" ")[0] for change in refused)
+            raise ConfigError(
+                f"the recipe differs from checkpoint {path} in keys that change the training math: "
+                f"{'; '.join(refused)}; restore them, or pass --checkpoint.allow_changes {keys} to resume with the "
+                "new values"
+            )
+        for change in accepted:
+            log.warning("resuming with a changed recipe (checkpoint.allow_changes): %s", change)
+
     def restore_lr_scheduler(self, state: dict) -> None:
+        """The schedule's position from `state`; its shape (base lr, warmup, length) stays the recipe's, so a
+        changed lr or step count applies from the resumed step on."""
         # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
-        groups = self.optimizer.param_groups
-        state = {k: v for k, v in state.items() if k != "lr_lambdas"}
-        self.lr_scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(groups)})
-        for group, lr in zip(groups, self.lr_scheduler.get_last_lr()):
+        groups, scheduler = self.optimizer.param_groups, self.lr_scheduler
+        state = {k: v for k, v in state.items() if k not in ("lr_lambdas", "base_lrs", "_last_lr")}
+        scheduler.load_state_dict({**state, "base_lrs": scheduler.base_lrs, "lr_lambdas": [None] * len(groups)})
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(groups, lrs):
             group["lr"] = lr
+        scheduler._last_lr = lrs
 
     # -- moving the state to rebuilt parts (a pipeline re-split) -------------------------------
 
@@ -367,3 +594,11 @@ class Checkpointer:
                 log.info("no checkpoint in %s: starting from step 0", self.folder)
             return 0
         return self.load(path, tuple(self.cfg.load_only) or PARTS)
+
+
+def _saved_loss(path: Path) -> float | None:
+    try:
+        loss = json.loads((path / "train_state.json").read_text()).get("loss")
+    except (OSError, ValueError):
+        return None
+    return loss if isinstance(loss, (int, float)) else None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,12 +35,16 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="The TOML recipe, e.g. recipes/debug.toml.")
 
 
+# Errors writing the run folder that are the machine's state, not a bug: one line, exit 2.
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 # Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
 PREEMPTED_EXIT_CODE = 75
 
 
 def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    """One line on stderr and exit status 2; under torchrun only rank 0 prints (every rank fails alike)."""
+    if os.environ.get("RANK", "0") == "0":
+        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)
 
 
@@ -59,6 +65,12 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
             raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
     except ConfigError as e:
         _fail(str(e))
+    except OSError as e:
+        if e.errno not in WRITE_ERRORS:
+            raise
+        from titan.files import write_error
+
+        _fail(write_error(e))
     finally:
         import torch.distributed as dist
 

@@ -110,6 +110,10 @@ class Training:
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # A step whose loss or gradient norm is NaN or inf: stop (nothing saved after the last good step), or
+    # skip its update and go on, stopping after max_skipped_steps such steps in a row.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 10
 
 
 @dataclass
@@ -234,6 +238,10 @@ class Checkpoint:
     load_step: int = -1  # with resume = auto: this step instead of the newest
     load_only: list[str] = field(default_factory=list)  # e.g. ["model"]: weights only, a fresh optimizer and data
     async_save: bool = False  # overlap writing with training
+    # On resume, the recipe keys that change the math (see MATH_KEYS) must equal the checkpoint's; list the
+    # ones meant to change, e.g. ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
+    allow_changes: list[str] = field(default_factory=list)
+    verify: bool = True  # check every file against the checkpoint's SHA-256 manifest before loading
     # Start from a HF Llama checkpoint folder (config.json + *.safetensors) when not resuming.
     init_from_hf: str = ""
 
@@ -273,9 +281,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path} (pass an existing TOML file to --config)")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read the recipe {path}: {e.strerror}") from None
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
     config = _build(Config, raw, "")
@@ -375,6 +387,8 @@ def _convert(tp, value, key: str):
         return {k: _parse_cli_literal(v) if isinstance(v, _CliValue) else v for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(tp)
+        if isinstance(value, str) and item is str:  # from the command line: a,b,c
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of {_type_name(item)}, got {value!r}")
         return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -430,6 +444,11 @@ def validate(config: Config, world_size: int) -> None:
     require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
     s = config.lr_scheduler
     require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    require(
+        s.warmup_steps <= t.steps,
+        f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than the run (training.steps {t.steps}): it would "
+        "end before its learning rate reaches optimizer.lr; lower warmup_steps",
+    )
     require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     require(0 < s.wsd_decay_ratio <= 1, f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
     require(config.metrics.log_freq > 0, f"metrics.log_freq must be positive, got {config.metrics.log_freq}")
@@ -458,8 +477,14 @@ def validate(config: Config, world_size: int) -> None:
         0 <= v.fraction < 1,
         f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}",
     )
+    require(t.max_skipped_steps >= 1, f"training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
+    unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in MATH_KEYS)]
+    require(
+        not unknown,
+        f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: {', '.join(MATH_KEYS)}",
+    )
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
@@ -553,6 +578,51 @@ def batch_plan(config: Config, world_size: int, weights: list[float] | None = No
     dp = Layout.from_config(config.parallel, world_size).dp
     rows = t.global_batch_size or t.local_batch_size * dp
     return micro_batch_sizes(data_shares(rows, weights or config.parallel.dp_weights or [1.0] * dp), t.local_batch_size)
+
+
+# The recipe keys that change what a resumed run computes: a resume checks them against the checkpoint's.
+# training.global_batch is the global batch in rows, whatever global_batch_size and the layout say.
+MATH_KEYS = (
+    "job.seed",
+    "model.name",
+    "model.flavor",
+    "model.overrides",
+    "tokenizer.path",
+    "data.source",
+    "data.sources",
+    "data.text_field",
+    "data.shuffle",
+    "data.document_mask",
+    "training.seq_len",
+    "training.global_batch",
+    "training.steps",
+    "training.max_grad_norm",
+    "training.mixed_precision",
+    "optimizer.name",
+    "optimizer.lr",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay",
+    "lr_scheduler.min_lr_ratio",
+    "lr_scheduler.wsd_decay_ratio",
+    "float8.enable",
+    "float8.recipe",
+)
+
+
+def math_values(config: Config, global_batch: int) -> dict[str, Any]:
+    """The MATH_KEYS' values of a run, as JSON-ready values."""
+    values = to_dict(config)
+    values["training"]["global_batch"] = global_batch
+    values["data"]["sources"] = values["data"]["sources"] if config.data.sources else []
+    out = {}
+    for key in MATH_KEYS:
+        section, name = key.split(".")
+        out[key] = values[section][name]
+    return out
 
 
 def to_dict(config: Config) -> dict:

@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan import __version__, models
-from titan.checkpoint import Checkpointer, model_shapes
-from titan.config import Config, ConfigError, Layout, batch_plan, to_toml
+from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
+from titan.config import Config, ConfigError, Layout, batch_plan, math_values, to_toml
 from titan.data import IGNORE, Batch, Tokenizer, build_loaders
+from titan.files import hold_run_folder, write_error
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state
@@ -46,14 +47,25 @@ def pick_device(name: str) -> torch.device:
 
 
 def resolve_model(config: Config):
-    """The registry spec and the model args (flavor + overrides) the recipe names."""
+    """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
+    cannot be built is a recipe error, found before any work."""
     try:
         spec = models.get_model_spec(config.model.name)
-        # The RoPE table only needs to cover the training sequence length.
-        overrides = {"max_seq_len": config.training.seq_len, **config.model.overrides}
-        return spec, models.model_args(spec, config.model.flavor, overrides)
+        args = models.model_args(spec, config.model.flavor, config.model.overrides)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model {config.model.flavor} with model.overrides {config.model.overrides}: {e}") from None
+    seq_len = config.training.seq_len
+    if seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len {seq_len} exceeds the {config.model.flavor} model's max_seq_len {args.max_seq_len}; "
+            "lower training.seq_len, or raise model.overrides.max_seq_len if the model is meant for longer sequences"
+        )
+    # The RoPE table only needs to cover the training sequence length.
+    return spec, dataclasses.replace(args, max_seq_len=seq_len)
 
 
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
@@ -74,6 +86,9 @@ class Trainer:
         check_layout(config, spec, self.model_args, self.layout, self.device)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         setup_logging(self.rank)
+        self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
+        self.run_dir = config.run_dir
+        self._on_rank_0(self._claim_run_dir)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -112,12 +127,10 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
-        self.run_dir = config.run_dir
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
-        self.control_group = new_gloo_group()  # checkpoint barriers and the stop vote
         self.plan: dict = {}  # re-planned data shares and pipeline split in force, saved with checkpoints
         self.checkpointer = Checkpointer(
             config.checkpoint,
@@ -136,8 +149,13 @@ class Trainer:
             save_group=new_gloo_group(),
             control_group=self.control_group,
             plan=self.plan,
+            math_values=math_values(config, self.global_batch),
         )
         self.step = self.checkpointer.resume()
+        # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
+        # from the resumed step on.
+        self.tokens_before = self.checkpointer.resumed_state.get("tokens_seen", 0) - self.step * self.tokens_per_step
+        self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
         # A re-planned run resumes with the plan in force when it stopped.
         if self.plan.get("dp_weights"):
             self.apply_plan(self.plan["dp_weights"])
@@ -184,6 +202,35 @@ class Trainer:
             " + ".join(map(str, plan[dp_rank])),
             self.run_dir,
         )
+
+    def _on_rank_0(self, work) -> None:
+        """Run `work` on rank 0; a ConfigError there is raised on every rank, which would otherwise wait for
+        rank 0 at their next collective."""
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except ConfigError as e:
+                error = str(e)
+        if self.control_group is not None:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0, group=self.control_group)
+            error = shared[0]
+        if error is not None:
+            raise ConfigError(error)
+
+    def _claim_run_dir(self) -> None:
+        """Create the run folder and hold its lock for the run's life: one run per folder."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            hold_run_folder(self.run_dir)
+        except BlockingIOError as e:
+            raise ConfigError(
+                f"run folder {self.run_dir} is in use by another titan run ({e.args[0]}); wait for it to end, or "
+                "set job.name or job.output_dir to another folder"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"job.output_dir: {write_error(e)}; choose another job.output_dir") from None
 
     def _build_model(self) -> None:
         """The model parts for the recipe's layout and pipeline split, their optimizer, lr schedule and
@@ -326,17 +373,21 @@ class Trainer:
         )
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors."""
-        loss = self.forward_backward(micro_batches)
+        """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors. A step
+        whose loss or gradient norm is NaN or inf leaves the weights and optimizer state as they were (the
+        step still counts, so the data and the schedule move on)."""
+        loss = self.global_loss(self.forward_backward(micro_batches))
         params = list(self.model_parts.parameters())
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
-        self.optimizer.step()
-        precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless float8 all-gather
+        # Both are global (the loss summed over ranks, the norm over every shard): all ranks agree.
+        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+            self.optimizer.step()
+            precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 all-gather
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
-        return self.global_loss(loss), grad_norm
+        return loss, grad_norm
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate the step's gradients; returns this rank's share of the step's loss."""
@@ -408,6 +459,13 @@ class Trainer:
         """
         total = until or self.config.training.steps
         losses: list[torch.Tensor] = []
+        if self.step >= total:
+            log.info(
+                "already at step %d of training.steps %d: nothing to train (to train on, raise training.steps and "
+                "pass --checkpoint.allow_changes training.steps)",
+                self.step,
+                total,
+            )
         self.model_parts.train()
         first_step, window_start, window_steps = self.step, time.perf_counter(), 0
         with _stop_on_signals(self):
@@ -417,6 +475,7 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step(batches)
                 losses.append(loss)
+                self._check_finite(loss, grad_norm)
                 window_steps += 1
                 if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
                     if self.device.type == "cuda":
@@ -430,14 +489,14 @@ class Trainer:
                     self._log_validation()
                     window_start = time.perf_counter()  # evaluation time is not step time
                 self._log_checkpoint(
-                    self.checkpointer.maybe_save(self.step, self.tokens_seen, final=self.step == total)
+                    self.checkpointer.maybe_save(self.step, self.tokens_seen, loss.item(), final=self.step == total)
                 )
                 if self._stop_requested():
-                    self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, wait=True))
-                    raise Preempted(
-                        f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved in "
-                        f"{self.checkpointer.folder}: run the same command to resume"
-                    )
+                    saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
+                    if self.config.checkpoint.enable:
+                        self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, loss.item(), wait=True))
+                        saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
+                    raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
         self.checkpointer.finish_pending()
         self.metrics.close()
@@ -479,7 +538,34 @@ class Trainer:
 
     @property
     def tokens_seen(self) -> int:
-        return self.step * self.tokens_per_step
+        return self.tokens_before + self.step * self.tokens_per_step
+
+    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop at a NaN or inf (nothing is saved after the last good step), or count it as skipped."""
+        if math.isfinite(loss.item()) and math.isfinite(float(grad_norm)):
+            self.skipped_in_a_row = 0
+            return
+        t = self.config.training
+        self.skipped_in_a_row += 1
+        self.metrics.log(self.step, {"skipped_step": 1})
+        what = f"step {self.step}: loss {float(loss)}, gradient norm {float(grad_norm)}"
+        if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
+            log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
+            return
+        self.checkpointer.finish_pending()  # a save in flight holds an earlier, finite state
+        good = complete_checkpoints(self.checkpointer.folder)
+        if t.on_nonfinite == "skip":
+            what += f" ({self.skipped_in_a_row} steps in a row skipped, training.max_skipped_steps)"
+        lr = self.config.optimizer.lr / 2
+        raise NonFinite(
+            f"{what}; nothing was saved from this step on. "
+            + (
+                f"The last good checkpoint is {good[max(good)]}: resume from it with a lower learning rate, adding "
+                f"--optimizer.lr {lr:.3g} --checkpoint.allow_changes optimizer.lr to the command"
+                if good
+                else f"No checkpoint was saved before: start again with a lower learning rate (--optimizer.lr {lr:.3g})"
+            )
+        )
 
     def _log_checkpoint(self, metrics: dict | None) -> None:
         if metrics:
@@ -497,6 +583,11 @@ class Trainer:
 
 class Preempted(Exception):
     """Training stopped early on a signal, after saving a checkpoint."""
+
+
+class NonFinite(ConfigError):
+    """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
+    often a learning rate too high for the model)."""
 
 
 @contextlib.contextmanager

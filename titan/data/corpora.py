@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from titan.config import ConfigError
-from titan.data.files import build_once, write_synced
+from titan.files import build_once, write_synced
 
 KNOWN = ("titan:shakespeare",)  # the names resolve_source and resolve_tokenizer_path accept
 log = logging.getLogger("titan")

@@ -43,7 +43,7 @@ from titan.config import ConfigError, Data, DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import cache_root
 from titan.data.dataset import Documents, iter_texts, open_documents
-from titan.data.files import build_once, fsync, write_synced
+from titan.files import build_once, fsync, write_synced
 from titan.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1

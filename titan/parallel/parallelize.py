@@ -66,6 +66,7 @@ class ModelParts:
 def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device) -> None:
     """Every combination that cannot work, refused with its reason before any work starts."""
     p = config.parallel
+    pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
     n_stages = layout.pp * pp.stages_per_rank(p) if layout.pp > 1 else 1
     try:
         spec.check_parallelism(args, layout.tp, n_stages)

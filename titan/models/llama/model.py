@@ -52,6 +52,9 @@ class ModelArgs:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads "

@@ -1,12 +1,15 @@
-"""Cache folders that survive crashes and concurrent processes: one writer per folder at a time, and every
-byte on disk before a folder is renamed into place or marked complete."""
+"""Files and folders that survive crashes and concurrent processes: one writer per folder at a time, every
+byte on disk before a folder is renamed into place or marked complete, one run per run folder, and write
+errors said in plain words."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import platform
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -66,3 +69,41 @@ def build_once(folder: Path, is_complete: Callable[[Path], bool], build: Callabl
             raise
         fsync(folder.parent)
     return folder
+
+
+_HELD: dict[Path, object] = {}  # run folders this process holds, and their open lock files
+
+
+def hold_run_folder(folder: Path) -> None:
+    """Hold `folder`'s run lock for the life of this process: a second run on the folder would delete the first
+    one's in-progress checkpoints and interleave its metrics. The kernel drops the lock when its holder dies,
+    so a lock left by a killed run is simply taken over. Raises BlockingIOError with the holder's host and PID."""
+    folder = folder.resolve()
+    if folder in _HELD:  # this process holds it already (e.g. a second trainer on the same run, in tests)
+        return
+    lock = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise BlockingIOError(holder) from None
+    lock.truncate(0)
+    lock.write(f"host {platform.node()} PID {os.getpid()}\n")
+    lock.flush()
+    _HELD[folder] = lock
+
+
+def write_error(e: OSError) -> str:
+    """What went wrong writing a file, for a one-line error: the path and the cause in plain words."""
+    cause = {
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EROFS: "read-only file system",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ENOTDIR: "a file stands where a folder is needed",
+        errno.EEXIST: "a file stands where a folder is needed",
+    }.get(e.errno, e.strerror or str(e))
+    return f"cannot write {e.filename or 'a file'}: {cause}"
