@@ -618,6 +618,8 @@ def math_values(config: Config, global_batch: int) -> dict[str, Any]:
     values = to_dict(config)
     values["training"]["global_batch"] = global_batch
     values["data"]["sources"] = values["data"]["sources"] if config.data.sources else []
+    if config.lr_scheduler.decay == "constant":
+        values["training"]["steps"] = None  # the only schedule whose lr does not depend on the run's length
     out = {}
     for key in MATH_KEYS:
         section, name = key.split(".")

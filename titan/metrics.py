@@ -134,8 +134,12 @@ class MetricsLogger:
             return
         # elapsed_s: seconds since the trainer started (0 again after a restart); `titan compare` sums them.
         record = {"step": step, **metrics, "elapsed_s": round(time.perf_counter() - self._start, 3)}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # a buffered write's error names no file
+            e.filename = e.filename or self._jsonl.name
+            raise
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)

@@ -488,13 +488,15 @@ class Trainer:
                 if interval and (self.step % interval == 0 or self.step == total):
                     self._log_validation()
                     window_start = time.perf_counter()  # evaluation time is not step time
+                # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
+                step_loss = float("nan") if self.skipped_in_a_row else loss.item()
                 self._log_checkpoint(
-                    self.checkpointer.maybe_save(self.step, self.tokens_seen, loss.item(), final=self.step == total)
+                    self.checkpointer.maybe_save(self.step, self.tokens_seen, step_loss, final=self.step == total)
                 )
                 if self._stop_requested():
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
-                        self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, loss.item(), wait=True))
+                        self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, step_loss, wait=True))
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)

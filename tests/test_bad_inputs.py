@@ -1,0 +1,323 @@
+"""Every bad input a user can give, through the real CLI: exit status 2, one `error:` line naming the culprit,
+no traceback. One table across the recipe, the data, the checkpoint, the parallel layout and faults.
+
+Recipe cases run `titan config show` (no torch, fast); the others `titan train` of a tiny run, and fail
+before training (the layout ones with WORLD_SIZE set as torchrun sets it: the layout is checked before the
+process group is joined)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from helpers import SMALL, assert_one_line_error, trainer_for
+from titan.checkpoint import sha256_files
+
+SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
+
+
+def recipe_file(text: str | bytes):
+    """Setup: a recipe file with this content, used as --config."""
+
+    def write(tmp: Path, _saved: Path) -> dict:
+        path = tmp / "recipe.toml"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return {"--config": str(path)}
+
+    return write
+
+
+def data_file(name: str, content: bytes):
+    def write(tmp: Path, _saved: Path) -> dict:
+        path = tmp / name
+        path.write_bytes(content)
+        return {"data.source": str(path)}
+
+    return write
+
+
+def damaged_checkpoint(damage):
+    """Setup: a copy of the saved step-2 checkpoint, damaged, resumed explicitly."""
+
+    def write(tmp: Path, saved: Path) -> dict:
+        copy = tmp / "step-2"
+        shutil.copytree(saved, copy)
+        damage(copy)
+        return {**SAVED, "checkpoint.resume": str(copy)}
+
+    return write
+
+
+def flip_byte(folder: Path):
+    data = bytearray((folder / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (folder / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def truncate(folder: Path):
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+def craft_metadata(folder: Path):
+    (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"].update(sha256_files(folder, [".metadata"]))  # checksums that pass
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def resume_saved(**extra):
+    def use(tmp: Path, saved: Path) -> dict:
+        return {**SAVED, "checkpoint.resume": str(saved), **extra}
+
+    return use
+
+
+def output_is_a_file(tmp: Path, _saved: Path) -> dict:
+    (tmp / "afile").write_text("")
+    return {"job.output_dir": str(tmp / "afile")}
+
+
+def metrics_on_a_full_disk(tmp: Path, _saved: Path) -> dict:
+    (tmp / "debug").mkdir()
+    (tmp / "debug" / "metrics.jsonl").symlink_to("/dev/full")
+    return SAVED
+
+
+# (id, command, overrides: dict for `train` (on top of a tiny run) or list for `show`, setup, env, words)
+CASES = [
+    # -- the recipe: keys, types, ranges
+    ("key typo", "show", ["--training.step", "3"], None, {}, ["training.step", "did you mean training.steps"]),
+    ("section typo", "show", ["--trainig.steps", "3"], None, {}, ["trainig", "did you mean training"]),
+    ("key without section", "show", ["--steps", "3"], None, {}, ["'steps'", "did you mean training.steps"]),
+    ("key in the wrong section", "show", ["--optimizer.seq_len", "3"], None, {}, ["did you mean training.seq_len"]),
+    ("a section given a value", "show", ["--training", "3"], None, {}, ["[training] must be a table"]),
+    ("int given a word", "show", ["--training.steps", "many"], None, {}, ["training.steps", "int", "many"]),
+    ("int given a bool", "show", ["--training.steps", "true"], None, {}, ["training.steps must be int", "True"]),
+    ("int given a list", "show", ["--training.steps", "[1, 2]"], None, {}, ["training.steps must be int"]),
+    ("float given a word", "show", ["--optimizer.lr", "fast"], None, {}, ["optimizer.lr", "float", "fast"]),
+    ("negative steps", "show", ["--training.steps", "-5"], None, {}, ["training.steps", "positive", "-5"]),
+    ("zero seq_len", "show", ["--training.seq_len", "0"], None, {}, ["training.seq_len", "positive"]),
+    ("zero local batch", "show", ["--training.local_batch_size", "0"], None, {}, ["training.local_batch_size"]),
+    ("negative clip", "show", ["--training.max_grad_norm", "-1"], None, {}, ["training.max_grad_norm", ">= 0"]),
+    ("unknown choice", "show", ["--lr_scheduler.decay", "exponential"], None, {}, ["lr_scheduler.decay", "cosine"]),
+    ("fp16", "show", ["--training.mixed_precision", "fp16"], None, {}, ["training.mixed_precision", "'bf16'"]),
+    ("device", "show", ["--training.device", "tpu"], None, {}, ["training.device", "'cuda'", "tpu"]),
+    ("on_nonfinite", "show", ["--training.on_nonfinite", "ignore"], None, {}, ["training.on_nonfinite", "'skip'"]),
+    ("max_skipped_steps", "show", ["--training.max_skipped_steps", "0"], None, {}, ["training.max_skipped_steps"]),
+    ("beta2", "show", ["--optimizer.beta2", "1.5"], None, {}, ["beta2", "1.5"]),
+    ("eps", "show", ["--optimizer.eps", "0"], None, {}, ["optimizer.eps must be > 0"]),
+    ("min_lr_ratio", "show", ["--lr_scheduler.min_lr_ratio", "2"], None, {}, ["lr_scheduler.min_lr_ratio", "[0, 1]"]),
+    (
+        "warmup longer than the run",
+        "show",
+        ["--training.steps", "10", "--lr_scheduler.warmup_steps", "50"],
+        None,
+        {},
+        ["lr_scheduler.warmup_steps (50)", "training.steps 10"],
+    ),
+    ("log_freq", "show", ["--metrics.log_freq", "0"], None, {}, ["metrics.log_freq"]),
+    ("peak_flops", "show", ["--metrics.peak_flops", "-1"], None, {}, ["metrics.peak_flops"]),
+    ("job name", "show", ["--job.name", "a/b"], None, {}, ["job.name", "'a/b'"]),
+    ("tokenizer path", "show", ["--tokenizer.path", ""], None, {}, ["tokenizer.path"]),
+    ("validation fraction", "show", ["--validation.fraction", "1.0"], None, {}, ["validation.fraction", "[0, 1)"]),
+    ("validation steps", "show", ["--validation.steps", "0"], None, {}, ["validation.steps must be positive"]),
+    ("prepare workers", "show", ["--data.prepare_workers", "-1"], None, {}, ["data.prepare_workers"]),
+    ("checkpoint interval", "show", ["--checkpoint.interval", "0"], None, {}, ["checkpoint.interval"]),
+    ("keep_latest_k", "show", ["--checkpoint.keep_latest_k", "-1"], None, {}, ["checkpoint.keep_latest_k"]),
+    ("load_only", "show", ["--checkpoint.load_only", "weights"], None, {}, ["checkpoint.load_only", "weights"]),
+    (
+        "allow_changes of an unchecked key",
+        "show",
+        ["--checkpoint.allow_changes", "metrics.log_freq"],
+        None,
+        {},
+        ["checkpoint.allow_changes", "metrics.log_freq", "optimizer.lr"],
+    ),
+    ("straggler threshold", "show", ["--straggler.threshold", "0.9"], None, {}, ["straggler.threshold must be >= 1"]),
+    ("straggler window", "show", ["--straggler.window", "0"], None, {}, ["straggler.interval and straggler.window"]),
+    (
+        "float8 all-gather rowwise",
+        "show",
+        ["--float8.enable_fsdp_float8_all_gather", "true", "--float8.recipe", "rowwise"],
+        None,
+        {},
+        ["float8.enable_fsdp_float8_all_gather", "tensorwise", "rowwise"],
+    ),
+    (
+        "float8 precompute alone",
+        "show",
+        ["--float8.precompute_dynamic_scale", "true"],
+        None,
+        {},
+        ["float8.precompute_dynamic_scale", "enable_fsdp_float8_all_gather"],
+    ),
+    ("recipe missing", "show", ["--config", "recipes/nope.toml"], None, {}, ["recipe file not found", "nope.toml"]),
+    ("recipe not TOML", "show", [], recipe_file("[training\nsteps = 3\n"), {}, ["recipe.toml", "not valid TOML"]),
+    ("recipe not UTF-8", "show", [], recipe_file(b"\xff\xfe[training]\n"), {}, ["recipe.toml", "not UTF-8"]),
+    (
+        "recipe wrong type",
+        "show",
+        [],
+        recipe_file('[training]\nsteps = "ten"\n'),
+        {},
+        ["training.steps must be int", "'ten'"],
+    ),
+    ("recipe unknown section", "show", [], recipe_file("[trainer]\nsteps = 3\n"), {}, ["unknown section 'trainer'"]),
+    (
+        "mixture weight",
+        "show",
+        [],
+        recipe_file('[[data.sources]]\nsource = "a.jsonl"\nweight = 0\n'),
+        {},
+        ["data.sources[0].weight must be > 0"],
+    ),
+    # -- the global batch and the layout's degrees
+    (
+        "global batch below data-parallel size",
+        "show",
+        ["--training.global_batch_size", "3"],
+        None,
+        {"WORLD_SIZE": "4"},
+        ["global_batch_size (3)", "4 data-parallel", "at least 1"],
+    ),
+    (
+        "uneven weights too uneven",
+        "show",
+        ["--training.global_batch_size", "10", "--training.local_batch_size", "3", "--parallel.dp_weights", "[1, 9]"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["weighted [1.0, 9.0]", "3 micro-batches", "only 1 rows"],
+    ),
+    ("dp_weights count", "show", ["--parallel.dp_weights", "[1, 2, 3]"], None, {"WORLD_SIZE": "2"},
+     ["parallel.dp_weights has 3 entries", "2 data-parallel"]),  # fmt: skip
+    ("dp_weights zero", "show", ["--parallel.dp_weights", "[1, 0]"], None, {"WORLD_SIZE": "2"},
+     ["parallel.dp_weights must all be > 0"]),  # fmt: skip
+    ("straggler with dp and pp", "show",
+     ["--straggler.enable", "true", "--parallel.pp", "2", "--parallel.dp_shard", "2"], None, {"WORLD_SIZE": "4"},
+     ["straggler.enable", "not supported yet"]),  # fmt: skip
+    ("degrees vs world", "show", ["--parallel.tp", "2"], None, {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
+    ("degrees product", "train", {"parallel.tp": "2", "parallel.dp_shard": "3"}, None, {"WORLD_SIZE": "4"},
+     ["dp_shard=3", "tp=2", "world size 4"]),  # fmt: skip
+    ("zero pp", "show", ["--parallel.pp", "0"], None, {}, ["parallel.pp must be >= 1"]),
+    ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),
+    ("tp vs heads", "train", {"parallel.tp": "3", "model.overrides.n_heads": "4"}, None, {"WORLD_SIZE": "3"},
+     ["parallel.tp = 3", "n_heads (4)"]),  # fmt: skip
+    ("tp vs kv heads", "train", {"parallel.tp": "2", "model.overrides.n_kv_heads": "1"}, None, {"WORLD_SIZE": "2"},
+     ["parallel.tp = 2", "n_kv_heads (1)"]),  # fmt: skip
+    ("pp vs layers", "train", {"parallel.pp": "8"}, None, {"WORLD_SIZE": "8"}, ["8 pipeline stages", "2 layers"]),
+    ("pp too few micro-batches", "train", {"parallel.pp": "2", "parallel.pp_microbatches": "1"}, None,
+     {"WORLD_SIZE": "2"}, ["pp_microbatches (1)", "at least parallel.pp (2)"]),  # fmt: skip
+    ("pp micro-batch split", "train", {"parallel.pp": "2", "parallel.pp_microbatches": "3"}, None,
+     {"WORLD_SIZE": "2"}, ["local_batch_size (4)", "pp_microbatches (3)"]),  # fmt: skip
+    ("pp schedule name", "train", {"parallel.pp": "2", "parallel.pp_schedule": "Zigzag"}, None, {"WORLD_SIZE": "2"},
+     ["parallel.pp_schedule", "Zigzag", "1F1B"]),  # fmt: skip
+    ("pp schedule name without pp", "train", {"parallel.pp_schedule": "Zigzag"}, None, {},
+     ["parallel.pp_schedule", "Zigzag"]),  # fmt: skip
+    ("pp layer list", "train", {"parallel.pp": "2", "parallel.pp_layers_per_stage": "[1, 2]"}, None,
+     {"WORLD_SIZE": "2"}, ["pp_layers_per_stage [1, 2]", "2 layers"]),  # fmt: skip
+    ("zero-bubble reshard", "train",
+     {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.pp_schedule": "ZBVZeroBubble",
+      "parallel.fsdp_reshard_after_forward": "always", "model.overrides.n_layers": "4"}, None, {"WORLD_SIZE": "4"},
+     ["fsdp_reshard_after_forward", "ZBVZeroBubble"]),  # fmt: skip
+    ("compile tp sp on CPU", "train", {"parallel.tp": "2", "compile.enable": "true"}, None, {"WORLD_SIZE": "2"},
+     ["compile.enable", "sequence_parallel"]),  # fmt: skip
+    ("V schedule with validation", "train",
+     {"parallel.pp": "2", "parallel.pp_schedule": "DualPipeV", "validation.interval": "10",
+      "model.overrides.n_layers": "4"}, None,
+     {"WORLD_SIZE": "2"}, ["validation", "DualPipeV", "validation.interval = 0"]),  # fmt: skip
+    ("pp stage speeds", "train", {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 2, 3]"}, None,
+     {"WORLD_SIZE": "2"}, ["pp_stage_speeds", "2 positive"]),  # fmt: skip
+    ("pp stage memory", "train",
+     {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 1]", "parallel.pp_stage_memory_gib": "[0.0000001, 1]"},
+     None, {"WORLD_SIZE": "2"}, ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"]),  # fmt: skip
+    ("cuda without a GPU", "train", {"training.device": "cuda"}, None, {}, ["training.device = 'cuda'", "no CUDA"]),
+    # -- the model
+    ("flavor", "train", {"model.flavor": "7B"}, None, {}, ["model.flavor", "7B", "debug"]),
+    ("model name", "train", {"model.name": "gpt5"}, None, {}, ["model.name", "gpt5", "llama3"]),
+    ("override typo", "train", {"model.overrides.n_layer": "2"}, None, {}, ["model.overrides.n_layer", "n_layers"]),
+    ("override type", "train", {"model.overrides.dim": "1.5"}, None, {}, ["model.overrides.dim must be int"]),
+    ("heads not dividing dim", "train", {"model.overrides.n_heads": "5"}, None, {},
+     ["model.overrides", "dim (64) must divide by n_heads (5)"]),  # fmt: skip
+    ("dropout 1", "train", {"model.overrides.resid_dropout": "1.0"}, None, {},
+     ["model.overrides", "resid_dropout must be in [0, 1)"]),  # fmt: skip
+    ("zero layers", "train", {"model.overrides.n_layers": "0"}, None, {}, ["model.overrides", "n_layers must be >= 1"]),
+    ("seq_len above the model's", "train", {"training.seq_len": "4096"}, None, {},
+     ["training.seq_len 4096", "max_seq_len 2048", "model.overrides.max_seq_len"]),  # fmt: skip
+    ("tokenizer larger than the model's vocabulary", "train", {"model.overrides.vocab_size": "100"}, None, {},
+     ["tokenizer has", "vocab_size is 100"]),  # fmt: skip
+    # -- data and tokenizer
+    ("tokenizer missing", "train", {"tokenizer.path": "missing/tokenizer.json"}, None, {},
+     ["tokenizer.path", "missing/tokenizer.json"]),  # fmt: skip
+    ("data missing", "train", {"data.source": "missing/corpus.jsonl"}, None, {},
+     ["data.source", "missing/corpus.jsonl"]),  # fmt: skip
+    ("text field", "train", {"data.text_field": "body"}, None, {}, ["data.text_field", "'body'", "text"]),
+    ("binary jsonl", "train", {}, data_file("bin.jsonl", bytes(range(256)) * 8), {},
+     ["bin.jsonl", "not a text file", "line 1"]),  # fmt: skip
+    ("malformed jsonl", "train", {}, data_file("bad.jsonl", b'{"text": "a b"}\n{"text": broken\n'), {},
+     ["bad.jsonl", "line 2 is not valid JSON"]),  # fmt: skip
+    ("binary text", "train", {}, data_file("bin.txt", bytes(range(256)) * 8), {}, ["bin.txt", "not a text file"]),
+    ("all texts empty", "train", {}, data_file("empty.jsonl", b'{"text": ""}\n{"text": "  "}\n'), {},
+     ["empty.jsonl", "empty or whitespace"]),  # fmt: skip
+    ("empty file", "train", {}, data_file("nothing.jsonl", b""), {}, ["nothing.jsonl"]),
+    # -- checkpoints
+    ("resume path missing", "train", {"checkpoint.resume": "nowhere/step-3"}, None, {},
+     ["checkpoint.resume", "nowhere/step-3", "does not exist"]),  # fmt: skip
+    ("load_step missing", "train", {**SAVED, "checkpoint.load_step": "7"}, None, {},
+     ["checkpoint.load_step 7", "no complete checkpoint"]),  # fmt: skip
+    ("another model", "train", {"model.overrides.n_layers": "3"}, resume_saved(), {},
+     ["does not match", "parameters differ"]),  # fmt: skip
+    ("changed lr", "train", {}, resume_saved(**{"optimizer.lr": "1e-4"}), {},
+     ["optimizer.lr 0.003 -> 0.0001", "--checkpoint.allow_changes optimizer.lr"]),  # fmt: skip
+    ("changed seq_len", "train", {}, resume_saved(**{"training.seq_len": "16"}), {},
+     ["training.seq_len 32 -> 16"]),  # fmt: skip
+    ("flipped byte", "train", {}, damaged_checkpoint(flip_byte), {}, ["__0_0.distcp does not match its SHA-256"]),
+    ("truncated shard", "train", {}, damaged_checkpoint(truncate), {}, ["__0_0.distcp has 1000 bytes"]),
+    ("missing loader state", "train", {}, damaged_checkpoint(lambda f: (f / "data.json").unlink()), {},
+     ["data.json is missing"]),  # fmt: skip
+    ("missing manifest", "train", {}, damaged_checkpoint(lambda f: (f / "manifest.json").unlink()), {},
+     ["manifest.json is missing or unreadable"]),  # fmt: skip
+    ("metadata that runs code", "train", {}, damaged_checkpoint(craft_metadata), {}, ["not trusted", "posix.system"]),
+    # -- faults
+    ("output folder is a file", "train", {}, output_is_a_file, {},
+     ["job.output_dir", "a file stands where a folder is needed"]),  # fmt: skip
+    ("full disk", "train", {}, metrics_on_a_full_disk, {}, ["metrics.jsonl", "no space left on device"]),
+    ("NaN loss", "train", {"optimizer.lr": "1e4", "training.steps": "10"}, None, {},
+     ["step", "nan", "lower learning rate"]),  # fmt: skip
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("saved")
+    trainer_for(root, **SAVED).train()
+    return root / "debug" / "checkpoints" / "step-2"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_line_and_exit_2(tmp_path, saved, case):
+    _, command, overrides, setup, env, words = case
+    extra = setup(tmp_path, saved) if setup else {}
+    config = extra.pop("--config", str(DEBUG_RECIPE))
+    if command == "show":
+        result = run_titan("config", "show", "--config", config, *overrides, env=env)
+    else:
+        args = tiny_overrides(tmp_path, **{**SMALL, **overrides, **extra})
+        result = run_titan("train", "--config", config, *args, env=env)
+    assert_one_line_error(result, *words)
+
+
+def test_the_table_covers_every_area():
+    assert len(CASES) >= 60

@@ -1,0 +1,347 @@
+"""What protects a run's checkpoints and says what went wrong: non-finite losses, recipe changes on resume,
+rewinds, a second run on the same folder, damaged files, write errors."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from helpers import SMALL, assert_one_line_error, full_weights, trainer_for
+from titan.checkpoint import Checkpointer, complete_checkpoints, verify
+from titan.trainer import NonFinite
+
+
+def train(tmp_path, **extra):
+    return run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **extra}))
+
+
+def checkpoints(tmp_path) -> dict:
+    return complete_checkpoints(tmp_path / "debug" / "checkpoints")
+
+
+def saved_loss(path) -> float | None:
+    return json.loads((path / "train_state.json").read_text())["loss"]
+
+
+def metrics(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- NaN and inf
+
+HUGE_LR = {"optimizer.lr": "1e4", "checkpoint.interval": "1", "checkpoint.keep_latest_k": "2"}
+
+
+def test_a_nan_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_path):
+    failed = train(tmp_path, **HUGE_LR)
+    good = max(checkpoints(tmp_path))
+    last_good = checkpoints(tmp_path)[good]
+    assert_one_line_error(failed, f"step {good + 1}", "nan", str(last_good), "--checkpoint.allow_changes optimizer.lr")
+    # Nothing was saved from the NaN step on, nothing good was pruned, and what is kept holds finite losses.
+    assert sorted(checkpoints(tmp_path)) == [good - 1, good]
+    assert all(saved_loss(p) is not None for p in checkpoints(tmp_path).values())
+    lower = {**HUGE_LR, "optimizer.lr": "1e-3"}
+    refused = train(tmp_path, **lower)
+    assert_one_line_error(refused, "optimizer.lr 10000.0 -> 0.001", "--checkpoint.allow_changes optimizer.lr")
+    # (That lr left weights too large to recover, so this resumed run soon stops again: a rerun only shows
+    # where it resumes from; the next test trains on to the end.)
+    resumed = train(tmp_path, **lower, **{"checkpoint.allow_changes": "optimizer.lr"})
+    assert f"resumed from {last_good}" in resumed.stderr
+
+
+def test_after_a_nan_stop_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    schedule = {"checkpoint.interval": "2", "checkpoint.keep_latest_k": "2"}
+    straight = trainer_for(tmp_path / "straight", **schedule).train()
+    poisoned = trainer_for(tmp_path / "run", **schedule)
+    real = poisoned.forward_backward
+
+    def nan_at_step_6(batches):  # as an overflow in step 6 would
+        loss = real(batches)
+        return loss * float("nan") if poisoned.step == 5 else loss
+
+    poisoned.forward_backward = nan_at_step_6
+    with pytest.raises(NonFinite, match=r"step 6: loss nan.*last good checkpoint is .*step-4"):
+        poisoned.train()
+    assert sorted(checkpoints(tmp_path / "run")) == [2, 4]
+    resumed = trainer_for(tmp_path / "run", **schedule)
+    assert resumed.step == 4
+    assert resumed.train() == straight[4:]  # bitwise
+
+
+def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_finite_checkpoint(tmp_path):
+    trainer = trainer_for(tmp_path, **{"training.on_nonfinite": "skip", "training.max_skipped_steps": "3"})
+    for _ in range(2):
+        trainer.train_step(next(trainer.loader))
+    before = full_weights(trainer)
+    moments = {n: trainer.optimizer.state[p]["exp_avg"].clone() for n, p in trainer.model_parts.named_parameters()}
+    real = trainer.forward_backward
+
+    def poisoned(batches):  # one gradient turns NaN, as an overflow would make it
+        loss = real(batches)
+        next(trainer.model_parts.parameters()).grad[0] = float("nan")
+        return loss
+
+    trainer.forward_backward = poisoned
+    loss, norm = trainer.train_step(next(trainer.loader))
+    trainer._check_finite(loss, norm)  # counted, not raised
+    assert trainer.step == 3 and trainer.skipped_in_a_row == 1 and not torch.isfinite(norm)
+    for name, value in full_weights(trainer).items():
+        assert torch.equal(value, before[name]), name
+    for name, p in trainer.model_parts.named_parameters():
+        assert torch.equal(trainer.optimizer.state[p]["exp_avg"], moments[name]), name
+    trainer.forward_backward = real
+    loss, norm = trainer.train_step(next(trainer.loader))
+    trainer._check_finite(loss, norm)
+    assert trainer.skipped_in_a_row == 0 and torch.isfinite(norm)
+
+
+def test_skip_mode_stops_after_max_skipped_steps_and_pruning_spares_the_last_finite_checkpoint(tmp_path):
+    failed = train(tmp_path, **HUGE_LR, **{"training.on_nonfinite": "skip", "training.max_skipped_steps": "3"})
+    assert_one_line_error(failed, "3 steps in a row skipped", "training.max_skipped_steps")
+    found = checkpoints(tmp_path)
+    finite = [s for s, p in found.items() if saved_loss(p) is not None]
+    skipped = [s for s, p in found.items() if saved_loss(p) is None]
+    # keep_latest_k = 2 keeps the two skipped steps' checkpoints, and the newest finite one besides.
+    assert len(skipped) == 2 and finite == [min(skipped) - 1], found
+
+
+# -- resuming with another recipe
+
+
+def test_a_changed_lr_is_refused_without_allow_changes_and_applies_with_it(tmp_path):
+    common = {"training.steps": "6", "checkpoint.interval": "3", "lr_scheduler.decay": "constant",
+              "lr_scheduler.warmup_steps": "1"}
+    first = train(tmp_path, **{**common, "training.steps": "3"})
+    assert first.returncode == 0, first.stderr
+    refused = train(tmp_path, **common, **{"optimizer.lr": "1e-4"})
+    # (A constant schedule does not depend on training.steps: the longer run needs no permission.)
+    assert_one_line_error(refused, "optimizer.lr 0.003 -> 0.0001", "--checkpoint.allow_changes optimizer.lr")
+    resumed = train(tmp_path, **common, **{"optimizer.lr": "1e-4", "checkpoint.allow_changes": "optimizer.lr"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming with a changed recipe (checkpoint.allow_changes): optimizer.lr 0.003 -> 0.0001" in resumed.stderr
+    lrs = {m["step"]: m["lr"] for m in metrics(tmp_path) if "lr" in m}
+    assert lrs[3] == 3e-3 and lrs[4] == lrs[6] == 1e-4  # constant after a one-step warmup
+
+
+def test_a_changed_batch_size_keeps_counting_tokens_from_the_checkpoint(tmp_path):
+    first = train(tmp_path, **{"training.steps": "2", "lr_scheduler.warmup_steps": "1"})
+    assert first.returncode == 0, first.stderr
+    change = {"training.steps": "4", "lr_scheduler.warmup_steps": "1", "training.local_batch_size": "2"}
+    refused = train(tmp_path, **change)
+    assert_one_line_error(refused, "training.global_batch 4 -> 2")
+    resumed = train(tmp_path, **change, **{"checkpoint.allow_changes": "training.global_batch,training.steps"})
+    assert resumed.returncode == 0, resumed.stderr
+    tokens = {m["step"]: m["tokens_seen"] for m in metrics(tmp_path) if "tokens_seen" in m}
+    assert tokens[2] == 2 * 4 * 32 and tokens[4] == tokens[2] + 2 * 2 * 32
+
+
+def test_a_finished_run_says_so_and_exits_0(tmp_path):
+    done = train(tmp_path, **{"training.steps": "2", "lr_scheduler.warmup_steps": "1"})
+    again = train(tmp_path, **{"training.steps": "2", "lr_scheduler.warmup_steps": "1"})
+    assert done.returncode == again.returncode == 0, again.stderr
+    assert "already at step 2 of training.steps 2: nothing to train" in again.stderr
+    assert sorted(checkpoints(tmp_path)) == [2]
+
+
+# -- rewinding and replacing
+
+
+def test_a_rewound_run_replaces_its_later_checkpoints(tmp_path):
+    first = train(tmp_path, **{"training.steps": "6", "checkpoint.interval": "2", "checkpoint.keep_latest_k": "0"})
+    assert first.returncode == 0, first.stderr
+    old = {s: (p / "__0_0.distcp").stat().st_mtime_ns for s, p in checkpoints(tmp_path).items()}
+    # Rewind to step 2 with another lr: steps 4 and 6 are trained again, differently.
+    rewound = train(
+        tmp_path,
+        **{"training.steps": "6", "checkpoint.interval": "2", "checkpoint.keep_latest_k": "0"},
+        **{"checkpoint.load_step": "2", "optimizer.lr": "1e-3", "checkpoint.allow_changes": "optimizer.lr"},
+    )
+    assert rewound.returncode == 0, rewound.stderr
+    found = checkpoints(tmp_path)
+    assert sorted(found) == [2, 4, 6]
+    for step in (4, 6):
+        assert (found[step] / "__0_0.distcp").stat().st_mtime_ns > old[step]
+        assert verify(found[step]) is None
+    (aside,) = (tmp_path / "debug" / "checkpoints" / "rewound").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step-4", "step-6"]
+    assert "rewound to step 2" in rewound.stderr
+
+
+def _checkpointer(folder, model):
+    from titan.config import Checkpoint
+    from titan.parallel.parallelize import ModelParts
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    class Loader:
+        def state_dict(self):
+            return {"next_sample": 0}
+
+        def load_state_dict(self, state):
+            pass
+
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    return Checkpointer(Checkpoint(), folder, model_parts=ModelParts([model], [0], 1), optimizer=optimizer,
+                        lr_scheduler=scheduler, loader=Loader(), model={"name": "toy", "flavor": "-", "shapes": shapes},
+                        recipe="", rank=0, save_group=None, control_group=None)  # fmt: skip
+
+
+def test_an_existing_step_is_replaced_and_a_replacement_cut_short_is_undone(tmp_path):
+    folder = tmp_path / "checkpoints"
+    model = torch.nn.Linear(3, 2)
+    _checkpointer(folder, model).save(3, tokens_seen=0, loss=1.0)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    _checkpointer(folder, model).save(3, tokens_seen=0, loss=1.0)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3"]
+    fresh = torch.nn.Linear(3, 2)
+    _checkpointer(folder, fresh).resume()
+    assert torch.equal(fresh.weight, model.weight)
+    # A crash between moving the old step-3 aside and renaming the new one into place: the old one comes back.
+    (folder / "step-3").rename(folder / ".replaced-step-3")
+    (folder / ".tmp-step-3").mkdir()
+    _checkpointer(folder, fresh)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3"] and verify(folder / "step-3") is None
+
+
+def test_incomplete_step_folders_are_removed_at_start_up(tmp_path):
+    folder = tmp_path / "checkpoints"
+    (folder / "step-8").mkdir(parents=True)  # no COMPLETE marker
+    (folder / "step-8" / "__0_0.distcp").write_bytes(b"partial")
+    _checkpointer(folder, torch.nn.Linear(3, 2))
+    assert not (folder / "step-8").exists()
+
+
+# -- one run per folder
+
+
+def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
+    first = subprocess.Popen(
+        [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in first.stderr:
+            if re.search(r"step +1/3000", line):
+                break
+        second = train(tmp_path, **{"training.steps": "3000"})
+        assert_one_line_error(second, str(tmp_path / "debug"), "in use by another titan run", f"PID {first.pid}")
+    finally:
+        first.kill()  # SIGKILL: no clean-up, the lock file stays behind
+        first.wait()
+    assert (tmp_path / "debug" / ".lock").exists()
+    third = train(tmp_path, **{"training.steps": "2", "lr_scheduler.warmup_steps": "1",
+                               "checkpoint.allow_changes": "training.steps"})  # fmt: skip
+    assert third.returncode == 0, third.stderr
+
+
+# -- damaged checkpoints
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    trainer_for(root, **{"training.steps": "4", "checkpoint.interval": "2", "lr_scheduler.warmup_steps": "1"}).train()
+    return root
+
+
+def copy_run(source, tmp_path):
+    shutil.copytree(source / "debug" / "checkpoints", tmp_path / "debug" / "checkpoints")
+    return checkpoints(tmp_path)
+
+
+RESUME_4 = {"training.steps": "4", "checkpoint.interval": "2", "lr_scheduler.warmup_steps": "1"}
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing data.json"])
+def test_a_damaged_checkpoint_is_skipped_and_auto_resume_falls_back(tmp_path, two_checkpoints, damage):
+    found = copy_run(two_checkpoints, tmp_path)
+    if damage == "flipped byte":
+        shard = found[4] / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        problem = "__0_0.distcp does not match its SHA-256"
+    else:
+        (found[4] / "data.json").unlink()
+        problem = "data.json is missing"
+    resumed = train(tmp_path, **RESUME_4)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping damaged checkpoint {found[4]}: {problem}" in resumed.stderr
+    assert f"resumed from {found[2]}" in resumed.stderr
+    assert verify(checkpoints(tmp_path)[4]) is None  # step 4 trained again and saved whole
+    explicit = train(tmp_path / "other", **RESUME_4, **{"checkpoint.resume": str(found[2].parent / "step-4")})
+    assert explicit.returncode == 0, explicit.stderr  # the re-saved step 4 is good
+
+
+def test_resuming_explicitly_from_a_damaged_checkpoint_is_a_clear_error(tmp_path, two_checkpoints):
+    found = copy_run(two_checkpoints, tmp_path)
+    with open(found[4] / "__0_0.distcp", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    result = train(tmp_path / "other", **RESUME_4, **{"checkpoint.resume": str(found[4])})
+    assert_one_line_error(result, str(found[4]), "__0_0.distcp does not match its SHA-256", "another checkpoint")
+
+
+# -- write errors
+
+
+def test_a_full_disk_is_named_in_one_line(tmp_path):
+    run = tmp_path / "debug"
+    run.mkdir()
+    os.symlink("/dev/full", run / "metrics.jsonl")  # every write to it fails with ENOSPC
+    result = train(tmp_path, **{"training.steps": "2", "lr_scheduler.warmup_steps": "1"})
+    assert_one_line_error(result, "metrics.jsonl", "no space left on device")
+
+
+def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_last_one(tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from titan.checkpoint import SaveError
+
+    folder = tmp_path / "checkpoints"
+    model = torch.nn.Linear(3, 2)
+    _checkpointer(folder, model).save(1, tokens_seen=0, loss=1.0)
+    real = dcp.save
+
+    def full_disk(state, checkpoint_id, **kwargs):
+        real(state, checkpoint_id=checkpoint_id, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(checkpoint_id) + "/__0_0.distcp")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(SaveError, match=r"checkpoint step 2: cannot write .*__0_0.distcp: no space left on device.*"
+                                        r"step-1, is intact"):  # fmt: skip
+        _checkpointer(folder, model).save(2, tokens_seen=0, loss=1.0)
+    assert sorted(complete_checkpoints(folder)) == [1]
+
+
+@pytest.mark.parametrize("where", ["a file", "read-only"])
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, where):
+    if where == "a file":
+        target = tmp_path / "afile"
+        target.write_text("")
+        words = ["job.output_dir", "a file stands where a folder is needed"]
+    elif os.geteuid() == 0:  # root writes through file modes: use a read-only mount instead
+        target = "/sys/titan-test"
+        words = ["job.output_dir", "cannot write", "/sys/titan-test"]
+    else:
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o500)
+        words = ["job.output_dir", "permission denied"]
+    result = train(tmp_path, **{"job.output_dir": str(target)})
+    assert_one_line_error(result, *words)
