@@ -201,101 +201,310 @@ CASES = [
         {"WORLD_SIZE": "2"},
         ["weighted [1.0, 9.0]", "3 micro-batches", "only 1 rows"],
     ),
-    ("dp_weights count", "show", ["--parallel.dp_weights", "[1, 2, 3]"], None, {"WORLD_SIZE": "2"},
-     ["parallel.dp_weights has 3 entries", "2 data-parallel"]),  # fmt: skip
-    ("dp_weights zero", "show", ["--parallel.dp_weights", "[1, 0]"], None, {"WORLD_SIZE": "2"},
-     ["parallel.dp_weights must all be > 0"]),  # fmt: skip
-    ("straggler with dp and pp", "show",
-     ["--straggler.enable", "true", "--parallel.pp", "2", "--parallel.dp_shard", "2"], None, {"WORLD_SIZE": "4"},
-     ["straggler.enable", "not supported yet"]),  # fmt: skip
+    (
+        "dp_weights count",
+        "show",
+        ["--parallel.dp_weights", "[1, 2, 3]"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.dp_weights has 3 entries", "2 data-parallel"],
+    ),  # fmt: skip
+    (
+        "dp_weights zero",
+        "show",
+        ["--parallel.dp_weights", "[1, 0]"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.dp_weights must all be > 0"],
+    ),  # fmt: skip
+    (
+        "straggler with dp and pp",
+        "show",
+        ["--straggler.enable", "true", "--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        None,
+        {"WORLD_SIZE": "4"},
+        ["straggler.enable", "not supported yet"],
+    ),  # fmt: skip
     ("degrees vs world", "show", ["--parallel.tp", "2"], None, {"WORLD_SIZE": "3"}, ["tp=2", "world size 3"]),
-    ("degrees product", "train", {"parallel.tp": "2", "parallel.dp_shard": "3"}, None, {"WORLD_SIZE": "4"},
-     ["dp_shard=3", "tp=2", "world size 4"]),  # fmt: skip
+    (
+        "degrees product",
+        "train",
+        {"parallel.tp": "2", "parallel.dp_shard": "3"},
+        None,
+        {"WORLD_SIZE": "4"},
+        ["dp_shard=3", "tp=2", "world size 4"],
+    ),  # fmt: skip
     ("zero pp", "show", ["--parallel.pp", "0"], None, {}, ["parallel.pp must be >= 1"]),
     ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),
-    ("tp vs heads", "train", {"parallel.tp": "3", "model.overrides.n_heads": "4"}, None, {"WORLD_SIZE": "3"},
-     ["parallel.tp = 3", "n_heads (4)"]),  # fmt: skip
-    ("tp vs kv heads", "train", {"parallel.tp": "2", "model.overrides.n_kv_heads": "1"}, None, {"WORLD_SIZE": "2"},
-     ["parallel.tp = 2", "n_kv_heads (1)"]),  # fmt: skip
+    (
+        "tp vs heads",
+        "train",
+        {"parallel.tp": "3", "model.overrides.n_heads": "4"},
+        None,
+        {"WORLD_SIZE": "3"},
+        ["parallel.tp = 3", "n_heads (4)"],
+    ),  # fmt: skip
+    (
+        "tp vs kv heads",
+        "train",
+        {"parallel.tp": "2", "model.overrides.n_kv_heads": "1"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.tp = 2", "n_kv_heads (1)"],
+    ),  # fmt: skip
     ("pp vs layers", "train", {"parallel.pp": "8"}, None, {"WORLD_SIZE": "8"}, ["8 pipeline stages", "2 layers"]),
-    ("pp too few micro-batches", "train", {"parallel.pp": "2", "parallel.pp_microbatches": "1"}, None,
-     {"WORLD_SIZE": "2"}, ["pp_microbatches (1)", "at least parallel.pp (2)"]),  # fmt: skip
-    ("pp micro-batch split", "train", {"parallel.pp": "2", "parallel.pp_microbatches": "3"}, None,
-     {"WORLD_SIZE": "2"}, ["local_batch_size (4)", "pp_microbatches (3)"]),  # fmt: skip
-    ("pp schedule name", "train", {"parallel.pp": "2", "parallel.pp_schedule": "Zigzag"}, None, {"WORLD_SIZE": "2"},
-     ["parallel.pp_schedule", "Zigzag", "1F1B"]),  # fmt: skip
-    ("pp schedule name without pp", "train", {"parallel.pp_schedule": "Zigzag"}, None, {},
-     ["parallel.pp_schedule", "Zigzag"]),  # fmt: skip
-    ("pp layer list", "train", {"parallel.pp": "2", "parallel.pp_layers_per_stage": "[1, 2]"}, None,
-     {"WORLD_SIZE": "2"}, ["pp_layers_per_stage [1, 2]", "2 layers"]),  # fmt: skip
-    ("zero-bubble reshard", "train",
-     {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.pp_schedule": "ZBVZeroBubble",
-      "parallel.fsdp_reshard_after_forward": "always", "model.overrides.n_layers": "4"}, None, {"WORLD_SIZE": "4"},
-     ["fsdp_reshard_after_forward", "ZBVZeroBubble"]),  # fmt: skip
-    ("compile tp sp on CPU", "train", {"parallel.tp": "2", "compile.enable": "true"}, None, {"WORLD_SIZE": "2"},
-     ["compile.enable", "sequence_parallel"]),  # fmt: skip
-    ("V schedule with validation", "train",
-     {"parallel.pp": "2", "parallel.pp_schedule": "DualPipeV", "validation.interval": "10",
-      "model.overrides.n_layers": "4"}, None,
-     {"WORLD_SIZE": "2"}, ["validation", "DualPipeV", "validation.interval = 0"]),  # fmt: skip
-    ("pp stage speeds", "train", {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 2, 3]"}, None,
-     {"WORLD_SIZE": "2"}, ["pp_stage_speeds", "2 positive"]),  # fmt: skip
-    ("pp stage memory", "train",
-     {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 1]", "parallel.pp_stage_memory_gib": "[0.0000001, 1]"},
-     None, {"WORLD_SIZE": "2"}, ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"]),  # fmt: skip
+    (
+        "pp too few micro-batches",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_microbatches": "1"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_microbatches (1)", "at least parallel.pp (2)"],
+    ),  # fmt: skip
+    (
+        "pp micro-batch split",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_microbatches": "3"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["local_batch_size (4)", "pp_microbatches (3)"],
+    ),  # fmt: skip
+    (
+        "pp schedule name",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_schedule": "Zigzag"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.pp_schedule", "Zigzag", "1F1B"],
+    ),  # fmt: skip
+    (
+        "pp schedule name without pp",
+        "train",
+        {"parallel.pp_schedule": "Zigzag"},
+        None,
+        {},
+        ["parallel.pp_schedule", "Zigzag"],
+    ),  # fmt: skip
+    (
+        "pp layer list",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_layers_per_stage": "[1, 2]"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_layers_per_stage [1, 2]", "2 layers"],
+    ),  # fmt: skip
+    (
+        "zero-bubble reshard",
+        "train",
+        {
+            "parallel.pp": "2",
+            "parallel.dp_shard": "2",
+            "parallel.pp_schedule": "ZBVZeroBubble",
+            "parallel.fsdp_reshard_after_forward": "always",
+            "model.overrides.n_layers": "4",
+        },
+        None,
+        {"WORLD_SIZE": "4"},
+        ["fsdp_reshard_after_forward", "ZBVZeroBubble"],
+    ),  # fmt: skip
+    (
+        "compile tp sp on CPU",
+        "train",
+        {"parallel.tp": "2", "compile.enable": "true"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["compile.enable", "sequence_parallel"],
+    ),  # fmt: skip
+    (
+        "V schedule with validation",
+        "train",
+        {
+            "parallel.pp": "2",
+            "parallel.pp_schedule": "DualPipeV",
+            "validation.interval": "10",
+            "model.overrides.n_layers": "4",
+        },
+        None,
+        {"WORLD_SIZE": "2"},
+        ["validation", "DualPipeV", "validation.interval = 0"],
+    ),  # fmt: skip
+    (
+        "pp stage speeds",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 2, 3]"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_stage_speeds", "2 positive"],
+    ),  # fmt: skip
+    (
+        "pp stage memory",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_stage_speeds": "[1, 1]", "parallel.pp_stage_memory_gib": "[0.0000001, 1]"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"],
+    ),  # fmt: skip
     ("cuda without a GPU", "train", {"training.device": "cuda"}, None, {}, ["training.device = 'cuda'", "no CUDA"]),
     # -- the model
     ("flavor", "train", {"model.flavor": "7B"}, None, {}, ["model.flavor", "7B", "debug"]),
     ("model name", "train", {"model.name": "gpt5"}, None, {}, ["model.name", "gpt5", "llama3"]),
     ("override typo", "train", {"model.overrides.n_layer": "2"}, None, {}, ["model.overrides.n_layer", "n_layers"]),
     ("override type", "train", {"model.overrides.dim": "1.5"}, None, {}, ["model.overrides.dim must be int"]),
-    ("heads not dividing dim", "train", {"model.overrides.n_heads": "5"}, None, {},
-     ["model.overrides", "dim (64) must divide by n_heads (5)"]),  # fmt: skip
-    ("dropout 1", "train", {"model.overrides.resid_dropout": "1.0"}, None, {},
-     ["model.overrides", "resid_dropout must be in [0, 1)"]),  # fmt: skip
+    (
+        "heads not dividing dim",
+        "train",
+        {"model.overrides.n_heads": "5"},
+        None,
+        {},
+        ["model.overrides", "dim (64) must divide by n_heads (5)"],
+    ),  # fmt: skip
+    (
+        "dropout 1",
+        "train",
+        {"model.overrides.resid_dropout": "1.0"},
+        None,
+        {},
+        ["model.overrides", "resid_dropout must be in [0, 1)"],
+    ),  # fmt: skip
     ("zero layers", "train", {"model.overrides.n_layers": "0"}, None, {}, ["model.overrides", "n_layers must be >= 1"]),
-    ("seq_len above the model's", "train", {"training.seq_len": "4096"}, None, {},
-     ["training.seq_len 4096", "max_seq_len 2048", "model.overrides.max_seq_len"]),  # fmt: skip
-    ("tokenizer larger than the model's vocabulary", "train", {"model.overrides.vocab_size": "100"}, None, {},
-     ["tokenizer has", "vocab_size is 100"]),  # fmt: skip
+    (
+        "seq_len above the model's",
+        "train",
+        {"training.seq_len": "4096"},
+        None,
+        {},
+        ["training.seq_len 4096", "max_seq_len 2048", "model.overrides.max_seq_len"],
+    ),  # fmt: skip
+    (
+        "tokenizer larger than the model's vocabulary",
+        "train",
+        {"model.overrides.vocab_size": "100"},
+        None,
+        {},
+        ["tokenizer has", "vocab_size is 100"],
+    ),  # fmt: skip
     # -- data and tokenizer
-    ("tokenizer missing", "train", {"tokenizer.path": "missing/tokenizer.json"}, None, {},
-     ["tokenizer.path", "missing/tokenizer.json"]),  # fmt: skip
-    ("data missing", "train", {"data.source": "missing/corpus.jsonl"}, None, {},
-     ["data.source", "missing/corpus.jsonl"]),  # fmt: skip
+    (
+        "tokenizer missing",
+        "train",
+        {"tokenizer.path": "missing/tokenizer.json"},
+        None,
+        {},
+        ["tokenizer.path", "missing/tokenizer.json"],
+    ),  # fmt: skip
+    (
+        "data missing",
+        "train",
+        {"data.source": "missing/corpus.jsonl"},
+        None,
+        {},
+        ["data.source", "missing/corpus.jsonl"],
+    ),  # fmt: skip
     ("text field", "train", {"data.text_field": "body"}, None, {}, ["data.text_field", "'body'", "text"]),
-    ("binary jsonl", "train", {}, data_file("bin.jsonl", bytes(range(256)) * 8), {},
-     ["bin.jsonl", "not a text file", "line 1"]),  # fmt: skip
-    ("malformed jsonl", "train", {}, data_file("bad.jsonl", b'{"text": "a b"}\n{"text": broken\n'), {},
-     ["bad.jsonl", "line 2 is not valid JSON"]),  # fmt: skip
+    (
+        "binary jsonl",
+        "train",
+        {},
+        data_file("bin.jsonl", bytes(range(256)) * 8),
+        {},
+        ["bin.jsonl", "not a text file", "line 1"],
+    ),  # fmt: skip
+    (
+        "malformed jsonl",
+        "train",
+        {},
+        data_file("bad.jsonl", b'{"text": "a b"}\n{"text": broken\n'),
+        {},
+        ["bad.jsonl", "line 2 is not valid JSON"],
+    ),  # fmt: skip
     ("binary text", "train", {}, data_file("bin.txt", bytes(range(256)) * 8), {}, ["bin.txt", "not a text file"]),
-    ("all texts empty", "train", {}, data_file("empty.jsonl", b'{"text": ""}\n{"text": "  "}\n'), {},
-     ["empty.jsonl", "empty or whitespace"]),  # fmt: skip
+    (
+        "all texts empty",
+        "train",
+        {},
+        data_file("empty.jsonl", b'{"text": ""}\n{"text": "  "}\n'),
+        {},
+        ["empty.jsonl", "empty or whitespace"],
+    ),  # fmt: skip
     ("empty file", "train", {}, data_file("nothing.jsonl", b""), {}, ["nothing.jsonl"]),
     # -- checkpoints
-    ("resume path missing", "train", {"checkpoint.resume": "nowhere/step-3"}, None, {},
-     ["checkpoint.resume", "nowhere/step-3", "does not exist"]),  # fmt: skip
-    ("load_step missing", "train", {**SAVED, "checkpoint.load_step": "7"}, None, {},
-     ["checkpoint.load_step 7", "no complete checkpoint"]),  # fmt: skip
-    ("another model", "train", {"model.overrides.n_layers": "3"}, resume_saved(), {},
-     ["does not match", "parameters differ"]),  # fmt: skip
-    ("changed lr", "train", {}, resume_saved(**{"optimizer.lr": "1e-4"}), {},
-     ["optimizer.lr 0.003 -> 0.0001", "--checkpoint.allow_changes optimizer.lr"]),  # fmt: skip
-    ("changed seq_len", "train", {}, resume_saved(**{"training.seq_len": "16"}), {},
-     ["training.seq_len 32 -> 16"]),  # fmt: skip
+    (
+        "resume path missing",
+        "train",
+        {"checkpoint.resume": "nowhere/step-3"},
+        None,
+        {},
+        ["checkpoint.resume", "nowhere/step-3", "does not exist"],
+    ),  # fmt: skip
+    (
+        "load_step missing",
+        "train",
+        {**SAVED, "checkpoint.load_step": "7"},
+        None,
+        {},
+        ["checkpoint.load_step 7", "no complete checkpoint"],
+    ),  # fmt: skip
+    (
+        "another model",
+        "train",
+        {"model.overrides.n_layers": "3"},
+        resume_saved(),
+        {},
+        ["does not match", "parameters differ"],
+    ),  # fmt: skip
+    (
+        "changed lr",
+        "train",
+        {},
+        resume_saved(**{"optimizer.lr": "1e-4"}),
+        {},
+        ["optimizer.lr 0.003 -> 0.0001", "--checkpoint.allow_changes optimizer.lr"],
+    ),  # fmt: skip
+    (
+        "changed seq_len",
+        "train",
+        {},
+        resume_saved(**{"training.seq_len": "16"}),
+        {},
+        ["training.seq_len 32 -> 16"],
+    ),  # fmt: skip
     ("flipped byte", "train", {}, damaged_checkpoint(flip_byte), {}, ["__0_0.distcp does not match its SHA-256"]),
     ("truncated shard", "train", {}, damaged_checkpoint(truncate), {}, ["__0_0.distcp has 1000 bytes"]),
-    ("missing loader state", "train", {}, damaged_checkpoint(lambda f: (f / "data.json").unlink()), {},
-     ["data.json is missing"]),  # fmt: skip
-    ("missing manifest", "train", {}, damaged_checkpoint(lambda f: (f / "manifest.json").unlink()), {},
-     ["manifest.json is missing or unreadable"]),  # fmt: skip
+    (
+        "missing loader state",
+        "train",
+        {},
+        damaged_checkpoint(lambda f: (f / "data.json").unlink()),
+        {},
+        ["data.json is missing"],
+    ),  # fmt: skip
+    (
+        "missing manifest",
+        "train",
+        {},
+        damaged_checkpoint(lambda f: (f / "manifest.json").unlink()),
+        {},
+        ["manifest.json is missing or unreadable"],
+    ),  # fmt: skip
     ("metadata that runs code", "train", {}, damaged_checkpoint(craft_metadata), {}, ["not trusted", "posix.system"]),
     # -- faults
-    ("output folder is a file", "train", {}, output_is_a_file, {},
-     ["job.output_dir", "a file stands where a folder is needed"]),  # fmt: skip
+    (
+        "output folder is a file",
+        "train",
+        {},
+        output_is_a_file,
+        {},
+        ["job.output_dir", "a file stands where a folder is needed"],
+    ),  # fmt: skip
     ("full disk", "train", {}, metrics_on_a_full_disk, {}, ["metrics.jsonl", "no space left on device"]),
-    ("NaN loss", "train", {"optimizer.lr": "1e4", "training.steps": "10"}, None, {},
-     ["step", "nan", "lower learning rate"]),  # fmt: skip
+    (
+        "NaN loss",
+        "train",
+        {"optimizer.lr": "1e4", "training.steps": "10"},
+        None,
+        {},
+        ["step", "nan", "lower learning rate"],
+    ),  # fmt: skip
 ]
 
 

@@ -176,7 +176,9 @@ def test_float8_checkpoint_resumes_bitwise_and_into_a_plain_run(tmp_path):
     # The checkpoint holds the high-precision weights under the plain names: a run without float8 resumes it.
     trained = trainer_for(tmp_path / "mixed", **F8, **{"training.steps": "3"})
     trained.train()
-    plain = trainer_for(tmp_path / "mixed", **{"training.steps": "4"})
+    plain = trainer_for(
+        tmp_path / "mixed", **{"training.steps": "4", "checkpoint.allow_changes": "training.steps,float8.enable"}
+    )
     assert plain.step == 3 and linear_kinds(plain.model_parts.parts[0])["layers.0.attention.wq"] == "Linear"
     assert all(torch.equal(value, full_weights(trained)[name]) for name, value in full_weights(plain).items())
 

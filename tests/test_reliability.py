@@ -115,8 +115,12 @@ def test_skip_mode_stops_after_max_skipped_steps_and_pruning_spares_the_last_fin
 
 
 def test_a_changed_lr_is_refused_without_allow_changes_and_applies_with_it(tmp_path):
-    common = {"training.steps": "6", "checkpoint.interval": "3", "lr_scheduler.decay": "constant",
-              "lr_scheduler.warmup_steps": "1"}
+    common = {
+        "training.steps": "6",
+        "checkpoint.interval": "3",
+        "lr_scheduler.decay": "constant",
+        "lr_scheduler.warmup_steps": "1",
+    }
     first = train(tmp_path, **{**common, "training.steps": "3"})
     assert first.returncode == 0, first.stderr
     refused = train(tmp_path, **common, **{"optimizer.lr": "1e-4"})
@@ -345,3 +349,24 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, where):
         words = ["job.output_dir", "permission denied"]
     result = train(tmp_path, **{"job.output_dir": str(target)})
     assert_one_line_error(result, *words)
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_never_leaves_a_wrong_checkpoint_and_resumes_bitwise(tmp_path):
+    """20 runs killed at random moments (tests/kill_trials.py), half of them saving asynchronously: every
+    checkpoint that verification accepts holds exactly what the uninterrupted run saved at that step, and the
+    resumed run's losses are bitwise the uninterrupted run's."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_trials.py"), str(tmp_path), "20", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = json.loads(result.stdout.splitlines()[-1])["trials"]
+    assert len(trials) == 20
+    for trial in trials:
+        assert trial["differing"] == [] and trial["losses_equal"], trial
+    assert any(t["during_save"] for t in trials)  # some kills landed in the middle of a save
+    assert len({t["resumed_from"] for t in trials}) >= 4, trials  # ... and the others all along the run

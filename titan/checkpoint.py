@@ -167,6 +167,15 @@ def read_manifest(folder: Path) -> dict[str, dict] | str:
     return f"{MANIFEST} is malformed"
 
 
+def seal(folder: Path, files: dict[str, dict] | None = None) -> None:
+    """Write the manifest (`files`, else every file's hash now) and then the COMPLETE marker, all on disk."""
+    if files is None:
+        files = sha256_files(folder, sorted(p.name for p in folder.iterdir() if p.is_file()))
+    write_synced(folder / MANIFEST, json.dumps({"files": files}, indent=1).encode())
+    write_synced(folder / MARKER, b"")
+    fsync(folder)
+
+
 def verify(folder: Path, rank: int = 0, world: int = 1, group=None) -> str | None:
     """None if every file of the checkpoint matches its manifest, else the first problem. With several
     ranks (and `group`), each hashes its share of the files and all learn the verdict."""
@@ -411,9 +420,7 @@ class Checkpointer:
             mine = {name: entry for share in shares for name, entry in share.items()}
         if self.rank != 0:
             return
-        write_synced(tmp / MANIFEST, json.dumps({"files": mine}, indent=1).encode())
-        write_synced(tmp / MARKER, b"")
-        fsync(tmp)
+        seal(tmp, mine)
         replaced = final.with_name(".replaced-" + final.name)
         if final.exists():  # a rewound run saving a step again: the old one goes once the new one is in place
             final.rename(replaced)

@@ -352,8 +352,10 @@ def _build(cls, raw: dict, prefix: str):
 def _suggest(prefix: str, key: str, cls) -> str:
     here = [prefix + f.name for f in dataclasses.fields(cls)]
     everywhere = here + _all_keys()
-    match = difflib.get_close_matches(prefix + key, everywhere, n=1, cutoff=0.6)
-    if not match:  # the right key in the wrong section?
+    match = [k for k in _all_keys() if prefix and k.endswith("." + key)]  # the right key in the wrong section?
+    if not match:
+        match = difflib.get_close_matches(prefix + key, everywhere, n=1, cutoff=0.6)
+    if not match:
         match = [k for k in _all_keys() if k.endswith("." + key)]
     return f" (did you mean {' or '.join(match)}?)" if match else f"; valid keys here: {', '.join(here)}"
 
@@ -483,7 +485,8 @@ def validate(config: Config, world_size: int) -> None:
     unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in MATH_KEYS)]
     require(
         not unknown,
-        f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: {', '.join(MATH_KEYS)}",
+        f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: "
+        f"{', '.join(MATH_KEYS)}",
     )
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")

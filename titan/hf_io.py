@@ -34,11 +34,12 @@ from torch import Tensor
 
 from titan import models
 from titan.checkpoint import (
-    MARKER,
     TrustedReader,
     find_checkpoint,
     model_shapes,
     read_train_state,
+    seal,
+    verify,
     write_train_state,
 )
 from titan.config import Config, ConfigError, Model, to_toml, toml_value
@@ -214,7 +215,7 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
             parts=["model"],
             source={"hf_checkpoint": str(hf_dir.resolve())},
         )
-        (tmp / MARKER).write_text("")
+        seal(tmp)
     n_params = sum(math.prod(s) for s in shapes.values())
     return "\n".join(
         [
@@ -243,6 +244,9 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
 def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, Tensor]]:
     """(checkpoint folder, spec, model args, full parameters by name) of a titan checkpoint, in one process."""
     path = find_checkpoint(path)
+    problem = verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint {problem}; convert another checkpoint")
     train_state = read_train_state(path)
     try:
         model = tomllib.loads(train_state["recipe"])["model"]
