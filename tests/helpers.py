@@ -4,6 +4,8 @@ weights of a sharded model, runs stopped and resumed, a tiny HF Llama, and the o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from conftest import DEBUG_RECIPE, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
 from titan.trainer import Preempted, Trainer
 
@@ -51,6 +53,16 @@ def assert_one_line_error(result, *words: str) -> None:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr
     assert all(w in errors[0] for w in words), (words, errors[0])
+
+
+def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
+    """`torchrun -m titan train ARGS` on `world` local processes, as a user would start it."""
+    from distributed import free_port
+
+    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), "-m", "titan", "train", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
 
 
 def train_steps(trainer, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

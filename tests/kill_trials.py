@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-os.chdir(Path(__file__).parents[1])
+ROOT = Path(__file__).parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # this checkout's titan, whatever is installed
+os.chdir(ROOT)
 
 import torch  # noqa: E402
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from helpers import SMALL, assert_one_line_error, trainer_for
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from helpers import SMALL, assert_one_line_error, torchrun, trainer_for
 from titan.checkpoint import sha256_files
 
 SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
@@ -530,3 +530,23 @@ def test_a_bad_input_is_one_line_and_exit_2(tmp_path, saved, case):
 
 def test_the_table_covers_every_area():
     assert len(CASES) >= 60
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ({"parallel.tp": "3"}, ["tp=3", "world size 2"]),  # found by every rank before joining the others
+        ({"job.output_dir": "afile"}, ["job.output_dir", "a file stands"]),  # found by rank 0, told to the others
+    ],
+    ids=["every rank", "rank 0"],
+)
+def test_under_torchrun_the_line_is_printed_once_and_every_rank_exits_2(tmp_path, overrides, words):
+    (tmp_path / "afile").write_text("")
+    if "job.output_dir" in overrides:
+        overrides = {"job.output_dir": str(tmp_path / "afile")}
+    result = torchrun(2, ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **overrides})])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
+    assert f'File "{ROOT / "titan"}' not in result.stderr  # no traceback from titan on any rank
+    assert result.stderr.count("exitcode  : 2") == 2, result.stderr[-2000:]  # torchrun's summary of each rank

@@ -5,14 +5,11 @@ per-step losses in metrics.jsonl are compared with the 1-process run's.
 """
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
-from distributed import free_port
-from helpers import MODEL
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from helpers import MODEL, torchrun
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -42,13 +39,6 @@ def recipe(tmp, name: str, **extra) -> list[str]:
         **extra,
     }
     return ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp, **values)]
-
-
-def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
-    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), "-m", "titan", "train", *args]
-    return subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
-    )
 
 
 def losses(run_dir) -> dict[int, float]:

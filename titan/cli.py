@@ -45,7 +45,28 @@ def _fail(message: str) -> None:
     """One line on stderr and exit status 2; under torchrun only rank 0 prints (every rank fails alike)."""
     if os.environ.get("RANK", "0") == "0":
         typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    _leave_together()
     raise typer.Exit(code=2)
+
+
+def _leave_together() -> None:
+    """Under torchrun the first rank to exit gets the others killed (exit -15 rather than 2). The ranks stop on
+    the same user error, so they meet at a barrier (for at most 30 s) and leave at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    except Exception:  # a rank that never came: leave anyway
+        pass
+    sys.stderr.flush()
+    os._exit(2)  # now, without a teardown that would take longer on one rank than another
 
 
 @app.command(context_settings=OVERRIDES)
