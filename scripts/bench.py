@@ -7,6 +7,7 @@
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
+    python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
 
 The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, plain
 AdamW, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
@@ -225,6 +226,37 @@ def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
         print(f"resume at global sample 10,000,000 and read one step: {1000 * (time.perf_counter() - start):.1f} ms")
 
 
+def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
+    """Write files of the size of `flavor`'s checkpoint (fp32 weights and two Adam moments, split over `files`
+    shards as `files` ranks would write them), then time the manifest check a resume runs. SHA-256 costs the
+    same whatever the bytes, so the files hold random bytes, not a trained model."""
+    import math
+
+    from titan.checkpoint import check_files, model_shapes, sha256_files
+    from titan.config import load_config
+    from titan.trainer import resolve_model
+
+    spec, args = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
+    params = sum(math.prod(s) for s in model_shapes(spec, args).values())
+    total = 12 * params
+    chunk = os.urandom(64 * 2**20)
+    with tempfile.TemporaryDirectory(prefix="titan-bench-verify-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        names = [f"__{r}_0.distcp" for r in range(files)]
+        for name in names:
+            with open(Path(tmp, name), "wb") as f:
+                left = total // files
+                while left > 0:
+                    left -= f.write(chunk[: min(left, len(chunk))])
+        manifest = sha256_files(Path(tmp), names)
+        start = time.perf_counter()
+        problems = check_files(Path(tmp), manifest)
+        seconds = time.perf_counter() - start
+    assert not problems, problems
+    print(f"{flavor}: {params / 1e9:.2f}B parameters, checkpoint {total / 1e9:.1f} GB in {files} files: "
+          f"verified in {seconds:.1f} s by one process ({total / seconds / 1e9:.2f} GB/s, {os.cpu_count()} cores); "
+          f"with N ranks each hashes 1/N of the files")  # fmt: skip
+
+
 def straggler_figures(recipe: str, steps: int, overrides: list[str]) -> None:
     """FSDP2 on two ranks, each pinned to its own core with one thread, and a busy loop pinned to rank 1's
     core (rank 1 runs at about half speed): static even shares against straggler re-planning."""
@@ -289,6 +321,7 @@ def main() -> None:
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, "straggler"]), default="bare")
     parser.add_argument("--init-flavors", help="comma-separated flavors: time their initialisation instead")
     parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
+    parser.add_argument("--verify-flavor", help="time the manifest check of a checkpoint of this flavor instead")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="with --data: tokenizer processes")
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
@@ -302,6 +335,9 @@ def main() -> None:
         return
     if args.data:
         data_figures(args.config, overrides, args.workers)
+        return
+    if args.verify_flavor:
+        verify_figures(args.verify_flavor, args.config)
         return
     if args.compare == "straggler":
         straggler_figures(args.config, args.steps, overrides)

@@ -18,6 +18,8 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 TINY = [
     "--training.seq_len",
     "64",
+    "--lr_scheduler.warmup_steps",
+    "1",
     "--training.local_batch_size",
     "2",
     "--training.global_batch_size",
