@@ -35,7 +35,7 @@ def in_child(root: Path, extra: dict) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            trainer_for(root, **RUN, **extra).train()
+            trainer_for(root, **{**RUN, **extra}).train()
             os._exit(0)
         except BaseException:
             import traceback
@@ -84,7 +84,7 @@ def main(root: Path, trials: int, seed: int) -> dict:
     for trial in range(trials):
         trial_root = root / f"trial-{trial}"
         extra = {"checkpoint.async_save": "true"} if trial % 2 else {}
-        delay = rng.uniform(0, duration)
+        delay = rng.uniform(0, 0.75 * duration)  # the run itself ends a little before `duration`
         pid = in_child(trial_root, extra)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)

@@ -307,7 +307,7 @@ class Checkpointer:
                 else:
                     shutil.rmtree(final, ignore_errors=True)
                     child.rename(final)
-            elif child.name.startswith((".tmp-step-", ".resplit-step-")) or (
+            elif child.name.startswith((".tmp-step-", ".resplit-step-", ".pruned-")) or (
                 _STEP_DIR.match(child.name) and not (child / MARKER).is_file()
             ):
                 log.info("removing %s, left by an interrupted save", child)
@@ -442,7 +442,9 @@ class Checkpointer:
                 break
         for old in found:
             if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+                doomed = old.with_name(".pruned-" + old.name)  # renamed first: never a half-deleted "complete" one
+                old.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def _barrier(self) -> None:
         if self.control_group is not None:
