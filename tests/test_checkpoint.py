@@ -114,8 +114,10 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
 
 def reshard_job(root, layout: dict, batch):
     """Load the checkpoint saved under FSDP2 with another layout; logits on `batch`, then train on."""
+    saved = str(root / "saved" / "debug" / "checkpoints")
+    # The saved run was 4 steps long; this one continues it.
     trainer = trainer_for(
-        root / "load", **{"checkpoint.resume": str(root / "saved" / "debug" / "checkpoints"), **layout}
+        root / "load", **{"checkpoint.resume": saved, "checkpoint.allow_changes": "training.steps", **layout}
     )
     trainer.model_parts.parts[0].eval()
     with torch.no_grad():

@@ -109,6 +109,8 @@ def test_skip_mode_stops_after_max_skipped_steps_and_pruning_spares_the_last_fin
     skipped = [s for s, p in found.items() if saved_loss(p) is None]
     # keep_latest_k = 2 keeps the two skipped steps' checkpoints, and the newest finite one besides.
     assert len(skipped) == 2 and finite == [min(skipped) - 1], found
+    assert f"last good checkpoint is {found[finite[0]]}" in failed.stderr  # not the newest, a skipped step's
+    assert f"--checkpoint.load_step {finite[0]}" in failed.stderr
 
 
 # -- resuming with another recipe

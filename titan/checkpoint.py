@@ -429,17 +429,20 @@ class Checkpointer:
         shutil.rmtree(replaced, ignore_errors=True)
         self._prune()
 
+    def last_good(self) -> Path | None:
+        """The newest complete checkpoint whose step's loss was finite."""
+        for path in reversed(complete_checkpoints(self.folder).values()):
+            loss = _saved_loss(path)
+            if loss is not None and math.isfinite(loss):
+                return path
+        return None
+
     def _prune(self) -> None:
         """Keep the newest keep_latest_k checkpoints, and always the newest one whose loss was finite."""
         if not self.cfg.keep_latest_k:
             return
         found = list(complete_checkpoints(self.folder).values())
-        keep = set(found[-self.cfg.keep_latest_k :])
-        for path in reversed(found):
-            loss = _saved_loss(path)
-            if loss is not None and math.isfinite(loss):
-                keep.add(path)
-                break
+        keep = {*found[-self.cfg.keep_latest_k :], self.last_good()}
         for old in found:
             if old not in keep:
                 doomed = old.with_name(".pruned-" + old.name)  # renamed first: never a half-deleted "complete" one

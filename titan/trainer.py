@@ -554,19 +554,19 @@ class Trainer:
         if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
             log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
             return
-        self.checkpointer.finish_pending()  # a save in flight holds an earlier, finite state
-        good = complete_checkpoints(self.checkpointer.folder)
+        self.checkpointer.finish_pending()  # a save in flight holds an earlier state
         if t.on_nonfinite == "skip":
             what += f" ({self.skipped_in_a_row} steps in a row skipped, training.max_skipped_steps)"
-        lr = self.config.optimizer.lr / 2
+        lr = f"--optimizer.lr {self.config.optimizer.lr / 2:.3g}"
+        good = self.checkpointer.last_good()
+        if good is None:
+            raise NonFinite(f"{what}; no checkpoint was saved before: start again with a lower learning rate ({lr})")
+        newest = max(complete_checkpoints(self.checkpointer.folder))
+        step = int(good.name.removeprefix("step-"))
+        rewind = f" --checkpoint.load_step {step}" if step != newest else ""
         raise NonFinite(
-            f"{what}; nothing was saved from this step on. "
-            + (
-                f"The last good checkpoint is {good[max(good)]}: resume from it with a lower learning rate, adding "
-                f"--optimizer.lr {lr:.3g} --checkpoint.allow_changes optimizer.lr to the command"
-                if good
-                else f"No checkpoint was saved before: start again with a lower learning rate (--optimizer.lr {lr:.3g})"
-            )
+            f"{what}; nothing was saved from this step on. The last good checkpoint is {good}: resume from it with "
+            f"a lower learning rate, adding {lr}{rewind} --checkpoint.allow_changes optimizer.lr to the command"
         )
 
     def _log_checkpoint(self, metrics: dict | None) -> None:
