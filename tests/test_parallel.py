@@ -20,7 +20,6 @@ from helpers import (
     LOSS_RTOL,
     PARAM_ATOL,
     STEPS,
-    assert_one_line_error,
     full,
     full_weights,
     layout_overrides,
@@ -216,87 +215,6 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
     (plan, losses, weights), _ = run_distributed(train_through_a_replan, 2, tmp_path)
     assert plan == [[1, 1], [3, 3]]  # from one micro-batch of 4 rows per rank to uneven ones
     check_matches(reference, [{"replan": (losses, weights)}], ["replan"])
-
-
-@pytest.mark.parametrize(
-    "world,overrides,words",
-    [
-        ("4", ["--parallel.tp", "2", "--parallel.dp_shard", "3"], ["dp_shard=3", "tp=2", "world size 4"]),
-        ("3", ["--parallel.tp", "3"], ["parallel.tp = 3", "n_heads (8)"]),
-        ("2", ["--parallel.tp", "2", "--model.overrides.n_kv_heads", "1"], ["parallel.tp = 2", "n_kv_heads (1)"]),
-        ("8", ["--parallel.pp", "8"], ["8 pipeline stages", "4 layers"]),
-        (
-            "2",
-            ["--parallel.pp", "2", "--parallel.pp_microbatches", "1"],
-            ["pp_microbatches (1)", "at least parallel.pp (2)"],
-        ),
-        (
-            "2",
-            ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"],
-            ["local_batch_size (4)", "pp_microbatches (3)"],
-        ),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_schedule", "Zigzag"], ["parallel.pp_schedule", "Zigzag", "1F1B"]),
-        (
-            "2",
-            ["--parallel.pp", "2", "--parallel.pp_layers_per_stage", "[1, 2]"],
-            ["pp_layers_per_stage [1, 2]", "4 layers"],
-        ),
-        (
-            "4",
-            [
-                "--parallel.pp",
-                "2",
-                "--parallel.dp_shard",
-                "2",
-                "--parallel.pp_schedule",
-                "ZBVZeroBubble",
-                "--parallel.fsdp_reshard_after_forward",
-                "always",
-            ],
-            ["fsdp_reshard_after_forward", "ZBVZeroBubble"],
-        ),
-        ("2", ["--parallel.tp", "2", "--compile.enable"], ["compile.enable", "sequence_parallel"]),
-        (
-            "2",
-            ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--validation.interval", "10"],
-            ["validation", "DualPipeV", "validation.interval = 0"],
-        ),
-        ("2", ["--parallel.pp", "2", "--parallel.pp_stage_speeds", "[1, 2, 3]"], ["pp_stage_speeds", "2 positive"]),
-        (
-            "2",
-            [
-                "--parallel.pp",
-                "2",
-                "--parallel.pp_stage_speeds",
-                "[1, 1]",
-                "--parallel.pp_stage_memory_gib",
-                "[0.001, 1]",
-            ],
-            ["pp_stage_memory_gib", "no split of the 4 layers", "raise the caps"],
-        ),
-    ],
-    ids=[
-        "world_size",
-        "tp_heads",
-        "tp_kv_heads",
-        "pp_layers",
-        "pp_too_few_microbatches",
-        "pp_microbatch_split",
-        "pp_schedule_name",
-        "pp_layer_list",
-        "zero_bubble_reshard",
-        "compile_tp_sp_cpu",
-        "v_schedule_validation",
-        "pp_stage_speeds_length",
-        "pp_stage_memory_caps",
-    ],
-)
-def test_invalid_layout_is_refused_before_any_work(tmp_path, world, overrides, words):
-    # WORLD_SIZE as torchrun sets it: the layout is checked before the process group is joined.
-    result = run_titan(
-        "train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *overrides, env={"WORLD_SIZE": world}
-    )
-    assert_one_line_error(result, *words)
 
 
 @pytest.mark.distributed
