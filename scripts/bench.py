@@ -76,6 +76,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     overrides = [
         "--training.steps",
         str(steps),
+        "--lr_scheduler.warmup_steps",  # the lr does not change the speed; the recipe's warmup may outlast the run
+        "0",
         "--metrics.wandb",
         "disabled",
         "--metrics.tensorboard",
@@ -269,6 +271,7 @@ def straggler_figures(recipe: str, steps: int, overrides: list[str]) -> None:
             with tempfile.TemporaryDirectory(prefix="titan-bench-") as out:
                 common = [
                     *("--job.output_dir", out, "--job.name", "straggler", "--training.steps", str(steps)),
+                    *("--lr_scheduler.warmup_steps", "0"),
                     *("--parallel.dp_shard", "2", "--metrics.log_freq", "1", "--metrics.wandb", "disabled"),
                     *("--metrics.tensorboard", "false", "--checkpoint.enable", "false", "--validation.interval", "0"),
                     *overrides,

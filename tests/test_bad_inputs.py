@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -515,21 +516,33 @@ def saved(tmp_path_factory) -> Path:
     return root / "debug" / "checkpoints" / "step-2"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_line_and_exit_2(tmp_path, saved, case):
-    _, command, overrides, setup, env, words = case
-    extra = setup(tmp_path, saved) if setup else {}
+def run_case(case, tmp: Path, saved: Path):
+    _, command, overrides, setup, env, _ = case
+    tmp.mkdir()
+    extra = setup(tmp, saved) if setup else {}
     config = extra.pop("--config", str(DEBUG_RECIPE))
     if command == "show":
-        result = run_titan("config", "show", "--config", config, *overrides, env=env)
-    else:
-        args = tiny_overrides(tmp_path, **{**SMALL, **overrides, **extra})
-        result = run_titan("train", "--config", config, *args, env=env)
-    assert_one_line_error(result, *words)
+        return run_titan("config", "show", "--config", config, *overrides, env=env)
+    args = tiny_overrides(tmp, **{**SMALL, **overrides, **extra})
+    return run_titan("train", "--config", config, *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, saved) -> dict:
+    """Every case's CLI run, three at a time: most of each run is importing torch, single-threaded."""
+    root = tmp_path_factory.mktemp("cases")
+    with ThreadPoolExecutor(3) as pool:
+        runs = {c[0]: pool.submit(run_case, c, root / f"case{i}", saved) for i, c in enumerate(CASES)}
+        return {name: run.result() for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_line_and_exit_2(results, case):
+    assert_one_line_error(results[case[0]], *case[-1])
 
 
 def test_the_table_covers_every_area():
-    assert len(CASES) >= 60
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
 
 
 @pytest.mark.distributed

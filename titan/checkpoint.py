@@ -529,8 +529,9 @@ class Checkpointer:
         return step
 
     def _set_aside_newer(self, step: int) -> None:
-        """A run rewound to `step` (checkpoint.load_step) goes on from there: its later checkpoints belong to
-        the abandoned future, so they move to checkpoints/rewound/ (kept, never resumed from by `auto`)."""
+        """A run resumed at `step` with later checkpoints in its folder (checkpoint.load_step, or the later ones
+        failed verification) goes on from there: the later ones belong to an abandoned future, so they move to
+        checkpoints/rewound/ (kept for inspection, never resumed from by `auto`, never overwritten)."""
         newer = [p for s, p in complete_checkpoints(self.folder).items() if s > step]
         if not newer:
             return
@@ -538,7 +539,13 @@ class Checkpointer:
         aside.mkdir(parents=True, exist_ok=True)
         for path in newer:
             path.rename(aside / path.name)
-        log.warning("rewound to step %d: the later checkpoints %s moved to %s", step, [p.name for p in newer], aside)
+        log.warning(
+            "rewound to step %d: the later checkpoints %s (damaged, or chosen against by checkpoint.load_step) "
+            "moved to %s",
+            step,
+            [p.name for p in newer],
+            aside,
+        )
 
     def _check_math(self, path: Path, train_state: dict) -> None:
         saved = train_state.get("math")
