@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,22 @@ def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
     )
+
+
+def start_long_run(tmp_path) -> subprocess.Popen:
+    """`titan train` of a run long enough to still be training when a test acts on it (few enough steps to end
+    if it never does), returned once its first step is logged; its stderr is left to read."""
+    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:
+        if re.search(r"step +1/3000", line):
+            break
+    return proc
 
 
 def train_steps(trainer, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -2,7 +2,6 @@
 
 import json
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
-from helpers import SMALL, assert_one_line_error, straight_and_resumed, trainer_for
+from helpers import SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
 from titan.checkpoint import Checkpointer, complete_checkpoints, sha256_files
 
 
@@ -93,17 +92,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
-    # Enough steps to still be training when the signal lands, few enough to end if it never did.
-    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in proc.stderr:  # wait until training is under way
-        if re.search(r"step +1/3000", line):
-            break
+    proc = start_long_run(tmp_path)
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 75, rest

@@ -3,7 +3,6 @@ rewinds, a second run on the same folder, damaged files, write errors."""
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
-from helpers import SMALL, assert_one_line_error, full_weights, trainer_for
+from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
 from titan.checkpoint import Checkpointer, complete_checkpoints, verify
 from titan.trainer import NonFinite
 
@@ -229,17 +228,8 @@ def test_incomplete_step_folders_are_removed_at_start_up(tmp_path):
 
 
 def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{**SMALL, "training.steps": "3000", "checkpoint.interval": "100000"})
-    first = subprocess.Popen(
-        [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *overrides],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_long_run(tmp_path)
     try:
-        for line in first.stderr:
-            if re.search(r"step +1/3000", line):
-                break
         second = train(tmp_path, **{"training.steps": "3000"})
         assert_one_line_error(second, str(tmp_path / "debug"), "in use by another titan run", f"PID {first.pid}")
     finally:
