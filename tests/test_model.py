@@ -5,7 +5,7 @@ import torch
 
 from titan import models
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.model import document_positions
+from titan.models.llama.model import document_mask, document_positions
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -113,9 +113,11 @@ def _packed(lengths: list[int], vocab=128, seed=0):
     return docs, torch.cat(docs)[None], positions[None], ids[None]
 
 
-@pytest.mark.parametrize("explicit_attention", [False, True])
-def test_document_masking_gives_each_document_the_loss_it_has_alone(explicit_attention):
+@pytest.mark.parametrize("path", ["per_document", "dense", "explicit"])
+def test_document_masking_gives_each_document_the_loss_it_has_alone(path):
+    explicit_attention = path == "explicit"
     model = _small_model(attn_dropout=0.1 if explicit_attention else 0.0)
+    model.attention_per_document = path == "per_document"  # dense: SDPA with a boolean mask (compiled blocks)
     model.train(explicit_attention)  # attention dropout in training takes the explicit path instead of SDPA ...
     for layer in model.layers.values():
         layer.attention.dropout.forward = lambda x, rows: x  # ... here without dropping, to compare with SDPA
@@ -140,15 +142,16 @@ def test_document_masking_gives_each_document_the_loss_it_has_alone(explicit_att
 def test_document_mask_never_lets_a_token_attend_across_a_boundary():
     model = _small_model()
     _, tokens, positions, ids = _packed([5, 9, 3])
-    captured = {}
-    attention = model.layers["0"].attention
-    hook = attention.register_forward_pre_hook(lambda m, args: captured.update(mask=args[3]))
-    model(tokens, None, ids)
-    hook.remove()
-    mask = captured["mask"][0, 0]
+    mask = document_mask(ids, flex=False, dense=True)[0, 0]
     for q in range(17):
         for k in range(17):
             assert bool(mask[q, k]) == (k <= q and int(ids[0, q]) == int(ids[0, k])), (q, k)
+    # The CPU's per-document path attends within these spans only (padding, id < 0, to nothing).
+    assert document_mask(ids, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2)]]
+    padded = torch.cat([ids, torch.full((1, 4), -1)], dim=1)
+    assert document_mask(padded, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2), (17, 21, -1)]]
+    with_padding = model(torch.cat([tokens, torch.zeros(1, 4, dtype=tokens.dtype)], dim=1), None, padded)
+    torch.testing.assert_close(with_padding[:, :17], model(tokens, None, ids), rtol=0, atol=1e-6)
     # Changing one document leaves every other document's logits unchanged.
     changed = tokens.clone()
     changed[0, 5:14] = (changed[0, 5:14] + 1) % 128

@@ -139,6 +139,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, config: Config, layout: Layou
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile.enable:
+        model.attention_per_document = False
         for block in blocks:
             block.compile()
     if layout.dp > 1:

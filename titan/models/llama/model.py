@@ -108,11 +108,15 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
-    """Where a query may attend to a key: earlier or same position, same document. On GPUs a flex attention
-    block mask, whose kernel skips the blocks that are all masked; otherwise (the CPU, where flex attention
-    has no backward in torch 2.13, or the explicit path under attention dropout) a boolean (batch, 1, seq,
-    seq) mask for SDPA."""
+def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.Tensor | BlockMask | list:
+    """Where a query may attend to a key: earlier or same position, same document.
+
+    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked. When `dense` (attention
+    dropout materialises the probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise
+    (the CPU, where flex attention has no backward in torch 2.13) each row's document spans [(start, stop,
+    id)], attended one document at a time: a document of s tokens then costs s² rather than the row's
+    seq², which is what cost-balanced packing (titan/data/packing.py) assumes. Negative ids mark padding,
+    which attends to nothing."""
     batch, seq = document_ids.shape
     if flex:
 
@@ -120,8 +124,32 @@ def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | Bloc
             return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
         return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+    if dense:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+        return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+    spans = []
+    for row in document_ids.cpu():
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        stops = counts.cumsum(0).tolist()
+        spans.append([(stop - n, stop, doc) for stop, n, doc in zip(stops, counts.tolist(), ids.tolist())])
+    return spans
+
+
+def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list) -> torch.Tensor:
+    """Causal attention within each document span of each row (see document_mask); padding gets zeros."""
+    rows = []
+    for row, row_spans in enumerate(spans):
+        pieces = [
+            F.scaled_dot_product_attention(
+                q[row : row + 1, :, start:stop], k[row : row + 1, :, start:stop], v[row : row + 1, :, start:stop],
+                is_causal=True, enable_gqa=True,
+            )
+            if doc >= 0
+            else q.new_zeros(1, q.shape[1], stop - start, v.shape[-1])
+            for start, stop, doc in row_spans
+        ]  # fmt: skip
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +173,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None
+        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | list | None
     ) -> torch.Tensor:
         """mask: from document_mask; None: causal."""
         batch, seq, _ = x.shape
@@ -157,6 +185,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
             out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+        elif isinstance(mask, list):
+            out = attend_per_document(q, k, v, mask)
         elif self.training and self.dropout.p:
             # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -193,13 +223,17 @@ class TransformerBlock(nn.Module):
         self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | None
+        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | list | None
     ) -> torch.Tensor:
         x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask), rows)
         return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
 
 class Transformer(nn.Module):
+    # Attend one document at a time on the CPU (see document_mask). Compiled blocks set this False: the spans
+    # are Python lists, which would recompile a block for every batch, so they take a boolean mask instead.
+    attention_per_document = True
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         args.validate()
@@ -239,8 +273,9 @@ class Transformer(nn.Module):
             rope, mask = self.rope[:seq].unsqueeze(0), None
         else:
             rope = self.rope[document_positions(document_ids)]
-            explicit_attention = self.training and self.args.attn_dropout > 0  # needs a boolean mask
-            mask = document_mask(document_ids, flex=tokens.is_cuda and not explicit_attention)
+            explicit = self.training and self.args.attn_dropout > 0  # dropout on the probabilities needs them all
+            flex = tokens.is_cuda and not explicit
+            mask = document_mask(document_ids, flex, dense=explicit or not self.attention_per_document)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope, rows, mask)

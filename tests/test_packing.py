@@ -1,0 +1,134 @@
+"""Cost-balanced assignment of a step's documents (titan/data/packing.py) against brute force and the
+token-balanced baseline."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import random
+
+import pytest
+
+from titan.data.packing import CostModel, Target, balance_by_cost, balance_by_tokens, rank_time
+
+
+def check_valid(assignment, lengths, target):
+    """Every document exactly once, no micro-batch over its rank's capacity, the same count on every rank."""
+    seen = sorted(i for bins in assignment.micro_batches for b in bins for i in b)
+    assert seen == list(range(len(lengths)))
+    counts = {len(bins) for bins in assignment.micro_batches}
+    assert len(counts) == 1 and counts.pop() % target.group == 0
+    for rank, bins in enumerate(assignment.micro_batches):
+        for b in bins:
+            assert sum(lengths[i] for i in b) <= target.capacities[rank]
+
+
+def brute_force(lengths, cost, target, speeds):
+    """The least predicted step time over every assignment of documents to ranks and micro-batches, for every
+    micro-batch count up to one per document (plus a schedule run)."""
+    n = len(lengths)
+
+    @functools.cache
+    def best_rank_time(subset: frozenset, rank: int, count: int) -> float:
+        """Least time of `rank` running these documents in `count` micro-batches (set partitions, capacity)."""
+        best = math.inf
+
+        def place(docs, bins):
+            nonlocal best
+            if not docs:
+                padded = [list(b) for b in bins] + [[] for _ in range(count - len(bins))]
+                best = min(best, rank_time(padded, lengths, cost, target, rank))
+                return
+            i, rest = docs[0], docs[1:]
+            for b in bins:
+                if sum(lengths[j] for j in b) + lengths[i] <= target.capacities[rank]:
+                    b.append(i)
+                    place(rest, bins)
+                    b.pop()
+            if len(bins) < count and lengths[i] <= target.capacities[rank]:
+                place(rest, [*bins, [i]])
+
+        place(sorted(subset), [])
+        return best
+
+    counts = range(target.group, math.ceil(n / target.group) * target.group + target.group + 1, target.group)
+    best = math.inf
+    for ranks in itertools.product(range(target.ranks), repeat=n):
+        subsets = [frozenset(i for i in range(n) if ranks[i] == r) for r in range(target.ranks)]
+        for count in counts:
+            best = min(best, max(best_rank_time(s, r, count) / speeds[r] for r, s in enumerate(subsets)))
+    return best
+
+
+def instances(seed: int, count: int):
+    rng = random.Random(seed)
+    for _ in range(count):
+        ranks = rng.choice([2, 3])
+        stages = rng.choice([1, 2])
+        n = rng.randint(3, 8 if stages == 1 else 6)
+        capacity = rng.choice([512, 1024])
+        lengths = [min(capacity, int(rng.lognormvariate(math.log(200), 1.0)) + 1) for _ in range(n)]
+        cost = CostModel(a=rng.uniform(0.2, 2.0) * 1e-6, b=1e-4, c=rng.uniform(0.0, 0.05))
+        target = Target((capacity,) * ranks, pipeline_stages=stages, group=stages, padded=stages > 1)
+        speeds = [1.0] * ranks if rng.random() < 0.7 else [rng.uniform(0.5, 1.0) for _ in range(ranks)]
+        yield lengths, cost, target, speeds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cost_balanced_is_within_10_percent_of_brute_force_and_never_worse_than_tokens(seed):
+    for lengths, cost, target, speeds in instances(seed, 6):
+        plan = balance_by_cost(lengths, cost, target, speeds)
+        baseline = balance_by_tokens(lengths, cost, target, speeds)
+        check_valid(plan, lengths, target)
+        check_valid(baseline, lengths, target)
+        optimum = brute_force(lengths, cost, target, speeds)
+        assert optimum <= plan.step_time * (1 + 1e-12)
+        assert plan.step_time <= 1.10 * optimum, (lengths, cost, target, speeds)
+        assert plan.step_time <= baseline.step_time
+
+
+def test_predicted_times_are_the_cost_model_by_hand():
+    """Two ranks, no pipeline, 1000 tokens per micro-batch: the 900-token document alone, the three short ones
+    together (any other split needs two micro-batches on every rank)."""
+    cost = CostModel(a=1e-6, b=1e-3, c=0.01)
+    plan = balance_by_cost([900, 300, 300, 300], cost, Target((1000, 1000)))
+    assert sorted(plan.micro_batches) == [[[0]], [[1, 2, 3]]]
+    assert sorted(plan.times) == pytest.approx([0.01 + 3 * (0.09 + 0.3), 0.01 + 0.81 + 0.9])
+    assert plan.imbalance == pytest.approx(1.72 / ((1.72 + 1.18) / 2))
+
+
+def test_long_tailed_step_is_faster_than_token_balanced():
+    """A long document's attention dominates: token balance piles short documents on the other ranks but
+    leaves the long one's rank slowest; the cost plan gives that rank less."""
+    rng = random.Random(0)
+    lengths = [min(4096, int(rng.lognormvariate(math.log(300), 1.2)) + 1) for _ in range(200)]
+    cost = CostModel(a=2e-7, b=1e-4, c=2e-3)
+    target = Target((4096,) * 4)
+    plan, baseline = balance_by_cost(lengths, cost, target), balance_by_tokens(lengths, cost, target)
+    check_valid(plan, lengths, target)
+    assert plan.imbalance < 1.02
+    assert baseline.step_time > plan.step_time
+
+
+def test_a_rank_never_gets_a_document_it_cannot_hold():
+    target = Target((2048, 512, 512))
+    lengths = [1500, 1800, 400, 300, 200, 100, 500]
+    for balance in (balance_by_cost, balance_by_tokens):
+        plan = balance(lengths, CostModel(1e-6, 1e-4, 0.0), target)
+        check_valid(plan, lengths, target)
+    with pytest.raises(ValueError, match="a document of 3000 tokens fits no rank"):
+        balance_by_cost([3000, 10], CostModel(1e-6, 1e-4, 0.0), target)
+
+
+def test_pipeline_packing_balances_micro_batches():
+    """With a pipeline, warm-up and cool-down wait for the slowest micro-batch: the plan spreads the long
+    documents over the micro-batches where first-fit decreasing stacks them."""
+    lengths = [1000, 1000, 1000, 1000, 100, 100, 100, 100]
+    cost = CostModel(a=1e-6, b=1e-4, c=0.0)
+    target = Target((2048,), pipeline_stages=4, group=4, padded=True)
+    plan = balance_by_cost(lengths, cost, target)
+    check_valid(plan, lengths, target)
+    longest = [sum(lengths[i] >= 1000 for i in b) for b in plan.micro_batches[0]]
+    assert longest == [1, 1, 1, 1]
+    assert plan.step_time < balance_by_tokens(lengths, cost, target).step_time
