@@ -89,7 +89,9 @@ def rank_time(bins: list[list[int]], lengths: list[int], cost: CostModel, target
     return sum(sum(run) + (target.pipeline_stages - 1) * max(run) for run in runs)
 
 
-def balance_by_cost(lengths: list[int], cost: CostModel, target: Target, speeds: list[float] | None = None) -> Assignment:
+def balance_by_cost(
+    lengths: list[int], cost: CostModel, target: Target, speeds: list[float] | None = None
+) -> Assignment:
     """The cost-balanced assignment of documents of these lengths (see the module's docstring); `speeds`:
     each rank's relative speed (its predicted times are divided by it)."""
     speeds = speeds or [1.0] * target.ranks
@@ -100,7 +102,9 @@ def balance_by_cost(lengths: list[int], cost: CostModel, target: Target, speeds:
     return baseline if baseline.step_time < best.step_time else best
 
 
-def balance_by_tokens(lengths: list[int], cost: CostModel, target: Target, speeds: list[float] | None = None) -> Assignment:
+def balance_by_tokens(
+    lengths: list[int], cost: CostModel, target: Target, speeds: list[float] | None = None
+) -> Assignment:
     """The token-balanced baseline: longest document first to the rank with the fewest tokens (relative to
     its capacity), then first-fit-decreasing packing into as few micro-batches as fit."""
     speeds = speeds or [1.0] * target.ranks
