@@ -146,7 +146,7 @@ def test_document_mask_never_lets_a_token_attend_across_a_boundary():
     for q in range(17):
         for k in range(17):
             assert bool(mask[q, k]) == (k <= q and int(ids[0, q]) == int(ids[0, k])), (q, k)
-    # The CPU's per-document path attends within these spans only (padding, id < 0, to nothing).
+    # The CPU's per-document path attends within these spans only; padding added after them changes nothing.
     assert document_mask(ids, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2)]]
     padded = torch.cat([ids, torch.full((1, 4), -1)], dim=1)
     assert document_mask(padded, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2), (17, 21, -1)]]

@@ -74,6 +74,15 @@ class Data:
     shuffle: bool = True  # shuffle documents every epoch, by (seed, epoch)
     # Tokens attend only within their own document and positions restart at each document.
     document_mask: bool = True
+    # What a step trains on. "rows": global_batch_size windows of seq_len tokens cut from the document stream.
+    # "tokens": whole documents (split at max_document_len) up to global_batch_size x seq_len tokens, which
+    # ranks and micro-batches share out by `balance`: "cost" (predicted time, with cost_model) or "tokens".
+    batching: Literal["rows", "tokens"] = "rows"
+    balance: Literal["cost", "tokens"] = "cost"
+    max_document_len: int = 0  # tokens batching: longer documents are split into pieces; 0 = training.seq_len
+    # tokens batching: [a, b, c], a micro-batch's seconds c + the sum over its documents of a·s² + b·s;
+    # [] = measured at start-up (cached per model, layout and device).
+    cost_model: list[float] = field(default_factory=list)
     cache_dir: str = ""  # prepared token shards; "" = $TITAN_CACHE/prepared (TITAN_CACHE defaults to ~/.cache/titan)
     prepare_workers: int = 0  # tokenizer processes for `titan data prepare`; 0 = min(8, CPU count)
     # `titan train` prepares a missing local source itself up to this size; larger ones need `titan data prepare`.
@@ -464,6 +473,25 @@ def validate(config: Config, world_size: int) -> None:
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     d, v = config.data, config.validation
     require(d.source != "", "data.source must name a local file, folder or hub dataset")
+    if d.batching == "tokens":
+        require(
+            d.document_mask,
+            "data.batching = 'tokens' packs whole documents and needs data.document_mask = true",
+        )
+        require(
+            not d.sources,
+            "data.batching = 'tokens' reads one source; blend the sources into one, or use data.batching = 'rows'",
+        )
+        require(d.max_document_len >= 0, f"data.max_document_len must be >= 0 (0 = seq_len), got {d.max_document_len}")
+        require(
+            len(d.cost_model) in (0, 3) and all(x >= 0 for x in d.cost_model),
+            f"data.cost_model must be [] (measure it) or three numbers >= 0 [a, b, c], got {d.cost_model}",
+        )
+        require(
+            not config.compile.enable,
+            "compile.enable with data.batching = 'tokens' is not supported: every micro-batch has another length, "
+            "and per-document attention would recompile each block; use one or the other",
+        )
     for i, source in enumerate(d.sources):
         require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
         require(
@@ -596,6 +624,8 @@ MATH_KEYS = (
     "data.text_field",
     "data.shuffle",
     "data.document_mask",
+    "data.batching",
+    "data.max_document_len",
     "training.seq_len",
     "training.global_batch",
     "training.steps",

@@ -21,7 +21,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan import __version__, models
 from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
 from titan.config import Config, ConfigError, Layout, batch_plan, math_values, to_toml
-from titan.data import IGNORE, Batch, Tokenizer, build_loaders
+from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
+from titan.data.cost_fit import cached_cost_model
+from titan.data.document_batches import Placement
+from titan.data.packing import CostModel, Target
 from titan.files import hold_run_folder, write_error
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
@@ -64,8 +67,14 @@ def resolve_model(config: Config):
             f"training.seq_len {seq_len} exceeds the {config.model.flavor} model's max_seq_len {args.max_seq_len}; "
             "lower training.seq_len, or raise model.overrides.max_seq_len if the model is meant for longer sequences"
         )
-    # The RoPE table only needs to cover the training sequence length.
-    return spec, dataclasses.replace(args, max_seq_len=seq_len)
+    longest = max(seq_len, config.data.max_document_len if config.data.batching == "tokens" else 0)
+    if longest > args.max_seq_len:
+        raise ConfigError(
+            f"data.max_document_len {longest} exceeds the {config.model.flavor} model's max_seq_len "
+            f"{args.max_seq_len}; lower it (0 = training.seq_len)"
+        )
+    # The RoPE table only needs to cover the longest sequence trained on.
+    return spec, dataclasses.replace(args, max_seq_len=longest)
 
 
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
@@ -108,8 +117,11 @@ class Trainer:
         self.global_batch = sum(map(sum, plan))
         self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
         self.loader, self.validation_loader = build_loaders(
-            config, self.global_batch, self._rows_of(plan), plan[dp_rank]
+            config, self.global_batch, self._rows_of(plan), plan[dp_rank], log_rows=config.data.batching == "rows"
         )
+        self.documents = config.data.batching == "tokens"
+        if self.documents:
+            self.loader = self._document_loader()
 
         self.loss_parallel = self.layout.tp > 1 and config.parallel.loss_parallel
         self._build_model()
@@ -154,7 +166,7 @@ class Trainer:
         self.step = self.checkpointer.resume()
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
-        self.tokens_before = self.checkpointer.resumed_state.get("tokens_seen", 0) - self.step * self.tokens_per_step
+        self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
         # A re-planned run resumes with the plan in force when it stopped.
         if self.plan.get("dp_weights"):
@@ -188,18 +200,25 @@ class Trainer:
             else:
                 log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
         self.stop_signal: str | None = None
+        if self.documents:
+            batching = (
+                f"documents up to {self.tokens_per_step} tokens/step, placed by {config.data.balance} in "
+                f"micro-batches of at most {self.loader.target.capacities[0]} tokens"
+            )
+        else:
+            batching = (
+                f"{self.tokens_per_step} tokens/step ({self.global_batch} x {t.seq_len} seq; this rank "
+                f"{' + '.join(map(str, plan[dp_rank]))} rows)"
+            )
         log.info(
-            "%s %s: %.2fM parameters on %s x %d (%s) | %d tokens/step (%d x %d seq; this rank %s rows) | %s",
+            "%s %s: %.2fM parameters on %s x %d (%s) | %s | %s",
             config.model.name,
             config.model.flavor,
             self.n_params() / 1e6,
             self.device.type,
             self.world_size,
             self.layout.name,
-            self.tokens_per_step,
-            self.global_batch,
-            t.seq_len,
-            " + ".join(map(str, plan[dp_rank])),
+            batching,
             self.run_dir,
         )
 
@@ -290,6 +309,58 @@ class Trainer:
             for name, p in self.model_parts.named_parameters()
         }
 
+    def _document_loader(self) -> DocumentBatchLoader:
+        """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance. A micro-batch
+        holds as many tokens as the rows recipe's: local_batch_size x seq_len, or under a pipeline one schedule
+        micro-batch's rows."""
+        config, layout = self.config, self.layout
+        d, t, p = config.data, config.training, config.parallel
+        if self.model_args.attn_dropout or self.model_args.resid_dropout:
+            raise ConfigError(
+                "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
+                "position, and packing places a document differently on every layout; set the model's "
+                "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
+            )
+        pipeline_rows = pp.microbatches(p, self.micro_batch_size) if layout.pp > 1 else 0
+        rows = self.micro_batch_size // pipeline_rows if pipeline_rows else t.local_batch_size
+        capacity = rows * t.seq_len
+        max_len = d.max_document_len or t.seq_len
+        if max_len > capacity:
+            raise ConfigError(
+                f"data.max_document_len {max_len}: a document piece that long fits no micro-batch, which holds "
+                f"{capacity} tokens ({rows} x training.seq_len {t.seq_len}); lower data.max_document_len or raise "
+                "training.local_batch_size"
+            )
+        target = Target((capacity,) * layout.dp, layout.pp, pipeline_rows or 1, padded=layout.pp > 1)
+        sequence_parallel = layout.tp > 1 and p.sequence_parallel
+        placement = Placement(capacity, pipeline_rows, layout.tp if sequence_parallel else 1)
+        if d.cost_model:
+            cost = CostModel(*d.cost_model)
+        else:
+            found = []
+
+            def measure():
+                dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+                n_layers = math.ceil(self.model_args.n_layers / layout.pp)
+                found.append(
+                    cached_cost_model(
+                        self.spec, self.model_args, n_layers, max_len, capacity, self.device, dtype, config.job.seed
+                    )
+                )
+
+            self._on_rank_0(measure)
+            shared = [found[0] if found else None]
+            if self.control_group is not None:
+                dist.broadcast_object_list(shared, src=0, group=self.control_group)
+            cost = shared[0]
+        loader = DocumentBatchLoader(
+            document_pieces(config), self.global_batch * t.seq_len, d.balance, cost, target, placement, self.dp_rank
+        )
+        weights = config.parallel.dp_weights
+        if weights:
+            loader.speeds = list(weights)
+        return loader
+
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
         return range(start, start + sum(plan[self.dp_rank]))
@@ -299,7 +370,9 @@ class Trainer:
         same weights). Nothing moves: each rank reads other rows of the same global batches."""
         plan = batch_plan(self.config, self.world_size, weights)
         for loader in (self.loader, self.validation_loader):
-            if loader is not None:
+            if isinstance(loader, DocumentBatchLoader):
+                loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
+            elif loader is not None:
                 loader.assign(self._rows_of(plan), plan[self.dp_rank])
         self.plan["dp_weights"] = list(weights)
         self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
@@ -467,21 +540,29 @@ class Trainer:
                 total,
             )
         self.model_parts.train()
-        first_step, window_start, window_steps = self.step, time.perf_counter(), 0
+        first_step, window_start, window_steps, window_tokens = self.step, time.perf_counter(), 0, 0
         with _stop_on_signals(self):
             while self.step < total:
                 step_start = time.perf_counter()
                 batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
+                compute_start = time.perf_counter()
                 loss, grad_norm = self.train_step(batches)
+                compute_s = time.perf_counter() - compute_start
                 losses.append(loss)
                 self._check_finite(loss, grad_norm)
-                window_steps += 1
+                # Tokens batching takes whole documents up to the budget: count the tokens it took.
+                step_tokens = batches[0].step_loss_tokens if self.documents else self.tokens_per_step
+                self.tokens_seen += step_tokens
+                window_steps, window_tokens = window_steps + 1, window_tokens + step_tokens
                 if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    self._log_step(loss, grad_norm, lr, (time.perf_counter() - window_start) / window_steps)
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_s = time.perf_counter() - window_start
+                    self._log_step(loss, grad_norm, lr, window_s / window_steps, window_tokens / window_s)
+                    if self.documents:
+                        self._log_packing(compute_s)
+                    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
                 if self.straggler is not None and self.step % self.config.straggler.interval == 0:
                     self._check_stragglers()
                 interval = self.config.validation.interval
@@ -504,9 +585,8 @@ class Trainer:
         self.metrics.close()
         return [loss.item() for loss in losses]
 
-    def _log_step(self, loss, grad_norm, lr, step_time: float) -> None:
+    def _log_step(self, loss, grad_norm, lr, step_time: float, tokens_per_s: float) -> None:
         total = self.config.training.steps
-        tokens_per_s = self.tokens_per_step / step_time
         metrics = {
             "loss": float(loss),
             "grad_norm": float(grad_norm),
@@ -520,6 +600,25 @@ class Trainer:
         }
         self.metrics.log(self.step, metrics)
         log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
+
+    def _log_packing(self, compute_s: float) -> None:
+        """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
+        slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
+        included, so under FSDP every rank reads about the slowest's time)."""
+        plan = self.loader.last_plan
+        measured = gather_times(compute_s, self.dp_rank, self.layout.dp, self.device)
+        mean = sum(measured) / len(measured)
+        self.metrics.log(
+            self.step,
+            {
+                "micro_batches": len(plan.micro_batches[0]),
+                "predicted_step_s": plan.step_time,
+                "predicted_imbalance": plan.imbalance,
+                "measured_step_s": max(measured),
+                "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
+                "plan_ms": self.loader.plan_seconds * 1e3,
+            },
+        )
 
     def _log_validation(self) -> None:
         start = time.perf_counter()
@@ -537,10 +636,6 @@ class Trainer:
             metrics["val_perplexity"],
             metrics["val_time_s"],
         )
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.tokens_before + self.step * self.tokens_per_step
 
     def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Stop at a NaN or inf (nothing is saved after the last good step), or count it as skipped."""

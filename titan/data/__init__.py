@@ -7,10 +7,21 @@ import logging
 import numpy as np
 
 from titan.config import Config, ConfigError, DataSource
+from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
 from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens, held_out
 from titan.data.tokenizer import Tokenizer
 
-__all__ = ["IGNORE", "Batch", "GlobalBatchLoader", "Tokenizer", "build_loaders", "open_prepared", "validation_source"]
+__all__ = [
+    "IGNORE",
+    "Batch",
+    "DocumentBatchLoader",
+    "GlobalBatchLoader",
+    "Tokenizer",
+    "build_loaders",
+    "document_pieces",
+    "open_prepared",
+    "validation_source",
+]
 log = logging.getLogger("titan")
 
 
@@ -29,7 +40,7 @@ def validation_source(config: Config) -> DataSource | None:
 
 
 def build_loaders(
-    config: Config, global_batch: int, rows: range, micro_batches: list[int]
+    config: Config, global_batch: int, rows: range, micro_batches: list[int], log_rows: bool = True
 ) -> tuple[GlobalBatchLoader, GlobalBatchLoader | None]:
     """The training loader and, when validation is on, the validation loader: global batches of
     `global_batch` rows, of which this rank reads `rows` in micro-batches of `micro_batches` rows."""
@@ -51,7 +62,8 @@ def build_loaders(
                 (source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream))
             )
     blend = Blend([s.weight for s in sources])
-    _log_mixture(sources, train, blend, t.steps * global_batch)
+    if log_rows:
+        _log_mixture(sources, train, blend, t.steps * global_batch)
     loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batches, d.document_mask)
     if not v.interval:
         return loader, None
@@ -78,6 +90,25 @@ def build_loaders(
     return loader, GlobalBatchLoader(
         list(held), Blend(list(weights)), global_batch, rows, micro_batches, d.document_mask
     )
+
+
+def document_pieces(config: Config) -> DocumentPieces:
+    """The training documents (validation's held out) as pieces for data.batching = "tokens"."""
+    d, v = config.data, config.validation
+    source = d.source_list()[0]
+    documents = open_prepared(config, source)
+    in_validation = held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+    pieces = DocumentPieces(
+        documents, np.flatnonzero(~in_validation), d.max_document_len or config.training.seq_len, config.job.seed,
+        d.shuffle,
+    )  # fmt: skip
+    if pieces.tokens_per_epoch == 0:
+        raise ConfigError(f"data source {source.source} has no document of two or more tokens to train on")
+    log.info(
+        "data %s: %d documents, %d tokens to predict per epoch, in pieces of at most %d",
+        source.source, len(pieces.subset), pieces.tokens_per_epoch, pieces.max_len,
+    )  # fmt: skip
+    return pieces
 
 
 def _log_mixture(sources: list[DataSource], train: list[PackedSamples], blend: Blend, run_samples: int) -> None:

@@ -47,6 +47,14 @@ class Batch:
         )
 
 
+def epoch_order(subset: np.ndarray, seed: int, stream: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The documents of `subset` in this epoch's order: numpy's PCG64 seeded with explicit integers gives the
+    same permutation on every platform and rank."""
+    if not shuffle:
+        return subset
+    return subset[np.random.default_rng([seed, stream, epoch]).permutation(len(subset))]
+
+
 class PackedSamples:
     """Windows of seq_len + 1 tokens cut from a set of documents, in a shuffled order per epoch.
 
@@ -64,10 +72,7 @@ class PackedSamples:
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents in this epoch's order, the stream offset where each starts, plus the end)."""
         if epoch not in self._epochs:
-            order = self.subset
-            if self.shuffle:
-                # numpy's PCG64 from explicit integers: the same permutation on every platform and rank.
-                order = order[np.random.default_rng([self.seed, self.stream, epoch]).permutation(len(order))]
+            order = epoch_order(self.subset, self.seed, self.stream, epoch, self.shuffle)
             starts = np.zeros(len(order) + 1, dtype=np.int64)
             np.cumsum(np.asarray(self.documents.lengths)[order], out=starts[1:])
             self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}  # rows may straddle two epochs

@@ -115,8 +115,7 @@ def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.
     dropout materialises the probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise
     (the CPU, where flex attention has no backward in torch 2.13) each row's document spans [(start, stop,
     id)], attended one document at a time: a document of s tokens then costs s² rather than the row's
-    seq², which is what cost-balanced packing (titan/data/packing.py) assumes. Negative ids mark padding,
-    which attends to nothing."""
+    seq², which is what cost-balanced packing (titan/data/packing.py) assumes."""
     batch, seq = document_ids.shape
     if flex:
 
@@ -136,7 +135,7 @@ def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.
 
 
 def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list) -> torch.Tensor:
-    """Causal attention within each document span of each row (see document_mask); padding gets zeros."""
+    """Causal attention within each document span of each row (see document_mask)."""
     rows = []
     for row, row_spans in enumerate(spans):
         pieces = [
@@ -144,9 +143,7 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
                 q[row : row + 1, :, start:stop], k[row : row + 1, :, start:stop], v[row : row + 1, :, start:stop],
                 is_causal=True, enable_gqa=True,
             )
-            if doc >= 0
-            else q.new_zeros(1, q.shape[1], stop - start, v.shape[-1])
-            for start, stop, doc in row_spans
+            for start, stop, _ in row_spans
         ]  # fmt: skip
         rows.append(torch.cat(pieces, dim=2))
     return torch.cat(rows)

@@ -1,0 +1,117 @@
+"""The cost model of cost-balanced packing, measured on this device: time a few forward and backward passes of
+micro-batches with known document lengths and fit c + a·Σs² + b·Σs by least squares.
+
+What is timed is one pipeline stage's share of the layers on one device, with the model's full width: tensor
+parallelism divides every term by about the same factor, which leaves the plan unchanged and only scales the
+predicted seconds. Results are cached per model shape, stage depth, device, dtype and thread count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from titan.data.corpora import cache_root
+from titan.data.packing import CostModel
+
+log = logging.getLogger("titan")
+
+
+def micro_batches_to_time(max_len: int, capacity: int) -> list[list[int]]:
+    """Document lengths of the timed micro-batches, for token counts doubling from 32 up to the capacity: one
+    document of that many tokens (up to max_len), and documents of 32, 64 and max_len tokens. The same
+    token count in documents of different lengths separates the quadratic term from the linear one."""
+    short = min(64, max_len)
+    batches, tokens = [], max(1, short // 2)
+    while True:
+        tokens = min(tokens, capacity)
+        for length in (tokens, short, max(1, short // 2), max_len):
+            if length <= max_len and tokens % length == 0 and [length] * (tokens // length) not in batches:
+                batches.append([length] * (tokens // length))
+        if tokens == capacity:
+            return batches
+        tokens *= 2
+
+
+def time_micro_batch(model: torch.nn.Module, lengths: list[int], vocab: int, device: torch.device, repeats: int = 3):
+    """Median seconds of one forward and backward of a micro-batch of documents of these lengths."""
+    tokens = torch.randint(0, vocab, (1, sum(lengths)), device=device, generator=torch.Generator(device).manual_seed(0))
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))[None]
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(tokens, None, ids).float().logsumexp(-1).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def fit(samples: list[tuple[list[int], float]]) -> tuple[CostModel, float]:
+    """Least-squares a, b, c (clipped at 0) of time = c + a·Σs² + b·Σs over (lengths, seconds); and R²."""
+    x = np.array([[sum(s * s for s in lengths), sum(lengths), 1.0] for lengths, _ in samples], dtype=np.float64)
+    y = np.array([seconds for _, seconds in samples])
+    # Scale the columns: Σs² is a million times Σs, which would otherwise make the fit ill-conditioned.
+    scale = np.abs(x).max(axis=0)
+    coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
+    a, b, c = (max(0.0, float(v)) for v in coef)
+    predicted = x @ np.array([a, b, c])
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((y - predicted) ** 2).sum()) / total if total > 0 else 1.0
+    return CostModel(a, b, c), r2
+
+
+def measure(spec, args, n_layers: int, max_len: int, capacity: int, device: torch.device, dtype: torch.dtype, seed: int):
+    """Fit the cost model of a model of `n_layers` of these args on `device`; returns (model, R², samples)."""
+    stage_args = dataclasses.replace(args, n_layers=n_layers, max_seq_len=max(args.max_seq_len, max_len))
+    with torch.device("meta"):
+        model = spec.build(stage_args)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    model.to(dtype)
+    samples = [(lengths, time_micro_batch(model, lengths, args.vocab_size, device)) for lengths in
+               micro_batches_to_time(max_len, capacity)]  # fmt: skip
+    cost, r2 = fit(samples)
+    return cost, r2, samples
+
+
+def cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, seed) -> CostModel:
+    """The measured cost model, from the cache when this shape was measured here before."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
+    key = json.dumps(
+        [dataclasses.asdict(args), n_layers, max_len, capacity, name, str(dtype), torch.__version__], sort_keys=True
+    )
+    path = cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        cached = json.loads(path.read_text())
+        log.info("data.cost_model: %s (measured before, %s)", _describe(cached), path)
+        return CostModel(*cached["abc"])
+    start = time.perf_counter()
+    cost, r2, samples = measure(spec, args, n_layers, max_len, capacity, device, dtype, seed)
+    record = {"abc": [cost.a, cost.b, cost.c], "r2": r2, "samples": samples, "device": name}
+    log.info("data.cost_model: %s, measured in %.1fs", _describe(record), time.perf_counter() - start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return cost
+
+
+def _describe(record: dict) -> str:
+    a, b, c = record["abc"]
+    crossover = b / a if a > 0 else math.inf  # where a document's attention costs as much as the rest of it
+    return (
+        f"a = {a:.3g} s/token², b = {b:.3g} s/token, c = {c:.3g} s/micro-batch (R² {record['r2']:.3f}; attention "
+        f"equals the linear cost at {crossover:.0f} tokens)"
+    )

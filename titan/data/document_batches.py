@@ -1,0 +1,162 @@
+"""Document-level global batches (`data.batching = "tokens"`).
+
+Each step takes whole documents from the shuffled stream until the next would pass a token budget, and a
+balancer (titan/data/packing.py) decides which data-parallel rank trains each one and in which micro-batch.
+The documents of a step depend on (seed, step) only; where they go may differ between layouts, which
+document masking makes irrelevant to the math (each document attends only to itself, the loss is divided
+by the step's token count). Every rank computes the whole plan from the step's lengths, so they agree
+without a collective; a worker thread builds the next step's micro-batches while this one trains.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from titan.config import ConfigError
+from titan.data.loader import IGNORE, Batch, epoch_order
+from titan.data.packing import Assignment, CostModel, Target, balance_by_cost, balance_by_tokens
+
+# Padding carries no loss and is cut into "documents" of PAD_BLOCK tokens with ids -1, -2, ...: its attention
+# then costs little, its positions stay within the RoPE table, and every weight still gets a gradient on every
+# rank (FSDP reduce-scatters only the gradients that exist: a rank whose micro-batch left a weight without one
+# would send fewer bytes than the others).
+PAD_BLOCK = 64
+
+
+class DocumentPieces:
+    """A source's documents as pieces of at most `max_len` (input, label) pairs, in a shuffled order per epoch
+    (the order PackedSamples uses). A document of n tokens holds n - 1 pairs; piece (doc, start, length) reads
+    its tokens [start, start + length + 1)."""
+
+    def __init__(self, documents, subset: np.ndarray, max_len: int, seed: int, shuffle: bool, stream: int = 0):
+        self.documents, self.subset, self.max_len = documents, np.asarray(subset, dtype=np.int64), max_len
+        self.seed, self.shuffle, self.stream = seed, shuffle, stream
+        pairs = np.maximum(np.asarray(documents.lengths)[self.subset] - 1, 0)
+        self.pieces_per_epoch = int((-(-pairs // max_len)).sum())
+        self.tokens_per_epoch = int(pairs.sum())
+        self._epochs: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(document, start, length) of each piece in this epoch's order, and the running token count."""
+        if epoch not in self._epochs:
+            order = epoch_order(self.subset, self.seed, self.stream, epoch, self.shuffle)
+            pairs = np.maximum(np.asarray(self.documents.lengths)[order] - 1, 0)
+            counts = -(-pairs // self.max_len)
+            doc = np.repeat(order, counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            start = (np.arange(len(doc)) - first) * self.max_len
+            length = np.minimum(self.max_len, np.repeat(pairs, counts) - start)
+            running = np.zeros(len(doc) + 1, dtype=np.int64)
+            np.cumsum(length, out=running[1:])
+            self._epochs = {epoch: (doc, start, length, running)}
+        return self._epochs[epoch]
+
+    def step(self, first: int, budget: int) -> tuple[list[tuple[int, int, int]], int]:
+        """The pieces (doc, start, length) of the step whose first piece is `first` (counted across epochs):
+        as many as fit the budget in tokens, never across an epoch's end; and the next step's first piece."""
+        epoch, k = divmod(first, self.pieces_per_epoch)
+        doc, start, length, running = self._epoch(epoch)
+        end = int(np.searchsorted(running, running[k] + budget, side="right")) - 1
+        end = max(end, k + 1)  # a piece holds at most seq_len tokens, never more than the budget
+        pieces = list(zip(doc[k:end].tolist(), start[k:end].tolist(), length[k:end].tolist()))
+        return pieces, epoch * self.pieces_per_epoch + end
+
+    def tokens(self, doc: int, start: int, length: int) -> np.ndarray:
+        return self.documents.tokens(doc, start, start + length + 1)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The shape of this rank's Batches. Under a pipeline (`pipeline_rows` > 0) a Batch holds one schedule's
+    micro-batches, a row each, padded to `capacity` tokens (the stages' buffers take one shape); otherwise a
+    Batch is one micro-batch, one row of its own length padded to a multiple of `pad_multiple` (sequence
+    parallelism splits the sequence over the tensor-parallel ranks)."""
+
+    capacity: int
+    pipeline_rows: int = 0
+    pad_multiple: int = 1
+
+
+class DocumentBatchLoader:
+    """This rank's micro-batches of each step's documents, placed by `balance` ("cost" or "tokens")."""
+
+    def __init__(
+        self,
+        pieces: DocumentPieces,
+        budget: int,
+        balance: str,
+        cost: CostModel,
+        target: Target,
+        placement: Placement,
+        dp_rank: int,
+    ):
+        self.pieces, self.budget, self.cost, self.target = pieces, budget, cost, target
+        self.balance = balance_by_cost if balance == "cost" else balance_by_tokens
+        self.placement, self.dp_rank = placement, dp_rank
+        self.speeds = [1.0] * target.ranks  # data-parallel ranks' relative speeds (a straggler re-plan sets them)
+        self.next_piece = 0
+        self.last_plan: Assignment | None = None  # the plan of the step last returned, and its cost in seconds
+        self.plan_seconds = 0.0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="titan-batches")
+        self._ahead = None  # (first piece, speeds, future of the step starting there)
+
+    def state_dict(self) -> dict:
+        return {"next_piece": self.next_piece, "budget": self.budget}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "next_piece" not in state:
+            raise ConfigError("the checkpoint's data position counts rows (data.batching = 'rows'), not documents")
+        self.next_piece = int(state["next_piece"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[Batch]:
+        key = (self.next_piece, tuple(self.speeds))
+        if self._ahead is None or self._ahead[0] != key:
+            self._ahead = (key, self._worker.submit(self._step, *key))
+        batches, self.next_piece, self.last_plan, self.plan_seconds = self._ahead[1].result()
+        key = (self.next_piece, tuple(self.speeds))
+        self._ahead = (key, self._worker.submit(self._step, *key))
+        return batches
+
+    def _step(self, first: int, speeds: tuple[float, ...]):
+        pieces, following = self.pieces.step(first, self.budget)
+        lengths = [length for _, _, length in pieces]
+        start = time.perf_counter()
+        plan = self.balance(lengths, self.cost, self.target, list(speeds))
+        seconds = time.perf_counter() - start
+        total = sum(lengths)
+        mine = plan.micro_batches[self.dp_rank]
+        rows = self.placement.pipeline_rows or 1
+        batches = [self._batch(mine[g : g + rows], pieces, total) for g in range(0, len(mine), rows)]
+        return batches, following, plan, seconds
+
+    def _batch(self, micro_batches: list[list[int]], pieces: list[tuple[int, int, int]], step_tokens: int) -> Batch:
+        """One Batch: a row per micro-batch, its pieces one after another, then padding."""
+        p = self.placement
+        rows = [self._row([pieces[i] for i in docs]) for docs in micro_batches]
+        longest = max(len(r[0]) for r in rows)
+        width = p.capacity if p.pipeline_rows else max(p.pad_multiple, -(-longest // p.pad_multiple) * p.pad_multiple)
+        inputs = torch.zeros(len(rows), width, dtype=torch.int64)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
+        ids = (-1 - torch.arange(width) // PAD_BLOCK).repeat(len(rows), 1)
+        for r, (x, y, d) in enumerate(rows):
+            inputs[r, : len(x)], labels[r, : len(x)], ids[r, : len(x)] = x, y, d
+        loss_tokens = int((labels != IGNORE).sum())
+        return Batch(inputs, labels, torch.arange(len(rows)), ids, loss_tokens, step_tokens)
+
+    def _row(self, pieces: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not pieces:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty, empty
+        tokens = [self.pieces.tokens(*piece) for piece in pieces]
+        inputs = torch.from_numpy(np.concatenate([t[:-1] for t in tokens]).astype(np.int64))
+        labels = torch.from_numpy(np.concatenate([t[1:] for t in tokens]).astype(np.int64))
+        ids = torch.from_numpy(np.repeat(np.arange(len(tokens)), [len(t) - 1 for t in tokens]))
+        return inputs, labels, ids
