@@ -72,7 +72,9 @@ def fit(samples: list[tuple[list[int], float]]) -> tuple[CostModel, float]:
     return CostModel(a, b, c), r2
 
 
-def measure(spec, args, n_layers: int, max_len: int, capacity: int, device: torch.device, dtype: torch.dtype, seed: int):
+def measure(
+    spec, args, n_layers: int, max_len: int, capacity: int, device: torch.device, dtype: torch.dtype, seed: int
+):
     """Fit the cost model of a model of `n_layers` of these args on `device`; returns (model, R², samples)."""
     stage_args = dataclasses.replace(args, n_layers=n_layers, max_seq_len=max(args.max_seq_len, max_len))
     with torch.device("meta"):

@@ -20,8 +20,11 @@ deterministic: every rank computes the same plan from the same lengths.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,15 @@ def balance_by_tokens(
     its capacity), then first-fit-decreasing packing into as few micro-batches as fit."""
     speeds = speeds or [1.0] * target.ranks
     _check_fits(lengths, target)
-    tokens = [0] * target.ranks
+    fill = np.zeros(target.ranks)  # tokens over capacity
+    capacities = np.asarray(target.capacities, dtype=np.float64)
     ranks: list[list[int]] = [[] for _ in range(target.ranks)]
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = min(
-            (r for r in range(target.ranks) if lengths[i] <= target.capacities[r]),
-            key=lambda r: (tokens[r] + lengths[i]) / target.capacities[r],
-        )
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        after = fill + lengths[i] / capacities
+        after[capacities < lengths[i]] = np.inf
+        r = int(np.argmin(after))
         ranks[r].append(i)
-        tokens[r] += lengths[i]
+        fill[r] = after[r]
     return _pack_all(ranks, lengths, cost, target, speeds, balanced=False)
 
 
@@ -136,45 +139,62 @@ def _dispatch(lengths: list[int], cost: CostModel, target: Target, speeds: list[
     count = math.ceil(math.ceil(sum(lengths) / sum(target.capacities)) / target.group) * target.group
     fixed = per_micro_batch * (count + (target.pipeline_stages - 1) * count // target.group)
     weight = [cost.a * s * s + (0.0 if target.padded else cost.b * s) for s in lengths]
-    load = [fixed] * target.ranks
+    load = np.full(target.ranks, fixed)
+    rates, capacities = np.asarray(speeds, dtype=np.float64), np.asarray(target.capacities)
     ranks: list[list[int]] = [[] for _ in range(target.ranks)]
-    fits = [[r for r in range(target.ranks) if s <= target.capacities[r]] for s in lengths]
     for i in sorted(range(len(lengths)), key=lambda i: (-weight[i], i)):
-        r = min(fits[i], key=lambda r: ((load[r] + weight[i]) / speeds[r], r))
+        finish = (load + weight[i]) / rates
+        finish[capacities < lengths[i]] = np.inf
+        r = int(np.argmin(finish))  # the first of equals: every rank makes the same choice
         ranks[r].append(i)
         load[r] += weight[i]
-    # Local search: move or swap one document of the slowest rank while that lowers the pair's slower time.
-    for _ in range(4 * len(lengths)):
-        slow = max(range(target.ranks), key=lambda r: load[r] / speeds[r])
-        worst = load[slow] / speeds[slow]
-        best = None  # (new worse time of the pair, document, other rank, document swapped back or None)
-        for i in ranks[slow]:
-            for r in range(target.ranks):
-                if r == slow or r not in fits[i]:
-                    continue
-                pair = max((load[slow] - weight[i]) / speeds[slow], (load[r] + weight[i]) / speeds[r])
-                if pair < worst * (1 - 1e-9) and (best is None or pair < best[0]):
-                    best = (pair, i, r, None)
-                for j in ranks[r]:
-                    if weight[j] >= weight[i] or slow not in fits[j]:
-                        continue
-                    delta = weight[i] - weight[j]
-                    pair = max((load[slow] - delta) / speeds[slow], (load[r] + delta) / speeds[r])
-                    if pair < worst * (1 - 1e-9) and (best is None or pair < best[0]):
-                        best = (pair, i, r, j)
-        if best is None:
-            break
-        _, i, r, j = best
-        ranks[slow].remove(i)
-        ranks[r].append(i)
-        load[slow] -= weight[i]
-        load[r] += weight[i]
-        if j is not None:
-            ranks[r].remove(j)
-            ranks[slow].append(j)
-            load[r] -= weight[j]
-            load[slow] += weight[j]
+    load = load.tolist()
+    _improve(ranks, load, weight, lengths, target.capacities, speeds)
     return ranks
+
+
+def _improve(ranks, load, weight, lengths, capacities, speeds) -> None:
+    """Local search: move one document of the slowest rank to one of the fastest ranks, or swap it for a
+    lighter one there, while that lowers the slower of the pair. For a pair the best transfer of weight d is
+    where both finish together; bisection over each rank's sorted weights finds the documents nearest it."""
+    fastest_to_try = 4
+    for _ in range(8 * len(ranks)):
+        times = [load[r] / speeds[r] for r in range(len(ranks))]
+        slow = max(range(len(ranks)), key=lambda r: (times[r], -r))
+        worst = times[slow]
+        best = None  # (the pair's new slower time, document moved, rank it goes to, document moved back or None)
+        for fast in sorted(range(len(ranks)), key=lambda r: (times[r], r))[:fastest_to_try]:
+            if fast == slow:
+                continue
+            ideal = (load[slow] * speeds[fast] - load[fast] * speeds[slow]) / (speeds[slow] + speeds[fast])
+            mine = sorted((weight[i], i) for i in ranks[slow] if lengths[i] <= capacities[fast])
+            theirs = sorted((weight[j], j) for j in ranks[fast] if lengths[j] <= capacities[slow])
+            candidates = [(i, None) for _, i in _nearest(mine, ideal)]
+            for w, i in mine:
+                candidates += [(i, j) for _, j in _nearest(theirs, w - ideal) if weight[j] < w]
+            for i, j in candidates:
+                delta = weight[i] - (weight[j] if j is not None else 0.0)
+                pair = max((load[slow] - delta) / speeds[slow], (load[fast] + delta) / speeds[fast])
+                if pair < worst * (1 - 1e-9) and (best is None or pair < best[0]):
+                    best = (pair, i, fast, j)
+        if best is None:
+            return
+        _, i, fast, j = best
+        ranks[slow].remove(i)
+        ranks[fast].append(i)
+        load[slow] -= weight[i]
+        load[fast] += weight[i]
+        if j is not None:
+            ranks[fast].remove(j)
+            ranks[slow].append(j)
+            load[fast] -= weight[j]
+            load[slow] += weight[j]
+
+
+def _nearest(items: list[tuple[float, int]], value: float) -> list[tuple[float, int]]:
+    """The (at most two) items of a sorted list whose first element is nearest `value` from below and above."""
+    k = bisect.bisect_left(items, (value, -1))
+    return items[max(0, k - 1) : k + 1]
 
 
 def _pack_all(
@@ -202,15 +222,14 @@ def _pack(docs: list[int], lengths: list[int], cost: CostModel, target: Target, 
     """One rank's documents in `count` micro-batches: balanced by predicted time (largest first into the
     least-loaded micro-batch with room, then moves from the slowest one), or first-fit decreasing."""
     capacity = target.capacities[rank]
-    ffd = _first_fit_decreasing(docs, lengths, capacity, count)
     if not balanced or target.pipeline_stages == 1:  # without a pipeline, the arrangement does not change the sum
-        return ffd
+        return _first_fit_decreasing(docs, lengths, capacity, count)
     bins: list[list[int]] = [[] for _ in range(count)]
     room, load = [capacity] * count, [0.0] * count
     for i in sorted(docs, key=lambda i: (-lengths[i], i)):
         open_bins = [k for k in range(count) if room[k] >= lengths[i]]
-        if not open_bins:
-            return ffd  # balancing by time could not fit them all: the tight packing does
+        if not open_bins:  # balancing by time could not fit them all: the tight packing does
+            return _first_fit_decreasing(docs, lengths, capacity, count)
         k = min(open_bins, key=lambda k: (load[k], k))
         bins[k].append(i)
         room[k] -= lengths[i]

@@ -1,0 +1,117 @@
+"""Document-level global batches (data.batching = "tokens"): which documents a step takes, and what each
+data-parallel rank reads of them."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import numbered_documents
+from titan.data.document_batches import PAD_BLOCK, DocumentBatchLoader, DocumentPieces, Placement
+from titan.data.loader import IGNORE
+from titan.data.packing import CostModel, Target
+
+COST = CostModel(a=2e-6, b=1e-4, c=1e-3)
+
+
+def pieces_of(max_len=16, n=60, seed=3):
+    docs = numbered_documents(n, seed=seed, min_len=1, max_len=70)
+    return docs, DocumentPieces(docs, np.arange(n), max_len, seed=7, shuffle=True)
+
+
+def test_an_epoch_of_pieces_covers_every_token_pair_once_in_pieces_of_at_most_max_len():
+    docs, pieces = pieces_of()
+    seen = []
+    first = 0
+    while first < pieces.pieces_per_epoch:
+        step, first = pieces.step(first, budget=100)
+        assert sum(length for _, _, length in step) <= 100
+        for doc, start, length in step:
+            assert 1 <= length <= 16
+            tokens = pieces.tokens(doc, start, length)
+            assert tokens.tolist() == [doc * 1000 + i for i in range(start, start + length + 1)]
+            seen += [(doc, i) for i in range(start, start + length)]
+    assert first == pieces.pieces_per_epoch  # the last step stops at the epoch's end
+    want = [(doc, i) for doc in range(docs.n_documents) for i in range(int(docs.lengths[doc]) - 1)]
+    assert sorted(seen) == want and len(seen) == pieces.tokens_per_epoch
+
+
+def test_the_documents_of_a_step_depend_on_the_seed_and_step_only():
+    _, a = pieces_of()
+    _, b = pieces_of()
+    first_a, first_b = 0, 0
+    for _ in range(5):
+        step_a, first_a = a.step(first_a, 100)
+        step_b, first_b = b.step(first_b, 100)
+        assert step_a == step_b
+    other = DocumentPieces(a.documents, np.arange(60), 16, seed=8, shuffle=True)
+    assert other.step(0, 100)[0] != a.step(0, 100)[0]
+    # The next epoch reshuffles.
+    assert a.step(a.pieces_per_epoch, 100)[0] != a.step(0, 100)[0]
+
+
+def loaders(placement: Placement, ranks: int, balance="cost", capacity=64):
+    _, pieces = pieces_of()
+    target = Target((capacity,) * ranks, 2 if placement.pipeline_rows else 1, placement.pipeline_rows or 1,
+                    padded=bool(placement.pipeline_rows))  # fmt: skip
+    return [DocumentBatchLoader(pieces, 200, balance, COST, target, placement, r) for r in range(ranks)]
+
+
+@pytest.mark.parametrize(
+    "placement", [Placement(64), Placement(64, pad_multiple=4), Placement(64, pipeline_rows=2)],
+    ids=["rows_of_their_length", "padded_for_sequence_parallel", "pipeline_rows_padded_to_capacity"],
+)  # fmt: skip
+@pytest.mark.parametrize("balance", ["cost", "tokens"])
+def test_the_ranks_micro_batches_hold_the_steps_pieces_exactly_once(placement, balance):
+    ranks = loaders(placement, 2, balance)
+    _, pieces = pieces_of()
+    first = 0
+    for _ in range(4):
+        step, first = pieces.step(first, 200)
+        want = sorted((doc, start + i) for doc, start, length in step for i in range(length))
+        got, counts = [], set()
+        for loader in ranks:
+            batches = next(loader)
+            counts.add(sum(b.inputs.shape[0] for b in batches))
+            for b in batches:
+                rows, width = b.inputs.shape
+                assert b.step_loss_tokens == len(want)
+                assert b.loss_tokens == int((b.labels != IGNORE).sum())
+                if placement.pipeline_rows:
+                    assert (rows, width) == (placement.pipeline_rows, placement.capacity)
+                else:
+                    assert rows == 1 and width % placement.pad_multiple == 0 and width <= 64 + placement.pad_multiple
+                for x, y, ids in zip(b.inputs, b.labels, b.document_ids):
+                    real = y != IGNORE
+                    assert (ids[real] >= 0).all() and (ids[~real] < 0).all()
+                    assert real[: int(real.sum())].all()  # documents first, then padding
+                    # Padding comes in "documents" of at most PAD_BLOCK tokens.
+                    assert all(
+                        n <= PAD_BLOCK for n in torch.unique_consecutive(ids[~real], return_counts=True)[1].tolist()
+                    )
+                    for token, label in zip(x[real].tolist(), y[real].tolist()):
+                        assert label == token + 1  # the next token of the same document
+                        got.append((token // 1000, token % 1000))
+        assert len(counts) == 1  # every rank runs as many micro-batches (FSDP's collectives)
+        assert sorted(got) == want
+
+
+def test_a_resumed_loader_reads_the_batches_it_would_have_read():
+    straight = loaders(Placement(64), 2)[1]
+    for _ in range(3):
+        next(straight)
+    state = straight.state_dict()
+    want = [b.inputs for b in next(straight)]
+    resumed = loaders(Placement(64), 2)[1]
+    resumed.load_state_dict(state)
+    assert [torch.equal(a, b) for a, b in zip((b.inputs for b in next(resumed)), want)] == [True] * len(want)
+
+
+def test_speeds_move_work_to_the_faster_rank():
+    fast, slow = loaders(Placement(64), 2)
+    for loader in (fast, slow):
+        loader.speeds = [1.0, 0.25]
+    next(fast)
+    plan = fast.last_plan
+    tokens = [sum(int(b.loss_tokens) for b in next(loader)) for loader in (fast, slow)]
+    assert plan.times[0] == pytest.approx(plan.times[1], rel=0.5)
+    assert tokens[0] > 2 * tokens[1]

@@ -1,0 +1,84 @@
+"""Cost-balanced against token-balanced packing at scales this machine cannot reach (`titan simulate packing`).
+
+Each step draws documents with long-tailed lengths (lognormal, clipped) up to a token budget, and both
+balancers of titan/data/packing.py place them on the data-parallel replicas; a step takes as long as the
+slowest replica's predicted time. The cost model comes from a Llama flavor's FLOPs at a fixed rate: b from
+the weight matmuls per token (6 x weights), a from causal attention (6 x layers x dim per pair of tokens), c
+a fixed cost per micro-batch. Under a pipeline each micro-batch is padded to its capacity and one replica's
+cost is one stage's share of the layers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from titan.data.packing import CostModel, Target, balance_by_cost, balance_by_tokens
+from titan.models.llama import FLAVORS, flops_per_token
+
+
+@dataclass
+class PackingScenario:
+    replicas: int = 64
+    pp: int = 1
+    flavor: str = "8B"
+    flops_per_s: float = 4e14  # sustained per device (an H100 at about 40% of its bf16 peak)
+    micro_batch_s: float = 0.005  # fixed cost per micro-batch (launches, FSDP's collectives)
+    capacity: int = 32768  # tokens per micro-batch
+    micro_batches: int = 4  # per replica and step at full capacity (the pipeline's schedule length when pp > 1)
+    fill: float = 0.9  # the step's token budget as a share of all micro-batches' capacity
+    median_len: int = 1024
+    sigma: float = 1.5  # of log length
+    max_len: int = 32768
+    steps: int = 20
+    seed: int = 0
+
+    def cost_model(self) -> CostModel:
+        args = FLAVORS["llama3"][self.flavor] if "llama3" in FLAVORS else FLAVORS[self.flavor]
+        per_token = flops_per_token(args, 0)
+        per_pair = (flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
+        share = 1 / self.pp  # one stage's layers
+        return CostModel(per_pair * share / self.flops_per_s, per_token * share / self.flops_per_s, self.micro_batch_s)
+
+    def target(self) -> Target:
+        group = self.micro_batches if self.pp > 1 else 1
+        return Target((self.capacity,) * self.replicas, self.pp, group, padded=self.pp > 1)
+
+
+def documents(s: PackingScenario, rng: random.Random) -> list[int]:
+    """One step's document lengths: drawn until the next would pass the budget."""
+    budget = int(s.fill * s.replicas * s.micro_batches * s.capacity)
+    lengths, total = [], 0
+    while True:
+        length = max(2, min(s.max_len, round(rng.lognormvariate(math.log(s.median_len), s.sigma))))
+        if total + length > budget:
+            return lengths
+        lengths.append(length)
+        total += length
+
+
+def simulate(s: PackingScenario) -> dict[str, float]:
+    """Mean predicted step time of each balancer, their ratio, and the cost balancer's planning time."""
+    rng, cost, target = random.Random(s.seed), s.cost_model(), s.target()
+    times: dict[str, list[float]] = {"tokens": [], "cost": []}
+    plan_s, imbalance = [], {"tokens": [], "cost": []}
+    for _ in range(s.steps):
+        lengths = documents(s, rng)
+        for name, balance in (("tokens", balance_by_tokens), ("cost", balance_by_cost)):
+            start = time.perf_counter()
+            plan = balance(lengths, cost, target)
+            if name == "cost":
+                plan_s.append(time.perf_counter() - start)
+            times[name].append(plan.step_time)
+            imbalance[name].append(plan.imbalance)
+    return {
+        "tokens_step_s": statistics.mean(times["tokens"]),
+        "cost_step_s": statistics.mean(times["cost"]),
+        "speedup": statistics.mean(times["tokens"]) / statistics.mean(times["cost"]),
+        "tokens_imbalance": statistics.mean(imbalance["tokens"]),
+        "cost_imbalance": statistics.mean(imbalance["cost"]),
+        "plan_ms": 1e3 * statistics.median(plan_s),
+    }
