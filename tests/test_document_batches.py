@@ -115,3 +115,20 @@ def test_speeds_move_work_to_the_faster_rank():
     tokens = [sum(int(b.loss_tokens) for b in next(loader)) for loader in (fast, slow)]
     assert plan.times[0] == pytest.approx(plan.times[1], rel=0.5)
     assert tokens[0] > 2 * tokens[1]
+
+
+@pytest.mark.slow
+def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
+    """c + a·Σs² + b·Σs against forward and backward times of micro-batches of 32 to 2048 tokens."""
+    from titan import models
+    from titan.data.cost_fit import measure
+
+    spec = models.get_model_spec("llama3")
+    overrides = {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 2048, "max_seq_len": 2048}
+    args = models.model_args(spec, "debug", overrides)
+    cost, r2, samples = measure(spec, args, 2, 2048, 2048, torch.device("cpu"), torch.float32, seed=0)
+    assert r2 > 0.9, samples
+    assert cost.a > 0 and cost.b > 0
+    # The quadratic term is real: one 2048-token document takes longer than 32 documents of 64 tokens.
+    alone = dict((len(lengths), t) for lengths, t in samples if sum(lengths) == 2048)
+    assert alone[1] > alone[32]

@@ -28,16 +28,16 @@ class PackingScenario:
     flops_per_s: float = 4e14  # sustained per device (an H100 at about 40% of its bf16 peak)
     micro_batch_s: float = 0.005  # fixed cost per micro-batch (launches, FSDP's collectives)
     capacity: int = 32768  # tokens per micro-batch
-    micro_batches: int = 4  # per replica and step at full capacity (the pipeline's schedule length when pp > 1)
+    micro_batches: int = 2  # per replica and step at full capacity (the pipeline's schedule length when pp > 1)
     fill: float = 0.9  # the step's token budget as a share of all micro-batches' capacity
     median_len: int = 1024
-    sigma: float = 1.5  # of log length
+    sigma: float = 1.0  # of log length
     max_len: int = 32768
     steps: int = 20
     seed: int = 0
 
     def cost_model(self) -> CostModel:
-        args = FLAVORS["llama3"][self.flavor] if "llama3" in FLAVORS else FLAVORS[self.flavor]
+        args = FLAVORS[self.flavor]
         per_token = flops_per_token(args, 0)
         per_pair = (flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
         share = 1 / self.pp  # one stage's layers
