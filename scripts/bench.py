@@ -5,6 +5,7 @@
     python scripts/bench.py --compare float8      # titan with float8.enable false and true
     python scripts/bench.py --compare dropout     # dropout 0 vs 0.1 (the counter-based RNG's cost)
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
+    python scripts/bench.py --compare packing     # FSDP2, long-tailed documents: token- vs cost-balanced placement
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
@@ -60,7 +61,30 @@ COMPARISONS = {
         ),
     ],
     "layouts": [(name, "titan", n, extra) for name, (n, extra) in LAYOUTS.items()],
+    # Whole documents per step on two ranks (the corpus is made by long_tailed_corpus): placed by tokens, by cost.
+    "packing": [
+        (balance, "titan", 2, ["--parallel.dp_shard", "2", "--data.batching", "tokens", "--data.balance", balance])
+        for balance in ("tokens", "cost")
+    ],
 }
+PACKING_RECIPE = [
+    *("--training.seq_len", "4096", "--training.local_batch_size", "1", "--training.global_batch_size", "4"),
+    *("--validation.interval", "0", "--tokenizer.path", str(ROOT / "data" / "tokenizer.json")),
+]
+
+
+def long_tailed_corpus(path: Path, documents: int = 3000, seed: int = 0) -> Path:
+    """Documents of the project's stories, each 1 to ~30 stories joined (lognormal): most a few hundred tokens,
+    a long tail up to 4k and beyond (split at seq_len)."""
+    import random
+
+    stories = [json.loads(line)["text"] for line in (ROOT / "data" / "stories.jsonl").read_text().splitlines()]
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(documents):
+            count = min(30, max(1, round(rng.lognormvariate(0.0, 1.3))))
+            f.write(json.dumps({"text": "\n\n".join(rng.choice(stories) for _ in range(count))}) + "\n")
+    return path
 
 
 def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str]) -> dict:
@@ -353,6 +377,9 @@ def main() -> None:
     if not any(o.startswith("--metrics.peak_flops") for o in overrides) and not torch.cuda.is_available():
         overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]  # one denominator for every run
     runs = COMPARISONS[args.compare]
+    if args.compare == "packing":
+        corpus = long_tailed_corpus(Path(tempfile.mkdtemp(prefix="titan-bench-corpus-")) / "long_tailed.jsonl")
+        overrides += [*PACKING_RECIPE, "--data.source", str(corpus)]
     if args.compare == "layouts":
         # The same global batch everywhere: each data-parallel rank takes its share.
         from titan.config import load_config

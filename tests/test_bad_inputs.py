@@ -308,6 +308,47 @@ CASES = [
         {"WORLD_SIZE": "4"},
         ["fsdp_reshard_after_forward", "ZBVZeroBubble"],
     ),  # fmt: skip
+    # -- whole documents per step (data.batching = "tokens")
+    (
+        "tokens batching without document masks",
+        "show",
+        ["--data.batching", "tokens", "--data.document_mask", "false"],
+        None,
+        {},
+        ["data.batching = 'tokens'", "data.document_mask = true"],
+    ),
+    (
+        "tokens batching compiled",
+        "show",
+        ["--data.batching", "tokens", "--compile.enable", "true"],
+        None,
+        {},
+        ["compile.enable", "data.batching = 'tokens'"],
+    ),
+    (
+        "cost model of two numbers",
+        "show",
+        ["--data.batching", "tokens", "--data.cost_model", "[1e-6, 1e-4]"],
+        None,
+        {},
+        ["data.cost_model", "[a, b, c]"],
+    ),
+    (
+        "tokens batching with dropout",
+        "train",
+        {"data.batching": "tokens", "model.overrides.resid_dropout": "0.1"},
+        None,
+        {},
+        ["does not support dropout", "resid_dropout"],
+    ),
+    (
+        "document piece larger than a micro-batch",
+        "train",
+        {"data.batching": "tokens", "data.max_document_len": "512"},
+        None,
+        {},
+        ["data.max_document_len 512", "fits no micro-batch", "256 tokens"],
+    ),
     (
         "compile tp sp on CPU",
         "train",
