@@ -68,7 +68,8 @@ COMPARISONS = {
     ],
 }
 PACKING_RECIPE = [
-    *("--training.seq_len", "4096", "--training.local_batch_size", "1", "--training.global_batch_size", "4"),
+    *("--training.seq_len", "4096", "--model.overrides.max_seq_len", "4096"),
+    *("--training.local_batch_size", "1", "--training.global_batch_size", "4"),
     *("--validation.interval", "0", "--tokenizer.path", str(ROOT / "data" / "tokenizer.json")),
 ]
 

@@ -60,13 +60,28 @@ def documents(s: PackingScenario, rng: random.Random) -> list[int]:
         total += length
 
 
+def lower_bound(lengths: list[int], cost: CostModel, target: Target) -> float:
+    """No placement of these documents on equal ranks predicts a faster step: every rank runs at least the
+    micro-batches that the step's tokens need, each paying its constant (and, padded, the capacity's linear
+    cost) plus, in a pipeline, (stages - 1) slowest micro-batches per schedule run; the slowest rank takes at
+    least the mean, and at least what the rank holding the most expensive document takes."""
+    capacity, stages = target.capacities[0], target.pipeline_stages
+    count = math.ceil(math.ceil(sum(lengths) / (capacity * target.ranks)) / target.group) * target.group
+    per_micro_batch = cost.c + (cost.b * capacity if target.padded else 0.0)
+    base = per_micro_batch * (count + (stages - 1) * count // target.group)
+    work = [cost.a * n * n + (0.0 if target.padded else cost.b * n) for n in lengths]
+    return max(base + sum(work) / target.ranks, base + stages * max(work))
+
+
 def simulate(s: PackingScenario) -> dict[str, float]:
-    """Mean predicted step time of each balancer, their ratio, and the cost balancer's planning time."""
+    """Mean predicted step time of each balancer, their ratio, the lower bound, and the cost balancer's
+    planning time."""
     rng, cost, target = random.Random(s.seed), s.cost_model(), s.target()
-    times: dict[str, list[float]] = {"tokens": [], "cost": []}
+    times: dict[str, list[float]] = {"tokens": [], "cost": [], "bound": []}
     plan_s, imbalance = [], {"tokens": [], "cost": []}
     for _ in range(s.steps):
         lengths = documents(s, rng)
+        times["bound"].append(lower_bound(lengths, cost, target))
         for name, balance in (("tokens", balance_by_tokens), ("cost", balance_by_cost)):
             start = time.perf_counter()
             plan = balance(lengths, cost, target)
@@ -78,6 +93,7 @@ def simulate(s: PackingScenario) -> dict[str, float]:
         "tokens_step_s": statistics.mean(times["tokens"]),
         "cost_step_s": statistics.mean(times["cost"]),
         "speedup": statistics.mean(times["tokens"]) / statistics.mean(times["cost"]),
+        "bound_step_s": statistics.mean(times["bound"]),
         "tokens_imbalance": statistics.mean(imbalance["tokens"]),
         "cost_imbalance": statistics.mean(imbalance["cost"]),
         "plan_ms": 1e3 * statistics.median(plan_s),
