@@ -69,6 +69,18 @@ def test_titan_train_gives_the_single_process_losses_on_every_layout(tmp_path):
         result = torchrun(world, recipe(tmp_path, name, **layout, **{"training.local_batch_size": str(local)}))
         assert result.returncode == 0, result.stderr[-3000:]
         assert_close_losses(losses(tmp_path / name), reference, name)
+        assert_same_run_files(tmp_path / name, tmp_path / "single", world)
+
+
+def assert_same_run_files(run_dir, single_dir, world: int):
+    """A torchrun run writes the files a 1-process run writes, once, with the same metrics."""
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in single_dir.iterdir())
+    records, single = (
+        [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, single_dir)
+    )
+    assert [r["step"] for r in records] == [r["step"] for r in single]
+    assert set(records[0]) == set(single[0])
+    assert json.loads((run_dir / "run_info.json").read_text())["world_size"] == world
 
 
 @pytest.mark.distributed

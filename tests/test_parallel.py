@@ -6,15 +6,12 @@ size share one launch.
 """
 
 import json
-import math
-import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
-from distributed import free_port, run_distributed
+from conftest import DEBUG_RECIPE
+from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
     LOSS_RTOL,
@@ -215,49 +212,6 @@ def test_a_live_replan_of_the_data_shares_keeps_the_single_process_losses(refere
     (plan, losses, weights), _ = run_distributed(train_through_a_replan, 2, tmp_path)
     assert plan == [[1, 1], [3, 3]]  # from one micro-batch of 4 rows per rank to uneven ones
     check_matches(reference, [{"replan": (losses, weights)}], ["replan"])
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout",
-    [["--parallel.dp_shard", "2", "--parallel.tp", "2"], ["--parallel.pp", "2", "--parallel.dp_shard", "2"]],
-    ids=["fsdp2_tp2", "pp2_fsdp2"],
-)
-def test_torchrun_cli_writes_the_same_run_files_as_one_process(tmp_path, layout):
-    common = tiny_overrides(
-        tmp_path, **{"training.steps": "3", "model.overrides.n_layers": "2", "training.local_batch_size": "2"}
-    )
-    single = run_titan("train", "--config", str(DEBUG_RECIPE), *common, "--job.name", "single")
-    assert single.returncode == 0, single.stderr
-    cmd = [
-        "torchrun",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "titan",
-        "train",
-        "--config",
-        str(DEBUG_RECIPE),
-        *common,
-        "--job.name",
-        "parallel",
-        *layout,
-    ]
-    result = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    files = lambda run: sorted(p.name for p in (tmp_path / run).iterdir())  # noqa: E731
-    assert files("parallel") == files("single")
-    single_metrics, parallel_metrics = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("single", "parallel"))
-    assert [m["step"] for m in parallel_metrics] == [m["step"] for m in single_metrics] == [1, 2, 3]
-    assert set(parallel_metrics[0]) == set(single_metrics[0])
-    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in parallel_metrics)  # PP reports the real loss
-    info = json.loads((tmp_path / "parallel" / "run_info.json").read_text())
-    assert info["world_size"] == 4
 
 
 def read_jsonl(path):
