@@ -154,7 +154,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     return {
         "step_time_ms": 1000 * step_time,
         "tokens_per_s": tokens_per_s,
-        "mfu": flops / (peak_flops(device, config.metrics.peak_flops) * world),
+        "mfu": flops / (peak * world) if (peak := peak_flops(device, config.metrics.peak_flops)[0]) else float("nan"),
         "peak_memory_gib": peak_memory_bytes(device) / 2**30,
         "checkpoint_blocked_ms": 1000 * statistics.median(blocked) if blocked else None,
         "device": str(device),

@@ -8,6 +8,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from titan.config import LRScheduler, load_config
+from titan.metrics import format_line, peak_flops
 from titan.optim import lr_factor
 from titan.trainer import Trainer
 
@@ -39,6 +40,23 @@ def test_debug_recipe_trains_from_the_cli_and_the_loss_falls(tmp_path):
     assert json.loads((run_dir / "run_info.json").read_text())["world_size"] == 1
     assert any((run_dir / "tensorboard").iterdir())
     assert "step 30/30" in result.stderr
+    assert "MFU: relative to metrics.peak_flops = 1e+11 FLOP/s" in result.stderr  # what the MFU figure means
+
+
+def test_mfu_peaks_name_their_source_and_gpus_match_exactly(monkeypatch):
+    assert peak_flops(torch.device("cpu"), 5e12) == (5e12, "metrics.peak_flops = 5e+12 FLOP/s")
+    rate, what = peak_flops(torch.device("cpu"))
+    assert rate > 1e8 and "measured fp32 matmul rate" in what and "not a datasheet peak" in what
+    for name, want in [("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("NVIDIA H100 80GB HBM3", 989e12)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(torch.device("cuda", 0))[0] == want, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L40 Custom")
+    assert peak_flops(torch.device("cuda", 0)) == (
+        0.0, "unknown GPU 'NVIDIA L40 Custom': no MFU is reported; set metrics.peak_flops to its peak FLOP/s"
+    )  # fmt: skip
+    line = format_line(3, 10, {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "step_time_s": 0.1,
+                               "peak_memory_gib": 1.0}, eta_s=1.0)  # fmt: skip
+    assert "| mfu - |" in line
 
 
 def tiny_trainer(tmp_path, **extra):

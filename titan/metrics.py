@@ -22,33 +22,42 @@ from titan.config import Config, Layout
 
 log = logging.getLogger("titan")
 
-# Dense bf16 peak FLOP/s of known GPUs (no sparsity), by a substring of the CUDA device name.
+# Dense bf16 peak FLOP/s (no sparsity) of known GPUs, by their exact CUDA device name: a substring would read
+# an "L40" as an "L4".
 GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 70e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA A10G": 70e12,
 }
 
 
-def peak_flops(device: torch.device, configured: float = 0.0) -> float:
-    """Peak FLOP/s of one device: the recipe's figure, the known GPU figure, or a measured CPU matmul rate."""
+def peak_flops(device: torch.device, configured: float = 0.0) -> tuple[float, str]:
+    """Peak FLOP/s of one device, which MFU divides by, and what it is: the recipe's figure, the known GPU's
+    datasheet figure, or on CPU this machine's measured matmul rate. An unknown GPU gives 0 (no MFU)."""
     if configured:
-        return configured
+        return configured, f"metrics.peak_flops = {configured:.3g} FLOP/s"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return flops
-        log.warning("unknown GPU %r: MFU assumes 312 TFLOP/s; set metrics.peak_flops", name)
-        return 312e12
-    return measure_cpu_flops()
+        if name in GPU_PEAK_FLOPS:
+            return GPU_PEAK_FLOPS[name], f"the {name}'s dense bf16 peak, {GPU_PEAK_FLOPS[name] / 1e12:.0f} TFLOP/s"
+        return 0.0, f"unknown GPU {name!r}: no MFU is reported; set metrics.peak_flops to its peak FLOP/s"
+    rate = measure_cpu_flops()
+    return rate, (
+        f"this CPU's measured fp32 matmul rate with {torch.get_num_threads()} threads, {rate / 1e9:.0f} GFLOP/s "
+        "(a ceiling measured here, not a datasheet peak)"
+    )
 
 
 def measure_cpu_flops(size: int = 1024, repeats: int = 20) -> float:
@@ -216,9 +225,10 @@ def _flatten(config: Config) -> dict:
 
 
 def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
+    mfu = f"mfu {100 * metrics['mfu']:.2f}%" if "mfu" in metrics else "mfu -"
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
-        f"| lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% "
+        f"| lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | {mfu} "
         f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta "
         f"{_duration(eta_s)}"
     )

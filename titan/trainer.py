@@ -137,7 +137,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
-        self.peak_flops = peak_flops(self.device, config.metrics.peak_flops)
+        self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops)
+        (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
         if self.rank == 0:
@@ -593,11 +594,12 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size,
-            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
             "step_time_s": step_time,
             "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
             "tokens_seen": self.tokens_seen,
         }
+        if self.peak_flops:
+            metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
         self.metrics.log(self.step, metrics)
         log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
 
