@@ -22,7 +22,7 @@ from titan import __version__, models
 from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
 from titan.config import Config, ConfigError, Layout, batch_plan, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
-from titan.data.cost_fit import cached_cost_model
+from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.files import hold_run_folder, write_error
@@ -354,6 +354,8 @@ class Trainer:
             if self.control_group is not None:
                 dist.broadcast_object_list(shared, src=0, group=self.control_group)
             cost = shared[0]
+            if layout.dp > 1:
+                cost = dataclasses.replace(cost, c=cost.c + self._fsdp_seconds_per_micro_batch())
         loader = DocumentBatchLoader(
             document_pieces(config), self.global_batch * t.seq_len, d.balance, cost, target, placement, self.dp_rank
         )
@@ -361,6 +363,18 @@ class Trainer:
         if weights:
             loader.speeds = list(weights)
         return loader
+
+    def _fsdp_seconds_per_micro_batch(self) -> float:
+        """FSDP's collectives per micro-batch, timed on the data-parallel group; the slowest rank's time, so
+        that every rank plans with the same cost model."""
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in self.spec.build(self.model_args).parameters())
+        dtype = torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
+        share = n_params // (self.layout.pp * self.layout.tp)
+        seconds = torch.tensor(collective_seconds(share, self.mesh["dp"].get_group(), self.device, dtype))
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.control_group)
+        log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
+        return float(seconds)
 
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])

@@ -110,6 +110,27 @@ def cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, se
     return cost
 
 
+def collective_seconds(n_params: int, group, device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds FSDP's collectives add to every micro-batch, which timing one process cannot see: an all-gather
+    of the weights in forward, another in backward (they were resharded) and a reduce-scatter of the
+    gradients, each taken as one all-gather of the stage's weights over the data-parallel group, timed here."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    shard = torch.zeros(math.ceil(n_params / world), dtype=dtype, device=device)
+    full = torch.empty(shard.numel() * world, dtype=dtype, device=device)
+    best = math.inf
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(full, shard, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 3 * best
+
+
 def _describe(record: dict) -> str:
     a, b, c = record["abc"]
     crossover = b / a if a > 0 else math.inf  # where a document's attention costs as much as the rest of it
