@@ -1,4 +1,4 @@
-"""The `titan` command line: train, config show, data prepare, compare, convert."""
+"""The `titan` command line: train, config show, data prepare, compare, convert, generate."""
 
 from __future__ import annotations
 
@@ -194,6 +194,36 @@ def convert_dcp_to_hf(
 
     try:
         typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def generate(
+    checkpoint: Path = typer.Option(
+        ..., "--checkpoint", help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."
+    ),
+    prompt: str = typer.Option(..., "--prompt", help="The text to continue."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Stop after this many tokens (or at EOS)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sample, flatter as it grows."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k likeliest tokens only; 0: from all."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sampling, so a run repeats."),
+    tokenizer: Path = typer.Option(None, "--tokenizer", help="A tokenizer.json instead of the recipe's."),
+) -> None:
+    """Continue a prompt with a checkpoint's model, using a KV cache: the text on stdout, the speed on stderr."""
+    if not prompt:
+        _fail("--prompt is empty; give the text to continue")
+    from titan.generate import continue_text  # imported late: torch takes a while to import
+
+    try:
+        text, generation = continue_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
+        typer.echo(text)
+        typer.echo(
+            f"{len(generation.tokens)} tokens: prefill {generation.prefill_seconds:.3f} s, decode "
+            f"{len(generation.tokens) - 1} tokens in {generation.decode_seconds:.3f} s "
+            f"({generation.decode_tokens_per_second:,.1f} tokens/s)",
+            err=True,
+        )
     except ConfigError as e:
         _fail(str(e))
 

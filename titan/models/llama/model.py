@@ -159,6 +159,25 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
+class KVCache:
+    """One layer's keys and values of the tokens so far, preallocated for max_len tokens, so that decoding
+    computes only the new token's and attends to every earlier one without recomputing it."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
+        self.keys = torch.zeros(batch, args.n_kv_heads, max_len, args.head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0  # tokens cached: the position of the next one
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys and values (batch, n_kv_heads, seq, head_dim) after the cached ones;
+        returns those of every token so far."""
+        stop = self.length + k.shape[2]
+        self.keys[:, :, self.length : stop] = k
+        self.values[:, :, self.length : stop] = v
+        self.length = stop
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -170,9 +189,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | list | None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor | BlockMask | list | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """mask: from document_mask; None: causal."""
+        """mask: from document_mask; None: causal. cache: this layer's, when decoding (see Transformer.forward)."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -180,6 +204,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
         if isinstance(mask, BlockMask):
             out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
         elif isinstance(mask, list):
@@ -220,9 +246,14 @@ class TransformerBlock(nn.Module):
         self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | BlockMask | list | None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor | BlockMask | list | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask), rows)
+        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask, cache), rows)
         return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
 
@@ -254,19 +285,33 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: list[KVCache] | None = None,
+    ):
         """tokens: (batch, seq) ids -> logits (batch, seq, vocab).
 
         rows: each sample's row in the step's global batch, which dropout masks are keyed by (default:
         0..batch-1). document_ids (batch, seq): packed documents (consecutive tokens with one id), each
         attending only to itself, with positions from 0 (default: one causal sequence). Pipeline stages
         other than the first take hidden states for `tokens`, and stages other than the last return their
-        hidden states and the other arguments given, for the next stage.
+        hidden states and the other arguments given, for the next stage. cache: a KVCache per layer, for
+        decoding (one causal sequence, no document_ids): `tokens` follow the cached ones, which they attend to,
+        and are added to the cache.
         """
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         seq = tokens.shape[1]
-        if document_ids is None:
+        if cache is not None:
+            start = cache[0].length  # the new tokens' positions follow the cached ones'
+            rope = self.rope[start : start + seq].unsqueeze(0)
+            # Each new token sees the cached ones and the new ones up to itself (SDPA's is_causal would align
+            # this non-square mask top-left).
+            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=tokens.device).tril(start)
+        elif document_ids is None:
             rope, mask = self.rope[:seq].unsqueeze(0), None
         else:
             rope = self.rope[document_positions(document_ids)]
@@ -274,8 +319,8 @@ class Transformer(nn.Module):
             flex = tokens.is_cuda and not explicit
             mask = document_mask(document_ids, flex, dense=explicit or not self.attention_per_document)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, rope, rows, mask)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, rope, rows, mask, None if cache is None else cache[i])
         if self.output is None:
             return (h, rows) if document_ids is None else (h, rows, document_ids)
         return self.output(self.norm(h))
