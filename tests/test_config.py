@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import DEBUG_RECIPE, run_titan
+from helpers import assert_one_line_error
 from titan.config import ConfigError, batch_plan, load_config, to_toml
 
 
@@ -59,3 +60,26 @@ def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, loca
     plan = batch_plan(config, world)  # each data-parallel rank's micro-batch sizes
     assert plan == expected
     assert sum(map(sum, plan)) == 8 and all(max(sizes) <= local for sizes in plan)
+
+
+def test_every_recipe_key_is_listed_with_its_type_default_and_description():
+    from titan.config import _all_keys
+    from titan.config_keys import recipe_keys
+
+    keys = {k.name: k for k in recipe_keys()}
+    assert set(_all_keys()) <= set(keys)  # every key a recipe can set
+    assert {"data.sources[].source", "data.sources[].weight"} <= set(keys)  # and a mixture table's
+    assert [name for name, k in keys.items() if len(k.description) < 8] == []
+    assert keys["training.seq_len"].type == "int" and keys["training.seq_len"].default == "256"
+    assert keys["data.batching"].type == "'rows' | 'tokens'" and keys["data.batching"].default == '"rows"'
+    assert "peak learning rate" in keys["optimizer.lr"].description
+    assert "auto: from the files' suffixes" == keys["validation.format"].description  # DataSource's meaning
+
+
+def test_config_keys_prints_a_section_and_names_the_sections_when_one_is_wrong():
+    listed = run_titan("config", "keys", "training")
+    assert listed.returncode == 0, listed.stderr
+    assert "training.seq_len: int = 256\n    tokens per sequence" in listed.stdout
+    assert "optimizer.lr" not in listed.stdout
+    wrong = run_titan("config", "keys", "trainig")
+    assert_one_line_error(wrong, "no section 'trainig'", "training")

@@ -4,6 +4,7 @@ source and the tokenizer, preparation survives interruption and concurrency, and
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -312,3 +313,22 @@ def test_the_cli_prepares_every_source_of_the_recipe_and_prints_its_figures(tmp_
     again = CliRunner().invoke(app, args)  # in this process: a second real CLI would only import torch again
     assert again.exit_code == 0, again.output
     assert [line.endswith("already prepared") for line in again.stdout.splitlines()] == [True, True]
+
+
+def test_tokenizer_path_may_name_a_hub_model_in_the_local_hf_cache(tmp_path, monkeypatch):
+    """The HF cache layout (models--org--name/snapshots/<commit>/tokenizer.json, refs/main naming the commit),
+    filled here with the project's tokenizer: no download."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "models--acme--tiny-llama"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    shutil.copy(ROOT / "data" / "tokenizer.json", repo / "snapshots" / "abc123" / "tokenizer.json")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    from_hub = Tokenizer(TokenizerConfig(path="acme/tiny-llama"))
+    local = Tokenizer(TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json")))
+    assert from_hub.path == repo / "snapshots" / "abc123" / "tokenizer.json"
+    assert from_hub.encode("Once upon a time") == local.encode("Once upon a time")
+    with pytest.raises(ConfigError, match="nor a hub model whose tokenizer.json is in the local HF cache"):
+        Tokenizer(TokenizerConfig(path="acme/not-downloaded"))

@@ -118,3 +118,20 @@ def test_compiled_blocks_match_eager(tmp_path):
     torch.testing.assert_close(compiled.forward_backward(batches), eager.forward_backward(batches), rtol=5e-7, atol=0)
     for (name, a), (_, b) in zip(eager.model_parts.named_parameters(), compiled.model_parts.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=3e-6 * a.grad.abs().max().item(), msg=name)
+
+
+def test_profiling_traces_its_window_and_the_step_breakdown_adds_up(tmp_path):
+    profiling = {"profiling.enable": "true", "profiling.memory": "true", "profiling.step_breakdown": "true"}
+    tiny_trainer(tmp_path, **{"training.steps": "6", "checkpoint.enable": "false", **profiling}).train()
+    # wait 1, warmup 1, active 2: steps 3 and 4 are traced, written after step 4.
+    traces = sorted((tmp_path / "debug" / "profiling").glob("*.pt.trace.json"))
+    assert [t.name for t in traces] == ["rank0-step4.pt.trace.json"]
+    events = json.loads(traces[0].read_text())["traceEvents"]  # what Perfetto and TensorBoard read
+    names = {e.get("name", "") for e in events}
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names
+    assert {"aten::mm", "aten::scaled_dot_product_attention"} <= names  # the step's own ops
+    assert any(n.startswith("Optimizer.step#AdamW") for n in names)
+    assert any(e.get("name") == "[memory]" for e in events)  # allocation events: what torch has on CPU
+    for record in read_metrics(tmp_path / "debug")[1:]:  # the first step also starts the profiler
+        phases = sum(record[f"{p}_s"] for p in ("data", "forward", "backward", "optimizer"))
+        assert abs(phases - record["step_time_s"]) < 0.1 * record["step_time_s"], record

@@ -73,7 +73,8 @@ def _leave_together() -> None:
 def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """Train a model from a recipe. Any recipe key can be overridden: --training.steps 30 --optimizer.lr 1e-3.
 
-    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script.
+    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. `titan config keys` lists
+    every key with its type, default and meaning.
     """
     try:
         cfg = load_config(config, ctx.args)
@@ -106,6 +107,21 @@ def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         typer.echo(to_toml(load_config(config, ctx.args)), nl=False)
     except ConfigError as e:
         _fail(str(e))
+
+
+@config_app.command("keys")
+def config_keys(
+    section: str = typer.Argument(None, help="Only this section's keys, e.g. training."),
+) -> None:
+    """Every recipe key: its type, default and what it does."""
+    from titan.config_keys import recipe_keys
+
+    keys = [k for k in recipe_keys() if section is None or k.name.split(".")[0] == section]
+    if not keys:
+        sections = sorted({k.name.split(".")[0] for k in recipe_keys()})
+        _fail(f"no section {section!r}; sections: {', '.join(sections)}")
+    for key in keys:
+        typer.echo(f"{key.name}: {key.type} = {key.default}\n    {key.description}")
 
 
 @data_app.command("prepare", context_settings=OVERRIDES)

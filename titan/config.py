@@ -25,17 +25,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class Job:
-    name: str = "titan"
+    name: str = "titan"  # the run's folder under output_dir, and its name in trackers
     output_dir: str = "outputs"  # the run writes to <output_dir>/<name>
-    seed: int = 0
+    seed: int = 0  # initialisation, data order and dropout all follow from it
     deterministic: bool = False  # torch.use_deterministic_algorithms; bitwise-repeatable runs
     recipe: str = ""  # the recipe file the run came from (filled in by load_config); trackers group runs by it
 
 
 @dataclass
 class Model:
-    name: str = "llama3"
-    flavor: str = "debug"
+    name: str = "llama3"  # the model family (titan/models registry)
+    flavor: str = "debug"  # its size: debug, 1B, 3B, 8B, 70B, 405B
     # Any field of the model's args, e.g. {n_layers = 4, resid_dropout = 0.1}; checked when the model is built.
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -43,8 +43,8 @@ class Model:
 @dataclass
 class Tokenizer:
     path: str = "data/tokenizer.json"  # a HF tokenizers `tokenizer.json`
-    bos_token: str = "<|begin_of_text|>"
-    eos_token: str = "<|end_of_text|>"
+    bos_token: str = "<|begin_of_text|>"  # starts every document
+    eos_token: str = "<|end_of_text|>"  # ends every document
 
 
 @dataclass
@@ -54,9 +54,9 @@ class DataSource:
     # A local file or folder (text, jsonl/json, parquet), a HF hub dataset name (in the HF cache when offline),
     # or a corpus titan fetches and caches itself ("titan:shakespeare").
     source: str = "data/stories.jsonl"
-    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
-    text_field: str = "text"
-    split: str = "train"
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"  # auto: from the files' suffixes
+    text_field: str = "text"  # the record field holding the document's text (json, parquet, hub)
+    split: str = "train"  # the hub dataset's split
     subset: str = ""  # the hub dataset's configuration name, if it has several
     weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
 
@@ -64,7 +64,7 @@ class DataSource:
 @dataclass
 class Data:
     # One source (the keys mean what they mean in DataSource) ...
-    source: str = "data/stories.jsonl"
+    source: str = "data/stories.jsonl"  # a local file or folder, a HF hub dataset, or "titan:shakespeare"
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
     split: str = "train"
@@ -78,7 +78,7 @@ class Data:
     # "tokens": whole documents (split at max_document_len) up to global_batch_size x seq_len tokens, which
     # ranks and micro-batches share out by `balance`: "cost" (predicted time, with cost_model) or "tokens".
     batching: Literal["rows", "tokens"] = "rows"
-    balance: Literal["cost", "tokens"] = "cost"
+    balance: Literal["cost", "tokens"] = "cost"  # tokens batching: how documents are placed (see batching)
     max_document_len: int = 0  # tokens batching: longer documents are split into pieces; 0 = training.seq_len
     # tokens batching: [a, b, c], a micro-batch's seconds c + the sum over its documents of a·s² + b·s;
     # [] = measured at start-up (cached per model, layout and device).
@@ -102,7 +102,7 @@ class Validation:
     # Held-out documents: this fraction of every training source, chosen by a hash of the document's index
     # (the same split for every seed), or a separate source when `source` is set.
     fraction: float = 0.05
-    source: str = ""
+    source: str = ""  # a separate source of validation documents; "" = hold out `fraction` of the training ones
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
     split: str = "validation"
@@ -114,46 +114,46 @@ class Training:
     global_batch_size: int = (
         0  # sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size
     )
-    seq_len: int = 256
-    steps: int = 100
+    seq_len: int = 256  # tokens per sequence (a row of the global batch)
+    steps: int = 100  # optimizer steps to train; the lr schedule spans them
     max_grad_norm: float = 1.0  # 0 disables clipping
-    mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 matmuls, fp32 weights and optimizer
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
     # A step whose loss or gradient norm is NaN or inf: stop (nothing saved after the last good step), or
     # skip its update and go on, stopping after max_skipped_steps such steps in a row.
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = 10  # on_nonfinite = "skip": stop after this many skipped steps in a row
 
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    name: Literal["adamw"] = "adamw"  # the optimizer
+    lr: float = 3e-4  # the peak learning rate, reached after warmup
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # added to the second moment's square root
+    weight_decay: float = 0.1  # decoupled, on every parameter
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warmup from 0 to optimizer.lr
     # After warmup: cosine/linear decay to min_lr_ratio*lr, constant, or warmup-stable-decay (wsd).
     decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the lr decays to this fraction of optimizer.lr
     wsd_decay_ratio: float = 0.2  # wsd: the last fraction of steps decays linearly
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
-    tensorboard: bool = True
+    log_freq: int = 10  # log every N steps (and the first and last)
+    tensorboard: bool = True  # write TensorBoard event files into the run folder
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online with credentials, else offline
-    wandb_project: str = "titan"
+    wandb_project: str = "titan"  # the wandb project runs go to
     # Runs of one comparison share a group ("" = the recipe's file name); tags add to the automatic ones
     # (recipe, model, layout). TensorBoard names its run folder after the group and layout too.
     wandb_group: str = ""
-    wandb_tags: list[str] = field(default_factory=list)
+    wandb_tags: list[str] = field(default_factory=list)  # tags added to the automatic ones
     # Peak FLOP/s of one device for MFU; 0 picks the known GPU figure, or measures the CPU once.
     peak_flops: float = 0.0
 
@@ -162,12 +162,12 @@ class Metrics:
 class Parallel:
     dp_replicate: int = 1  # HSDP: replicas of the sharded model
     dp_shard: int = -1  # FSDP shards; -1: whatever the world size leaves after the other degrees
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor-parallel degree (heads and FFN split across ranks)
+    pp: int = 1  # pipeline-parallel degree (layers split into stages)
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # FSDP2
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: never with PP, else always
-    fsdp_cpu_offload: bool = False
+    fsdp_cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer states in host memory
     # Tensor parallel
     sequence_parallel: bool = True  # shard norms and residuals along the sequence between TP regions
     loss_parallel: bool = True  # cross-entropy on vocabulary-sharded logits, never gathering them
@@ -193,7 +193,7 @@ class Parallel:
 class Straggler:
     """Re-plan the data shares when a data-parallel rank slows down (titan/straggler.py)."""
 
-    enable: bool = False
+    enable: bool = False  # probe the ranks' speeds and re-plan when one slows down
     interval: int = 1  # time the probe every N steps
     threshold: float = 1.2  # a rank is a straggler when the fastest is this many times quicker
     hysteresis: float = 0.3  # re-plan only when some rank's weight would move by more than this
@@ -202,7 +202,7 @@ class Straggler:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective"] = "none"  # recompute activations in backward: all, or all but save_ops
     every: int = 1  # checkpoint every Nth transformer block
     # selective: outputs of these ops are saved, everything else is recomputed in backward.
     save_ops: list[str] = field(
@@ -212,6 +212,18 @@ class ActivationCheckpoint:
             "aten._scaled_dot_product_flash_attention",
         ]
     )
+
+
+@dataclass
+class Profiling:
+    """Traces, memory snapshots and a per-step time breakdown, into <run>/profiling/ (titan/profiling.py)."""
+
+    enable: bool = False  # trace a window of steps with the torch profiler, one file per rank
+    wait: int = 1  # steps run untraced before the window
+    warmup: int = 1  # steps traced but dropped (the profiler's own start-up)
+    active: int = 2  # steps traced and saved
+    memory: bool = False  # record allocations too: a CUDA memory snapshot, or on CPU the trace's memory events
+    step_breakdown: bool = False  # log each step's data, forward, backward and optimizer seconds to metrics
 
 
 @dataclass
@@ -238,7 +250,7 @@ class Float8:
 
 @dataclass
 class Checkpoint:
-    enable: bool = True
+    enable: bool = True  # save checkpoints into <run>/checkpoints
     interval: int = 500  # save every N steps (and at the end of training)
     keep_latest_k: int = 3  # 0 keeps every checkpoint
     # auto: resume from the newest complete checkpoint of this run, if any; never: start fresh;
@@ -270,6 +282,7 @@ class Config:
     straggler: Straggler = field(default_factory=Straggler)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
@@ -463,6 +476,11 @@ def validate(config: Config, world_size: int) -> None:
     require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     require(0 < s.wsd_decay_ratio <= 1, f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
     require(config.metrics.log_freq > 0, f"metrics.log_freq must be positive, got {config.metrics.log_freq}")
+    f = config.profiling
+    require(
+        f.wait >= 0 and f.warmup >= 0 and f.active >= 1,
+        f"profiling.wait and warmup must be >= 0 and active >= 1, got {f.wait}, {f.warmup}, {f.active}",
+    )
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
     for name in ("dp_replicate", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")

@@ -34,6 +34,7 @@ from titan.parallel.balance import layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout
 from titan.parallel.rng import Dropout
+from titan.profiling import Profiler, StepClock
 from titan.straggler import Probe, StragglerDetector, gather_times
 
 log = logging.getLogger("titan")
@@ -140,6 +141,8 @@ class Trainer:
         self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops)
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
+        self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
+        self.clock = StepClock(config.profiling.step_breakdown, self.device)
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
@@ -464,17 +467,19 @@ class Trainer:
         """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors. A step
         whose loss or gradient norm is NaN or inf leaves the weights and optimizer state as they were (the
         step still counts, so the data and the schedule move on)."""
-        loss = self.global_loss(self.forward_backward(micro_batches))
-        params = list(self.model_parts.parameters())
-        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
-        # Both are global (the loss summed over ranks, the norm over every shard): all ranks agree.
-        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
-            self.optimizer.step()
-            precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 all-gather
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        self.step += 1
+        local = self.forward_backward(micro_batches)
+        with self.clock.phase("optimizer"):  # with the loss and gradient-norm all-reduces
+            loss = self.global_loss(local)
+            params = list(self.model_parts.parameters())
+            pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
+            # Both are global (the loss summed over ranks, the norm over every shard): all ranks agree.
+            if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+                self.optimizer.step()
+                precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 AG
+            self.optimizer.zero_grad(set_to_none=True)
+            self.lr_scheduler.step()
+            self.step += 1
         return loss, grad_norm
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -508,11 +513,12 @@ class Trainer:
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.schedule is not None:
                 return self._pipeline_loss(batch, train)
-            with self.autocast:
+            with self.clock.phase("forward"), self.autocast:
                 logits = self.model_parts.parts[0](batch.inputs, batch.rows, batch.document_ids)
-            loss = self.loss_fn(logits, batch.labels)
+                loss = self.loss_fn(logits, batch.labels)
             if train:
-                loss.backward()
+                with self.clock.phase("backward"):
+                    loss.backward()
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
     def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
@@ -522,7 +528,7 @@ class Trainer:
         if self.model_parts.has_first_stage:
             args = tuple(x for x in (batch.inputs, batch.rows, batch.document_ids) if x is not None)
         run = self.schedule.step if train else self.schedule.eval
-        with self.autocast:
+        with self.clock.phase("forward_backward"), self.autocast:  # the schedule interleaves them
             run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
             return torch.zeros((), device=self.device)
@@ -556,10 +562,11 @@ class Trainer:
             )
         self.model_parts.train()
         first_step, window_start, window_steps, window_tokens = self.step, time.perf_counter(), 0, 0
-        with _stop_on_signals(self):
+        with _stop_on_signals(self), self.profiler:
             while self.step < total:
                 step_start = time.perf_counter()
-                batches = next(self.loader)
+                with self.clock.phase("data"):
+                    batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
                 compute_start = time.perf_counter()
                 loss, grad_norm = self.train_step(batches)
@@ -570,11 +577,12 @@ class Trainer:
                 step_tokens = batches[0].step_loss_tokens if self.documents else self.tokens_per_step
                 self.tokens_seen += step_tokens
                 window_steps, window_tokens = window_steps + 1, window_tokens + step_tokens
+                phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
                 if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     window_s = time.perf_counter() - window_start
-                    self._log_step(loss, grad_norm, lr, window_s / window_steps, window_tokens / window_s)
+                    self._log_step(loss, grad_norm, lr, window_s / window_steps, window_tokens / window_s, phases)
                     if self.documents:
                         self._log_packing(compute_s)
                     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
@@ -596,11 +604,13 @@ class Trainer:
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
+                if self.profiler.step():
+                    window_start = time.perf_counter()  # writing the trace is not step time
         self.checkpointer.finish_pending()
         self.metrics.close()
         return [loss.item() for loss in losses]
 
-    def _log_step(self, loss, grad_norm, lr, step_time: float, tokens_per_s: float) -> None:
+    def _log_step(self, loss, grad_norm, lr, step_time: float, tokens_per_s: float, phases: dict) -> None:
         total = self.config.training.steps
         metrics = {
             "loss": float(loss),
@@ -614,6 +624,7 @@ class Trainer:
         }
         if self.peak_flops:
             metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
+        metrics.update(phases)
         self.metrics.log(self.step, metrics)
         log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
 

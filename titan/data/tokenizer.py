@@ -44,12 +44,35 @@ def train_bpe(
     return tok
 
 
+def looks_like_hub_name(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".json")
+
+
+def hub_tokenizer(name: str) -> Path | None:
+    """The tokenizer.json of HF hub model `name` (e.g. "meta-llama/Llama-3.2-1B") in the local HF cache, or
+    None when `name` is no hub name or the cache does not hold it: titan never downloads at run time."""
+    if not looks_like_hub_name(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "tokenizer.json")
+    return Path(found) if isinstance(found, str) else None
+
+
 class Tokenizer:
     def __init__(self, cfg: TokenizerConfig):
         path = Path(resolve_tokenizer_path(cfg.path))  # a `titan:` corpus's tokenizer is built on first use
+        if not path.exists():
+            path = hub_tokenizer(cfg.path) or path
         self.path = path  # the file read, for what must hash or copy it
         if not path.is_file():
-            raise ConfigError(f"tokenizer.path: file not found: {path} (point it at a tokenizer.json)")
+            hub = ""
+            if looks_like_hub_name(cfg.path):
+                hub = (
+                    f", nor a hub model whose tokenizer.json is in the local HF cache (fetch it where there is "
+                    f"internet: huggingface-cli download {cfg.path} tokenizer.json)"
+                )
+            raise ConfigError(f"tokenizer.path: file not found: {path}{hub}; point it at a tokenizer.json")
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON

@@ -1,0 +1,89 @@
+"""Every recipe key with its type, default and description, read from titan/config.py itself: a field's
+description is its trailing comment, or else the comment lines just above it. `titan config keys` prints them;
+a test keeps every key described, so the listing cannot fall behind the schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import tokenize
+import typing
+from dataclasses import dataclass
+
+from titan import config as schema
+
+
+@dataclass
+class Key:
+    name: str  # section.key; a [[data.sources]] table's keys are data.sources[].key
+    type: str
+    default: str
+    description: str
+
+
+def recipe_keys() -> list[Key]:
+    keys = []
+    for section, cls in typing.get_type_hints(schema.Config).items():
+        keys += _keys(section, cls)
+        if cls is schema.Data:  # the tables of a mixture
+            keys += _keys("data.sources[]", schema.DataSource)
+    return keys
+
+
+def _keys(prefix: str, cls) -> list[Key]:
+    hints, comments = typing.get_type_hints(cls), field_comments(cls)
+    if cls in (schema.Data, schema.Validation):  # their source keys mean what DataSource's do
+        comments = {**field_comments(schema.DataSource), **{k: v for k, v in comments.items() if v}}
+    default_of = schema.to_dict(cls()) if cls is not schema.DataSource else dataclasses.asdict(cls(source=""))
+    return [
+        Key(
+            f"{prefix}.{f.name}",
+            _type_name(hints[f.name]),
+            schema.toml_value(default_of[f.name]),
+            comments.get(f.name, ""),
+        )
+        for f in dataclasses.fields(cls)
+    ]
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (list, dict):
+        return str(tp).replace("typing.", "").replace("titan.config.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Each field's comment: on the field's own lines, or the block of comment lines just above it."""
+    source = inspect.getsource(cls)
+    comments: dict[int, str] = {}  # line -> comment text
+    code_lines: set[int] = set()
+    fields: dict[str, tuple[int, int]] = {}  # name -> (first line, last line) of its statement
+    statement: list[tokenize.TokenInfo] = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+            continue
+        if token.type in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING):
+            continue
+        if token.type != tokenize.NEWLINE:
+            statement.append(token)
+            code_lines.add(token.start[0])
+            continue
+        first = statement[0] if statement else None
+        # A field: `name: type ...` one level into the class body.
+        if first and first.type == tokenize.NAME and first.start[1] == 4 and len(statement) > 1:
+            if statement[1].string == ":":
+                fields[first.string] = (first.start[0], token.start[0])
+        statement = []
+    described = {}
+    for name, (start, stop) in fields.items():
+        own = [comments[line] for line in range(start, stop + 1) if line in comments]
+        above, line = [], start - 1
+        while line in comments and line not in code_lines:
+            above.insert(0, comments[line])
+            line -= 1
+        described[name] = " ".join(own or above)
+    return described
