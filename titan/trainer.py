@@ -513,8 +513,9 @@ class Trainer:
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.schedule is not None:
                 return self._pipeline_loss(batch, train)
-            with self.clock.phase("forward"), self.autocast:
-                logits = self.model_parts.parts[0](batch.inputs, batch.rows, batch.document_ids)
+            with self.clock.phase("forward"):
+                with self.autocast:
+                    logits = self.model_parts.parts[0](batch.inputs, batch.rows, batch.document_ids)
                 loss = self.loss_fn(logits, batch.labels)
             if train:
                 with self.clock.phase("backward"):
