@@ -253,7 +253,8 @@ class TransformerBlock(nn.Module):
         mask: torch.Tensor | BlockMask | list | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask, cache), rows)
+        # cache by keyword: tensor parallelism's input plan for the attention lists its positional inputs.
+        x = x + self.attention_dropout(self.attention(self.attention_norm(x), rope, rows, mask, cache=cache), rows)
         return x + self.ffn_dropout(self.feed_forward(self.ffn_norm(x)), rows)
 
 
