@@ -347,7 +347,7 @@ CASES = [
         {"data.batching": "tokens", "data.max_document_len": "512", "model.overrides.resid_dropout": "0"},
         None,
         {},
-        ["data.max_document_len 512", "fits no micro-batch", "256 tokens"],
+        ["data.max_document_len 512", "fits no micro-batch", "128 tokens"],
     ),
     (
         "compile tp sp on CPU",
