@@ -48,11 +48,10 @@ def _keys(prefix: str, cls) -> list[Key]:
 
 
 def _type_name(tp) -> str:
-    if typing.get_origin(tp) is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+    """config's name for a type, with a list's or dict's item types spelled out."""
     if typing.get_origin(tp) in (list, dict):
         return str(tp).replace("typing.", "").replace("titan.config.", "")
-    return getattr(tp, "__name__", str(tp))
+    return schema._type_name(tp)
 
 
 def field_comments(cls) -> dict[str, str]:

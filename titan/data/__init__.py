@@ -39,6 +39,12 @@ def validation_source(config: Config) -> DataSource | None:
     return DataSource(v.source, v.format, v.text_field, v.split) if v.source else None
 
 
+def held_out_documents(config: Config, documents) -> np.ndarray:
+    """Which of a source's documents validation holds out: none when it reads a source of its own."""
+    v = config.validation
+    return held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+
+
 def build_loaders(
     config: Config, global_batch: int, rows: range, micro_batches: list[int], log_rows: bool = True
 ) -> tuple[GlobalBatchLoader, GlobalBatchLoader | None]:
@@ -49,7 +55,7 @@ def build_loaders(
     train, held = [], []
     for stream, source in enumerate(sources):
         documents = open_prepared(config, source)
-        in_validation = held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+        in_validation = held_out_documents(config, documents)
         train.append(
             PackedSamples(documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream)
         )
@@ -94,10 +100,10 @@ def build_loaders(
 
 def document_pieces(config: Config) -> DocumentPieces:
     """The training documents (validation's held out) as pieces for data.batching = "tokens"."""
-    d, v = config.data, config.validation
+    d = config.data
     source = d.source_list()[0]
     documents = open_prepared(config, source)
-    in_validation = held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+    in_validation = held_out_documents(config, documents)
     pieces = DocumentPieces(
         documents, np.flatnonzero(~in_validation), d.max_document_len or config.training.seq_len, config.job.seed,
         d.shuffle,
