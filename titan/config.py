@@ -297,6 +297,13 @@ class Config:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
     """Read a recipe, apply `--section.key value` overrides, type-check and validate everything."""
+    config = read_config(path, overrides)
+    validate(config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    return config
+
+
+def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """A recipe with its overrides, type-checked but not yet validated against a world size."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -315,7 +322,6 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world
     config = _build(Config, raw, "")
     if path is not None and not config.job.recipe:
         config.job.recipe = str(path)
-    validate(config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
     return config
 
 

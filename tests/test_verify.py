@@ -1,0 +1,186 @@
+"""`titan verify`: the comparison's rules on hand-made records, then real runs from the command line: it passes
+on correct layouts and, on layouts broken on purpose, names the module and step where they first depart."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from titan.verify import PHASES, Reference, compare
+
+
+def records(forward, grads, updated, init=None, tokens=None, tp=1, tp_rank=0):
+    """One rank's records: forward [(step, module, rows, output)], grads/updated {step: {name: tensor}}."""
+    return {
+        "tp": tp,
+        "tp_rank": tp_rank,
+        "tokens": tokens or [],
+        "forward": forward,
+        "grads": grads,
+        "updated": updated,
+        "init": init or {"a.weight": torch.zeros(2), "b.weight": torch.zeros(2)},
+    }
+
+
+ROWS = torch.arange(2)
+NO_FLOOR = dict.fromkeys(PHASES, 0.0)
+
+
+def one_step(a_out, b_out, a_grad, b_grad, **kw):
+    return records(
+        [(0, "a", ROWS, a_out), (0, "b", ROWS, b_out)],
+        {0: {"a.weight": a_grad, "b.weight": b_grad}},
+        {0: {"a.weight": torch.ones(2), "b.weight": torch.ones(2)}},
+        **kw,
+    )
+
+
+def test_the_first_difference_follows_the_order_of_computation():
+    x, g = torch.ones(2, 3), torch.ones(2)
+    ref = Reference([one_step(x, x, g, g)])
+    # Both gradients are wrong: backward runs from the last module, so b's is the first.
+    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, 2 * g, 3 * g)], "fp32")
+    assert not ok and "step 0, backward, gradient of b.weight" in lines[-1]
+    # A forward difference comes before any gradient.
+    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x + 1, 2 * g, g)], "fp32")
+    assert not ok and "step 0, forward, output of b on rank 0" in lines[-1]
+    # Differences within tolerance pass, and the largest is shown.
+    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x * (1 + 2**-20), g, g)], "fp32")
+    assert ok and any("forward" in line and "9.54e-07" in line and " b (rank 0)" in line for line in lines)
+
+
+def test_the_floor_raises_the_tolerance_and_a_broken_floor_is_reported():
+    x, g = torch.ones(2, 3), torch.ones(2)
+    ref = Reference([one_step(x, x, g, g)])
+    layout = [one_step(x, x, g * (1 + 5e-5), g)]
+    assert not compare(ref, NO_FLOOR, layout, "fp32")[1]
+    assert compare(ref, {**NO_FLOOR, "backward": 1e-5}, layout, "fp32")[1]  # tolerance 10 x floor = 1e-4
+    lines, ok = compare(ref, {**NO_FLOOR, "backward": 0.5}, layout, "fp32")
+    assert not ok and "the reference itself depends on how the batch is split" in lines[-1]
+
+
+def test_initial_parameters_and_tokens_must_be_bitwise_equal():
+    x, g = torch.ones(2, 3), torch.ones(2)
+    ref = Reference([one_step(x, x, g, g, tokens=[(0, ROWS, torch.zeros(2, 4, dtype=torch.long))])])
+    init = {"a.weight": torch.zeros(2), "b.weight": torch.tensor([0.0, 1e-12])}
+    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, g, g, init=init)], "fp32")
+    assert not ok and "initial parameters differ first at b.weight" in lines[-1]
+    other_tokens = [(0, torch.tensor([1]), torch.zeros(1, 4, dtype=torch.long) + 7)]
+    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, g, g, tokens=other_tokens)], "fp32")
+    assert not ok and "step 0 data differ first at tokens of global row 1" in lines[-1]
+
+
+def test_a_tensor_parallel_rank_is_compared_with_its_chunk_and_rows_with_theirs():
+    full = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)  # (rows, sequence, hidden)
+    ref = Reference([one_step(full, full, torch.ones(2), torch.ones(2))])
+    seq_shard = full[1:, 2:]  # global row 1, second sequence half (tp rank 1 of 2)
+    hidden_shard = full[1:, :, :3]  # global row 1, first hidden half (tp rank 0 of 2)
+    for output, tp_rank in ((seq_shard, 1), (hidden_shard, 0)):
+        rank = records(
+            [(0, "a", torch.tensor([1]), output), (0, "b", torch.tensor([1]), output)],
+            {0: {"a.weight": torch.ones(2), "b.weight": torch.ones(2)}},
+            {0: {"a.weight": torch.ones(2), "b.weight": torch.ones(2)}},
+            tp=2,
+            tp_rank=tp_rank,
+        )
+        assert compare(ref, NO_FLOOR, [rank], "fp32")[1]
+        rank["tp_rank"] = 1 - tp_rank  # the other rank's chunk
+        assert not compare(ref, NO_FLOOR, [rank], "fp32")[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+# Dropout on residuals and attention probabilities: its masks are compared on every layout too.
+RECIPE = {
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.n_layers": "2",
+    "model.overrides.multiple_of": "32",
+    "model.overrides.resid_dropout": "0.1",
+    "model.overrides.attn_dropout": "0.1",
+    "training.seq_len": "32",
+    "training.global_batch_size": "4",
+    "training.local_batch_size": "2",  # one process: 2 micro-batches (the floor run: 4); FSDP2: 1 per rank
+}
+# Broken on purpose, in the layout's processes only (torchrun sets WORLD_SIZE), through sitecustomize.
+BREAKS = {
+    "fsdp_averages": (
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "FSDPModule.set_gradient_divide_factor = lambda self, factor: None  # FSDP's default: the mean\n"
+    ),
+    "dropout_by_local_row": (
+        "import torch\n"
+        "from titan.parallel.rng import fills\n"
+        "forward = fills.Dropout.forward\n"
+        "fills.Dropout.forward = lambda self, x, rows: forward(self, x, torch.arange(len(rows)))\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def verify_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("verify")
+
+
+def verify(folder, layout: dict, break_name: str | None = None):
+    env = {"OMP_NUM_THREADS": "1"}
+    if break_name:
+        site = folder / break_name
+        site.mkdir(exist_ok=True)
+        code = "import os\nif int(os.environ.get('WORLD_SIZE', '1')) > 1:\n" + "".join(
+            f"    {line}\n" for line in BREAKS[break_name].splitlines()
+        )
+        (site / "sitecustomize.py").write_text(code)
+        env["PYTHONPATH"] = str(site)
+    overrides = tiny_overrides(folder, **RECIPE, **layout)
+    return run_titan("verify", "--config", str(DEBUG_RECIPE), *overrides, "--steps", "2", "--reuse-reference", env=env)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.dp_shard": "2"},
+        {"parallel.tp": "2"},
+        {"parallel.pp": "2"},
+        {"parallel.dp_shard": "2", "parallel.tp": "2"},
+    ],
+    ids=["fsdp2", "tp2", "pp2", "fsdp2_tp2"],
+)
+def test_verify_passes_on_correct_layouts(verify_folder, layout):
+    result = verify(verify_folder, layout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "equivalent: every tensor within tolerance" in result.stdout
+    assert "bitwise equal" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "break_name,first",
+    [
+        # Every gradient is halved; the output head's is the first backward computes.
+        ("fsdp_averages", "step 0, backward, gradient of output.weight"),
+        # The first dropout in the forward is the attention probabilities' of the first block.
+        ("dropout_by_local_row", "step 0, forward, output of layers.0.attention.dropout on rank 1"),
+    ],
+)
+def test_verify_names_where_a_broken_layout_departs(verify_folder, break_name, first):
+    result = verify(verify_folder, {"parallel.dp_shard": "2"}, break_name)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert first in result.stdout.splitlines()[-1], result.stdout
+
+
+def test_verify_of_one_process_or_packed_documents_is_a_clear_error(tmp_path):
+    for extra, message in (
+        ({}, "nothing to verify"),
+        ({"parallel.dp_shard": "2", "data.batching": "tokens"}, "verify with data.batching = 'rows'"),
+    ):
+        result = run_titan("verify", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    shutil.rmtree(tmp_path, ignore_errors=True)
