@@ -7,19 +7,24 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from titan.verify import PHASES, Reference, compare
+from titan.verify import PHASES, Records, assemble, compare
+
+
+def whole(t):
+    return t.reshape(-1), None, tuple(t.shape)
 
 
 def records(forward, grads, updated, init=None, tokens=None, tp=1, tp_rank=0):
     """One rank's records: forward [(step, module, rows, output)], grads/updated {step: {name: tensor}}."""
+    pieces = lambda tensors: {name: whole(t) for name, t in tensors.items()}  # noqa: E731
     return {
         "tp": tp,
         "tp_rank": tp_rank,
         "tokens": tokens or [],
         "forward": forward,
-        "grads": grads,
-        "updated": updated,
-        "init": init or {"a.weight": torch.zeros(2), "b.weight": torch.zeros(2)},
+        "grads": {step: pieces(g) for step, g in grads.items()},
+        "updated": {step: pieces(u) for step, u in updated.items()},
+        "init": pieces(init or {"a.weight": torch.zeros(2), "b.weight": torch.zeros(2)}),
     }
 
 
@@ -38,22 +43,22 @@ def one_step(a_out, b_out, a_grad, b_grad, **kw):
 
 def test_the_first_difference_follows_the_order_of_computation():
     x, g = torch.ones(2, 3), torch.ones(2)
-    ref = Reference([one_step(x, x, g, g)])
+    ref = Records([one_step(x, x, g, g)])
     # Both gradients are wrong: backward runs from the last module, so b's is the first.
-    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, 2 * g, 3 * g)], "fp32")
+    lines, ok = compare(ref, NO_FLOOR, Records([one_step(x, x, 2 * g, 3 * g)]), "fp32")
     assert not ok and "step 0, backward, gradient of b.weight" in lines[-1]
     # A forward difference comes before any gradient.
-    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x + 1, 2 * g, g)], "fp32")
-    assert not ok and "step 0, forward, output of b on rank 0" in lines[-1]
+    lines, ok = compare(ref, NO_FLOOR, Records([one_step(x, x + 1, 2 * g, g)]), "fp32")
+    assert not ok and "step 0, forward, output of b on rank 0:" in lines[-1]
     # Differences within tolerance pass, and the largest is shown.
-    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x * (1 + 2**-20), g, g)], "fp32")
-    assert ok and any("forward" in line and "9.54e-07" in line and " b (rank 0)" in line for line in lines)
+    lines, ok = compare(ref, NO_FLOOR, Records([one_step(x, x * (1 + 2**-20), g, g)]), "fp32")
+    assert ok and any("forward" in line and "9.54e-07" in line and " b on rank 0" in line for line in lines)
 
 
 def test_the_floor_raises_the_tolerance_and_a_broken_floor_is_reported():
     x, g = torch.ones(2, 3), torch.ones(2)
-    ref = Reference([one_step(x, x, g, g)])
-    layout = [one_step(x, x, g * (1 + 5e-5), g)]
+    ref = Records([one_step(x, x, g, g)])
+    layout = Records([one_step(x, x, g * (1 + 5e-5), g)])
     assert not compare(ref, NO_FLOOR, layout, "fp32")[1]
     assert compare(ref, {**NO_FLOOR, "backward": 1e-5}, layout, "fp32")[1]  # tolerance 10 x floor = 1e-4
     lines, ok = compare(ref, {**NO_FLOOR, "backward": 0.5}, layout, "fp32")
@@ -62,18 +67,18 @@ def test_the_floor_raises_the_tolerance_and_a_broken_floor_is_reported():
 
 def test_initial_parameters_and_tokens_must_be_bitwise_equal():
     x, g = torch.ones(2, 3), torch.ones(2)
-    ref = Reference([one_step(x, x, g, g, tokens=[(0, ROWS, torch.zeros(2, 4, dtype=torch.long))])])
+    ref = Records([one_step(x, x, g, g, tokens=[(0, ROWS, torch.zeros(2, 4, dtype=torch.long))])])
     init = {"a.weight": torch.zeros(2), "b.weight": torch.tensor([0.0, 1e-12])}
-    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, g, g, init=init)], "fp32")
+    lines, ok = compare(ref, NO_FLOOR, Records([one_step(x, x, g, g, init=init)]), "fp32")
     assert not ok and "initial parameters differ first at b.weight" in lines[-1]
     other_tokens = [(0, torch.tensor([1]), torch.zeros(1, 4, dtype=torch.long) + 7)]
-    lines, ok = compare(ref, NO_FLOOR, [one_step(x, x, g, g, tokens=other_tokens)], "fp32")
+    lines, ok = compare(ref, NO_FLOOR, Records([one_step(x, x, g, g, tokens=other_tokens)]), "fp32")
     assert not ok and "step 0 data differ first at tokens of global row 1" in lines[-1]
 
 
 def test_a_tensor_parallel_rank_is_compared_with_its_chunk_and_rows_with_theirs():
     full = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)  # (rows, sequence, hidden)
-    ref = Reference([one_step(full, full, torch.ones(2), torch.ones(2))])
+    ref = Records([one_step(full, full, torch.ones(2), torch.ones(2))])
     seq_shard = full[1:, 2:]  # global row 1, second sequence half (tp rank 1 of 2)
     hidden_shard = full[1:, :, :3]  # global row 1, first hidden half (tp rank 0 of 2)
     for output, tp_rank in ((seq_shard, 1), (hidden_shard, 0)):
@@ -84,9 +89,19 @@ def test_a_tensor_parallel_rank_is_compared_with_its_chunk_and_rows_with_theirs(
             tp=2,
             tp_rank=tp_rank,
         )
-        assert compare(ref, NO_FLOOR, [rank], "fp32")[1]
+        assert compare(ref, NO_FLOOR, Records([rank]), "fp32")[1]
         rank["tp_rank"] = 1 - tp_rank  # the other rank's chunk
-        assert not compare(ref, NO_FLOOR, [rank], "fp32")[1]
+        assert not compare(ref, NO_FLOOR, Records([rank]), "fp32")[1]
+
+
+def test_sharded_pieces_assemble_into_the_full_tensor_and_a_gap_is_an_error():
+    full = torch.arange(12.0).view(3, 4)
+    flat = full.reshape(-1)
+    # Two ranks' shards, as (values, flat indices, shape): rows 0-1 and row 2 (an uneven Shard(0)).
+    pieces = [(flat[:8], torch.arange(8), (3, 4)), (flat[8:], torch.arange(8, 12), (3, 4))]
+    assert torch.equal(assemble(pieces, "w"), full)
+    with pytest.raises(Exception, match="cover 8 of its 12 elements"):
+        assemble(pieces[:1], "w")
 
 
 # ---------------------------------------------------------------------------------------------------------------

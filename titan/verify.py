@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import subprocess
@@ -51,16 +52,20 @@ RECORDS = "records"
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a tensor (a DTensor's local shard), as a float32 copy on the host."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        t = t.full_tensor()
+        t = t._local_tensor  # to_local() would go through autograd
     return t.detach().float().cpu().clone()
 
 
 class Recorder:
-    """Copies of what this rank computes, taken by hooks on the model parts and the optimizer."""
+    """Copies of what this rank computes, taken by hooks on the model parts and the optimizer. Nothing is
+    gathered (one all-gather per tensor would cost more than the step): a sharded parameter, gradient or
+    optimizer state is kept as a piece, its local values with their flat indices in the full tensor, and the
+    comparison assembles the ranks' pieces."""
 
     def __init__(self, model_parts, optimizer, stages=()):
         self.step = 0
@@ -73,12 +78,14 @@ class Recorder:
             if infer is not None:
                 stage._forward_metadata_inference = partial(self._inferring, infer)
         self.named = list(model_parts.named_parameters())
+        self.indices = {name: _global_indices(p) for name, p in self.named}  # gradients and states share them
+        self.placements = {name: getattr(p, "placements", None) for name, p in self.named}
         self.optimizer = optimizer
         self.tokens: list = []  # (step, rows, token ids)
         self.forward: list = []  # (step, module, rows, output)
         self.grads: dict = {}  # step -> {parameter: gradient}
         self.updated: dict = {}  # step -> {parameter/state: tensor} after the update
-        self.init = {name: _full(p) for name, p in self.named}
+        self.init = {name: self._piece(name, p) for name, p in self.named}
         for part in model_parts.parts:
             part.register_forward_pre_hook(self._batch)
             for name, module in part.named_modules():
@@ -110,24 +117,44 @@ class Recorder:
         if isinstance(output, tuple):
             output = output[0] if output else None
         if isinstance(output, torch.Tensor) and output.is_floating_point():
-            self.forward.append((self.step, name, self.rows, _full(output)))
+            # A tensor-parallel shard stays local: the comparison finds its chunk of the reference.
+            self.forward.append((self.step, name, self.rows, _local(output)))
+
+    def _piece(self, name: str, t: torch.Tensor) -> tuple:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        index = self.indices[name]
+        if isinstance(t, DTensor) and t.placements != self.placements[name]:  # e.g. an embedding's gradient
+            if any(p.is_partial() for p in t.placements):  # partial sums: add them up (all ranks get here)
+                t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+            index = _global_indices(t)
+        return _local(t).reshape(-1), index, tuple(t.shape)
 
     def _take_grads(self, _optimizer, _args, _kwargs) -> None:
-        self.grads[self.step] = {name: _full(p.grad) for name, p in self.named if p.grad is not None}
+        self.grads[self.step] = {name: self._piece(name, p.grad) for name, p in self.named if p.grad is not None}
 
     def _take_update(self, _optimizer, _args, _kwargs) -> None:
         after = {}
         for name, p in self.named:
-            after[name] = _full(p)
+            after[name] = self._piece(name, p)
             for key, value in self.optimizer.state.get(p, {}).items():
                 if key != "step":
-                    after[f"{name}:{key}"] = _full(value)
+                    after[f"{name}:{key}"] = self._piece(name, value)
         self.updated[self.step] = after
         self.step += 1
 
     def save(self, path: Path, tp_rank: int, tp: int) -> None:
         fields = ("tokens", "forward", "grads", "updated", "init")
         torch.save({"tp_rank": tp_rank, "tp": tp, **{f: getattr(self, f) for f in fields}}, path)
+
+
+def _global_indices(p: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices of a DTensor's local elements in the full tensor; None for a whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from titan.parallel.rng import dtensor_global_indices
+
+    return dtensor_global_indices(p, device="cpu").reshape(-1) if isinstance(p, DTensor) else None
 
 
 def record(config: Config, steps: int) -> None:
@@ -208,9 +235,9 @@ def launch(run: Config, processes: int, steps: int, folder: Path) -> None:
         raise ConfigError(f"the {run.job.name} run failed ({errors[0] if errors else 'no output'}); see {log}")
 
 
-def load_records(run_dir: Path) -> list[dict]:
+def load_records(run_dir: Path) -> Records:
     files = sorted((run_dir / RECORDS).glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
-    return [torch.load(f, weights_only=True) for f in files]
+    return Records([torch.load(f, weights_only=True) for f in files])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,9 +250,13 @@ class Difference:
     step: int  # -1: before training (data and initial parameters)
     phase: str
     tensor: str  # a module's output, a parameter's gradient, or a parameter or its optimizer state
-    rank: int
+    rank: int  # the rank whose forward output differs; -1 for tensors assembled from every rank's shards
     relative: float  # max |layout - reference| / max |reference|
     absolute: float
+
+    @property
+    def on_rank(self) -> str:
+        return f" on rank {self.rank}" if self.rank >= 0 else ""
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -235,19 +266,43 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def _matching_chunk(want: torch.Tensor, got: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor | None:
-    """The part of the reference `want` that a tensor-parallel rank's `got` holds, or None if no dim tells."""
+    """The part of the reference `want` that a tensor-parallel rank's `got` holds (its chunk along the one dim
+    whose size differs, split as DTensor splits), or None if no dim tells."""
     if got.shape == want.shape:
         return want
-    dims = [d for d in range(want.dim()) if got.shape[d] != want.shape[d]]
-    if got.dim() != want.dim() or len(dims) != 1 or got.shape[dims[0]] * tp != want.shape[dims[0]]:
-        return None
-    return want.chunk(tp, dims[0])[tp_rank]
+    dims = [d for d in range(want.dim()) if got.dim() == want.dim() and got.shape[d] != want.shape[d]]
+    chunks = want.chunk(tp, dims[0]) if len(dims) == 1 else ()
+    return chunks[tp_rank] if tp_rank < len(chunks) and chunks[tp_rank].shape == got.shape else None
 
 
-class Reference:
-    """One run's records, indexed for comparison: forward outputs by (step, module) and global row."""
+def assemble(pieces: list[tuple], name: str) -> torch.Tensor:
+    """The full tensor from the ranks' pieces: (values, flat indices or None for the whole tensor, shape)."""
+    values, index, shape = pieces[0]
+    if index is None:
+        return values.view(shape)
+    full, covered = torch.empty(math.prod(shape)), torch.zeros(math.prod(shape), dtype=torch.bool)
+    for values, index, _ in pieces:
+        full[index], covered[index] = values, True
+    if not covered.all():
+        raise ConfigError(f"{name}: the ranks' shards cover {int(covered.sum())} of its {covered.numel()} elements")
+    return full.view(shape)
+
+
+def _assembled(ranks: list[dict], field: str) -> dict[int, dict[str, torch.Tensor]]:
+    pieces: dict = defaultdict(lambda: defaultdict(list))
+    for r in ranks:
+        for step, tensors in r[field].items():
+            for name, piece in tensors.items():
+                pieces[step][name].append(piece)
+    return {step: {name: assemble(p, name) for name, p in by_name.items()} for step, by_name in pieces.items()}
+
+
+class Records:
+    """One run's records from all its ranks: forward outputs as each rank holds them and by global row,
+    parameters, gradients and optimizer states as full tensors."""
 
     def __init__(self, ranks: list[dict]):
+        self.ranks = ranks
         self.forward: dict = defaultdict(dict)
         self.order: list[str] = []  # modules in the order their forwards first ran
         for rank in ranks:
@@ -259,9 +314,9 @@ class Reference:
         self.tokens = {
             (step, row): t for r in ranks for step, rows, ts in r["tokens"] for row, t in zip(rows.tolist(), ts)
         }
-        self.grads = {step: g for r in ranks for step, g in r["grads"].items()}
-        self.updated = {step: u for r in ranks for step, u in r["updated"].items()}
-        self.init = {name: t for r in ranks for name, t in r["init"].items()}
+        self.grads = _assembled(ranks, "grads")
+        self.updated = _assembled(ranks, "updated")
+        self.init = _assembled([{"init": {-1: r["init"]}} for r in ranks], "init")[-1]
         self.steps = len(self.updated)
 
     def rows(self, step: int, module: str, rows: torch.Tensor) -> torch.Tensor:
@@ -274,11 +329,11 @@ class Reference:
         return self.order.index(module) if module in self.order else len(self.order)
 
 
-def phase_differences(ref: Reference, ranks: list[dict], step: int, phase: str) -> list[Difference]:
+def phase_differences(ref: Records, run: Records, step: int, phase: str) -> list[Difference]:
     """Every recorded tensor's difference in one phase of one step, in the order they were computed."""
     found = []
     if phase == "forward":
-        for rank, r in enumerate(ranks):
+        for rank, r in enumerate(run.ranks):
             for s, module, rows, output in r["forward"]:
                 if s != step or (step, module) not in ref.forward:
                     continue
@@ -287,25 +342,24 @@ def phase_differences(ref: Reference, ranks: list[dict], step: int, phase: str) 
                     raise ConfigError(f"{module}: output of shape {list(output.shape)} matches no reference slice")
                 found.append(Difference(step, phase, module, rank, *_difference(output, want)))
         return sorted(found, key=lambda d: ref.order.index(d.tensor))
-    wanted = ref.grads[step] if phase == "backward" else ref.updated[step]
-    for rank, r in enumerate(ranks):
-        for name, got in (r["grads"] if phase == "backward" else r["updated"]).get(step, {}).items():
-            found.append(Difference(step, phase, name, rank, *_difference(got, wanted[name])))
+    wanted, got = (ref.grads, run.grads) if phase == "backward" else (ref.updated, run.updated)
+    for name, tensor in got.get(step, {}).items():
+        found.append(Difference(step, phase, name, -1, *_difference(tensor, wanted[step][name])))
     backward_order = phase == "backward"  # gradients arrive from the last module to the first
     return sorted(found, key=lambda d: ref.module_rank(d.tensor), reverse=backward_order)
 
 
-def exact_differences(ref: Reference, ranks: list[dict]) -> list[Difference]:
+def exact_differences(ref: Records, run: Records) -> list[Difference]:
     """The tokens each rank read and the initial parameters, which must be bitwise the reference's."""
     found = []
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(run.ranks):
         for step, rows, tokens in r["tokens"]:
             for row, got in zip(rows.tolist(), tokens):
                 if not torch.equal(got, ref.tokens[step, row]):
                     found.append(Difference(step, "data", f"tokens of global row {row}", rank, 1.0, 1.0))
-        for name, got in r["init"].items():
-            if not torch.equal(got, ref.init[name]):
-                found.append(Difference(-1, "init", name, rank, *_difference(got, ref.init[name])))
+    for name, got in run.init.items():
+        if not torch.equal(got, ref.init[name]):
+            found.append(Difference(-1, "init", name, -1, *_difference(got, ref.init[name])))
     return found
 
 
@@ -313,17 +367,17 @@ def largest(differences: list[Difference]) -> Difference | None:
     return max(differences, key=lambda d: d.relative, default=None)
 
 
-def floor_of(ref: Reference, floor_ranks: list[dict]) -> dict[str, float]:
+def floor_of(ref: Records, floor: Records) -> dict[str, float]:
     """The largest relative difference per phase between the reference and the known-good floor run."""
     worst = dict.fromkeys(PHASES, 0.0)
     for step in range(ref.steps):
         for phase in PHASES:
-            d = largest(phase_differences(ref, floor_ranks, step, phase))
+            d = largest(phase_differences(ref, floor, step, phase))
             worst[phase] = max(worst[phase], d.relative if d else 0.0)
     return worst
 
 
-def compare(ref: Reference, floor: dict[str, float], ranks: list[dict], precision: str) -> tuple[list[str], bool]:
+def compare(ref: Records, floor: dict[str, float], run: Records, precision: str) -> tuple[list[str], bool]:
     """The report lines and whether the layout is equivalent: stops at the first tensor beyond tolerance."""
     unstable = [p for p in PHASES if floor[p] > BROKEN_FLOOR * MIN_TOLERANCE[precision]]
     if unstable:
@@ -334,12 +388,12 @@ def compare(ref: Reference, floor: dict[str, float], ranks: list[dict], precisio
             "itself depends on how the batch is split into micro-batches, so no layout can match it"
         ], False
     tolerance = {p: max(MIN_TOLERANCE[precision], FLOOR_MARGIN * floor[p]) for p in PHASES}
-    exact = exact_differences(ref, ranks)
+    exact = exact_differences(ref, run)
     if exact:
         d = exact[0]
         when = "initial parameters" if d.phase == "init" else f"step {d.step} data"
         return [
-            f"NOT equivalent: {when} differ first at {d.tensor} (rank {d.rank}), which must be bitwise equal "
+            f"NOT equivalent: {when} differ first at {d.tensor}{d.on_rank}, which must be bitwise equal "
             f"(largest difference {d.absolute:.3g})"
         ], False
     n_init = len(ref.init)
@@ -350,10 +404,10 @@ def compare(ref: Reference, floor: dict[str, float], ranks: list[dict], precisio
     ]
     for step in range(ref.steps):
         for phase in PHASES:
-            differences = phase_differences(ref, ranks, step, phase)
+            differences = phase_differences(ref, run, step, phase)
             beyond = next((d for d in differences if d.relative > tolerance[phase]), None)
             worst = beyond or largest(differences)
-            where = f"{worst.tensor} (rank {worst.rank})" if worst and worst.relative else "-"
+            where = f"{worst.tensor}{worst.on_rank}" if worst and worst.relative else "-"
             relative = worst.relative if worst else 0.0
             lines.append(
                 f"  {step:>4}  {phase:<9}  {relative:>18.3g}  {tolerance[phase]:>9.3g}  {floor[phase]:>9.3g}  {where}"
@@ -362,7 +416,7 @@ def compare(ref: Reference, floor: dict[str, float], ranks: list[dict], precisio
                 what = {"forward": "output of", "backward": "gradient of", "optimizer": "after the update:"}[phase]
                 lines.append(
                     f"NOT equivalent: the first difference beyond tolerance is at step {step}, {phase}, {what} "
-                    f"{beyond.tensor} on rank {beyond.rank}: {beyond.relative:.3g} of its largest magnitude "
+                    f"{beyond.tensor}{beyond.on_rank}: {beyond.relative:.3g} of its largest magnitude "
                     f"({beyond.absolute:.3g} absolute), tolerance {tolerance[phase]:.3g}, while reduction order "
                     f"alone gives {floor[phase]:.3g}"
                 )
@@ -413,7 +467,7 @@ def verify(
         if name != "layout" and reused:
             continue
         launch(run, processes if name == "layout" else 1, steps, folder)
-    ref = Reference(load_records(runs["reference"].run_dir))
+    ref = load_records(runs["reference"].run_dir)
     floor = floor_of(ref, load_records(runs["floor"].run_dir))
     lines, ok = compare(ref, floor, load_records(runs["layout"].run_dir), config.training.mixed_precision)
     head = (
