@@ -7,11 +7,15 @@ is exported and read back by `from_pretrained`. Logits are compared in fp32 with
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import logging
 import tomllib
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +37,10 @@ from titan import (  # noqa: E402
     hf_match,
     models,  # noqa: E402
 )
-from titan.config import ConfigError, load_config  # noqa: E402
+from titan.checkpoint import model_shapes, seal, write_train_state  # noqa: E402
+from titan.config import Config, ConfigError, Model, load_config, to_toml  # noqa: E402
+from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
+from titan.parallel.rng.shards import ShardIndex, global_indices  # noqa: E402
 from titan.trainer import Trainer  # noqa: E402
 
 VOCAB = 1280  # covers the project tokenizer's 1170 tokens (the Trainer checks), and splits in two for TP
@@ -106,6 +113,16 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def full_load(hf_dir) -> dict[str, torch.Tensor]:
+    """The reference for every import: the whole HF files read by safetensors, mapped by from_hf_state_dict."""
+    config, weights = read_checkpoint(hf_dir)
+    return from_hf_state_dict(weights, models.get_model_spec("llama3").hf.args_from_config(config))
+
+
+def assert_equal_weights(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert weights and all(torch.equal(w, reference[name]) for name, w in weights.items())
+
+
 # -- HF -> titan -------------------------------------------------------------------------------------------------
 
 
@@ -136,9 +153,9 @@ def test_init_from_hf_is_sensitive_to_the_qk_permutation(
     """The logit comparison can fail: an import without the RoPE layout change is far off."""
     from titan.models.llama import hf
 
-    original = hf.from_hf_state_dict
-    monkeypatch.setattr(hf, "from_hf_state_dict", lambda sd, args: original(sd, args, permute_qk=False))
-    assert models.get_model_spec("llama3").hf.from_state_dict is not original
+    original = hf.hf_sources
+    monkeypatch.setattr(hf, "hf_sources", lambda args: original(args, permute_qk=False))
+    assert models.get_model_spec("llama3").hf.sources is not original
     trainer = make_trainer(tmp_path, converted[1], **{"checkpoint.init_from_hf": str(hf_dir)})
     assert max_diff(logits_of(trainer, tokens), hf_reference) > 1000 * TOL
 
@@ -157,12 +174,13 @@ def test_init_from_hf_is_skipped_when_the_run_resumes(converted, hf_dir, tmp_pat
 def _distributed_logits(root, overrides, layout, tokens):
     trainer = make_trainer(root, overrides, **layout)
     placements = {str(p.placements) for _, p in trainer.model_parts.named_parameters() if isinstance(p, DTensor)}
-    return logits_of(trainer, tokens), placements
+    return logits_of(trainer, tokens), placements, full_weights(trainer)
 
 
 @pytest.mark.distributed
 def test_init_from_hf_on_two_ranks_matches_one_process(converted, hf_dir, hf_reference, tokens, tmp_path):
-    """Untied under TP2 (q/k rows split by head across ranks), tied under FSDP2."""
+    """Untied under TP2 (q/k rows split by head across ranks), tied under FSDP2: each rank reads its shards'
+    slices, and the parameters are bitwise those of the full load."""
     tied = json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"]
     layout = (
         {"parallel.dp_shard": "2", "training.local_batch_size": "2"}
@@ -170,14 +188,68 @@ def test_init_from_hf_on_two_ranks_matches_one_process(converted, hf_dir, hf_ref
         else {"parallel.tp": "2", "parallel.dp_shard": "1"}
     )
     _, overrides = converted
-    single = logits_of(make_trainer(tmp_path / "one", overrides, **{"checkpoint.init_from_hf": str(hf_dir)}), tokens)
+    reference = full_load(hf_dir)
+    one = make_trainer(tmp_path / "one", overrides, **{"checkpoint.init_from_hf": str(hf_dir)})
+    assert_equal_weights(full_weights(one), reference)
+    single = logits_of(one, tokens)
     results = run_distributed(
         _distributed_logits, 2, tmp_path / "two", overrides, {"checkpoint.init_from_hf": str(hf_dir), **layout}, tokens
     )
-    for logits, placements in results:
+    for logits, placements, weights in results:
         assert any("Shard(dim=0)" in p for p in placements)  # really sharded
+        assert_equal_weights(weights, reference)
         torch.testing.assert_close(logits, single, rtol=TOL, atol=TOL)  # only the order of fp32 sums differs
         assert max_diff(logits, hf_reference) < TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("hf_dir", [False], ids=["untied"], indirect=True)
+def test_init_from_hf_under_fsdp2_x_tp2_is_the_full_load(converted, hf_dir, tokens, tmp_path):
+    """Four ranks: FSDP over TP shards q/k rows in strided pieces (_StridedShard), the general case."""
+    layout = {"parallel.dp_shard": "2", "parallel.tp": "2", "training.local_batch_size": "2"}
+    results = run_distributed(
+        _distributed_logits, 4, tmp_path, converted[1], {"checkpoint.init_from_hf": str(hf_dir), **layout}, tokens
+    )
+    reference = full_load(hf_dir)
+    for _, placements, weights in results:
+        assert any("_StridedShard" in p for p in placements)
+        assert_equal_weights(weights, reference)
+
+
+def _layouts(ndim: int) -> dict[str, tuple[tuple[int, ...], list]]:
+    """name -> (mesh shape, placements): how titan's parallelisms lay out a parameter of `ndim` dims."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layouts = {
+        "FSDP2": ((2,), [Shard(0)]),
+        "3 ranks: uneven, across heads": ((3,), [Shard(0)]),
+        "FSDP2 x TP2 colwise": ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        "HSDP2 x FSDP2": ((2, 2), [Replicate(), Shard(0)]),
+    }
+    if ndim == 2:
+        layouts["TP2 rowwise"] = ((2,), [Shard(1)])
+        layouts["FSDP2 x TP2 rowwise"] = ((2, 2), [Shard(0), Shard(1)])
+    return layouts
+
+
+@pytest.mark.parametrize("hf_dir", [False], ids=["untied"], indirect=True)
+def test_every_shard_layout_reads_what_the_full_load_holds_there(hf_dir):
+    """read_part for every rank of each layout, given the per-dim indices a DTensor shard holds (as init_from_hf
+    computes them), against the full load at the flat global indices of titan.parallel.rng.shards (which
+    test_rng checks against DTensor itself)."""
+    hf = hf_io.open_hf(hf_dir, models.get_model_spec("llama3"))
+    for name, full in full_load(hf_dir).items():
+        for layout, (mesh, placements) in _layouts(full.ndim).items():
+            for coord in itertools.product(*map(range, mesh)):
+                shard = ShardIndex(full.shape, mesh, coord, placements)
+                index = [torch.arange(n) if v is None else v for n, v in zip(full.shape, shard.vecs)]
+                values, read = hf_io.read_part(hf, name, index)
+                expected = full.reshape(-1)[global_indices(full.shape, mesh, coord, placements)]
+                assert torch.equal(values, expected), (name, layout, coord)
+                if layout in ("FSDP2", "TP2 rowwise"):  # whole heads: the slice read is the shard, no more
+                    assert read == expected.numel() * expected.element_size(), (name, layout, coord)
 
 
 def test_hf_to_dcp_to_hf_round_trip_is_exact(converted, hf_dir, tmp_path):
@@ -314,14 +386,172 @@ def test_flavor_matching_and_sizes():
         hf_io.parse_size("2 potatoes")
 
 
-def test_init_from_hf_fills_a_plain_model_without_a_trainer(hf_dir, tokens, hf_reference):
-    """init_from_hf needs only the parameters, the model's args and the folder."""
+def test_init_from_hf_fills_a_plain_model_without_a_trainer(hf_dir, tokens, hf_reference, caplog):
+    """init_from_hf needs only the parameters, the model's args and the folder; it logs what it read."""
     from titan.models.llama import Transformer
 
     spec = models.get_model_spec("llama3")
     args = spec.hf.args_from_config(json.loads((hf_dir / "config.json").read_text()))
     torch.manual_seed(0)
     model = Transformer(args).eval()  # random weights, every one of which the import must replace
-    hf_io.init_from_hf(model.named_parameters(), spec, args, hf_dir, "llama3 (from the HF config)")
+    with caplog.at_level(logging.INFO, logger="titan"):
+        hf_io.init_from_hf(model.named_parameters(), spec, args, hf_dir, "llama3 (from the HF config)")
     with torch.no_grad():
         assert max_diff(model(tokens), hf_reference) < TOL
+    model_mib = sum(p.numel() * 4 for p in model.parameters()) / 2**20  # one process reads every tensor once
+    assert f"{model_mib:.1f} MiB read from the files, peak host memory added" in caplog.text
+
+
+@pytest.mark.parametrize("hf_dir", [True], ids=["tied"], indirect=True)
+def test_a_tied_head_in_the_files_must_be_the_embedding(hf_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from titan.models.llama import Transformer
+
+    spec = models.get_model_spec("llama3")
+    config, weights = read_checkpoint(hf_dir)
+    args = spec.hf.args_from_config(config)
+    embed = weights["model.embed_tokens.weight"]
+    for head in ("copy", "other"):
+        folder = tmp_path / head
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        lm_head = embed.clone() if head == "copy" else embed + 1
+        save_file({**weights, "lm_head.weight": lm_head}, str(folder / "model.safetensors"))
+    model = Transformer(args)
+    hf_io.init_from_hf(model.named_parameters(), spec, args, tmp_path / "copy", "llama3")
+    assert torch.equal(model.output.weight, embed)
+    with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        hf_io.init_from_hf(model.named_parameters(), spec, args, tmp_path / "other", "llama3")
+
+
+def test_weights_of_other_shapes_than_the_config_says_are_a_clear_error(hf_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    config, weights = read_checkpoint(hf_dir)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    weights["model.norm.weight"] = weights["model.norm.weight"][:-1]
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model.norm.weight has shape \[63\], but the config makes it \[64\]"):
+        hf_io.hf_to_dcp(tmp_path / "hf", tmp_path / "out")
+
+
+# -- memory: per-rank import and streaming export ---------------------------------------------------------------
+
+# 57M parameters, 216 MiB in fp32: large enough that the figures are mostly tensors. The export's peak is still
+# mostly fixed costs at this size: the 25 MB output layer with DCP's read buffer, freed memory glibc keeps in its
+# heap (tensors under 32 MB are not handed back), and code pages first used in the forked process.
+BIG_HF_CONFIG = {
+    "hidden_size": 768,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 8192,
+    "max_position_embeddings": 256,
+}
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the OS (glibc), so that a measured block's allocations show as new
+    memory rather than reusing pages this forked process already held."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _write_big_hf_folder(folder) -> int:
+    """Random weights written with safetensors, as an HF folder; returns their bytes."""
+    from safetensors.torch import save_file
+
+    spec = models.get_model_spec("llama3")
+    args = spec.hf.args_from_config(BIG_HF_CONFIG)
+    sources, gen = spec.hf.sources(args), torch.Generator().manual_seed(0)
+    weights = {sources[n][0]: torch.randn(s, generator=gen) for n, s in model_shapes(spec, args).items()}
+    folder.mkdir()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(spec.hf.config_from_args(args)))
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def _peak_of_full_read(folder) -> int | None:
+    """The reference: every tensor of the files in memory at once, as the import used to hold them on every rank
+    (a lower bound of that import's peak, which also held permuted q/k copies and index tensors)."""
+    release_freed_memory()
+    with hf_io.PeakMemory() as peak:
+        _, weights = read_checkpoint(folder)
+        for w in weights.values():
+            w.sum()  # safetensors maps the file: touch every page, as reading every element does
+    return peak.added
+
+
+def _save_sharded_checkpoint(model, spec, args, folder) -> None:
+    """The model as a titan checkpoint holding only the model, one DCP file per rank."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": dict(model.named_parameters())}, checkpoint_id=str(folder))
+    if dist.get_rank() == 0:
+        flavor, overrides = hf_match.recipe_model(spec, args)
+        recipe = to_toml(Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides)))
+        shapes = model_shapes(spec, args)
+        model = {"name": spec.name, "flavor": flavor, "shapes": shapes}
+        write_train_state(folder, step=0, tokens_seen=0, lr_scheduler={}, recipe=recipe, model=model, parts=["model"])
+        seal(folder)
+    dist.barrier()
+
+
+def _peak_of_sharded_import(folder, checkpoint) -> int | None:
+    """init_from_hf's peak on this rank of an FSDP2 model (sharded as the trainer shards it); then the model is
+    saved as a sharded checkpoint for the export."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan.parallel.fsdp import apply_fsdp
+
+    spec = models.get_model_spec("llama3")
+    args = spec.hf.args_from_config(BIG_HF_CONFIG)
+    with torch.device("meta"):
+        model = spec.build(args)
+    apply_fsdp(model, spec.blocks(model), init_device_mesh("cpu", (dist.get_world_size(),)), None, True, False)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # resident before the import, as the trainer's initialised parameters are
+    release_freed_memory()
+    with hf_io.PeakMemory() as peak:
+        hf_io.init_from_hf(model.named_parameters(), spec, args, folder, "llama3 (test)")
+    _save_sharded_checkpoint(model, spec, args, checkpoint)
+    return peak.added
+
+
+def _peak_of_export(checkpoint, out) -> tuple[int | None, str]:
+    release_freed_memory()
+    with hf_io.PeakMemory() as peak:
+        report = hf_io.dcp_to_hf(checkpoint, out, max_shard_size="10MB")
+    return peak.added, report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_import_per_rank_and_streaming_export_hold_a_fraction_of_the_model(tmp_path):
+    """Peak host memory each step adds, measured in forked processes: reading the full weights (the reference),
+    the per-rank import on 2 FSDP2 ranks, and dcp-to-hf of the checkpoint those ranks save. The export is then
+    compared with the HF folder: HF -> sharded import -> sharded checkpoint -> HF is exact."""
+    hf_dir, checkpoint, out = tmp_path / "hf", tmp_path / "checkpoint", tmp_path / "out"
+    [model_bytes] = run_distributed(_write_big_hf_folder, 1, hf_dir)
+    [full] = run_distributed(_peak_of_full_read, 1, hf_dir)
+    if full is None:
+        pytest.skip("measuring peak memory needs Linux's /proc")
+    per_rank = run_distributed(_peak_of_sharded_import, 2, hf_dir, checkpoint)
+    [(export, report)] = run_distributed(_peak_of_export, 1, checkpoint, out)
+    mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+    print(
+        f"\nmodel {mib(model_bytes)} (fp32); peak host memory added: reading the full weights {mib(full)}, "
+        f"per-rank import on 2 FSDP2 ranks {' and '.join(map(mib, per_rank))}, export (10MB files) {mib(export)}"
+    )
+    assert full > 0.9 * model_bytes  # the reference really holds the model
+    assert all(peak <= 0.5 * full for peak in per_rank)
+    assert export < 0.5 * model_bytes and "peak host memory added" in report
+    (_, original), (_, back) = read_checkpoint(hf_dir), read_checkpoint(out)
+    assert len(list(out.glob("model-*.safetensors"))) > 5
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)

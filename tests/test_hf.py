@@ -21,10 +21,13 @@ from helpers import TOL, hf_logits, max_diff, randomize_, read_checkpoint, tiny_
 from titan.models.llama.flavors import FLAVORS  # noqa: E402
 from titan.models.llama.hf import (  # noqa: E402
     args_from_hf_config,
+    check_hf_names,
     from_hf_state_dict,
     hf_config_from_args,
+    hf_sources,
     permute_rope_rows,
     to_hf_state_dict,
+    to_hf_tensor,
 )
 from titan.models.llama.model import Transformer, rope_frequencies  # noqa: E402
 
@@ -142,6 +145,39 @@ def test_permutation_is_inverted_and_pairs_move_as_documented():
             base = h * head_dim
             assert torch.equal(half_split[base + i], w[base + 2 * i])
             assert torch.equal(half_split[base + i + head_dim // 2], w[base + 2 * i + 1])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_sources_name_every_parameter_once_and_move_only_qk_rows_within_heads(tied):
+    args = args_from_hf_config(tiny_hf_config(tied).to_dict())
+    with torch.device("meta"):
+        names = [name for name, _ in Transformer(args).named_parameters()]  # a tied head is listed once
+    sources = hf_sources(args)
+    assert sorted(sources) == sorted(names)
+    hf_names = {hf for hf, _ in sources.values()}
+    assert len(hf_names) == len(sources) and ("lm_head.weight" in hf_names) != tied
+    for name, (_, rows) in sources.items():
+        if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+            heads = args.n_heads if name.endswith("wq.weight") else args.n_kv_heads
+            w = torch.randn(heads * args.head_dim, args.dim)
+            assert torch.equal(w[rows], permute_rope_rows(w, heads, to_half_split=False))  # titan row r = HF rows[r]
+            assert torch.equal(to_hf_tensor(w[rows], rows), w)
+            assert torch.equal(rows // args.head_dim, torch.arange(len(rows)) // args.head_dim)  # within heads
+        else:
+            assert rows is None, name
+
+
+@pytest.mark.parametrize("hf_checkpoint", [True], ids=["tied"], indirect=True)
+def test_a_tied_model_may_keep_its_head_only_as_a_copy_of_the_embedding(hf_checkpoint):
+    config, weights = read_checkpoint(hf_checkpoint)
+    args = args_from_hf_config(config)
+    embed = weights["model.embed_tokens.weight"]
+    assert check_hf_names(weights, args) == {}
+    assert check_hf_names([*weights, "lm_head.weight"], args) == {"lm_head.weight": "model.embed_tokens.weight"}
+    titan = from_hf_state_dict({**weights, "lm_head.weight": embed.clone()}, args)
+    assert titan["output.weight"] is titan["tok_embeddings.weight"]
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        from_hf_state_dict({**weights, "lm_head.weight": embed + 1}, args)
 
 
 # Published config.json of meta-llama/Llama-3.1-8B (transformers 4 shape: rope_theta and rope_scaling).

@@ -20,7 +20,7 @@ from titan.checkpoint import read_train_state
 from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.tokenizer import Tokenizer
-from titan.hf_io import copy_into_parameters, read_model_checkpoint
+from titan.hf_io import read_model_checkpoint
 from titan.models.llama.model import KVCache
 
 
@@ -31,7 +31,9 @@ def load_model(checkpoint: Path, device: torch.device) -> tuple[Path, nn.Module]
         model = spec.build(args)
     model.to_empty(device=device)
     model.init_weights(seed=0)  # for the RoPE table, a buffer no checkpoint holds; every parameter is replaced
-    copy_into_parameters(model.named_parameters(), weights)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
     return path, model.eval()
 
 

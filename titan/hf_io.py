@@ -2,16 +2,23 @@
 
 An HF checkpoint is a folder with `config.json` and the weights as `model.safetensors`, or as shards
 `model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`. Only safetensors are read or
-written (no pickle). The model family's `HFAdapter` (titan/models/__init__.py) maps configs and weights, including
-Llama's q/k RoPE layout; this module does the files, the checks and the sharded copies.
+written (no pickle). The model family's `HFAdapter` (titan/models/__init__.py) maps configs and weights tensor
+by tensor, including Llama's q/k RoPE rows; this module does the files, the checks and the sharded copies.
+Import and export never hold the whole model in one process, so they scale with it: a 70B model is 140 GB of
+bf16 files, which read whole by each of a node's 8 ranks would take 1.1 TB; read per rank, 140 GB in all.
 
-* hf-to-dcp writes a titan checkpoint folder (the layout of titan/checkpoint.py) holding only the model:
-  DCP shards with keys `model.<fqn>`, `train_state.json` at step 0, and the COMPLETE marker, written under a
-  temporary name and renamed. Train from it with `checkpoint.resume = <folder>` and `load_only = ["model"]`.
-* dcp-to-hf reads the model part of any titan checkpoint (whatever layout saved it) into full tensors in
-  one process and writes `config.json` plus safetensors shards (with an index when there are several).
-* init_from_hf loads an HF folder straight into the trainer's model, sharded or not: every rank reads the
-  full tensors on CPU and copies out the elements of its own shards.
+* init_from_hf loads an HF folder straight into the trainer's model, sharded or not: the headers are checked
+  against config.json and the recipe, then every rank reads, per parameter, one slice of the file (the box around
+  the rows and columns its shard holds) and copies its elements out of it.
+* hf-to-dcp reads the same way into full fp32 tensors and writes a titan checkpoint folder (the layout of
+  titan/checkpoint.py) holding only the model: DCP shards with keys `model.<fqn>`, `train_state.json` at step 0,
+  and the COMPLETE marker, written under a temporary name and renamed. Train from it with
+  `checkpoint.resume = <folder>` and `load_only = ["model"]`. (It holds the model, in one process.)
+* dcp-to-hf exports the model part of any titan checkpoint (whatever layout saved it): the output files are
+  planned from the checkpoint's metadata, then each is filled by loading just its tensors from DCP, written,
+  and freed before the next. `config.json` plus safetensors shards, with an index when there are several.
+
+init_from_hf and dcp-to-hf report the peak host memory they added (`PeakMemory`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import re
 import shutil
 import tomllib
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +63,48 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading an HF folder
+# Peak host memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """`with PeakMemory() as peak: ...`, then `peak.added`: the most resident host memory the block added, in
+    bytes, or None where that cannot be measured.
+
+    Linux keeps each process's high-water mark of resident memory (VmHWM in /proc/self/status), and writing "5"
+    to /proc/self/clear_refs resets it to the current size (VmRSS): the mark after the block minus VmRSS before it
+    is the block's peak. Elsewhere (not Linux, or a /proc that refuses the write) `added` stays None. It counts
+    the pages of files mapped in (safetensors maps what it reads), not memory the allocator had kept from before
+    and hands out again. A nested measurement resets the mark, hiding an outer block's earlier peak.
+    """
+
+    added: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._before = _proc_status_bytes("VmRSS")
+        except (OSError, ValueError, KeyError):
+            self._before = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                self.added = max(0, _proc_status_bytes("VmHWM") - self._before)
+
+    def __str__(self) -> str:
+        return "not measured (needs Linux's /proc)" if self.added is None else f"{self.added / 2**20:.1f} MiB"
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A '<field>:  123 kB' line of /proc/self/status, in bytes."""
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return 1024 * int(dict(line.split(":", 1) for line in lines)[field].split()[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading an HF folder: its headers first, then tensors a slice at a time
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -119,25 +168,42 @@ def hf_weight_files(folder: Path) -> list[Path]:
     raise ConfigError(f"{folder} has no *.safetensors weights{hint}")
 
 
-def read_hf_weights(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of an HF folder, as stored (dtype included), on CPU."""
+def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], str]:
+    """({HF tensor: its file}, {HF tensor: shape}, the dtypes) from the safetensors headers; no tensor is read."""
     from safetensors import SafetensorError, safe_open
 
-    weights: dict[str, Tensor] = {}
+    files: dict[str, Path] = {}
+    shapes: dict[str, list[int]] = {}
+    dtypes: set[str] = set()
     for file in hf_weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name in weights:
+                    if name in files:
                         raise ConfigError(f"tensor {name} appears in more than one file of {folder}")
-                    weights[name] = f.get_tensor(name)
+                    part = f.get_slice(name)
+                    files[name], shapes[name] = file, list(part.get_shape())
+                    dtypes.add(part.get_dtype())
         except SafetensorError as e:
             raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
-    return weights
+    return files, shapes, ", ".join(sorted(dtypes))
 
 
-def load_hf(folder: Path, spec: models.ModelSpec) -> tuple[Any, dict[str, Tensor], str]:
-    """(model args, titan state dict of full tensors, the files' dtypes) for an HF folder."""
+@dataclass(frozen=True)
+class HFFolder:
+    """An HF checkpoint as its config and file headers describe it, checked against each other (`open_hf`);
+    its tensors are read later, only the parts a process needs (`read_into`)."""
+
+    path: Path
+    args: Any  # the model's args, from config.json
+    files: dict[str, Path]  # HF tensor -> the file holding it
+    sources: dict[str, tuple[str, Tensor | None]]  # titan parameter -> (HF tensor, rows): the adapter's mapping
+    copies: dict[str, str]  # tied copies the files hold -> the HF tensor each must equal
+    dtypes: str  # the files' dtypes, for reports
+
+
+def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
+    """The HF folder's config and file headers, checked against each other: ConfigError naming the difference."""
     folder = Path(folder)
     config = read_hf_config(folder)
     try:
@@ -145,13 +211,93 @@ def load_hf(folder: Path, spec: models.ModelSpec) -> tuple[Any, dict[str, Tensor
     except (ValueError, KeyError, TypeError) as e:
         what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
         raise ConfigError(f"{folder / CONFIG_FILE}: {what}") from None
-    weights = read_hf_weights(folder)
-    dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()}))
+    files, shapes, dtypes = _read_headers(folder)
+    sources = spec.hf.sources(args)
     try:
-        state = spec.hf.from_state_dict(weights, args)
+        copies = spec.hf.check_names(files, args)
+        expected = {sources[name][0]: shape for name, shape in model_shapes(spec, args).items()}
+        expected.update({copy: expected[original] for copy, original in copies.items()})
+        for name, shape in expected.items():
+            if shapes[name] != shape:
+                raise ValueError(f"{name} has shape {shapes[name]}, but the config makes it {shape}")
     except ValueError as e:
         raise ConfigError(f"{folder}: the weights do not match its {CONFIG_FILE}: {e}") from None
-    return args, state, dtypes
+    return HFFolder(folder, args, files, sources, copies, dtypes)
+
+
+def _shard_index(name: str, param: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """(the tensor this process holds of `param`, per dim the global indices of its elements): all of a plain
+    tensor; of a DTensor, the local shard, which is the cross product of those index vectors (see ShardIndex)."""
+    from torch.distributed.tensor import DTensor
+
+    from titan.parallel.rng.shards import ShardIndex
+
+    if not isinstance(param, DTensor):
+        return param, [torch.arange(n) for n in param.shape]
+    local = param._local_tensor  # to_local() would go through autograd
+    coord = param.device_mesh.get_coordinate()
+    if coord is None:  # a rank outside the mesh holds nothing
+        return local, []
+    shard = ShardIndex(param.shape, param.device_mesh.shape, coord, param.placements)
+    if tuple(local.shape) != shard.local_shape:
+        raise ConfigError(
+            f"parameter {name}: cannot copy a {list(shard.local_shape)} part into a {list(local.shape)} shard"
+        )
+    return local, [torch.arange(n) if v is None else v for n, v in zip(param.shape, shard.vecs)]
+
+
+def _read_box(file: Path, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
+    """(the elements of HF tensor `name` at the cross product of `index`, one vector of indices per dim; bytes read).
+
+    One slice read of their bounding box, then a gather along the dims whose indices are not one ascending run:
+    for the common row or column shard (FSDP, TP) the box is the shard itself and nothing is gathered; q/k rows
+    reordered within heads gather along rows. Index vectors are per dim, never as large as the shard.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    starts = [int(v.min()) for v in index]
+    try:
+        # Opened per read: the tensors safetensors returns map the file, and every page a read touched stays
+        # resident while the file is open, which across reads would add up to this process's whole share.
+        with safe_open(str(file), framework="pt") as f:
+            box = f.get_slice(name)[tuple(slice(s, int(v.max()) + 1) for s, v in zip(starts, index))]
+    except SafetensorError as e:
+        raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
+    read = box.numel() * box.element_size()
+    for dim, (start, v) in enumerate(zip(starts, index)):
+        if not torch.equal(v, torch.arange(start, start + len(v))):
+            box = box.index_select(dim, v - start)
+    return box, read
+
+
+def read_part(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
+    """(the elements of titan parameter `name` at the cross product of `index`, one vector of global indices per
+    dim, as the HF files hold them; bytes read). A tied copy in the files is read alike and must be equal."""
+    hf_name, rows = hf.sources[name]
+    if rows is not None:  # the titan rows wanted, as HF numbers them
+        index = [rows[index[0]], *index[1:]]
+    values, read = _read_box(hf.files[hf_name], hf_name, index)
+    for copy in [c for c, original in hf.copies.items() if original == hf_name]:
+        copied, n = _read_box(hf.files[copy], copy, index)
+        read += n
+        if not torch.equal(copied, values):
+            raise ConfigError(f"{hf.path}: {copy} differs from {hf_name}, of which the model makes it a copy")
+    return values, read
+
+
+@torch.no_grad()
+def read_into(hf: HFFolder, named_tensors) -> tuple[int, int]:
+    """Fill each (titan name, tensor) with its part of the HF weights, cast to the tensor's dtype: a whole plain
+    tensor, or the local shard of a DTensor of any layout. Returns (tensors written, bytes read from the files)."""
+    count = read = 0
+    for name, param in named_tensors:
+        local, index = _shard_index(name, param)
+        if local.numel():
+            values, n = read_part(hf, name, index)
+            local.copy_(values)
+            read += n
+        count += 1
+    return count, read
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,11 +341,12 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     """Write the HF folder's weights as a titan checkpoint (model only, fp32); returns the report to print."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     spec = hf_spec(model_name)
-    args, state, file_dtype = load_hf(hf_dir, spec)
-    sentence, flavor, overrides = describe_match(spec, args, flavor)
-    shapes = model_shapes(spec, args)
+    hf = open_hf(hf_dir, spec)
+    sentence, flavor, overrides = describe_match(spec, hf.args, flavor)
+    shapes = model_shapes(spec, hf.args)
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
-    tensors = {name: state[name].to(torch.float32).contiguous() for name in shapes}
+    tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    read_into(hf, tensors.items())
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with _atomic_folder(out_dir) as tmp:
         with _single_process():
@@ -220,7 +367,7 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     return "\n".join(
         [
             f"wrote {out_dir}: a titan checkpoint (model weights only, float32) of the {spec.name} model in {hf_dir} "
-            f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {file_dtype} in the HF files)",
+            f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {hf.dtypes} in the HF files)",
             f"{sentence}. Start a run from it with, in the recipe:",
             "",
             model_toml(spec.name, flavor, overrides),
@@ -241,8 +388,9 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, Tensor]]:
-    """(checkpoint folder, spec, model args, full parameters by name) of a titan checkpoint, in one process."""
+def _model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, tuple[list[int], torch.dtype]]]:
+    """(checkpoint folder, spec, model args, {parameter: (shape, saved dtype)}) of a titan checkpoint, from its
+    recipe and DCP metadata, checked against each other; no tensor is loaded."""
     path = find_checkpoint(path)
     problem = verify(path)
     if problem:
@@ -258,7 +406,6 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         args = models.model_args(spec, model.get("flavor", "debug"), model.get("overrides", {}))
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
-    shapes = model_shapes(spec, args)
     try:
         metadata = TrustedReader(str(path)).read_metadata().state_dict_metadata
     except ConfigError:
@@ -267,15 +414,22 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         raise ConfigError(
             f"checkpoint {path} is corrupt: cannot read its DCP metadata ({str(e).strip()[:200]})"
         ) from None
-    tensors = {}
-    for name, shape in shapes.items():
-        saved = metadata.get(f"model.{name}")
-        if saved is None or list(getattr(saved, "size", [])) != shape:
-            found = "absent" if saved is None else f"of shape {list(saved.size)}"
+    saved = {}
+    for name, shape in model_shapes(spec, args).items():
+        entry = metadata.get(f"model.{name}")
+        if entry is None or list(getattr(entry, "size", [])) != shape:
+            found = "absent" if entry is None else f"of shape {list(entry.size)}"
             raise ConfigError(
                 f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}"
             )
-        tensors[name] = torch.empty(shape, dtype=saved.properties.dtype)
+        saved[name] = (shape, entry.properties.dtype)
+    return path, spec, args, saved
+
+
+def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
+    """The full parameters `saved` names ({name: (shape, dtype)}), from the checkpoint at `path`: DCP reads only
+    their bytes, whatever layout wrote them."""
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
     try:
         with _single_process():
             dcp.load({"model": tensors}, storage_reader=TrustedReader(str(path)), no_dist=True)
@@ -283,7 +437,13 @@ def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict
         raise ConfigError(
             f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
         ) from None
-    return path, spec, args, tensors
+    return tensors
+
+
+def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, Tensor]]:
+    """(checkpoint folder, spec, model args, full parameters by name) of a titan checkpoint, in one process."""
+    path, spec, args, saved = _model_checkpoint(path)
+    return path, spec, args, _load_parameters(path, saved)
 
 
 def parse_size(text: str | int) -> int:
@@ -309,67 +469,63 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def shard_weights(weights: dict[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
-    """Consecutive groups of at most max_bytes (a larger tensor gets a shard of its own), in order."""
-    shards: list[dict[str, Tensor]] = [{}]
+def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names whose sizes add up to at most max_bytes (a larger one gets a group of its own)."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for name, tensor in weights.items():
-        n = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
+    for name, n in sizes.items():
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
             size = 0
-        shards[-1][name] = tensor
+        groups[-1].append(name)
         size += n
-    return shards
-
-
-def write_hf_folder(folder: Path, config: dict, weights: dict[str, Tensor], max_bytes: int) -> list[str]:
-    """config.json and the weights as `model.safetensors`, or as shards with an index; returns the file names."""
-    from safetensors.torch import save_file
-
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    shards = shard_weights(weights, max_bytes)
-    if len(shards) == 1:
-        names = [SINGLE_FILE]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / name), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {
-            "metadata": {
-                "total_size": sum(t.numel() * t.element_size() for t in weights.values()),
-                "total_parameters": sum(t.numel() for t in weights.values()),
-            },
-            "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
-        }
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        names.append(INDEX_FILE)
-    return names
+    return groups
 
 
 def dcp_to_hf(
     checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, dtype: str = "float32"
 ) -> str:
-    """Export the model of a titan checkpoint as an HF folder; returns the report to print."""
+    """Export the model of a titan checkpoint as an HF folder, one output file in memory at a time; returns the
+    report to print."""
+    from safetensors.torch import save_file
+
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    max_bytes = parse_size(max_shard_size)
-    path, spec, args, tensors = read_model_checkpoint(checkpoint)
-    try:
-        weights = spec.hf.to_state_dict(tensors, args)
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {path}: {e}") from None
-    weights = {k: v.to(_DTYPES[dtype]) for k, v in weights.items()}
-    with _atomic_folder(Path(out_dir)) as tmp:
-        files = write_hf_folder(tmp, spec.hf.config_from_args(args, dtype), weights, max_bytes)
-    n_params = sum(t.numel() for t in weights.values())
-    shards = [f for f in files if f.endswith(".safetensors")]
+    max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
+    with PeakMemory() as peak:
+        path, spec, args, saved = _model_checkpoint(checkpoint)
+        sources = spec.hf.sources(args)
+        sizes = {name: math.prod(shape) * out_dtype.itemsize for name, (shape, _) in saved.items()}
+        groups = plan_shards(sizes, max_bytes)
+        files = [SINGLE_FILE]
+        if len(groups) > 1:
+            files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        with _atomic_folder(Path(out_dir)) as tmp:
+            (tmp / CONFIG_FILE).write_text(json.dumps(spec.hf.config_from_args(args, dtype), indent=2) + "\n")
+            for file, names in zip(files, groups):
+                tensors = _load_parameters(path, {name: saved[name] for name in names})
+                weights = {}
+                for name in names:
+                    hf_name, rows = sources[name]
+                    weights[hf_name] = spec.hf.to_hf_tensor(tensors.pop(name), rows).to(out_dtype).contiguous()
+                save_file(weights, str(tmp / file), metadata={"format": "pt"})
+                del weights  # before the next file's tensors are loaded, not after
+            if len(groups) > 1:
+                index = {
+                    "metadata": {
+                        "total_size": sum(sizes.values()),
+                        "total_parameters": sum(math.prod(shape) for shape, _ in saved.values()),
+                    },
+                    "weight_map": {sources[name][0]: file for file, names in zip(files, groups) for name in names},
+                }
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    n_params = sum(math.prod(shape) for shape, _ in saved.values())
+    several = len(files) > 1
     return (
-        f"wrote {out_dir}: {CONFIG_FILE} and {len(shards)} safetensors file{'s' * (len(shards) > 1)}"
-        f"{' with ' + INDEX_FILE if len(shards) > 1 else ''} ({len(weights)} tensors, {n_params / 1e6:.2f}M "
-        "parameters, "
-        f"{dtype}) from {path}; no tokenizer files are written: copy them from the tokenizer the run used"
+        f"wrote {out_dir}: {CONFIG_FILE} and {len(files)} safetensors file{'s' * several}"
+        f"{' with ' + INDEX_FILE if several else ''} ({len(saved)} tensors, {n_params / 1e6:.2f}M parameters, "
+        f"{dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}); no tokenizer files "
+        "are written: copy them from the tokenizer the run used"
     )
 
 
@@ -378,52 +534,30 @@ def dcp_to_hf(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def copy_into_parameters(named_parameters, state: dict[str, Tensor]) -> int:
-    """Copy full tensors into parameters by name: DTensors get the elements at their shard's global indices,
-    plain tensors the whole tensor. Returns how many parameters were written."""
-    from torch.distributed.tensor import DTensor
-
-    from titan.parallel.rng import dtensor_global_indices
-
-    count = 0
-    for name, param in named_parameters:
-        full = state[name]
-        if isinstance(param, DTensor):
-            local = param._local_tensor  # to_local() would go through autograd
-            if local.numel():
-                index = dtensor_global_indices(param, device="cpu")
-                values = full.reshape(-1)[index]
-            else:
-                values = full.new_empty(local.shape)
-        else:
-            local, values = param, full
-        if tuple(values.shape) != tuple(local.shape):
-            raise ConfigError(
-                f"parameter {name}: cannot copy a {list(values.shape)} tensor into a {list(local.shape)} shard"
-            )
-        local.detach().copy_(values.to(device=local.device, dtype=local.dtype))
-        count += 1
-    return count
-
-
 def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
     """Load the HF folder `source` into these parameters (this rank's, of any layout), after checking that
-    it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug")."""
+    it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug").
+    Each rank reads only the parts of the files its shards hold."""
     source = Path(source)
     spec = hf_spec(spec.name)
-    try:
-        hf_args, state, file_dtype = load_hf(source, spec)
-    except ConfigError as e:
-        raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
-    check_model_matches(spec, model_args, hf_args, state, f"checkpoint.init_from_hf {source}", recipe_model)
-    count = copy_into_parameters(named_parameters, state)
-    n_params = sum(math.prod(s) for s in model_shapes(spec, hf_args).values())
+    with PeakMemory() as peak:
+        try:
+            hf = open_hf(source, spec)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
+        check_model_matches(spec, model_args, hf.args, f"checkpoint.init_from_hf {source}", recipe_model)
+        try:
+            count, read = read_into(hf, named_parameters)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
+    n_params = sum(math.prod(s) for s in model_shapes(spec, hf.args).values())
     log.info(
-        "initialised the model from HF checkpoint %s: %d parameter tensors on this rank (model: %.2fM parameters, "
-        "%s in the files)",
+        "initialised the model from HF checkpoint %s: %d parameter tensors on this rank, %.1f MiB read from the "
+        "files, peak host memory added %s (model: %.2fM parameters, %s in the files)",
         source,
         count,
+        read / 2**20,
+        peak,
         n_params / 1e6,
-        file_dtype,
+        hf.dtypes,
     )

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import Tensor
-
 from titan import models
 from titan.checkpoint import model_shapes
 from titan.config import ConfigError, toml_value
@@ -71,23 +69,24 @@ def describe_match(spec: models.ModelSpec, args, flavor: str | None = None) -> t
     )
 
 
-def check_model_matches(
-    spec: models.ModelSpec, recipe_args, hf_args, state: dict[str, Tensor], source: str, recipe_name: str
-) -> None:
-    """ConfigError naming the first parameter whose shape differs, else the first arg that changes the network."""
+def check_model_matches(spec: models.ModelSpec, recipe_args, hf_args, source: str, recipe_name: str) -> None:
+    """ConfigError naming the first parameter whose shape differs, else the first arg that changes the network.
+
+    `hf_args` are the checkpoint's, whose tensors' shapes (in the file headers) the caller has checked against them.
+    """
     hint = _Hint(spec, hf_args)
-    mine = model_shapes(spec, recipe_args)
+    mine, theirs = model_shapes(spec, recipe_args), model_shapes(spec, hf_args)
     for name, shape in mine.items():
-        if name not in state:
+        if name not in theirs:
             raise ConfigError(
                 f"{source} has no parameter {name} (shape {shape} in this recipe's {recipe_name} model){hint}"
             )
-        if list(state[name].shape) != shape:
+        if theirs[name] != shape:
             raise ConfigError(
                 f"{source} does not match this recipe's {recipe_name} model: {name} has shape "
-                f"{list(state[name].shape)} there but {shape} here{hint}"
+                f"{theirs[name]} there but {shape} here{hint}"
             )
-    extra = [name for name in model_shapes(spec, hf_args) if name not in mine]
+    extra = [name for name in theirs if name not in mine]
     if extra:
         raise ConfigError(f"{source} has parameter {extra[0]}, which this recipe's {recipe_name} model lacks{hint}")
     # Same shapes; what else changes the computation (RoPE, norm eps, head split, tying)?

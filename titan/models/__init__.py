@@ -17,13 +17,16 @@ from torch import nn
 class HFAdapter:
     """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
 
-    Pure functions on dicts; titan/hf_io.py reads and writes the files. State dicts hold full tensors.
+    Pure functions; titan/hf_io.py reads and writes the files. Weights are mapped tensor by tensor, so a reader
+    can fetch only the part of an HF tensor that one shard needs: titan row r of a parameter is row rows[r] of
+    its HF tensor (rows None: the same rows).
     """
 
     args_from_config: Callable[[dict], Any]  # config.json dict -> model args; ValueError names an unsupported field
     config_from_args: Callable[..., dict]  # (args, dtype="float32") -> config.json dict
-    from_state_dict: Callable[[dict, Any], dict]  # (HF weights, args) -> titan weights
-    to_state_dict: Callable[[dict, Any], dict]  # (titan weights, args) -> HF weights
+    sources: Callable[[Any], dict]  # args -> {titan parameter name: (HF tensor name, rows or None)}
+    check_names: Callable[[Any, Any], dict]  # (HF tensor names, args) -> {tied copy: HF tensor it must equal}
+    to_hf_tensor: Callable[[Any, Any], Any]  # (titan tensor, its rows) -> the tensor as HF stores it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +59,9 @@ def _llama3() -> ModelSpec:
         hf=HFAdapter(
             args_from_config=hf.args_from_hf_config,
             config_from_args=hf.hf_config_from_args,
-            from_state_dict=hf.from_hf_state_dict,
-            to_state_dict=hf.to_hf_state_dict,
+            sources=hf.hf_sources,
+            check_names=hf.check_hf_names,
+            to_hf_tensor=hf.to_hf_tensor,
         ),
     )
 

@@ -1,14 +1,16 @@
 """Conversion between Hugging Face `LlamaForCausalLM` checkpoints and titan's Llama 3.
 
-Pure functions on config dicts and state dicts; reading and writing files is left to the caller:
+Pure functions on config dicts and tensors; reading and writing files is left to the caller:
 
 * `args_from_hf_config` / `hf_config_from_args`: a `config.json` dict <-> `ModelArgs`.
-* `from_hf_state_dict` / `to_hf_state_dict`: HF parameter names <-> titan's (Meta's) names.
+* `hf_sources`: each titan parameter's HF tensor and, for q/k, which HF row each titan row is. It is the
+  mapping in both directions: per tensor (`to_hf_tensor`; titan/hf_io.py reads just a shard's rows with it)
+  and for whole state dicts (`from_hf_state_dict` / `to_hf_state_dict`, full tensors).
 
 The one non-trivial step is the q/k layout. titan (like Meta's reference code) rotates *interleaved* pairs
 (x[2i], x[2i+1]) of each head with RoPE, while HF rotates *half-split* pairs (x[i], x[i + head_dim/2]). Both
 rotate pair i by the same angle, so reordering the rows of wq and wk within every head turns one model into
-the other exactly; see `permute_rope_rows`. State dicts must hold full (unsharded) tensors.
+the other exactly; see `permute_rope_rows`.
 """
 
 from __future__ import annotations
@@ -190,7 +192,7 @@ def permute_rope_rows(w: Tensor, n_heads: int, *, to_half_split: bool) -> Tensor
     return w.reshape(shape).transpose(1, 2).reshape(rows, cols)
 
 
-# titan name -> HF name, per layer ("{}" is the layer index) and global.
+# titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`).
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -202,29 +204,55 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_GLOBAL_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # HF checkpoints from older transformers may carry RoPE inverse frequencies; they are derived, not weights.
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _name_map(args: ModelArgs) -> dict[str, str]:
-    """Every titan parameter name -> its HF name (output.weight included even when tied)."""
-    names = dict(_GLOBAL_NAMES)
+def _rope_rows(n_heads: int, head_dim: int) -> Tensor:
+    """The HF row behind each titan row of a q or k projection: `permute_rope_rows` applied to row numbers."""
+    rows = torch.arange(n_heads * head_dim).unsqueeze(1)
+    return permute_rope_rows(rows, n_heads, to_half_split=False).squeeze(1)
+
+
+def hf_sources(args: ModelArgs, *, permute_qk: bool = True) -> dict[str, tuple[str, Tensor | None]]:
+    """Where each titan parameter comes from: its name -> (HF tensor name, rows), the one definition of the mapping.
+
+    Titan row r is HF row rows[r]: for wq and wk the RoPE layout change, which moves rows within each head (see
+    `permute_rope_rows`); rows is None for every other tensor, which is the HF tensor as it is. Holding the row
+    numbers rather than permuted tensors lets a reader fetch only the rows one shard needs. A tied model has no
+    output.weight of its own: HF stores the tied head once, as the embedding. `permute_qk=False` keeps q/k as HF
+    stores them (only to show that the layout change matters).
+    """
+    qk = {
+        "attention.wq.weight": _rope_rows(args.n_heads, args.head_dim) if permute_qk else None,
+        "attention.wk.weight": _rope_rows(args.n_kv_heads, args.head_dim) if permute_qk else None,
+    }
+    sources = {"tok_embeddings.weight": ("model.embed_tokens.weight", None)}
     for i in range(args.n_layers):
-        names.update({f"layers.{i}.{t}": f"model.layers.{i}.{h}" for t, h in _LAYER_NAMES.items()})
-    return names
+        for titan, hf in _LAYER_NAMES.items():
+            sources[f"layers.{i}.{titan}"] = (f"model.layers.{i}.{hf}", qk.get(titan))
+    sources["norm.weight"] = ("model.norm.weight", None)
+    if not args.tie_embeddings:
+        sources["output.weight"] = ("lm_head.weight", None)
+    return sources
 
 
-def _qk_heads(args: ModelArgs, titan_name: str) -> int | None:
-    if titan_name.endswith("attention.wq.weight"):
-        return args.n_heads
-    if titan_name.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    return None
+def check_hf_names(names, args: ModelArgs) -> dict[str, str]:
+    """Check the tensor names of an HF checkpoint against `args`: ValueError listing the missing and unexpected
+    ones. Returns the copies it holds, {name: the tensor it must equal}: a tied model may keep lm_head.weight
+    (some exports do), which is then unused but must really be the embedding. RoPE inverse frequencies are ignored.
+    """
+    names = {name for name in names if not _IGNORED_HF.search(name)}
+    copies = {}
+    if args.tie_embeddings and "lm_head.weight" in names:
+        copies["lm_head.weight"] = "model.embed_tokens.weight"
+    _check_keys(names - set(copies), {hf for hf, _ in hf_sources(args).values()}, "HF")
+    return copies
+
+
+def to_hf_tensor(w: Tensor, rows: Tensor | None) -> Tensor:
+    """A titan tensor as HF stores it, given its rows from `hf_sources` (HF row rows[r] is titan row r)."""
+    return w if rows is None else w[rows.argsort()]
 
 
 def _check_keys(given: set[str], expected: set[str], side: str) -> None:
@@ -234,58 +262,37 @@ def _check_keys(given: set[str], expected: set[str], side: str) -> None:
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool = True) -> dict[str, Tensor]:
-    """HF `LlamaForCausalLM` weights -> a titan `Transformer` state dict.
+    """HF `LlamaForCausalLM` weights -> a titan `Transformer` state dict, by `hf_sources`.
 
     With tied embeddings `lm_head.weight` may be absent (HF omits it); `output.weight` is then the embedding
     tensor itself. `permute_qk=False` skips the RoPE layout change (only to show it matters).
     """
-    names = _name_map(args)
-    sd = {k: v for k, v in sd.items() if not _IGNORED_HF.search(k)}
-    expected = set(names.values())
-    if args.tie_embeddings:
-        expected.discard("lm_head.weight")
-        if "lm_head.weight" in sd:  # some exports keep a copy; accept it only if it really is the embedding
-            if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
-                raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
-            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-    _check_keys(set(sd), expected, "HF")
-    out: dict[str, Tensor] = {}
-    for titan_name, hf_name in names.items():
-        if hf_name not in sd:  # lm_head of a tied model
-            continue
-        w = sd[hf_name]
-        heads = _qk_heads(args, titan_name)
-        if heads is not None and permute_qk:
-            w = permute_rope_rows(w, heads, to_half_split=False)
-        out[titan_name] = w
+    for copy, original in check_hf_names(sd, args).items():
+        if not torch.equal(sd[copy], sd[original]):
+            raise ValueError(f"tie_word_embeddings is set but {copy} differs from {original}")
+    out = {
+        titan: sd[hf] if rows is None else sd[hf][rows]
+        for titan, (hf, rows) in hf_sources(args, permute_qk=permute_qk).items()
+    }
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
-def to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool = True) -> dict[str, Tensor]:
+def to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """A titan `Transformer` state dict -> HF `LlamaForCausalLM` weights (no `lm_head.weight` when tied).
 
     The result may still share storage with `sd` (every tensor but q/k); clone before saving if that matters.
     """
-    names = _name_map(args)
-    expected = set(names)
-    if args.tie_embeddings:
-        expected.discard("output.weight")
-        if "output.weight" in sd:  # `state_dict()` lists the tied parameter under both names
-            if sd["output.weight"] is not sd.get("tok_embeddings.weight") and not torch.equal(
-                sd["output.weight"], sd.get("tok_embeddings.weight", torch.empty(0))
-            ):
-                raise ValueError(
-                    "tie_embeddings is set but output.weight differs from tok_embeddings.weight "
-                    "(was the tie lost, e.g. by Module.to_empty?)"
-                )
-            sd = {k: v for k, v in sd.items() if k != "output.weight"}
-    _check_keys(set(sd), expected, "titan")
-    out: dict[str, Tensor] = {}
-    for titan_name, w in sd.items():
-        heads = _qk_heads(args, titan_name)
-        if heads is not None and permute_qk:
-            w = permute_rope_rows(w, heads, to_half_split=True)
-        out[names[titan_name]] = w
-    return out
+    sources = hf_sources(args)
+    if args.tie_embeddings and "output.weight" in sd:  # `state_dict()` lists the tied parameter under both names
+        if sd["output.weight"] is not sd.get("tok_embeddings.weight") and not torch.equal(
+            sd["output.weight"], sd.get("tok_embeddings.weight", torch.empty(0))
+        ):
+            raise ValueError(
+                "tie_embeddings is set but output.weight differs from tok_embeddings.weight "
+                "(was the tie lost, e.g. by Module.to_empty?)"
+            )
+        sd = {k: v for k, v in sd.items() if k != "output.weight"}
+    _check_keys(set(sd), set(sources), "titan")
+    return {sources[name][0]: to_hf_tensor(w, sources[name][1]) for name, w in sd.items()}
