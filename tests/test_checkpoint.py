@@ -37,6 +37,44 @@ def test_resume_under_fsdp2_and_pp2_is_bitwise_identical(tmp_path, layout):
         assert torch.equal(weights_resumed[name], value), name
 
 
+def _stop_signalled_on_rank_1(root):
+    """Train with rank 1 alone receiving a stop signal after step 3; returns (stop step, signal, votes)."""
+    import torch.distributed as dist
+
+    from titan.trainer import Preempted
+
+    trainer = trainer_for(root, **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "60"})
+    step, vote, votes = trainer.step_without_loss_reduction, trainer._stop_requested, []
+
+    def signalled_step(batches):
+        if trainer.step == 3 and dist.get_rank() == 1:
+            trainer.stop_signal = "SIGTERM"
+        return step(batches)
+
+    def counted_vote(seconds):
+        before = trainer.next_stop_vote
+        stop = vote(seconds)
+        votes.extend([trainer.step] * (trainer.next_stop_vote != before))
+        return stop
+
+    trainer.step_without_loss_reduction, trainer._stop_requested = signalled_step, counted_vote
+    with pytest.raises(Preempted) as stopped:
+        trainer.train()
+    return trainer.step, trainer.stop_signal, votes, str(stopped.value)
+
+
+@pytest.mark.distributed
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    (step0, signal0, votes0, message), (step1, signal1, votes1, _) = run_distributed(
+        _stop_signalled_on_rank_1, 2, tmp_path
+    )
+    assert step0 == step1 >= 4 and votes0 == votes1 and votes0[-1] == step0
+    assert signal0 == "another rank's signal" and signal1 == "SIGTERM"
+    assert f"at step {step0}; checkpoint saved" in message
+    # The ranks vote at the first step, then about once a second: the next vote is never later than that.
+    assert votes0[0] == 1
+
+
 @pytest.mark.distributed
 def test_async_save_under_fsdp2_resumes_bitwise(tmp_path):
     results = run_distributed(

@@ -58,13 +58,13 @@ def test_after_a_nan_stop_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
     schedule = {"checkpoint.interval": "2", "checkpoint.keep_latest_k": "2"}
     straight = trainer_for(tmp_path / "straight", **schedule).train()
     poisoned = trainer_for(tmp_path / "run", **schedule)
-    real = poisoned.forward_backward
+    real = poisoned.loss_fn
 
-    def nan_at_step_6(batches):  # as an overflow in step 6 would
-        loss = real(batches)
+    def nan_at_step_6(logits, labels):  # as an overflow in step 6 would: the loss and its gradients
+        loss = real(logits, labels)
         return loss * float("nan") if poisoned.step == 5 else loss
 
-    poisoned.forward_backward = nan_at_step_6
+    poisoned.loss_fn = nan_at_step_6
     with pytest.raises(NonFinite, match=r"step 6: loss nan.*last good checkpoint is .*step-4"):
         poisoned.train()
     assert sorted(checkpoints(tmp_path / "run")) == [2, 4]
@@ -88,7 +88,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_f
 
     trainer.forward_backward = poisoned
     loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(loss, norm)  # counted, not raised
+    trainer._check_finite(norm, loss.item)  # counted, not raised
     assert trainer.step == 3 and trainer.skipped_in_a_row == 1 and not torch.isfinite(norm)
     for name, value in full_weights(trainer).items():
         assert torch.equal(value, before[name]), name
@@ -96,7 +96,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_f
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], moments[name]), name
     trainer.forward_backward = real
     loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(loss, norm)
+    trainer._check_finite(norm, loss.item)
     assert trainer.skipped_in_a_row == 0 and torch.isfinite(norm)
 
 

@@ -335,10 +335,9 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, tokens_seen: int, loss: float, final: bool = False) -> dict | None:
-        if self.cfg.enable and (final or step % self.cfg.interval == 0):
-            return self.save(step, tokens_seen, loss, wait=final)
-        return None
+    def due(self, step: int, final: bool = False) -> bool:
+        """Whether a checkpoint is to be saved at this step."""
+        return self.cfg.enable and (final or step % self.cfg.interval == 0)
 
     def save(self, step: int, tokens_seen: int, loss: float, wait: bool = False) -> dict | None:
         """Save (in the background with async_save, unless `wait`); returns the metrics to log. An existing

@@ -39,6 +39,9 @@ from titan.straggler import Probe, StragglerDetector, gather_times
 
 log = logging.getLogger("titan")
 
+# How often the ranks agree on whether to stop after a signal: bounds how late a stop starts.
+STOP_VOTE_SECONDS = 1.0
+
 
 def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
@@ -204,6 +207,7 @@ class Trainer:
             else:
                 log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
         self.stop_signal: str | None = None
+        self.next_stop_vote = 0  # the step at which the ranks next vote on stopping
         if self.documents:
             batching = (
                 f"documents up to {self.tokens_per_step} tokens/step, placed by {config.data.balance} in "
@@ -464,23 +468,29 @@ class Trainer:
         )
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors. A step
-        whose loss or gradient norm is NaN or inf leaves the weights and optimizer state as they were (the
-        step still counts, so the data and the schedule move on)."""
+        """One optimizer step over the micro-batches; returns (global mean loss, grad norm) as tensors."""
+        local, grad_norm = self.step_without_loss_reduction(micro_batches)
+        return self.global_loss(local), grad_norm
+
+    def step_without_loss_reduction(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (this rank's share of the loss, grad norm). The training loop sums the
+        shares over ranks only when it logs or saves: one collective per window rather than per step.
+
+        A step whose gradient norm is NaN or inf leaves the weights and optimizer state as they were (the step
+        still counts, so the data and the schedule move on). A non-finite loss makes non-finite gradients, and
+        the norm is global (every shard, every stage), so all ranks take the same decision without the loss."""
         local = self.forward_backward(micro_batches)
-        with self.clock.phase("optimizer"):  # with the loss and gradient-norm all-reduces
-            loss = self.global_loss(local)
+        with self.clock.phase("optimizer"):  # with the gradient-norm all-reduce
             params = list(self.model_parts.parameters())
             pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
             grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
-            # Both are global (the loss summed over ranks, the norm over every shard): all ranks agree.
-            if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+            if bool(torch.isfinite(grad_norm)):
                 self.optimizer.step()
                 precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 AG
             self.optimizer.zero_grad(set_to_none=True)
             self.lr_scheduler.step()
             self.step += 1
-        return loss, grad_norm
+        return local, grad_norm
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate the step's gradients; returns this rank's share of the step's loss."""
@@ -553,7 +563,16 @@ class Trainer:
         raises Preempted.
         """
         total = until or self.config.training.steps
-        losses: list[torch.Tensor] = []
+        losses: list[float] = []
+        pending: list[torch.Tensor] = []  # this rank's loss shares of the steps not yet summed over ranks
+
+        def step_loss() -> float:
+            """The last step's global loss: one collective for all the steps since the last call."""
+            if pending:
+                losses.extend(self.global_loss(torch.stack(pending)).tolist())
+                pending.clear()
+            return losses[-1]
+
         if self.step >= total:
             log.info(
                 "already at step %d of training.steps %d: nothing to train (to train on, raise training.steps and "
@@ -570,16 +589,17 @@ class Trainer:
                     batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
                 compute_start = time.perf_counter()
-                loss, grad_norm = self.train_step(batches)
+                local_loss, grad_norm = self.step_without_loss_reduction(batches)
                 compute_s = time.perf_counter() - compute_start
-                losses.append(loss)
-                self._check_finite(loss, grad_norm)
+                pending.append(local_loss)
+                self._check_finite(grad_norm, step_loss)
                 # Tokens batching takes whole documents up to the budget: count the tokens it took.
                 step_tokens = batches[0].step_loss_tokens if self.documents else self.tokens_per_step
                 self.tokens_seen += step_tokens
                 window_steps, window_tokens = window_steps + 1, window_tokens + step_tokens
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
                 if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
+                    loss = step_loss()
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     window_s = time.perf_counter() - window_start
@@ -594,22 +614,27 @@ class Trainer:
                     self._log_validation()
                     window_start = time.perf_counter()  # evaluation time is not step time
                 # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
-                step_loss = float("nan") if self.skipped_in_a_row else loss.item()
-                self._log_checkpoint(
-                    self.checkpointer.maybe_save(self.step, self.tokens_seen, step_loss, final=self.step == total)
-                )
-                if self._stop_requested():
+                saved_loss = lambda: float("nan") if self.skipped_in_a_row else step_loss()  # noqa: E731
+                if self.checkpointer.due(self.step, final=self.step == total):
+                    self._log_checkpoint(
+                        self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=self.step == total)
+                    )
+                if self._stop_requested(time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
-                        self._log_checkpoint(self.checkpointer.save(self.step, self.tokens_seen, step_loss, wait=True))
+                        self._log_checkpoint(
+                            self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=True)
+                        )
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
                 if self.profiler.step():
                     window_start = time.perf_counter()  # writing the trace is not step time
+        if pending:
+            step_loss()
         self.checkpointer.finish_pending()
         self.metrics.close()
-        return [loss.item() for loss in losses]
+        return losses
 
     def _log_step(self, loss, grad_norm, lr, step_time: float, tokens_per_s: float, phases: dict) -> None:
         total = self.config.training.steps
@@ -665,15 +690,17 @@ class Trainer:
             metrics["val_time_s"],
         )
 
-    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Stop at a NaN or inf (nothing is saved after the last good step), or count it as skipped."""
-        if math.isfinite(loss.item()) and math.isfinite(float(grad_norm)):
+    def _check_finite(self, grad_norm: torch.Tensor, step_loss) -> None:
+        """Stop at a NaN or inf gradient norm (nothing is saved after the last good step), or count the step as
+        skipped. The norm is global, so every rank gets here together; step_loss() then sums the loss."""
+        if math.isfinite(float(grad_norm)):
             self.skipped_in_a_row = 0
             return
+        loss = step_loss()
         t = self.config.training
         self.skipped_in_a_row += 1
         self.metrics.log(self.step, {"skipped_step": 1})
-        what = f"step {self.step}: loss {float(loss)}, gradient norm {float(grad_norm)}"
+        what = f"step {self.step}: loss {loss}, gradient norm {float(grad_norm)}"
         if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
             log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
             return
@@ -696,14 +723,21 @@ class Trainer:
         if metrics:
             self.metrics.log(self.step, metrics)
 
-    def _stop_requested(self) -> bool:
-        """Whether any rank received a stop signal; all ranks agree, so they stop at the same step."""
-        flag = torch.tensor(int(self.stop_signal is not None))
-        if self.control_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
-        if flag and self.stop_signal is None:
+    def _stop_requested(self, step_seconds: float) -> bool:
+        """Whether any rank received a stop signal; all ranks agree, so they stop at the same step.
+
+        The ranks vote about once a second rather than every step: each vote also agrees on the slowest rank's
+        step time, from which all ranks compute the same step for the next one."""
+        if self.control_group is None:
+            return self.stop_signal is not None
+        if self.step < self.next_stop_vote:
+            return False
+        vote = torch.tensor([float(self.stop_signal is not None), step_seconds], dtype=torch.float64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control_group)
+        self.next_stop_vote = self.step + max(1, int(STOP_VOTE_SECONDS / max(float(vote[1]), 1e-9)))
+        if vote[0] and self.stop_signal is None:
             self.stop_signal = "another rank's signal"
-        return bool(flag)
+        return bool(vote[0])
 
 
 class Preempted(Exception):
