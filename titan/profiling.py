@@ -4,6 +4,7 @@ breakdown into phases (the `[profiling]` section)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -69,8 +70,40 @@ class Profiler:
         if self.cfg.memory and self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(self.folder / f"{name}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
+        shares = time_shares(profile)
+        (self.folder / f"{name}.summary.json").write_text(json.dumps(shares, indent=2) + "\n")
         if self.rank == 0:
             log.info("profiling: %d steps traced into %s (one file per rank)", self.cfg.active, trace)
+            log.info("profiling: rank 0's traced time: %s", ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+
+
+# Operator name patterns -> what the time is spent on; the first match wins. Self time only, so nested ops
+# are not counted twice.
+CATEGORIES = (
+    ("collectives", ("c10d", "gloo", "nccl", "wait_tensor", "all_reduce", "allreduce", "all_gather", "allgather",
+                     "reduce_scatter", "broadcast", "send", "recv")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::linear")),
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::_softmax")),
+    ("optimizer", ("_foreach", "Optimizer.", "aten::_fused_adam")),
+)  # fmt: skip
+
+
+def time_shares(profile: torch.profiler.profile) -> dict[str, float]:
+    """Each category's share of the traced steps' wall time; "other ops" is the remaining operator time and
+    "outside ops" what no operator covers (Python, the data loader, waits outside collectives)."""
+    events = profile.key_averages()
+    wall = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep"))  # "ProfilerStep*"
+    shares = dict.fromkeys([name for name, _ in CATEGORIES] + ["other ops"], 0.0)
+    for e in events:
+        if e.key.startswith("ProfilerStep"):
+            continue
+        category = next((name for name, patterns in CATEGORIES if any(p in e.key for p in patterns)), "other ops")
+        shares[category] += e.self_cpu_time_total
+    if wall <= 0:
+        return {}
+    shares = {k: v / wall for k, v in shares.items()}
+    shares["outside ops"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 class StepClock:

@@ -612,7 +612,7 @@ class Trainer:
                 interval = self.config.validation.interval
                 if interval and (self.step % interval == 0 or self.step == total):
                     self._log_validation()
-                    window_start = time.perf_counter()  # evaluation time is not step time
+                    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0  # evaluation is not steps
                 # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
                 saved_loss = lambda: float("nan") if self.skipped_in_a_row else step_loss()  # noqa: E731
                 if self.checkpointer.due(self.step, final=self.step == total):
@@ -628,8 +628,8 @@ class Trainer:
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
-                if self.profiler.step():
-                    window_start = time.perf_counter()  # writing the trace is not step time
+                if self.profiler.step():  # writing the trace is not step time
+                    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
         if pending:
             step_loss()
         self.checkpointer.finish_pending()

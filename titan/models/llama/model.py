@@ -135,16 +135,16 @@ def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.
 
 
 def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list) -> torch.Tensor:
-    """Causal attention within each document span of each row (see document_mask)."""
+    """Causal attention within each document span of each row (see document_mask). Rows and documents are cut
+    with unbind and split, whose backward is one stack or cat: a slice's would fill a zero tensor of the whole
+    input for every document."""
     rows = []
-    for row, row_spans in enumerate(spans):
+    for q_row, k_row, v_row, row_spans in zip(q.unbind(0), k.unbind(0), v.unbind(0), spans):
+        sizes = [stop - start for start, stop, _ in row_spans]
         pieces = [
-            F.scaled_dot_product_attention(
-                q[row : row + 1, :, start:stop], k[row : row + 1, :, start:stop], v[row : row + 1, :, start:stop],
-                is_causal=True, enable_gqa=True,
-            )
-            for start, stop, _ in row_spans
-        ]  # fmt: skip
+            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True)
+            for qs, ks, vs in zip(q_row.split(sizes, dim=1), k_row.split(sizes, dim=1), v_row.split(sizes, dim=1))
+        ]
         rows.append(torch.cat(pieces, dim=2))
     return torch.cat(rows)
 
