@@ -132,6 +132,11 @@ def test_profiling_traces_its_window_and_the_step_breakdown_adds_up(tmp_path):
     assert {"aten::mm", "aten::scaled_dot_product_attention"} <= names  # the step's own ops
     assert any(n.startswith("Optimizer.step#AdamW") for n in names)
     assert any(e.get("name") == "[memory]" for e in events)  # allocation events: what torch has on CPU
+    # The summary splits the traced steps' wall time: the shares cover it, and a one-process step's time is
+    # mostly its own operators (matmuls first), with no collective.
+    shares = json.loads((tmp_path / "debug" / "profiling" / "rank0-step4.summary.json").read_text())
+    assert abs(sum(shares.values()) - 1) < 1e-6 and shares["collectives"] == 0
+    assert shares["matmul"] > 0.1 and shares["outside ops"] < 0.5, shares
     for record in read_metrics(tmp_path / "debug")[1:]:  # the first step also starts the profiler
         phases = sum(record[f"{p}_s"] for p in ("data", "forward", "backward", "optimizer"))
         assert abs(phases - record["step_time_s"]) < 0.1 * record["step_time_s"], record
