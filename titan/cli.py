@@ -94,9 +94,8 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
 
         _fail(write_error(e))
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # not imported when the recipe was refused: a quick exit
+        if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
 
 
