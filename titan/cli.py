@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from titan.config import ConfigError, load_config, to_toml
+from titan.config import ConfigError, load_config, read_config, to_toml
 
 app = typer.Typer(
     help="titan: pretrain Llama-family language models from a TOML recipe, on one CPU or thousands of GPUs.",
@@ -266,6 +266,43 @@ def verify(
         _fail(str(e))
     typer.echo(report)
     if not equivalent:
+        raise typer.Exit(code=1)
+
+
+@app.command(context_settings=OVERRIDES)
+def plan(
+    ctx: typer.Context,
+    config: Path = CONFIG_OPTION,
+    world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
+    device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
+    json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+) -> None:
+    """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
+
+    On this CPU: the model is built and parallelised as for training, on a fake process group of the run's world
+    size, and one step of each pipeline rank is traced under fake tensors, so nothing is allocated. Prints a table
+    per pipeline rank; exit status 1 when a rank's peak does not fit. The plan.* recipe keys set the device.
+    """
+    try:
+        overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
+        if world_size is None:
+            p = read_config(config, overrides).parallel
+            if p.dp_shard == -1:
+                _fail("parallel.dp_shard = -1 takes what the world size leaves: give --world-size")
+            world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
+        cfg = load_config(config, overrides, world_size=world_size)
+        from titan.plan import plan_run  # imported late: torch takes a while to import
+        from titan.plan_report import format_plan, plan_json, shortfall
+
+        result = plan_run(cfg, world_size)
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(format_plan(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(plan_json(result), indent=2) + "\n")
+    short = shortfall(result)
+    if short:
+        typer.secho(f"error: {short}", err=True, fg=typer.colors.RED)
         raise typer.Exit(code=1)
 
 

@@ -202,8 +202,10 @@ class Straggler:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"  # recompute activations in backward: all, or all but save_ops
-    every: int = 1  # checkpoint every Nth transformer block
+    # Recompute activations in backward: all (full), all but save_ops' outputs (selective), or per block as measured
+    # and planned to fit budget_gib (auto: keep, selective, full, or on a GPU offload to host memory).
+    mode: Literal["none", "full", "selective", "auto"] = "none"
+    every: int = 1  # full, selective: checkpoint every Nth transformer block
     # selective: outputs of these ops are saved, everything else is recomputed in backward.
     save_ops: list[str] = field(
         default_factory=lambda: [
@@ -212,6 +214,7 @@ class ActivationCheckpoint:
             "aten._scaled_dot_product_flash_attention",
         ]
     )
+    budget_gib: float = 0.0  # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0 = not set
 
 
 @dataclass
@@ -268,6 +271,22 @@ class Checkpoint:
 
 
 @dataclass
+class Plan:
+    """`titan plan`: the accelerator a run is planned for (titan/plan_devices.py); a figure set here replaces the
+    device's own."""
+
+    device: Literal["h100", "h200", "a100", "mi300x"] = "h100"  # the accelerator; its figures unless set below
+    # Share of the device's memory left free at the peak: the CUDA context, NCCL buffers, allocator fragmentation.
+    headroom_fraction: float = 0.1
+    peak_flops: float = 0.0  # dense bf16 FLOP/s of one device; 0: the device's
+    memory_gib: float = 0.0  # memory of one device, GiB; 0: the device's
+    hbm_gbs: float = 0.0  # its memory bandwidth, GB/s; 0: the device's
+    intra_node_gbs: float = 0.0  # one device's bandwidth to the others in its node, GB/s each way; 0: the device's
+    inter_node_gbs: float = 0.0  # one device's bandwidth to other nodes, GB/s each way; 0: the device's
+    gpus_per_node: int = 0  # devices per node; 0: the device's (8)
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -285,6 +304,7 @@ class Config:
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    plan: Plan = field(default_factory=Plan)
 
     @property
     def run_dir(self) -> Path:
@@ -559,6 +579,33 @@ def validate(config: Config, world_size: int) -> None:
         all(s.strip() for s in f8.skip),
         f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}",
     )
+    n = config.plan
+    require(0 <= n.headroom_fraction < 1, f"plan.headroom_fraction must be in [0, 1), got {n.headroom_fraction}")
+    for name in ("peak_flops", "memory_gib", "hbm_gbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node"):
+        require(getattr(n, name) >= 0, f"plan.{name} must be >= 0 (0: the device's), got {getattr(n, name)}")
+    a = config.activation_checkpoint
+    require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
+    require(
+        0 <= a.budget_gib < float("inf"),
+        f"activation_checkpoint.budget_gib must be a number of GiB >= 0 (0 = not set), got {a.budget_gib}",
+    )
+    if a.mode == "auto":
+        require(
+            a.budget_gib > 0,
+            "activation_checkpoint.mode = 'auto' plans to a budget: set activation_checkpoint.budget_gib to the GiB "
+            "of activations each rank's blocks may keep for backward",
+        )
+        # A pipeline holds several micro-batches' activations at once, which the plan for one does not cover.
+        require(
+            p.pp == 1,
+            "activation_checkpoint.mode = 'auto' does not plan for a pipeline's micro-batches in flight yet; with "
+            "parallel.pp > 1 use mode 'full' or 'selective'",
+        )
+        require(
+            not config.compile.enable,
+            "activation_checkpoint.mode = 'auto' measures eager blocks, which compiled ones do not match; set "
+            "compile.enable = false, or use mode 'full' or 'selective'",
+        )
     g = config.straggler
     require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
     require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")

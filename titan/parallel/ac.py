@@ -1,29 +1,242 @@
-"""Activation checkpointing of transformer blocks: full (recompute everything) or selective (keep the
-outputs of the listed ops, recompute the rest), applied in place so parameter names do not change."""
+"""Activation checkpointing of transformer blocks, applied in place so parameter names do not change. Each block
+runs one of four ways:
+
+- keep: it keeps every tensor its backward needs;
+- selective: it keeps the outputs of the recipe's save_ops and recomputes the rest in backward;
+- full: it keeps only its inputs and recomputes the whole block in backward;
+- offload: it keeps everything, in pinned host memory, and copies it back for backward.
+
+Modes full and selective run every Nth block that way. Mode auto measures each way on one block of the run
+(`measure_options`) and lets titan/memory_plan.py choose per block, within activation_checkpoint.budget_gib.
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
+import statistics
+from contextlib import nullcontext
 from functools import partial
+from time import perf_counter
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titan.config import ActivationCheckpoint
+from titan.config import Config, Layout, batch_plan
+from titan.memory_plan import GIB, Option, plan_memory
+from titan.models import ModelSpec
+
+log = logging.getLogger("titan")
+
+KEEP, SELECTIVE, FULL, OFFLOAD = "keep", "selective", "full", "offload"
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
-    if cfg.mode == "none":
-        return
-    context_fn = (
-        partial(create_selective_checkpoint_contexts, partial(_policy, frozenset(cfg.save_ops)))
-        if cfg.mode == "selective"
-        else None
+def block_choices(
+    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, device: torch.device | None
+) -> list[str]:
+    """How each block of `model` runs: the recipe's mode on every Nth block, or with mode = "auto" the plan for
+    the budget. Call it before the blocks are wrapped: "auto" measures a plain copy of the first one. Under tensor
+    parallelism that copy is the whole block, which keeps more than a rank's shard of it: the plan errs on the safe
+    side."""
+    cfg = config.activation_checkpoint
+    n_blocks = len(spec.blocks(model))
+    if cfg.mode != "auto":
+        return [cfg.mode if cfg.mode != "none" and i % cfg.every == 0 else KEEP for i in range(n_blocks)]
+    if device is None:
+        raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
+    sizes = batch_plan(config, layout.world_size)
+    # The largest micro-batch of any rank, so that the one plan fits every rank.
+    rows, micro_batches = max(max(s) for s in sizes), len(sizes[0])
+    options = _on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device)
+    log.info(
+        "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
+        rows,
+        config.training.seq_len,
+        ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
     )
-    for i, block in enumerate(blocks):
-        if i % cfg.every == 0:
-            checkpoint(block, context_fn=context_fn)
+    plan = plan_memory([options] * n_blocks, int(cfg.budget_gib * GIB))
+    log.info(
+        "activation_checkpoint auto: %s; the blocks keep %.4g of %.4g GiB, +%.3g s per step (predicted)",
+        ", ".join(f"{plan.choices.count(o.name)} {o.name}" for o in options if o.name in plan.choices),
+        plan.saved_bytes / GIB,
+        cfg.budget_gib,
+        plan.added_seconds * micro_batches,
+    )
+    return list(plan.choices)
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], choices: list[str], save_ops: list[str]) -> None:
+    for block, choice in zip(blocks, choices, strict=True):
+        apply_choice(block, choice, save_ops)
+
+
+def apply_choice(block: nn.Module, choice: str, save_ops: list[str]) -> None:
+    if choice == FULL:
+        checkpoint(block)
+    elif choice == SELECTIVE:
+        policy = partial(_policy, frozenset(save_ops))
+        checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, policy))
+    elif choice == OFFLOAD:
+        _offload(block)
 
 
 def _policy(save_ops: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if str(op.overloadpacket) in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _offload(block: nn.Module) -> None:
+    """The block's forward runs under save_on_cpu: what autograd saves goes to pinned host memory, and back for
+    backward."""
+    active = []
+
+    def enter(module, args):
+        active.append(torch.autograd.graph.save_on_cpu(pin_memory=True))
+        active[-1].__enter__()
+
+    def leave(module, args, output):
+        active.pop().__exit__(None, None, None)
+
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(leave, always_call=True)
+
+
+def _on_rank_0(measure, device: torch.device):
+    """Rank 0's measurement on every rank: each then plans from the same numbers, so all agree on the plan (and a
+    budget too small fails alike everywhere)."""
+    if not dist.is_initialized():
+        return measure()
+    shared = [measure() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0, device=device)
+    return shared[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the options
+
+
+# Timing takes at least ROUNDS rounds and goes on until MEASURE_SECONDS have passed: a small block gets many rounds,
+# as what a way adds to it is small against a busy machine's noise.
+ROUNDS, MEASURE_SECONDS = 5, 2.0
+
+
+def measure_options(
+    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device
+) -> list[Option]:
+    """Each way to run a block, measured on a copy of the model's first block at a micro-batch of `rows` x seq_len
+    tokens: the bytes it keeps for backward (exact), and the seconds it adds to the block's forward and backward
+    over keeping everything. That is all the way costs: the recomputation, checkpointing's own bookkeeping, and
+    for offload the copies both ways. On a CPU host memory is device memory, so offload would save nothing: it is
+    not offered there."""
+    block, x, args, kwargs, precision = _first_block(model, spec, config, layout, rows, device)
+    names = [KEEP, SELECTIVE, FULL] + ([OFFLOAD] if device.type != "cpu" else [])
+    # Copies of the block that share its parameters (deepcopy's memo maps each to itself), one per way.
+    params = {id(p): p for p in block.parameters()}
+    variants = {name: copy.deepcopy(block, memo=dict(params)) for name in names}
+    for name, variant in variants.items():
+        apply_choice(variant, name, config.activation_checkpoint.save_ops)
+
+    def forward(variant: nn.Module) -> torch.Tensor:
+        # The clone stands for the previous block's output: it stays in memory only if this block keeps it.
+        with precision:
+            return variant(x.clone(), *args, **kwargs)
+
+    def forward_backward(variant: nn.Module) -> None:
+        forward(variant).backward(grad)
+
+    saved = {name: _kept_bytes(forward, variant, device) for name, variant in variants.items()}
+    grad = torch.ones_like(x)
+    added = _added_seconds(variants, forward_backward, device)
+    return [Option(name, saved[name], added[name]) for name in names]
+
+
+def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device):
+    """A plain copy of the model's first block on the device, initialised, and the inputs the model gives it for
+    a micro-batch of `rows` x seq_len tokens: (block, hidden states, the other positional and keyword arguments,
+    the precision context to run it in). The model's own forward makes the inputs, so the attention mask,
+    positions and dtype are those of training. Each row is one document, the most attention can cost: with shorter
+    documents a block recomputes faster than measured."""
+    stage = spec.pipeline_stage(model, [0], True, False)  # the embedding and the first block
+    stage.to_empty(device=device)
+    stage.init_weights(config.job.seed)
+    bf16 = config.training.mixed_precision == "bf16"
+    if bf16 and layout.dp > 1:  # FSDP's param_dtype: bf16 weights, so bf16 hidden states
+        for p in stage.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    precision = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and layout.dp == 1 else nullcontext()
+    seq = config.training.seq_len
+    tokens = torch.zeros(rows, seq, dtype=torch.long, device=device)
+    document_ids = tokens if config.data.document_mask else None
+    block = spec.blocks(stage)[0]
+    inputs = []
+    hook = block.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad(), precision:
+        stage(tokens, torch.arange(rows, device=device), document_ids)
+    hook.remove()
+    (x, *args), kwargs = inputs[0]
+    return block, x.detach().requires_grad_(), args, kwargs, precision
+
+
+def _added_seconds(variants: dict[str, nn.Module], run, device: torch.device) -> dict[str, float]:
+    """Seconds each variant's `run` takes over keep's. The variants take turns, round after round, and a variant's
+    figure is the median over the rounds of its time minus keep's in the same round, so a slow spell of a busy
+    machine hits both sides of a difference alike."""
+    for variant in variants.values():  # warm-up: the allocator's first requests, lazy initialisation
+        run(variant)
+    added = {name: [] for name in variants}
+    start = perf_counter()
+    while len(added[KEEP]) < ROUNDS or perf_counter() - start < MEASURE_SECONDS:
+        seconds = {name: _seconds(run, variant, device) for name, variant in variants.items()}
+        for name in variants:
+            added[name].append(seconds[name] - seconds[KEEP])
+    # Noise can make a way look faster than keeping everything; it adds no time then.
+    return {name: max(0.0, statistics.median(differences)) for name, differences in added.items()}
+
+
+def _kept_bytes(forward, block: nn.Module, device: torch.device) -> int:
+    """Device bytes that a forward of the block leaves allocated, its output aside: what it keeps for backward."""
+    with Allocations(device) as allocations:
+        out = forward(block)
+    return allocations.live_bytes(besides=out)
+
+
+class Allocations(TorchDispatchMode):
+    """The device memory that ops allocate while active, held by weak reference, so that what is still live
+    afterwards shows what autograd and checkpointing keep. torch.autograd.graph.saved_tensors_hooks cannot count
+    this: checkpointing installs its own hooks, which hide its block's saved tensors from any outer hook, and
+    selective checkpointing stores the outputs it keeps outside the hooks altogether."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.sizes = device, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: only new storages are allocations.
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                storage = t.untyped_storage()
+                if storage._cdata not in inputs:
+                    self.sizes.setdefault(StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def live_bytes(self, besides) -> int:
+        """Bytes of the allocations still live, except the storages of the tensors in `besides`."""
+        skip = {StorageWeakRef(t.untyped_storage()) for t in tree_leaves(besides) if isinstance(t, torch.Tensor)}
+        return sum(n for ref, n in self.sizes.items() if ref not in skip and not ref.expired())
+
+
+def _seconds(work, block: nn.Module, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = perf_counter()
+    work(block)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return perf_counter() - start

@@ -17,7 +17,7 @@ from titan import float8
 from titan.config import Config, ConfigError, Layout, batch_plan
 from titan.models import ModelSpec
 from titan.parallel import pp
-from titan.parallel.ac import apply_activation_checkpointing
+from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
 
 
@@ -124,20 +124,28 @@ def build_model_parts(
     else:
         n_stages, ids, parts = 1, [0], [model]
     for part in parts:
-        parallelize(part, spec, config, layout, mesh)
+        parallelize(part, spec, config, layout, mesh, device)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     return ModelParts(parts, ids, n_stages)
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, mesh: dict[str, DeviceMesh]) -> None:
+def parallelize(
+    model: nn.Module,
+    spec: ModelSpec,
+    config: Config,
+    layout: Layout,
+    mesh: dict[str, DeviceMesh],
+    device: torch.device | None = None,  # where activation_checkpoint.mode = "auto" measures a block
+) -> None:
     p = config.parallel
     blocks = spec.blocks(model)
     float8.convert(model, blocks, config, layout)
+    checkpointing = block_choices(model, spec, config, layout, device)  # measures plain blocks: before TP
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
-    apply_activation_checkpointing(blocks, config.activation_checkpoint)
+    apply_activation_checkpointing(blocks, checkpointing, config.activation_checkpoint.save_ops)
     if config.compile.enable:
         model.attention_per_document = False
         for block in blocks:

@@ -1,0 +1,280 @@
+"""Activation memory planned to a budget (titan/memory_plan.py, titan/parallel/ac.py): the planner is exact, a mix
+of ways to run the blocks changes no number, the bytes counted are those autograd keeps, and a planned run keeps
+within its budget at the slowdown it predicts."""
+
+import itertools
+import math
+import random
+import statistics
+import time
+
+import pytest
+import torch
+
+from conftest import DEBUG_RECIPE
+from distributed import run_distributed
+from helpers import layout_overrides, trainer_for
+from titan.config import ConfigError, Layout, load_config
+from titan.memory_plan import GIB, Option, gib_rounded_up, plan_memory
+from titan.parallel import ac, parallelize
+from titan.trainer import Trainer, resolve_model
+
+# The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
+FOUR_BLOCKS = {"model.overrides.n_layers": "4", "model.overrides.attn_dropout": "0.1", "checkpoint.enable": "false"}
+
+
+# -- the planner
+
+
+def random_blocks(rng: random.Random, n: int) -> list[list[Option]]:
+    """n blocks, each with keep (nothing added) and one to three ways that keep no more for some added time.
+    Times are multiples of 0.5, so that sums are exact and ties between plans are common."""
+    blocks = []
+    for _ in range(n):
+        keep = rng.randint(1000, 100_000)
+        others = [Option(f"way{k}", rng.randint(0, keep), 0.5 * rng.randint(1, 12)) for k in range(rng.randint(1, 3))]
+        blocks.append([Option("keep", keep, 0.0), *others])
+    return blocks
+
+
+def best_by_trying_every_plan(blocks: list[list[Option]], budget: int) -> tuple[float, int]:
+    """(added seconds, saved bytes) of the fastest plan within the budget, the fewest bytes among equally fast."""
+    fitting = []
+    for plan in itertools.product(*blocks):
+        saved, seconds = sum(o.saved_bytes for o in plan), sum(o.added_seconds for o in plan)
+        if saved <= budget:
+            fitting.append((seconds, saved))
+    return min(fitting)
+
+
+def test_the_planner_finds_the_best_plan_that_trying_every_plan_finds():
+    rng = random.Random(0)
+    for n in range(1, 8):
+        for _ in range(4):
+            blocks = random_blocks(rng, n)
+            least = sum(min(o.saved_bytes for o in options) for options in blocks)
+            most = sum(options[0].saved_bytes for options in blocks)
+            slowest = math.inf
+            for budget in sorted({least, least + (most - least) // 3, (least + most) // 2, most - 1, most}):
+                plan = plan_memory(blocks, budget)
+                assert (plan.added_seconds, plan.saved_bytes) == best_by_trying_every_plan(blocks, budget)
+                chosen = [next(o for o in options if o.name == c) for options, c in zip(blocks, plan.choices)]
+                assert plan.saved_bytes == sum(o.saved_bytes for o in chosen) <= budget
+                assert plan.added_seconds == sum(o.added_seconds for o in chosen) <= slowest  # more budget: no slower
+                slowest = plan.added_seconds
+            assert plan_memory(blocks, 10**15).choices == ("keep",) * n  # no budget to speak of: nothing recomputed
+
+
+def test_a_budget_no_plan_meets_names_the_least_that_does():
+    blocks = random_blocks(random.Random(1), 5)
+    least = sum(min(o.saved_bytes for o in options) for options in blocks)
+    with pytest.raises(ConfigError, match=f"activation_checkpoint.budget_gib .* at least {gib_rounded_up(least)} "):
+        plan_memory(blocks, least - 1)
+    assert plan_memory(blocks, int(float(gib_rounded_up(least)) * GIB)).saved_bytes >= least  # the figure shown fits
+
+
+def test_a_405b_sized_plan_is_quick():
+    # 126 alike blocks with four ways each: the kept partial plans stay few, as they differ only in their counts.
+    ways = [Option("keep", 40 << 20, 0.0), Option("selective", 20 << 20, 0.05), Option("full", 2 << 20, 0.06),
+            Option("offload", 1 << 20, 0.03)]  # fmt: skip
+    start = time.perf_counter()
+    plan = plan_memory([ways] * 126, 126 * (20 << 20))
+    assert time.perf_counter() - start < 2.0
+    assert plan.saved_bytes <= 126 * (20 << 20) and set(plan.choices) == {"keep", "offload"}
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ({"activation_checkpoint.mode": "auto"}, "set activation_checkpoint.budget_gib"),
+        ({"activation_checkpoint.budget_gib": "-1"}, "activation_checkpoint.budget_gib must be"),
+        ({"activation_checkpoint.budget_gib": "nan"}, "activation_checkpoint.budget_gib must be"),
+        ({"activation_checkpoint.every": "0"}, "activation_checkpoint.every must be >= 1"),
+        ({"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": "1", "parallel.pp": "2"},
+         "parallel.pp > 1"),
+        ({"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": "1", "compile.enable": "true"},
+         "compile.enable"),
+    ],
+)  # fmt: skip
+def test_recipe_mistakes_name_the_key(overrides, words):
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        load_config(DEBUG_RECIPE, [item for k, v in overrides.items() for item in (f"--{k}", v)], world_size=2)
+
+
+# -- applying a plan
+
+
+def stack_inputs(trainer, batch):
+    """The trainer's blocks and what its model gives the first one for this batch: (blocks, hidden states as a
+    leaf, the other arguments)."""
+    model = trainer.model_parts.parts[0]
+    blocks = trainer.spec.blocks(model)
+    inputs = []
+    hook = blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args))
+    with torch.no_grad():
+        model(batch.inputs, batch.rows, batch.document_ids)
+    hook.remove()
+    x, *rest = inputs[0]
+    return blocks, x.detach().requires_grad_(), rest
+
+
+def run_blocks(blocks, x, rest):
+    out = x.clone()  # not a leaf, like the embedding's output: it stays only if the first block keeps it
+    for block in blocks:
+        out = block(out, *rest)
+    return out
+
+
+def kept_by_blocks(trainer, batch) -> int:
+    """Device bytes the trainer's blocks (as its plan wrapped them) keep for backward on a real batch."""
+    blocks, x, rest = stack_inputs(trainer, batch)
+    with ac.Allocations(trainer.device) as allocations:
+        out = run_blocks(blocks, x, rest)
+    return allocations.live_bytes(besides=out)
+
+
+def saved_by_hooks(trainer, batch) -> int:
+    """Bytes of the distinct storages autograd saves in the blocks' forward, as saved_tensors_hooks see them, but
+    for the model's parameters and buffers and the inputs all blocks share (RoPE's rotations): those are there
+    whatever the blocks keep. Without checkpointing, that is all the blocks keep."""
+    blocks, x, rest = stack_inputs(trainer, batch)
+    model = trainer.model_parts.parts[0]
+    shared = [*model.parameters(), *model.buffers(), *(t for t in rest if isinstance(t, torch.Tensor))]
+    there_anyway = {t.untyped_storage().data_ptr() for t in shared}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in there_anyway:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_blocks(blocks, x, rest)
+    return sum(saved.values())
+
+
+def test_measured_bytes_are_what_autograd_keeps_and_a_cpu_is_never_offered_offload(tmp_path):
+    plain = trainer_for(tmp_path / "plain", **FOUR_BLOCKS)
+    full = trainer_for(tmp_path / "full", **FOUR_BLOCKS, **{"activation_checkpoint.mode": "full"})
+    with torch.device("meta"):
+        model = plain.spec.build(plain.model_args)
+    options = {o.name: o for o in ac.measure_options(model, plain.spec, plain.config, Layout(), 4, plain.device)}
+    assert list(options) == ["keep", "selective", "full"]  # no offload on a CPU: host memory is its memory
+    assert options["full"].saved_bytes < options["selective"].saved_bytes < options["keep"].saved_bytes
+    batch = next(plain.loader)[0]
+    hidden_state = 4 * 32 * 64 * 4  # rows x seq x dim, fp32: all a fully recomputed block keeps
+    assert options["full"].saved_bytes == hidden_state and kept_by_blocks(full, batch) == 4 * hidden_state
+    # The one block of one document per row that was measured keeps what each block keeps on real batches.
+    assert saved_by_hooks(plain, batch) == kept_by_blocks(plain, batch) == 4 * options["keep"].saved_bytes
+
+
+MIXES = [
+    ("keep", "selective", "full", "offload"),  # offload by hand: the planner never offers it on a CPU
+    ("offload", "full", "keep", "selective"),
+    ("full",) * 4,
+]
+
+
+@pytest.mark.parametrize("choices", MIXES, ids="-".join)
+def test_any_mix_of_ways_gives_bitwise_the_losses_and_gradients_of_no_checkpointing(tmp_path, monkeypatch, choices):
+    plain = trainer_for(tmp_path / "plain", **FOUR_BLOCKS)
+    monkeypatch.setattr(parallelize, "block_choices", lambda *args: list(choices))
+    mixed = trainer_for(tmp_path / "mixed", **FOUR_BLOCKS)
+    wrapped = [bool(block._forward_pre_hooks) for block in mixed.spec.blocks(mixed.model_parts.parts[0])]
+    assert wrapped == [c != "keep" for c in choices]
+    batches = next(plain.loader)
+    for step in range(2):  # dropout masks change with the step
+        assert torch.equal(plain.forward_backward(batches), mixed.forward_backward(batches)), step
+        for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), mixed.model_parts.named_parameters()):
+            assert torch.equal(a.grad, b.grad), (step, name)
+        plain.step = mixed.step = step + 1
+
+
+def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
+    need = gib_rounded_up(4 * 4 * 32 * 64 * 4)  # every block fully recomputed, keeping only its input
+    with pytest.raises(ConfigError, match=f"below the {need} GiB .* at least {need} or lower"):
+        trainer_for(tmp_path, **FOUR_BLOCKS, **{"activation_checkpoint.mode": "auto",
+                                               "activation_checkpoint.budget_gib": "1e-6"})  # fmt: skip
+
+
+# -- a planned run
+
+
+@pytest.mark.slow
+def test_a_planned_run_keeps_within_its_budget_at_the_slowdown_it_predicts(tmp_path, monkeypatch):
+    # This machine is shared, and its load makes wall times swing tenfold within seconds. A process's CPU time on
+    # one thread does not swing with it, and on a machine of its own is its wall time: the profile and the steps
+    # below are both timed that way.
+    monkeypatch.setattr(ac, "perf_counter", time.process_time)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = trainer_for(tmp_path / "plain", **FOUR_BLOCKS)
+        batches = next(plain.loader)
+        budget = kept_by_blocks(plain, batches[0]) // 2  # half of what the blocks keep without checkpointing
+        plans = []
+
+        def recorded_plan(*args):
+            plans.append(plan_memory(*args))
+            return plans[-1]
+
+        monkeypatch.setattr(ac, "plan_memory", recorded_plan)
+        planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget / GIB)}
+        auto = trainer_for(tmp_path / "auto", **FOUR_BLOCKS, **planned)
+        (plan,) = plans
+        assert plan.saved_bytes <= budget and "keep" in plan.choices and set(plan.choices) != {"keep"}
+        assert kept_by_blocks(auto, batches[0]) == plan.saved_bytes  # measured on the real blocks and batch
+        assert torch.equal(plain.forward_backward(batches), auto.forward_backward(batches))  # the math is the same
+        slowdowns = []
+        for _ in range(100):  # steps in pairs, so that both sides of a difference meet the same machine
+            start = time.process_time()
+            plain.train_step(batches)
+            middle = time.process_time()
+            auto.train_step(batches)
+            slowdowns.append((time.process_time() - middle) - (middle - start))
+    finally:
+        torch.set_num_threads(threads)
+    measured = statistics.median(slowdowns)
+    assert abs(measured - plan.added_seconds) <= 0.2 * plan.added_seconds, (measured, plan)
+
+
+def fsdp_losses(tmp, extra: dict) -> list[float]:
+    overrides = layout_overrides(tmp, {"parallel.dp_shard": "2", "training.local_batch_size": "4", **extra})
+    trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
+    return [trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)]
+
+
+def planned_and_plain_fsdp(tmp, budget_gib: float):
+    """On each of two FSDP ranks: the plan, how often this rank measured a block, and the losses of 3 steps with
+    the plan and without checkpointing."""
+    measured, plans = [], []
+    measure, plan_for = ac.measure_options, ac.plan_memory  # recorded in this worker process only
+
+    def recorded_measure(*args):
+        measured.append(args)
+        return measure(*args)
+
+    def recorded_plan(*args):
+        plans.append(plan_for(*args))
+        return plans[-1]
+
+    ac.measure_options, ac.plan_memory = recorded_measure, recorded_plan
+    planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
+    losses = fsdp_losses(tmp / "auto", planned), fsdp_losses(tmp / "plain", {})
+    return plans, len(measured), *losses
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_ranks_plan_from_rank_0s_measurement_and_train_as_without_a_plan(tmp_path):
+    config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "4"}))
+    spec, args = resolve_model(config)
+    with torch.device("meta"):
+        model = spec.build(args)
+    keep = ac.measure_options(model, spec, config, Layout(), 4, torch.device("cpu"))[0].saved_bytes
+    results = run_distributed(planned_and_plain_fsdp, 2, tmp_path, 2 * keep / GIB)  # 2 of the 4 blocks' worth
+    (plans_0, measured_0, planned_0, plain_0), (plans_1, measured_1, planned_1, plain_1) = results
+    assert (measured_0, measured_1) == (1, 0)  # rank 0 measured, rank 1 received its numbers
+    assert plans_0 == plans_1 and len(plans_0) == 1 and set(plans_0[0].choices) != {"keep"}
+    assert planned_0 == planned_1 == plain_0 == plain_1  # bitwise: checkpointing changes no number

@@ -1,0 +1,166 @@
+"""`titan plan`: the planned step against a real one on this CPU, the production recipes' figures against hand
+arithmetic, and the command's verdicts and errors."""
+
+import json
+import time
+import typing
+
+import pytest
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from distributed import run_distributed
+from titan.config import Plan, load_config
+from titan.plan import plan_run
+from titan.plan_counters import StepPeak, total_bytes
+from titan.plan_devices import DEVICES
+from titan.plan_pipeline import replay
+from titan.trainer import resolve_model
+
+# The debug recipe on every kind of layout: (world size, overrides).
+LAYOUTS = {
+    "single": (1, {}),
+    "fsdp2": (2, {"parallel.dp_shard": "2"}),
+    "tp2": (2, {"parallel.tp": "2"}),
+    "pp2": (2, {"parallel.pp": "2"}),
+}
+
+
+def measure_step(overrides: list[str]) -> tuple[int, int, int]:
+    """This rank's peak bytes over a real training step, its parameters (local shards) and the model's.
+
+    The peak is torch's MemTracker (as StepPeak) over the second step, when AdamW's moments exist, as the plan
+    assumes; it counts every tensor the step holds: parameters, gradients, optimizer states, activations and
+    temporaries. AdamW runs its foreach path, the GPU's default that the plan assumes (the CPU's is a loop)."""
+    from titan.trainer import Trainer
+
+    trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
+    for group in trainer.optimizer.param_groups:
+        group["foreach"] = True
+    trainer.train_step(next(trainer.loader))
+    batches = next(trainer.loader)
+    tracker = StepPeak()
+    tracker.track_external(*trainer.model_parts.parts, trainer.optimizer)
+    with tracker:
+        trainer.train_step(batches)
+    peak = total_bytes(tracker, "peak")
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in trainer.model_parts.parameters())
+    return peak, local, trainer.n_params()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_planned_step_is_the_real_one(layout, tmp_path, capsys):
+    world, extra = LAYOUTS[layout]
+    overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **extra})
+    measured = [measure_step(overrides)] if world == 1 else run_distributed(measure_step, world, overrides)
+    config = load_config(DEBUG_RECIPE, overrides, world_size=world)
+    plan = plan_run(config, world)
+    assert plan.params == measured[0][2]  # the whole model's parameters, exactly
+    per_stage = world // plan.layout.pp
+    # The FLOPs all ranks trace make the model's per-token formula (no recomputation here; the traced attention
+    # backward counts a little more than the formula's).
+    spec, args = resolve_model(config)
+    tokens = config.training.local_batch_size * world // (plan.layout.tp * plan.layout.pp) * config.training.seq_len
+    traced = sum(plan.ranks[rank // per_stage].flops for rank in range(world))
+    assert traced == pytest.approx(spec.flops_per_token(args, config.training.seq_len) * tokens, rel=0.02)
+    for rank, (peak, local, _) in enumerate(measured):
+        planned = plan.ranks[rank // per_stage]
+        assert planned.trace.params == local  # this rank's shards, exactly
+        with capsys.disabled():
+            print(f"\n{layout} rank {rank}: planned peak {planned.peak:,} bytes, measured {peak:,}")
+        assert planned.peak == pytest.approx(peak, rel=0.15)
+
+
+# Published sizes (Meta's model cards): 8.03B, 70.55B, 405.85B parameters.
+PRODUCTION = {"llama3_8b": (8, 8.03e9), "llama3_70b": (64, 70.55e9), "llama3_405b": (512, 405.85e9)}
+
+
+def block_params(dim: int, heads: int, kv_heads: int, ffn: int, tp: int, fsdp: int) -> int:
+    """One block's parameters on one rank: the seven matrices split tp x fsdp ways (TP splits q, k, v, w1, w3 by
+    rows and wo, w2 by columns; FSDP splits the rows of what TP leaves), the two norms only fsdp ways (TP keeps
+    them whole, to norm its sequence shards)."""
+    head_dim = dim // heads
+    matrices = 2 * dim * dim + 2 * kv_heads * head_dim * dim + 3 * ffn * dim
+    return matrices // (tp * fsdp) + 2 * dim // fsdp
+
+
+def hand_params(recipe: str) -> list[int]:
+    """Each pipeline rank's parameters, from the flavors' sizes (Llama 3.1: vocabulary 128,256)."""
+    vocab = 128256
+    if recipe == "llama3_8b":  # 32 blocks, FSDP 8; embedding, head and final norm split 8 ways
+        dim, tp, fsdp = 4096, 1, 8
+        return [32 * block_params(dim, 32, 8, 14336, tp, fsdp) + 2 * vocab * dim // fsdp + dim // fsdp]
+    if recipe == "llama3_70b":  # 80 blocks, TP 8 x FSDP 8
+        dim, tp, fsdp = 8192, 8, 8
+        return [80 * block_params(dim, 64, 8, 28672, tp, fsdp) + 2 * vocab * dim // (tp * fsdp) + dim // fsdp]
+    # 405B: 126 blocks in 16 stages (14 of 8 blocks, then 2 of 7); rank r holds stages r and r + 8. TP 8 x FSDP 8.
+    dim, tp, fsdp = 16384, 8, 8
+    block = block_params(dim, 128, 8, 53248, tp, fsdp)
+    blocks = [8 + (8 if r < 6 else 7) for r in range(8)]
+    ranks = [n * block for n in blocks]
+    ranks[0] += vocab * dim // (tp * fsdp)  # the embedding, on stage 0
+    ranks[7] += vocab * dim // (tp * fsdp) + dim // fsdp  # the head and final norm, on stage 15
+    return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", PRODUCTION)
+def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
+    world, published = PRODUCTION[recipe]
+    start = time.perf_counter()
+    result = run_titan("plan", "--config", f"recipes/{recipe}.toml", "--json", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr
+    assert time.perf_counter() - start < 60
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["world_size"] == world and plan["params"] == pytest.approx(published, abs=0.005e9)
+    ranks = plan["ranks"]
+    assert [r["params"] for r in ranks] == hand_params(recipe)
+    for r in ranks:  # fp32 weights and gradients, AdamW's two fp32 moments
+        assert (r["param_bytes"], r["grad_bytes"], r["optimizer_bytes"]) == (
+            4 * r["params"],
+            4 * r["params"],
+            8 * r["params"],
+        )
+        assert r["peak_bytes"] <= plan["usable_bytes"]
+    assert "fits" in result.stdout and "short" not in result.stdout
+
+
+@pytest.mark.slow
+def test_405b_on_one_node_is_refused_with_its_shortfall():
+    overrides = ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp_shard", "8"]
+    result = run_titan("plan", "--config", "recipes/llama3_405b.toml", "--world-size", "8", *overrides)
+    assert result.returncode == 1
+    line, *rest = result.stderr.strip().splitlines()
+    assert rest == [] and line.startswith("error: every rank needs") and "GiB short" in line
+
+
+def test_wrong_inputs_are_one_line_errors():
+    wrong_size = run_titan("plan", "--config", "recipes/llama3_70b.toml", "--world-size", "8")
+    assert wrong_size.returncode == 2 and len(wrong_size.stderr.strip().splitlines()) == 1
+    assert "do not multiply to the world size 8" in wrong_size.stderr
+    unknown = run_titan("plan", "--config", "recipes/llama3_8b.toml", "--device", "tpu")
+    assert unknown.returncode == 2 and "plan.device must be one of 'h100'" in unknown.stderr.strip()
+    unsized = run_titan("plan", "--config", "recipes/debug.toml")  # dp_shard = -1: the world size is needed
+    assert unsized.returncode == 2 and "give --world-size" in unsized.stderr
+
+
+def test_every_plannable_device_has_figures():
+    assert set(DEVICES) == set(typing.get_args(typing.get_type_hints(Plan)["device"]))
+
+
+def test_a_pipeline_replay_waits_for_the_other_stages():
+    """GPipe on 2 ranks with 2 micro-batches: forwards take 1 s, backwards 2 s, a hop between ranks 1 s."""
+    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    order = {r: [_Action(r, kinds[k], m) for k in "FB" for m in (0, 1)] for r in (0, 1)}
+    # Rank 0: F0 0-1, F1 1-2. Rank 1: F0 2-3, F1 3-4, B0 4-6, B1 6-8. Rank 0: B0 7-9, B1 9-11.
+    assert replay(order, {0: 1.0, 1: 1.0}, {0: 2.0, 1: 2.0}, 1.0) == 11.0
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION)
+def test_production_recipes_load_at_their_world_size(recipe):
+    world = PRODUCTION[recipe][0]
+    shown = run_titan("config", "show", "--config", f"recipes/{recipe}.toml", env={"WORLD_SIZE": str(world)})
+    assert shown.returncode == 0, shown.stderr
+    assert 'source = "/path/to/corpus"' in shown.stdout  # the one key to set before training

@@ -1,0 +1,234 @@
+"""`titan plan`: what a recipe's training step needs on each rank at its real world size, and how long it takes,
+worked out on this CPU with no GPU and no other process.
+
+Each pipeline rank's step is traced (titan/plan_trace.py): one micro-batch through its stages, then the optimizer
+step, under fake tensors on a fake process group. The ranks of one pipeline rank hold alike shards, so one stands
+for all. Blocks are alike too, so a rank is traced with 2 blocks per stage, one rank again with 2 + every
+(activation checkpointing's period) in its longest stage, and every figure grows from there at that rate per block
+to the stages' real depths: parameters, activations, peaks, FLOPs, traffic. Then:
+
+- the pipeline schedule's own table of actions (titan/plan_pipeline.py) says how many micro-batches each rank
+  holds at once, and replayed with each stage's times it gives the step time;
+- an op takes the slower of its FLOPs at the device's peak and its bytes through HBM (a roofline),
+  tensor-parallel collectives add to that, FSDP's overlap it (titan/plan_devices.py);
+- so the step time is a lower bound (no kernel gaps, ideal overlap) and the MFU an upper bound.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from titan.config import Config, ConfigError, Layout, batch_plan
+from titan.parallel import pp
+from titan.parallel.parallelize import check_layout
+from titan.plan_devices import Device, Links, planned_device
+from titan.plan_pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
+from titan.plan_trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
+from titan.trainer import resolve_model
+
+GIB = 2**30
+MODES = ("none", "full", "selective")
+
+
+@dataclass
+class RankPlan:
+    """One pipeline rank's step at its real depth (every rank of that pipeline rank alike)."""
+
+    pp_rank: int
+    stage_ids: list[int]
+    layers: list[list[int]]  # per stage
+    trace: RankTrace  # grown to the stages' real depths
+    in_flight: int  # most micro-batches whose activations the rank holds at once
+    activations: int  # bytes they hold then
+    peak: int
+    peak_by_mode: dict[str, int]  # the peak under each activation checkpointing mode
+    flops: float  # per step, recomputation included
+    traffic: dict[tuple[str, str], float]  # bytes per step, by (collective, mesh dimension)
+    seconds: float = 0.0  # the rank's forwards, backwards and optimizer step, without waiting
+
+
+@dataclass
+class RunPlan:
+    config: Config
+    device: Device
+    layout: Layout
+    rows: int  # sequences per micro-batch
+    microbatches: int  # per rank and step
+    params: int = 0  # the whole model's
+    block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
+    ranks: list[RankPlan] = field(default_factory=list)
+    step_seconds: float = 0.0
+    mfu: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.device.memory_gib * (1 - self.config.plan.headroom_fraction) * GIB
+
+
+def plan_run(config: Config, world_size: int) -> RunPlan:
+    """Trace the recipe's step on every pipeline rank and put the figures together."""
+    config = _as_traced(config)
+    layout = Layout.from_config(config.parallel, world_size)
+    spec, args = resolve_model(config)
+    check_layout(config, spec, args, layout, CPU)
+    sizes = batch_plan(config, world_size)
+    rows, microbatches = max(map(max, sizes)), len(sizes[0])  # the largest micro-batch of any rank
+    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
+        microbatches = pp.microbatches(config.parallel, rows)
+        rows //= microbatches
+    plan = RunPlan(config, planned_device(config.plan), layout, rows, microbatches)
+    layers = stage_layers(config, spec, args, layout)
+    with fake_world(layout) as mesh:
+
+        def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
+            runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
+            return trace_rank(
+                traced, spec, args, layout, mesh, layers, pp_rank, depth, rows, runs, plan.device, **options
+            )
+
+        order = schedule_actions(config, layout, mesh, len(layers), microbatches) if layout.pp > 1 else None
+        _trace_ranks(plan, trace, layers, order)
+        for mode in MODES:  # what one block holds under each mode, from the forward of one block
+            if mode != config.activation_checkpoint.mode:
+                forward = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=True)
+                plan.block_activations[mode] = forward.block_held[0]
+    for rank in plan.ranks:
+        rank.peak_by_mode = {mode: _peak_with(plan, rank, order, held) for mode, held in plan.block_activations.items()}
+    _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
+    return plan
+
+
+def _as_traced(config: Config) -> Config:
+    """The recipe as the planner runs it: eagerly (torch.compile would lower memory and time a little), and with
+    the CPU's flash attention kept by selective checkpointing wherever the GPU's would be."""
+    if config.activation_checkpoint.mode == "auto":
+        raise ConfigError(
+            "titan plan cannot trace activation_checkpoint.mode = 'auto' (it measures blocks on the training device); "
+            "plan with none, full or selective"
+        )
+    config = copy.deepcopy(config)
+    config.compile.enable = False
+    save_ops = config.activation_checkpoint.save_ops
+    if "aten._scaled_dot_product_flash_attention" in save_ops:
+        save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")
+    return config
+
+
+def _trace_ranks(plan: RunPlan, trace, layers: list[list[int]], order) -> None:
+    """Each pipeline rank's step at its real depth. The rate per block comes from the rank with the longest stage,
+    traced with 2 blocks per stage and again with 2 + every in that stage; every rank's trace with 2 per stage
+    grows from there. Ranks whose stages have the same ends (embedding, head) share a trace."""
+    config, layout = plan.config, plan.layout
+    every = config.activation_checkpoint.every if config.activation_checkpoint.mode != "none" else 1
+    ids = [stage_ids(config, layout, len(layers), r) for r in range(layout.pp)]
+    longest = max(range(layout.pp), key=lambda r: max(len(layers[s]) for s in ids[r]))
+    rate = (trace(longest, 2), trace(longest, 2, deeper=every))
+    grows = rate[1].param_bytes > rate[0].param_bytes  # not when no stage is deeper: all are traced whole
+    ends = [tuple((s == 0, s == len(layers) - 1) for s in stages) for stages in ids]
+    traces = {ends[longest]: rate[0]}
+    for pp_rank, stages in enumerate(ids):
+        if ends[pp_rank] not in traces:
+            traces[ends[pp_rank]] = trace(pp_rank, 2, optimizer=not grows)
+            if grows:
+                _optimizer_from_rate(traces[ends[pp_rank]], *rate)
+        grown = _grow(traces[ends[pp_rank]], *rate, [len(layers[s]) for s in stages], stages)
+        plan.ranks.append(_rank_plan(plan, pp_rank, [layers[s] for s in stages], grown, order))
+    plan.params = sum(rank.trace.total_params for rank in plan.ranks)
+    # One block's activations under the recipe's checkpointing: the average over its period.
+    plan.block_activations[config.activation_checkpoint.mode] = sum(rate[1].block_held[:every]) // every
+
+
+def _optimizer_from_rate(trace: RankTrace, shallow: RankTrace, deep: RankTrace) -> None:
+    """The optimizer step of a rank traced without it, from the rate ranks': clipping and AdamW work elementwise,
+    so their memory, time and traffic grow with the parameter bytes they update, at the rate between the two."""
+    times = (trace.param_bytes - shallow.param_bytes) / (deep.param_bytes - shallow.param_bytes)
+    trace.optimizer_peak = round(shallow.optimizer_peak + times * (deep.optimizer_peak - shallow.optimizer_peak))
+    trace.optimizer = Cost()
+    trace.optimizer.add(shallow.optimizer, 1 - times)
+    trace.optimizer.add(deep.optimizer, times)
+
+
+def _grow(start: RankTrace, shallow: RankTrace, deep: RankTrace, counts: list[int], ids: list[int]) -> RankTrace:
+    """`start`, a trace of the stages `ids` or of another rank's stages with the same ends, grown to `counts` blocks
+    per stage at the rate per block from `shallow` to `deep`: each block adds the same parameters, activations,
+    peak, FLOPs and traffic."""
+    grown = copy.deepcopy(start)
+    for name in ("held", "forward", "backward"):  # under this rank's stage ids
+        setattr(grown, name, {new: getattr(grown, name)[old] for old, new in zip(start.stage_ids, ids)})
+    grown.stage_ids, grown.blocks = ids, counts
+    gained = sum(deep.blocks) - sum(shallow.blocks)
+    if gained == 0:  # no stage is deeper than `shallow`: all were traced whole
+        return grown
+    more = sum(counts) - sum(start.blocks)
+    sizes = ("params", "total_params", "param_bytes", "grad_bytes", "optimizer_bytes")
+    for name in (*sizes, "first_peak", "peak", "optimizer_peak"):
+        setattr(grown, name, getattr(grown, name) + more * (getattr(deep, name) - getattr(shallow, name)) // gained)
+    for name in ("once", "optimizer"):
+        getattr(grown, name).add(getattr(deep, name), more / gained)
+        getattr(grown, name).add(getattr(shallow, name), -more / gained)
+    for i, stage in enumerate(ids):
+        times = (counts[i] - start.blocks[i]) / gained
+        grown.held[stage] += round(times * (sum(deep.held.values()) - sum(shallow.held.values())))
+        for phase in ("forward", "backward"):
+            for traced in deep.stage_ids:
+                getattr(grown, phase)[stage].add(getattr(deep, phase)[traced], times)
+                getattr(grown, phase)[stage].add(getattr(shallow, phase)[traced], -times)
+    return grown
+
+
+def _rank_plan(plan: RunPlan, pp_rank: int, layers: list[list[int]], trace: RankTrace, order) -> RankPlan:
+    """The rank's step: the trace held one micro-batch in each stage; a pipeline holds more."""
+    peak, activations, in_flight = _peak(trace, trace.held, order[pp_rank] if order else None)
+    step = Cost()
+    for stage in trace.stage_ids:
+        step.add(trace.forward[stage], plan.microbatches)
+        step.add(trace.backward[stage], plan.microbatches)
+    step.add(trace.once)
+    step.add(trace.optimizer)
+    if order:
+        step.traffic[("send", "pp")] += trace.boundary_bytes * sends(order, pp_rank)
+    return RankPlan(
+        pp_rank, trace.stage_ids, layers, trace, in_flight, activations, peak, {}, step.flops, dict(step.traffic)
+    )
+
+
+def _peak(trace: RankTrace, held: dict[int, int], actions: list | None) -> tuple[int, int, int]:
+    """(peak bytes, activation bytes then held, micro-batches then held) of the rank's step when its stages' forwards
+    hold `held` each, over the pipeline's `actions` or the micro-batches one after another."""
+    change = sum(held.values()) - sum(trace.held.values())
+    if actions is None:
+        peak, activations, in_flight = trace.peak + change, sum(held.values()), 1
+    else:
+        peak, activations, in_flight = schedule_peak(actions, held, trace.first_peak + change, trace.peak + change)
+    return max(peak, trace.optimizer_peak), activations, in_flight
+
+
+def _peak_with(plan: RunPlan, rank: RankPlan, order, block_bytes: int) -> int:
+    """The rank's peak if each block held `block_bytes` per micro-batch instead of the recipe's."""
+    change = block_bytes - plan.block_activations[plan.config.activation_checkpoint.mode]
+    held = {s: rank.trace.held[s] + change * len(layers) for s, layers in zip(rank.stage_ids, rank.layers)}
+    return _peak(rank.trace, held, order[rank.pp_rank] if order else None)[0]
+
+
+def _step_time(plan: RunPlan, flops_per_token: float, order) -> None:
+    """The step's time: the pipeline replayed with each stage's times (or the micro-batches one after another),
+    then the optimizer step; and the MFU that gives."""
+    layout = plan.layout
+    links = Links(plan.device, layout.world_size)
+    forward, backward, optimizer = {}, {}, 0.0
+    for rank in plan.ranks:
+        t = rank.trace
+        for stage in rank.stage_ids:
+            forward[stage] = links.seconds(t.forward[stage], t.groups)
+            backward[stage] = links.seconds(t.backward[stage], t.groups)
+        step = links.seconds(t.once, t.groups) + links.seconds(t.optimizer, t.groups)
+        rank.seconds = plan.microbatches * sum(forward[s] + backward[s] for s in rank.stage_ids) + step
+        optimizer = max(optimizer, step)  # with the once-a-step costs, which the replay leaves out
+    if order:
+        hop = links.transfer(plan.ranks[0].trace.boundary_bytes, (0, layout.world_size // layout.pp))
+        plan.step_seconds = replay(order, forward, backward, hop) + optimizer
+    else:
+        plan.step_seconds = plan.ranks[0].seconds
+    tokens = plan.config.training.seq_len * sum(map(sum, batch_plan(plan.config, layout.world_size)))
+    plan.mfu = flops_per_token * tokens / (plan.step_seconds * plan.device.peak_flops * layout.world_size)

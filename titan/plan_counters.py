@@ -1,0 +1,150 @@
+"""What `titan plan` measures while it runs a rank's step under fake tensors, with torch's tools where they can:
+
+- MemTracker (torch.distributed._tools.mem_tracker) follows every tensor's storage, FSDP's resizes included;
+- FLOPs use FlopCounterMode's formulas (torch.utils.flop_counter.flop_registry), applied to each local op:
+  FlopCounterMode counts a DTensor op once at its global shape (tp times this rank's work), and has no formula
+  for the CPU's flash attention, which stands in for the GPU's;
+- collectives are sized by torch.distributed._tools.fake_collectives: CommDebugMode counts them, not their bytes;
+- op times are a roofline from the plan's device figures: torch.distributed._tools.runtime_estimator's roofline
+  reads them from a CUDA device, which this CPU has not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+aten = torch.ops.aten
+NO_TRAFFIC = {aten._unsafe_view}  # a view, though its schema does not say so
+ALLOCATIONS = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}  # write nothing
+# FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as).
+FLOPS = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(
+        lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v)
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
+        lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v)
+    ),
+}
+
+
+@dataclass
+class Cost:
+    """What a phase of the step costs this rank: FLOPs, roofline seconds, and bytes per (collective, group)."""
+
+    flops: float = 0.0
+    seconds: float = 0.0
+    traffic: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, other: Cost, times: float = 1.0) -> None:
+        self.flops += times * other.flops
+        self.seconds += times * other.seconds
+        for key, value in other.traffic.items():
+            self.traffic[key] += times * value
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts each op this rank runs: FLOPs, roofline seconds (the slower of compute at the peak FLOP/s and moving
+    its inputs and outputs through HBM), the largest tensor allocated, and collective bytes by process group."""
+
+    def __init__(self, peak_flops: float, hbm_bytes_per_s: float, groups: dict[str, tuple[int, ...]]):
+        super().__init__()
+        self.peak_flops, self.hbm = peak_flops, hbm_bytes_per_s
+        self.groups = groups
+        # fsdp last: without HSDP its group is dp's, and FSDP's collectives are the ones worth naming.
+        self.roles = {ranks: name for name, ranks in sorted(groups.items(), key=lambda item: item[0] == "fsdp")}
+        self.cost = Cost()
+        self.largest = (0, "")
+
+    @contextlib.contextmanager
+    def phase(self, into: Cost):
+        self.cost, saved = into, self.cost
+        try:
+            yield
+        finally:
+            self.cost = saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):  # let DTensor run its local ops, and count those
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in collective_ops:
+            if func not in sync_ops:
+                group = CollectiveOp.get_process_group(func, args)
+                role = self.roles.get(tuple(sorted(dist.get_process_group_ranks(group))), "world")
+                kind = _collective_kind(func.__name__)
+                self.cost.traffic[(kind, role)] += CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+            return out
+        flops = FLOPS[func._overloadpacket](*args, **kwargs, out_val=out) if func._overloadpacket in FLOPS else 0
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outputs and not func.is_view and func._overloadpacket not in NO_TRAFFIC:
+            moved = 0 if func._overloadpacket in ALLOCATIONS else sum(map(nbytes, tree_leaves((args, kwargs, out))))
+            self.cost.flops += flops
+            self.cost.seconds += max(flops / self.peak_flops, moved / self.hbm)
+            biggest = max(map(nbytes, outputs))
+            if biggest > self.largest[0]:
+                self.largest = (biggest, str(func._overloadpacket))
+        return out
+
+
+def total_bytes(tracker: MemTracker, which: str = "current") -> int:
+    """The tracker's current or peak bytes, over all devices."""
+    return sum(device["Total"] for device in tracker.get_tracker_snapshot(which).values())
+
+
+class StepPeak(MemTracker):
+    """MemTracker's running and peak totals without its per-module statistics, which cost a pass over every module
+    at each op and refuse a module that runs more than once a step (once per micro-batch)."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        pass
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        pass
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def unobserved_shape_propagation():
+    """DTensor works out an op's output shape by running the op on global-shaped fake tensors under the active fake
+    mode, where MemTracker and StepCounter would take it for this rank's work. Run that outside every mode."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagate = propagator._propagate_tensor_meta_non_cached
+
+    def outside_modes(op_schema):
+        with _disable_current_modes():
+            return propagate(op_schema)
+
+    propagator._propagate_tensor_meta_non_cached = outside_modes
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # the class's method again
+
+
+def nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _collective_kind(name: str) -> str:
+    for pattern, kind in (("gather", "all-gather"), ("scatter", "reduce-scatter"), ("reduce", "all-reduce")):
+        if pattern in name:
+            return kind
+    return name.split(".")[0].strip("_")

@@ -1,0 +1,133 @@
+"""`titan plan`'s output: a table per pipeline rank, the figures as JSON, and the one line that says a rank does
+not fit."""
+
+from __future__ import annotations
+
+from titan.config import batch_plan
+from titan.plan import GIB, RankPlan, RunPlan
+
+
+def shortfall(plan: RunPlan) -> str | None:
+    """One line naming the first pipeline rank whose peak does not fit, or None when all fit."""
+    for rank in plan.ranks:
+        if rank.peak > plan.usable_bytes:
+            return (
+                f"{_rank_name(plan, rank)} needs {rank.peak / GIB:.1f} GiB at its peak, {plan.device.name} has "
+                f"{plan.usable_bytes / GIB:.1f} GiB usable ({plan.device.memory_gib:g} GiB less "
+                f"plan.headroom_fraction {plan.config.plan.headroom_fraction:g}): "
+                f"{(rank.peak - plan.usable_bytes) / GIB:.1f} GiB short"
+            )
+    return None
+
+
+def _rank_name(plan: RunPlan, rank: RankPlan) -> str:
+    if plan.layout.pp == 1:
+        return "every rank"
+    stages = ", ".join(map(str, rank.stage_ids))
+    return f"pipeline rank {rank.pp_rank} (stage{'s' * (len(rank.stage_ids) > 1)} {stages})"
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as text: what is planned, a table per pipeline rank, then the step time."""
+    c, layout, device = plan.config, plan.layout, plan.device
+    degrees = " x ".join(f"{k} {v}" for k, v in vars(layout).items() if v > 1) or "one device"
+    global_batch = sum(map(sum, batch_plan(c, layout.world_size)))
+    schedule = f", {c.parallel.pp_schedule}" if layout.pp > 1 else ""
+    lines = [
+        f"{c.model.name} {c.model.flavor}, {_params(plan.params)} parameters, on {layout.world_size} x {device.name} "
+        f"({degrees})",
+        f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(plan.microbatches)} of "
+        f"{plan.rows} per rank{schedule}; {_size(plan.usable_bytes)} of {device.memory_gib:g} GiB usable "
+        f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
+        f"activations one block keeps for backward, per micro-batch: {_by_mode(plan, plan.block_activations)}",
+    ]
+    for rank in plan.ranks:
+        lines += ["", _rank_name(plan, rank) + (f": layers {_spans(rank.layers)}" if layout.pp > 1 else "")]
+        lines += [f"  {label:<24}{value}" for label, value in _rows(plan, rank)]
+    lines += [
+        "",
+        f"step {plan.step_seconds:.3g} s, {global_batch * c.training.seq_len / plan.step_seconds:,.0f} tokens/s, "
+        f"MFU {plan.mfu:.1%}: a lower bound on the step time, each op at the slower of",
+        f"{device.peak_flops / 1e12:g} TFLOP/s and {device.hbm_gbs:g} GB/s of HBM, links at {device.intra_node_gbs:g} "
+        f"GB/s within a node of {device.gpus_per_node} and {device.inter_node_gbs:g} GB/s between nodes",
+    ]
+    return "\n".join(lines)
+
+
+def _rows(plan: RunPlan, rank: RankPlan) -> list[tuple[str, str]]:
+    """The rank's table: what it holds, its peak, and what its step does."""
+    t = rank.trace
+    fits = "fits" if rank.peak <= plan.usable_bytes else f"{_size(rank.peak - plan.usable_bytes)} short"
+    return [
+        (
+            "parameters",
+            f"{_params(t.params)} in this rank's shards: {_size(t.param_bytes)}, gradients {_size(t.grad_bytes)}, "
+            f"AdamW moments {_size(t.optimizer_bytes)}",
+        ),
+        ("activations at the peak", f"{_size(rank.activations)}, {_micro_batches(rank.in_flight)} in flight"),
+        ("largest temporary", f"{_size(t.largest[0])} ({t.largest[1]})"),
+        ("peak", f"{_size(rank.peak)}: {fits}"),
+        ("peak by checkpointing", _by_mode(plan, rank.peak_by_mode)),
+        ("FLOPs per step", f"{rank.flops:.3g}, recomputation included"),
+        ("traffic per step", _traffic(rank.traffic)),
+        ("busy per step", f"{rank.seconds:.3g} s"),
+    ]
+
+
+def _by_mode(plan: RunPlan, values: dict[str, int]) -> str:
+    """Figures per activation checkpointing mode, the recipe's first."""
+    mode = plan.config.activation_checkpoint.mode
+    return " | ".join(f"{m} {_size(b)}{' (recipe)' * (m == mode)}" for m, b in values.items())
+
+
+def plan_json(plan: RunPlan) -> dict:
+    """The plan's figures for programs (`titan plan --json`): bytes, FLOPs and seconds."""
+    return {
+        "params": plan.params,
+        "world_size": plan.layout.world_size,
+        "device": plan.device.name,
+        "usable_bytes": int(plan.usable_bytes),
+        "step_seconds": plan.step_seconds,
+        "mfu": plan.mfu,
+        "block_activation_bytes": plan.block_activations,
+        "ranks": [
+            {
+                "pp_rank": r.pp_rank,
+                "stages": r.stage_ids,
+                "layers": r.layers,
+                "params": r.trace.params,
+                "param_bytes": r.trace.param_bytes,
+                "grad_bytes": r.trace.grad_bytes,
+                "optimizer_bytes": r.trace.optimizer_bytes,
+                "activation_bytes": r.activations,
+                "micro_batches_in_flight": r.in_flight,
+                "peak_bytes": r.peak,
+                "peak_bytes_by_checkpointing": r.peak_by_mode,
+                "flops": r.flops,
+                "traffic_bytes": {f"{role} {kind}": nbytes for (kind, role), nbytes in r.traffic.items()},
+                "busy_seconds": r.seconds,
+            }
+            for r in plan.ranks
+        ],
+    }
+
+
+def _micro_batches(n: int) -> str:
+    return f"{n} micro-batch{'es' * (n != 1)}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.3g} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3g} MiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _traffic(traffic: dict[tuple[str, str], float]) -> str:
+    moved = [f"{role} {kind} {_size(nbytes)}" for (kind, role), nbytes in sorted(traffic.items()) if nbytes >= 2**20]
+    return ", ".join(moved) or "none"
+
+
+def _spans(layers: list[list[int]]) -> str:
+    return ", ".join(f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0]) for ids in layers if ids)

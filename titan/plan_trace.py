@@ -1,0 +1,310 @@
+"""One pipeline rank's training step run under fake tensors on a fake process group of the real world size: its
+memory, FLOPs, roofline time and collective traffic, with nothing allocated.
+
+The rank's stages are built on the meta device and parallelised by titan's own build steps
+(titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP), materialised as fake tensors
+(FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
+(as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
+AdamW. titan/plan_counters.py measures.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+from titan.config import Config, Layout
+from titan.models import ModelSpec
+from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state
+from titan.parallel import pp
+from titan.parallel.mesh import build_mesh
+from titan.parallel.parallelize import layer_gib, parallelize
+from titan.plan_counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
+from titan.plan_devices import Device
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class RankTrace:
+    """Micro-batches through a rank's stages, each cut to the traced depth, and the optimizer step after them."""
+
+    stage_ids: list[int]
+    n_stages: int  # in the pipeline
+    blocks: list[int]  # per stage
+    params: int  # this rank's parameters: elements of its shards
+    total_params: int  # the same parameters whole (DTensor global sizes)
+    param_bytes: int
+    optimizer_bytes: int
+    groups: dict[str, tuple[int, ...]]  # the ranks of each mesh dimension's process group around this rank
+    grad_bytes: int = 0
+    forward: dict[int, Cost] = field(default_factory=dict)  # one micro-batch's, per stage
+    backward: dict[int, Cost] = field(default_factory=dict)
+    once: Cost = field(default_factory=Cost)  # what a step adds once: the first micro-batch's extra, the reduction
+    optimizer: Cost = field(default_factory=Cost)
+    held: dict[int, int] = field(default_factory=dict)  # activation bytes a stage's forward holds for its backward
+    block_held: list[int] = field(default_factory=list)  # the same, per block of the deepest stage
+    first_peak: int = 0  # bytes at the peak of the first micro-batch, before any gradient
+    peak: int = 0  # the same with the states of a steady step: the last micro-batch's
+    optimizer_peak: int = 0
+    largest: tuple[int, str] = (0, "")  # the largest tensor an op allocated, and the op
+    boundary_bytes: int = 0  # a stage's output for one micro-batch: what a pipeline sends between stages
+
+
+@contextmanager
+def fake_world(layout: Layout):
+    """This process as rank 0 of the layout's world, whose collectives move nothing: the device mesh."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        yield build_mesh(layout, CPU)
+    finally:
+        dist.destroy_process_group()
+
+
+def stage_layers(config: Config, spec: ModelSpec, args, layout: Layout) -> list[list[int]]:
+    """Each pipeline stage's layer ids, as the trainer splits them."""
+    if layout.pp == 1:
+        return [list(range(args.n_layers))]
+    with torch.device("meta"):
+        model = spec.build(args)
+    return pp.stage_layers(args.n_layers, config.parallel, layer_gib(model, spec))
+
+
+def trace_rank(
+    config: Config,
+    spec: ModelSpec,
+    args,
+    layout: Layout,
+    mesh: dict,
+    layers: list[list[int]],
+    pp_rank: int,
+    depth: int,
+    rows: int,
+    micro_batches: int,
+    device: Device,
+    deeper: int = 0,
+    optimizer: bool = True,
+) -> RankTrace:
+    """Run `micro_batches` micro-batches of `rows` sequences (1, or 2 for a steady one after the first; 0: one
+    forward only, for its activations) through the stages of pipeline rank `pp_rank`, each cut to its first
+    `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on `mesh` of the fake world.
+    The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
+    first is the largest)."""
+    n_stages = len(layers)
+    ids = pp.stage_ids(pp_rank, layout.pp, n_stages, config.parallel.pp_schedule) if layout.pp > 1 else [0]
+    longest = max(ids, key=lambda s: len(layers[s]))
+    blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
+    stages = {s: _stage(spec, args, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
+    for part in stages.values():
+        parallelize(part, spec, config, layout, mesh)
+    counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh))
+    with FakeTensorMode(allow_non_fake_inputs=True), unobserved_shape_propagation():
+        step = _RankStep(config, spec, args, layout, mesh, stages, counter, rows)
+        step.trace = RankTrace(ids, n_stages, blocks, **step.sizes(), groups=counter.groups)
+        step.micro_batches(micro_batches)
+        if micro_batches and optimizer:
+            step.optimizer_step()
+        step.trace.largest = counter.largest
+        return step.trace
+
+
+def _stage(spec: ModelSpec, args, blocks: int, first: bool, last: bool) -> nn.Module:
+    """A pipeline stage of `blocks` blocks on the meta device, built as a model of that many layers: blocks are
+    alike, and building only these is much quicker than cutting them from the whole model."""
+    with torch.device("meta"):
+        model = spec.build(dataclasses.replace(args, n_layers=blocks))
+    return spec.pipeline_stage(model, list(range(blocks)), first, last)
+
+
+def mesh_groups(mesh) -> dict[str, tuple[int, ...]]:
+    """The ranks of each mesh dimension's process group around this rank, by the dimension's name; HSDP's 2-D
+    FSDP mesh gives its dp_replicate and dp_shard groups."""
+    groups = {}
+    for name, sub in mesh.items():
+        for dim in range(sub.ndim):
+            key = name if sub.ndim == 1 else sub.mesh_dim_names[dim]
+            groups[key] = tuple(sorted(dist.get_process_group_ranks(sub.get_group(dim))))
+    return groups
+
+
+class _RankStep:
+    """The rank's stages as fake tensors, with AdamW in the state of a steady step (its moments exist), and the
+    parts of a training step, run as the trainer runs them."""
+
+    def __init__(self, config: Config, spec: ModelSpec, args, layout: Layout, mesh, stages: dict, counter, rows: int):
+        self.config, self.spec, self.layout, self.mesh, self.stages, self.counter = (
+            config, spec, layout, mesh, stages, counter,
+        )  # fmt: skip
+        for part in stages.values():
+            part.to_empty(device=CPU)  # values do not matter: no init_weights
+            # Documents get one attention call with a mask, as the GPU's flex attention takes them (the CPU's call
+            # per document needs the data).
+            part.attention_per_document = False
+        self.params = [p for part in stages.values() for p in part.parameters()]
+        self.optimizer = build_optimizer(self.params, config.optimizer)
+        for group in self.optimizer.param_groups:
+            group["foreach"] = True  # AdamW's default on GPUs, with its temporaries
+        ensure_adamw_state(self.optimizer, self.params)
+        self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
+        self.inputs = _inputs(config, args, layout, rows)
+        self.trace: RankTrace
+
+    def sizes(self) -> dict[str, int]:
+        states = [v for state in self.optimizer.state.values() for v in state.values() if v.ndim]
+        return {
+            "params": sum(_local(p).numel() for p in self.params),
+            "total_params": sum(p.numel() for p in self.params),
+            "param_bytes": sum(nbytes(_local(p)) for p in self.params),
+            "optimizer_bytes": sum(nbytes(_local(v)) for v in states),
+        }
+
+    def micro_batches(self, count: int) -> None:
+        """`count` micro-batches forward and backward (0: one forward), then FSDP's gradient reduction under a
+        pipeline. The last micro-batch is the one measured: after the first, it finds the gradients and FSDP's
+        gathered weights of the earlier ones (the steady state of gradient accumulation and pipelines)."""
+        trace, parallel = self.trace, self.config.parallel
+        self.tracker = StepPeak()
+        self.tracker.track_external(*self.stages.values(), self.optimizer)
+        self._record_blocks(max((self.spec.blocks(part) for part in self.stages.values()), key=len))
+        first = Cost()
+        with (
+            self.tracker,
+            self.counter,
+            loss_parallel() if self.layout.tp > 1 and parallel.loss_parallel else nullcontext(),
+        ):
+            for micro_batch in range(max(count, 1)):
+                outputs = self._forward()
+                if count:
+                    self._backward(outputs)
+                if micro_batch == 0:
+                    trace.first_peak = total_bytes(self.tracker, "peak")
+                    for cost in (*trace.forward.values(), *trace.backward.values()):
+                        first.add(cost)
+            trace.once.add(first)  # the first micro-batch's costs beyond a steady one's
+            for cost in (*trace.forward.values(), *trace.backward.values()):
+                trace.once.add(cost, -1)
+            if count and self.layout.pp > 1 and self.layout.dp > 1:
+                self._reduce_gradients()
+        trace.peak = total_bytes(self.tracker, "peak")
+        trace.boundary_bytes = nbytes(self.inputs["hidden"])
+        trace.grad_bytes = sum(nbytes(_local(p.grad)) for p in self.params if p.grad is not None)
+
+    def _forward(self) -> dict[int, torch.Tensor]:
+        """The stages' forwards in pipeline order, the last one's loss included: what each backward starts from."""
+        t, inputs = self.config.training, self.inputs
+        autocast = t.mixed_precision == "bf16" and self.layout.dp == 1  # the trainer's: bf16 without FSDP
+        self.trace.block_held.clear()
+        outputs = {}
+        for stage, part in self.stages.items():
+            before = self._activations()
+            self.trace.forward[stage] = Cost()
+            with self.counter.phase(self.trace.forward[stage]), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                x = inputs["tokens"] if part.tok_embeddings is not None else inputs["hidden"].clone()
+                out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
+                outputs[stage] = _loss(out, inputs["tokens"]) if part.output is not None else out[0]
+            self.trace.held[stage] = self._activations() - before
+        return outputs
+
+    def _backward(self, outputs: dict[int, torch.Tensor]) -> None:
+        """The stages' backwards in reverse order; under a pipeline, FSDP set as its schedule sets it for every
+        backward but the last (no reduction, no resharding: gradients accumulate unsharded)."""
+        self._block_starts.clear()  # checkpointing's recomputation runs the blocks again: not to be recorded
+        for stage in reversed(list(outputs)):
+            part = self.stages[stage]
+            if self.layout.pp > 1 and self.layout.dp > 1:
+                part.set_is_last_backward(False)
+                part.set_reshard_after_backward(False)
+                part.set_requires_gradient_sync(False)
+            self.trace.backward[stage] = Cost()
+            with self.counter.phase(self.trace.backward[stage]):
+                out = outputs.pop(stage)
+                out.backward(None if out.ndim == 0 else torch.ones_like(out))  # a later stage's gradient
+
+    def _reduce_gradients(self) -> None:
+        """The pipeline schedule's REDUCE_GRAD action: FSDP reduces the accumulated gradients, once a step."""
+        group = self.mesh["pp"].get_group()
+        with self.counter.phase(self.trace.once):
+            for stage, part in self.stages.items():
+                PipelineStage(part, stage, self.trace.n_stages, CPU, group=group).perform_reduce_grad(1)
+
+    def optimizer_step(self) -> None:
+        """The trainer's step after the backwards: clip by the global gradient norm, AdamW, drop the gradients."""
+        trace = self.trace
+        tracker = StepPeak()  # FSDP's unsharded gradients are gone: the parameters hold all there is
+        tracker.track_external(*self.stages.values(), self.optimizer)
+        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        with tracker, self.counter, self.counter.phase(trace.optimizer):
+            clip_grad_norm_(self.params, self.config.training.max_grad_norm or float("inf"), pp_group)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        trace.optimizer_peak = total_bytes(tracker, "peak")
+
+    def _activations(self) -> int:
+        """Memory held less the weights FSDP holds gathered (once per stage, however many micro-batches are in
+        flight): the storages of the parameters the modules hold now, beyond their shards."""
+        now = [p for part in self.stages.values() for p in part.parameters()]
+        storages = {StorageWeakRef(s): s for p in now if (s := _local(p).untyped_storage())}
+        gathered = sum(s.nbytes() for ref, s in storages.items() if ref not in self.shards)
+        return total_bytes(self.tracker) - gathered
+
+    def _record_blocks(self, blocks: list[nn.Module]) -> None:
+        """What each block holds for backward, from its forward's start to its end."""
+        self._block_starts: list[int] = []
+        for block in blocks:
+            block.register_forward_pre_hook(lambda *_: self._block_starts.append(self._activations()))
+            block.register_forward_hook(
+                lambda *_: (
+                    self._block_starts and self.trace.block_held.append(self._activations() - self._block_starts.pop())
+                )
+            )
+
+
+def _inputs(config: Config, args, layout: Layout, rows: int) -> dict[str, torch.Tensor | None]:
+    """A micro-batch as the trainer hands it to the first stage (tokens, row ids, document ids: one document per
+    row), and the hidden states the other stages receive."""
+    t = config.training
+    sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
+    # FSDP casts the parameters to bf16, so activations are bf16; autocast (without FSDP) keeps the residual fp32.
+    bf16 = t.mixed_precision == "bf16" and layout.dp > 1
+    tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len))
+    return {
+        "tokens": tokens,
+        "rows": torch.arange(rows),
+        "document_ids": torch.zeros_like(tokens) if config.data.document_mask else None,
+        "hidden": torch.empty(
+            rows,
+            t.seq_len // layout.tp if sequence_parallel else t.seq_len,
+            args.dim,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        ),
+    }
+
+
+def _loss(logits, tokens) -> torch.Tensor:
+    """The trainer's loss (Trainer.loss_fn): summed token cross-entropy in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(), an autograd op: slow here
+
+
+def with_checkpointing(config: Config, mode: str) -> Config:
+    """The recipe with another activation checkpointing mode (every block)."""
+    changed = copy.deepcopy(config)
+    changed.activation_checkpoint.mode = mode
+    changed.activation_checkpoint.every = 1
+    return changed
