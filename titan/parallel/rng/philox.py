@@ -37,8 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from titan.parallel.rng import native
-
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
 _ROUNDS = 10
@@ -57,7 +55,6 @@ _ACCEL_CHUNK = 1 << 22
 _TWO_PI = 2.0 * math.pi
 _2POW_M32 = 2.0**-32
 _2POW_M53 = 2.0**-53
-_ANGLE_SCALE = _2POW_M32 * _TWO_PI  # w1 * this = 2 pi w1 / 2**32, one rounding
 
 
 def _mulhilo(a, m: int):
@@ -130,16 +127,13 @@ def _words(idx: Tensor, key: tuple[int, int], counter: int, need: int):
     return _philox_words(idx & _MASK32, idx >> 32, counter & _MASK32, counter >> 32, key[0], key[1], need=need)
 
 
-def _normal_uniforms(w) -> tuple[Tensor, Tensor]:
-    # u1 in (0, 1) keeps log(u1) finite (|z| <= sqrt(2 * 33 ln 2) ~ 6.8); the angle 2 pi u2, u2 in [0, 1).
-    return w[0].to(torch.float64).add_(0.5).mul_(_2POW_M32), w[1].to(torch.float64).mul_(_ANGLE_SCALE)
-
-
-def _normal(u: tuple[Tensor, Tensor], mean: float = 0.0, std: float = 1.0) -> Tensor:
+def _normal_from_words(w, mean: float = 0.0, std: float = 1.0) -> Tensor:
     if not std >= 0.0:
         raise ValueError(f"normal needs std >= 0, got {std}")
-    u1, angle = u
-    z = u1.log_().mul_(-2.0).sqrt_().mul_(angle.cos_())
+    # u1 in (0, 1) keeps log(u1) finite (|z| <= sqrt(2 * 33 ln 2) ~ 6.8); u2 in [0, 1).
+    u1 = w[0].to(torch.float64).add_(0.5).mul_(_2POW_M32)
+    u2 = w[1].to(torch.float64).mul_(_2POW_M32 * _TWO_PI)
+    z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_())
     if mean == 0.0 and std == 1.0:
         return z
     return z.mul_(std).add_(mean)
@@ -149,39 +143,23 @@ def _norm_cdf(x: float) -> float:
     return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
 
-def _uniform53(w) -> tuple[Tensor]:
-    # 53 bits (two words) because erfinv stretches the uniform's spacing in the tails.
-    return ((w[0] >> 5).mul_(1 << 26).add_(w[1] >> 6).to(torch.float64).mul_(_2POW_M53),)
-
-
-def _trunc_normal(u: tuple[Tensor], mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
-    # torch.nn.init.trunc_normal_'s chain: uniform on [2 Phi(a') - 1, 2 Phi(b') - 1], erfinv, scale, shift, clamp.
+def _trunc_normal_from_words(w, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
+    # torch.nn.init.trunc_normal_'s chain: uniform on [2 Phi(a') - 1, 2 Phi(b') - 1], erfinv, scale, shift,
+    # clamp. The uniform takes 53 bits (two words) because erfinv stretches its spacing in the tails.
     if not (a < b and std > 0.0):
         raise ValueError(f"trunc_normal needs a < b and std > 0, got a={a}, b={b}, std={std}")
     lo = 2.0 * _norm_cdf((a - mean) / std) - 1.0
     hi = 2.0 * _norm_cdf((b - mean) / std) - 1.0
-    x = u[0].mul_(hi - lo).add_(lo).erfinv_()
+    u = (w[0] >> 5).mul_(1 << 26).add_(w[1] >> 6).to(torch.float64).mul_(_2POW_M53)
+    x = u.mul_(hi - lo).add_(lo).erfinv_()
     return x.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
 
 
-def _trunc_normal_from_words(w, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
-    return _trunc_normal(_uniform53(w), mean, std, a, b)
-
-
-# kind -> (its uniforms from Philox words in torch ops, the same from the C kernels, float64 values from them)
-_DISTS: dict[str, tuple[Callable, Callable, Callable[..., Tensor]]] = {
-    "normal": (
-        _normal_uniforms,
-        lambda index, key, counter: native.normal_uniforms(index, key, counter, _ANGLE_SCALE),
-        _normal,
-    ),
-    "trunc_normal": (_uniform53, native.uniform53, _trunc_normal),
+# kind -> (Philox words it needs, map from those words and the parameters to float64 values)
+_DISTS: dict[str, tuple[int, Callable[..., Tensor]]] = {
+    "normal": (2, _normal_from_words),
+    "trunc_normal": (2, _trunc_normal_from_words),
 }
-
-
-def _use_native(device: torch.device) -> bool:
-    """Whether to draw with the C kernels (built here, on first use, before any worker thread asks)."""
-    return device.type == "cpu" and native.library() is not None
 
 
 def _for_chunks(n: int, device: torch.device, body: Callable[[int, int], None]) -> None:
@@ -216,53 +194,37 @@ def generate_into(
 
     Parameters are checked before any element is written.
     """
-    from_words, from_native, values = _DISTS[kind]
+    need, fn = _DISTS[kind]
     key = stream_key(seed, stream)
     counter = _check_counter(counter)
-    values(from_words([torch.empty(0, dtype=torch.int64)] * 2), **params)
-    use_native = _use_native(out_flat.device)
+    fn([torch.empty(0, dtype=torch.int64)] * need, **params)
 
     def body(s: int, e: int) -> None:
-        index = index_chunk(s, e)
-        u = from_native(index, key, counter) if use_native else from_words(_words(index, key, counter, 2))
         with torch.no_grad():  # grad mode is per thread: pool threads must not record this fill
-            out_flat[s:e].copy_(values(u, **params))
+            out_flat[s:e].copy_(fn(_words(index_chunk(s, e), key, counter, need), **params))
 
     _for_chunks(out_flat.numel(), out_flat.device, body)
 
 
-def keep_mask_into(
-    out_flat: Tensor, index_chunk: Callable[[int, int], Tensor], seed: int, stream: str, counter: int, p_keep: float
-) -> None:
-    """Fill the 1-D bool ``out_flat`` with dropout's keep mask at the global indices ``index_chunk(s, e)`` gives
-    for positions [s, e): True where the element's 24-bit uniform is below ``p_keep``.
+def bernoulli_mask(global_index: Tensor, seed: int, stream: str, counter: int = 0, *, p_keep: float) -> Tensor:
+    """Dropout keep-mask of ``global_index``'s shape: True where the element's 24-bit uniform is below ``p_keep``.
 
     The comparison is done exactly on the 24-bit integer.
     """
+    if global_index.dtype != torch.int64:
+        raise TypeError(f"global_index must be int64, got {global_index.dtype}")
     if not 0.0 <= p_keep <= 1.0:
         raise ValueError(f"p_keep must be in [0, 1], got {p_keep}")
     key = stream_key(seed, stream)
     counter = _check_counter(counter)
     # u = k / 2**24 < p  <=>  k < ceil(p * 2**24) for integer k (p * 2**24 is exact).
     threshold = math.ceil(p_keep * (1 << 24))
-    use_native = _use_native(out_flat.device)
-
-    def body(s: int, e: int) -> None:
-        index = index_chunk(s, e)
-        if use_native:
-            native.keep_mask(index, key, counter, threshold, out_flat[s:e])
-        else:
-            (w0,) = _words(index, key, counter, 1)
-            torch.lt(w0.bitwise_right_shift_(8), threshold, out=out_flat[s:e])
-
-    _for_chunks(out_flat.numel(), out_flat.device, body)
-
-
-def bernoulli_mask(global_index: Tensor, seed: int, stream: str, counter: int = 0, *, p_keep: float) -> Tensor:
-    """Dropout keep-mask of ``global_index``'s shape (see :func:`keep_mask_into`)."""
-    if global_index.dtype != torch.int64:
-        raise TypeError(f"global_index must be int64, got {global_index.dtype}")
     flat_idx = global_index.reshape(-1)
     out = torch.empty(flat_idx.shape, dtype=torch.bool, device=global_index.device)
-    keep_mask_into(out, lambda s, e: flat_idx[s:e], seed, stream, counter, p_keep)
+
+    def body(s: int, e: int) -> None:
+        (w0,) = _words(flat_idx[s:e], key, counter, 1)
+        torch.lt(w0.bitwise_right_shift_(8), threshold, out=out[s:e])
+
+    _for_chunks(flat_idx.numel(), flat_idx.device, body)
     return out.view(global_index.shape)

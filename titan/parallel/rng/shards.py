@@ -77,55 +77,44 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 class ShardIndex:
     """Global flat indices of one rank's local shard, whole (:meth:`full`) or by flat ranges (:meth:`flat`,
-    bounded memory). With no mesh dims the shard is the whole tensor. ``rows``, where given, are dim 0's global
-    indices instead (dropout: each local row's row in the step's global batch)."""
+    bounded memory). With no mesh dims the shard is the whole tensor."""
 
-    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None):
+    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None):
         self.global_shape = tuple(int(s) for s in global_shape)
         vecs = _dim_index_vectors(self.global_shape, mesh_shape, mesh_coord, placements)
-        if rows is not None:
-            vecs[0] = rows.reshape(-1).to(torch.int64)
         self.local_shape = tuple(self.global_shape[d] if v is None else v.numel() for d, v in enumerate(vecs))
         self.trivial = all(v is None for v in vecs)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.vecs = [None if v is None else v.to(self.device) for v in vecs]
         self.gstrides = _contiguous_strides(self.global_shape)
-        if not self.trivial:
-            # Row-major, the shard is rows along the last dim: row r holds row_starts[r] + last. flat() adds the
-            # two, with no per-element division (an int64 division per element per dim cost ~4x the generator).
-            ndim = len(self.global_shape)
-            self._row_starts = self._combine(range(ndim - 1)).view(-1)
-            self._last = self._vector(ndim - 1)
-
-    def _vector(self, d: int) -> Tensor:
-        v = self.vecs[d]
-        return torch.arange(self.global_shape[d], device=self.device) if v is None else v
-
-    def _combine(self, dims: range) -> Tensor:
-        """The global index of each element of the sub-grid of ``dims`` (the other dims at 0), local-shaped."""
-        out = torch.zeros([self.local_shape[d] for d in dims], dtype=torch.int64, device=self.device)
-        for i, d in enumerate(dims):
-            view = [1] * len(dims)
-            view[i] = -1
-            out.add_(self._vector(d).view(view) * self.gstrides[d])
-        return out
 
     def flat(self, start: int, end: int) -> Tensor:
         """Global indices of local flat (row-major) positions [start, end)."""
-        if self.trivial or start >= end:
-            return torch.arange(start, max(start, end), dtype=torch.int64, device=self.device)
-        rows, last = self._row_starts, self._last
-        (r0, j0), (r1, j1) = divmod(start, last.numel()), divmod(end, last.numel())
-        if r0 == r1:
-            return rows[r0] + last[j0:j1]
-        pieces = [rows[r0] + last[j0:], (rows[r0 + 1 : r1, None] + last).view(-1)]
-        if j1:
-            pieces.append(rows[r1] + last[:j1])
-        return torch.cat(pieces)
+        f = torch.arange(start, end, dtype=torch.int64, device=self.device)
+        if self.trivial:
+            return f
+        out = torch.zeros_like(f)
+        for d in reversed(range(len(self.local_shape))):
+            size, v, gs = self.local_shape[d], self.vecs[d], self.gstrides[d]
+            c = f.remainder(size) if d else f
+            g = c if v is None else v[c]
+            out.add_(g, alpha=gs) if gs != 1 else out.add_(g)
+            if d:
+                f = f.div(size, rounding_mode="floor")
+        return out
 
     def full(self) -> Tensor:
         """All indices, shaped like the local shard."""
-        return self._combine(range(len(self.global_shape)))
+        ndim = len(self.global_shape)
+        out = torch.zeros(self.local_shape, dtype=torch.int64, device=self.device)
+        for d in range(ndim):
+            v = self.vecs[d]
+            if v is None:
+                v = torch.arange(self.global_shape[d], device=self.device)
+            view = [1] * ndim
+            view[d] = -1
+            out.add_(v.view(view) * self.gstrides[d])
+        return out
 
 
 def global_indices(
