@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
 from helpers import SMALL, assert_one_line_error, torchrun, trainer_for
 from titan.checkpoint import sha256_files
 
@@ -557,29 +556,40 @@ def saved(tmp_path_factory) -> Path:
     return root / "debug" / "checkpoints" / "step-2"
 
 
-def run_case(case, tmp: Path, saved: Path):
+def case_run(case, tmp: Path, saved: Path) -> tuple[list[str], dict]:
+    """The CLI arguments and environment of a case."""
     _, command, overrides, setup, env, _ = case
     tmp.mkdir()
     extra = setup(tmp, saved) if setup else {}
     config = extra.pop("--config", str(DEBUG_RECIPE))
     if command == "show":
-        return run_titan("config", "show", "--config", config, *overrides, env=env)
-    args = tiny_overrides(tmp, **{**SMALL, **overrides, **extra})
-    return run_titan("train", "--config", config, *args, env=env)
+        return ["config", "show", "--config", config, *overrides], env
+    return ["train", "--config", config, *tiny_overrides(tmp, **{**SMALL, **overrides, **extra})], env
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, saved) -> dict:
-    """Every case's CLI run, three at a time: most of each run is importing torch, single-threaded."""
+    """Every case's CLI run, three at a time, each in a process forked from one that imported torch once (most
+    of a fresh run is that import). A recipe refused without importing torch is tested on its own below."""
     root = tmp_path_factory.mktemp("cases")
-    with ThreadPoolExecutor(3) as pool:
-        runs = {c[0]: pool.submit(run_case, c, root / f"case{i}", saved) for i, c in enumerate(CASES)}
-        return {name: run.result() for name, run in runs.items()}
+    runs = [case_run(c, root / f"case{i}", saved) for i, c in enumerate(CASES)]
+    return {c[0]: result for c, result in zip(CASES, run_titan_forked(runs, root))}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_bad_input_is_one_line_and_exit_2(results, case):
     assert_one_line_error(results[case[0]], *case[-1])
+
+
+def test_a_refused_recipe_exits_without_importing_torch():
+    """Through a fresh interpreter, as a user runs it: a recipe error is found before torch's ~4 s import."""
+    result = run_titan(
+        "config", "show", "--config", str(DEBUG_RECIPE), "--training.step", "3", env={"PYTHONPROFILEIMPORTTIME": "1"}
+    )
+    assert_one_line_error(result, "training.step", "did you mean training.steps")
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
+    assert "titan.config" in imported and "torch" not in imported
 
 
 def test_the_table_covers_every_area():

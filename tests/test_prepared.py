@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked
 from helpers import assert_one_line_error
 from titan.cli import app
 from titan.config import ConfigError, DataSource
@@ -285,17 +285,12 @@ def prepare_args(source: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
-    running = {}
-    for case, (name, content, _) in BAD_SOURCES.items():  # each CLI imports torch: run them side by side
+    runs = []
+    for case, (name, content, _) in BAD_SOURCES.items():
         (tmp_path / case).mkdir()
         (tmp_path / case / name).write_bytes(content)
-        args = prepare_args(tmp_path / case / name, tmp_path / "cache")
-        running[case] = subprocess.Popen(
-            [sys.executable, "-m", "titan", *args], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-    for case, child in running.items():
-        stdout, stderr = child.communicate(timeout=120)
-        result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+        runs.append((prepare_args(tmp_path / case / name, tmp_path / "cache"), {}))
+    for case, result in zip(BAD_SOURCES, run_titan_forked(runs, tmp_path)):
         assert_one_line_error(result, *BAD_SOURCES[case][2])
 
 

@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.parallel import rng
-from titan.parallel.rng import philox
+from titan.parallel.rng import native, philox
 from titan.parallel.rng.philox import bernoulli_mask, stream_key
-from titan.parallel.rng.shards import global_indices
+from titan.parallel.rng.shards import ShardIndex, global_indices
 
 M32 = 0xFFFFFFFF
 SEED = 1234
@@ -30,7 +31,8 @@ def sample(kind, index, seed=SEED, stream="w", counter=0, dtype=torch.float32, *
     """Distribution `kind` at arbitrary global indices, through the generation path the fills take."""
     out = torch.empty(index.shape, dtype=dtype)
     flat = index.reshape(-1)
-    philox.generate_into(out.view(-1), lambda s, e: flat[s:e], seed, stream, counter, kind, params)
+    runs = (torch.zeros(1, dtype=torch.int64), flat)  # one run: the indices themselves
+    philox.generate_into(out.view(-1), runs, seed, stream, counter, kind, params)
     return out
 
 
@@ -203,7 +205,7 @@ def test_dtype_is_a_single_rounding_of_the_float64_value():
             assert torch.equal(fill(torch.empty(10_000, dtype=dt), seed=SEED, stream="w"), ref.to(dt))
 
 
-def test_chunking_and_threads_do_not_change_values(monkeypatch):
+def test_chunking_does_not_change_values(monkeypatch):
     shape = (5, 7, 11)
     idx = torch.arange(math.prod(shape)).view(shape)
 
@@ -216,7 +218,7 @@ def test_chunking_and_threads_do_not_change_values(monkeypatch):
     monkeypatch.setattr(philox, "_CPU_CHUNK", 13)
     assert torch.equal(draw(torch.zeros(shape)), ref)
     assert torch.equal(bernoulli_mask(idx, SEED, "w", 2, p_keep=0.5), ref_mask)
-    # a parameter that requires grad, filled by several worker threads
+    # a parameter that requires grad, filled in several chunks
     p = torch.nn.Parameter(torch.zeros(shape))
     draw(p)
     assert torch.equal(p.detach(), ref) and p.requires_grad and p.grad_fn is None
@@ -263,6 +265,65 @@ def test_dropout_of_plain_tensors():
     assert torch.equal(drop(x[1:3], rows[1:3]), drop(x, rows)[1:3])
     drop.eval()
     assert drop(x, rows) is x
+
+
+# --------------------------------------------------------------------------------------
+# The C kernels against the torch-op path (the fallback where no C compiler is found)
+# --------------------------------------------------------------------------------------
+
+
+def test_native_kernels_build_where_a_compiler_is():
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler here: the torch-op path is the only one")
+    assert native.library() is not None
+
+
+def test_native_path_is_bitwise_the_torch_op_path(monkeypatch):
+    """A few million elements of every distribution, at indices above 2**32 and non-zero counters."""
+    if native.library() is None:
+        pytest.skip("no C compiler here: the torch-op path is the only one")
+    n = 1 << 20
+    cases = [
+        (torch.arange(n) + (1 << 32) - n // 2, (1 << 32) + 5),  # the index's high word goes from 0 to 1
+        (torch.randint(0, 2**63 - 1, (n,), generator=torch.Generator().manual_seed(0)), (1 << 64) - 1),
+    ]
+    draws = {
+        "normal": lambda idx, c: sample("normal", idx, SEED, "w", c, mean=0.1, std=0.02),
+        "normal float64": lambda idx, c: sample("normal", idx, SEED, "w", c, dtype=torch.float64),
+        "trunc_normal": lambda idx, c: sample("trunc_normal", idx, SEED, "w", c, std=0.02, a=-0.04, b=0.03),
+        "trunc_normal bfloat16": lambda idx, c: sample(
+            "trunc_normal", idx, SEED, "w", c, dtype=torch.bfloat16, mean=1.0, std=3.0, a=-5.0, b=0.2
+        ),
+        "mask": lambda idx, c: bernoulli_mask(idx, SEED, "w", c, p_keep=0.9),
+    }
+    native_values = {(name, i): draw(*case) for name, draw in draws.items() for i, case in enumerate(cases)}
+    monkeypatch.setattr(native, "library", lambda: None)
+    for (name, i), values in native_values.items():
+        assert torch.equal(values, draws[name](*cases[i])), (name, i)
+
+
+def test_native_dropout_is_bitwise_the_torch_ops_with_gradients(monkeypatch):
+    """Dropout's float32 multiply and divide in C round as torch's ops do, forward and backward, bit for bit
+    (infinities, NaN and signed zeros included)."""
+    if native.library() is None:
+        pytest.skip("no C compiler here: the torch-op path is the only one")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, 50, generator=g) * 10
+    x.view(-1)[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
+    grad = torch.randn(x.shape, generator=g)
+    grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    rows = torch.tensor([5, 0, 9, 2, 7, 1])
+
+    def run():
+        leaf = x.clone().requires_grad_()
+        out = rng.fills.dropout(leaf, 0.3, rows, seed=SEED, stream="d", step=7)
+        out.backward(grad)
+        return out.detach().view(torch.int32), leaf.grad.view(torch.int32)
+
+    fast = run()
+    monkeypatch.setattr(native, "library", lambda: None)
+    slow = run()
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 
 
 # --------------------------------------------------------------------------------------
@@ -431,6 +492,28 @@ def test_negative_shard_dim_and_errors():
         global_indices((4, 6), (2,), (2,), [Shard(0)])  # coordinate out of range
     with pytest.raises(ValueError):
         global_indices((4, 6), (2,), (0,), [Shard(2)])
+
+
+@pytest.mark.parametrize("path", ["native", "torch ops"])
+def test_flat_ranges_are_slices_of_the_full_index(path, monkeypatch):
+    """flat(s, e), whatever rows the range starts and stops in, is full()[s:e]; rows replace dim 0's indices."""
+    if path == "torch ops":
+        monkeypatch.setattr(native, "library", lambda: None)
+    r = random.Random(0)
+    for shape, mesh_shape in [((9, 10, 11), (2, 3)), ((33, 7), (3,)), ((40,), (3,)), ((5, 1), (2,))]:
+        for placements in layouts(shape, mesh_shape, partial=False):
+            for coord in itertools.product(*(range(n) for n in mesh_shape)):
+                index = ShardIndex(shape, mesh_shape, coord, placements)
+                full = index.full().reshape(-1)
+                for _ in range(4):
+                    s = r.randrange(full.numel() + 1)
+                    e = r.randrange(s, full.numel() + 1)
+                    assert torch.equal(index.flat(s, e), full[s:e]), (shape, placements, coord, s, e)
+    rows = torch.tensor([7, 2, 9])
+    expected = (rows.view(-1, 1, 1) * 20 + torch.arange(20).view(4, 5)).reshape(-1)
+    index = ShardIndex((3, 4, 5), rows=rows)
+    assert torch.equal(index.full().reshape(-1), expected)
+    assert all(torch.equal(index.flat(s, e), expected[s:e]) for s, e in [(0, 60), (3, 27), (20, 40), (41, 42)])
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ pipeline stages or activation-checkpoint recomputation.
 Modules, by concern:
     philox  Philox4x32-10 in torch integer ops, the stream key, the distributions (normal, truncated normal,
             dropout's keep mask);
+    native  the same words and exact steps in C for CPU tensors (compiled on first use; bitwise the same values);
     shards  the global index of every element of a local shard (DTensor placements, uneven and strided shards);
     fills   in-place weight init (:func:`normal_`, :func:`trunc_normal_`) and :class:`Dropout`.
 """

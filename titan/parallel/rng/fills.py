@@ -8,13 +8,12 @@ step's global batch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from titan.parallel.rng.philox import bernoulli_mask, generate_into
-from titan.parallel.rng.shards import ShardIndex, dtensor_global_indices
+from titan.parallel.rng import native
+from titan.parallel.rng.philox import _for_chunks, _use_native, generate_into, keep_mask_into
+from titan.parallel.rng.shards import ShardIndex
 
 
 def _fill(tensor: Tensor, kind: str, seed: int, stream: str, params: dict) -> Tensor:
@@ -42,12 +41,12 @@ def _fill(tensor: Tensor, kind: str, seed: int, stream: str, params: dict) -> Te
     index = ShardIndex(tensor.shape, *layout, device=local.device)
     if tuple(local.shape) != index.local_shape:  # the index maths split differently from DTensor: never write
         raise ValueError(f"local tensor of shape {tuple(local.shape)}, but layout {layout} gives {index.local_shape}")
-    local = local.detach()  # same storage; autograd stays out of it (worker threads included)
+    local = local.detach()  # same storage; autograd stays out of it
     if local.is_contiguous():
-        generate_into(local.view(-1), index.flat, seed, stream, 0, kind, params)
+        generate_into(local.view(-1), index.runs, seed, stream, 0, kind, params)
     else:
         buf = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-        generate_into(buf.view(-1), index.flat, seed, stream, 0, kind, params)
+        generate_into(buf.view(-1), index.runs, seed, stream, 0, kind, params)
         local.copy_(buf)
     return tensor
 
@@ -93,16 +92,49 @@ def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: 
     dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch."""
     from torch.distributed.tensor import DTensor
 
-    local = x.to_local() if isinstance(x, DTensor) else x
     if isinstance(x, DTensor):
         if any(pl.is_shard(0) for pl in x.placements):
             raise ValueError("dropout: the batch dim must not be sharded within the DTensor's mesh; pass rows instead")
-        index = dtensor_global_indices(x)
+        local, layout = x.to_local(), (x.device_mesh.shape, x.device_mesh.get_coordinate(), tuple(x.placements))
     else:
-        index = torch.arange(local.numel(), device=local.device).view(local.shape)
-    per_row = math.prod(x.shape[1:])  # x.shape is the global shape for a DTensor
-    row_shift = (rows.to(index.device) - torch.arange(local.shape[0], device=index.device)) * per_row
-    index = index + row_shift.view(-1, *([1] * (local.dim() - 1)))
-    mask = bernoulli_mask(index, seed, stream, step, p_keep=1.0 - p)
-    out = local * mask.to(local.dtype) / (1.0 - p)
+        local, layout = x, ((), (), ())
+    # x.shape is the global shape for a DTensor; dim 0's global indices are the rows.
+    index = ShardIndex(x.shape, *layout, device=local.device, rows=rows)
+    if tuple(local.shape) != index.local_shape:
+        raise ValueError(f"dropout: local tensor of shape {tuple(local.shape)}, but {layout} gives {index.local_shape}")
+    keep = torch.empty(local.shape, dtype=torch.bool, device=local.device)
+    keep_mask_into(keep.view(-1), index.runs, seed, stream, step, 1.0 - p)
+    if local.dtype == torch.float32 and _use_native(local):
+        out = _MaskedScale.apply(local, keep, 1.0 - p)
+    else:
+        out = (local * keep.to(local.dtype)).div_(1.0 - p)  # in place: one (batch-sized) allocation fewer
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False) if isinstance(x, DTensor) else out
+
+
+class _MaskedScale(torch.autograd.Function):
+    """(x * keep) / c in float32 by the C kernel, one pass each way, bitwise what the two torch ops give. Their
+    autograd graph would make two passes each way and keep a float copy of the mask for backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor, c: float) -> Tensor:
+        ctx.save_for_backward(keep)
+        ctx.c = c
+        return _masked_scale(x, keep, c, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        if not _use_native(grad):  # a tensor subclass (a collective's pending result): the two ops' backward
+            return (grad / ctx.c) * keep.to(grad.dtype), None, None
+        return _masked_scale(grad, keep, ctx.c, backward=True), None, None
+
+
+def _masked_scale(x: Tensor, keep: Tensor, c: float, backward: bool) -> Tensor:
+    x, out = x.contiguous(), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    flat_x, flat_keep, flat_out = x.view(-1), keep.view(-1), out.view(-1)
+    _for_chunks(
+        x.numel(),
+        x.device,
+        lambda s, e: native.dropout_f32(flat_x[s:e], flat_keep[s:e], c, backward, flat_out[s:e]),
+    )
+    return out

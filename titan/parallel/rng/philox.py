@@ -1,4 +1,4 @@
-"""Philox4x32-10 in torch integer ops, the stream key, and the distributions titan draws.
+"""Philox4x32-10, the stream key, and the distributions titan draws.
 
 Generator: Philox4x32-10, the counter-based generator of Random123, cuRAND and JAX (Salmon et al., "Parallel
 random numbers: as easy as 1, 2, 3", SC'11). The state is a counter of four 32-bit words (c0, c1, c2, c3) and a
@@ -9,6 +9,8 @@ k0 += 0x9E3779B9 and k1 += 0xBB67AE85 (mod 2**32). The output is the final count
 Integer arithmetic: words are 32-bit values held in int64 tensors, so the same code runs on CPU and CUDA. torch
 has no unsigned 64-bit multiply and a 32 x 32-bit product can overflow int64, so each multiplier is split into
 16-bit halves (:func:`_mulhilo`): every partial product stays below 2**49 and the (hi, lo) words come out exact.
+On the CPU the words, the keep mask and the uniforms come from C kernels instead (:mod:`native`, ~40x faster),
+bitwise the same; the torch ops remain the path on accelerators and where no C compiler is found.
 
 Keying, one Philox block per element:
     key     = :func:`stream_key` (seed, stream): the seed and a hash of the stream name (a parameter's name for
@@ -23,8 +25,9 @@ Distributions, from the words of the element's block:
     trunc_normal  the inverse-CDF chain of ``torch.nn.init.trunc_normal_`` on a 53-bit uniform of words 0 and 1;
     keep mask     (dropout) True where the uniform (w0 >> 8) / 2**24 from the top 24 bits is below the keep
                   probability.
-Floating transforms (log, cos, erfinv) run in float64 and are rounded once to the output dtype, so a last-ulp
-difference between two float64 code paths (vectorised body vs tail, CPU vs CUDA libm) almost never shows.
+Floating transforms (log, cos, erfinv) are torch ops on both paths, in float64, rounded once to the output dtype,
+so a last-ulp difference between two float64 code paths (vectorised body vs tail, CPU vs CUDA libm) almost never
+shows.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
+
+from titan.parallel.rng import native
+from titan.parallel.rng.shards import flat_indices
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
@@ -45,16 +50,17 @@ _PHILOX_M1 = 0xCD9E8D57
 _PHILOX_W0 = 0x9E3779B9  # golden ratio
 _PHILOX_W1 = 0xBB67AE85  # sqrt(3) - 1
 
-# Elements generated per step. On CPU the chunk stays below ATen's intra-op grain size (32768), so each op runs
-# on one thread without a fork/join barrier (which stalls badly when another process holds a core); parallelism
-# comes from running chunks on a pool of Python threads instead (torch ops release the GIL). Chunks also bound
-# memory for any tensor size. Accelerators want large launches and run chunks in order.
-_CPU_CHUNK = (1 << 15) - 1  # just below GRAIN_SIZE = 32768
+# Elements generated per step: chunks bound memory for any tensor size. On CPU a chunk is large enough for ATen
+# to split each torch op among its threads and for Python's per-chunk share to be small. (A pool of Python threads
+# running chunks side by side was slower: its threads fight ATen's spinning OpenMP workers for the cores.)
+# Accelerators want large launches.
+_CPU_CHUNK = 1 << 18
 _ACCEL_CHUNK = 1 << 22
 
 _TWO_PI = 2.0 * math.pi
 _2POW_M32 = 2.0**-32
 _2POW_M53 = 2.0**-53
+_ANGLE_SCALE = _2POW_M32 * _TWO_PI  # w1 * this = 2 pi w1 / 2**32, one rounding
 
 
 def _mulhilo(a, m: int):
@@ -127,13 +133,16 @@ def _words(idx: Tensor, key: tuple[int, int], counter: int, need: int):
     return _philox_words(idx & _MASK32, idx >> 32, counter & _MASK32, counter >> 32, key[0], key[1], need=need)
 
 
-def _normal_from_words(w, mean: float = 0.0, std: float = 1.0) -> Tensor:
+def _normal_uniforms(w) -> tuple[Tensor, Tensor]:
+    # u1 in (0, 1) keeps log(u1) finite (|z| <= sqrt(2 * 33 ln 2) ~ 6.8); the angle 2 pi u2, u2 in [0, 1).
+    return w[0].to(torch.float64).add_(0.5).mul_(_2POW_M32), w[1].to(torch.float64).mul_(_ANGLE_SCALE)
+
+
+def _normal(u: tuple[Tensor, Tensor], mean: float = 0.0, std: float = 1.0) -> Tensor:
     if not std >= 0.0:
         raise ValueError(f"normal needs std >= 0, got {std}")
-    # u1 in (0, 1) keeps log(u1) finite (|z| <= sqrt(2 * 33 ln 2) ~ 6.8); u2 in [0, 1).
-    u1 = w[0].to(torch.float64).add_(0.5).mul_(_2POW_M32)
-    u2 = w[1].to(torch.float64).mul_(_2POW_M32 * _TWO_PI)
-    z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_())
+    u1, angle = u
+    z = u1.log_().mul_(-2.0).sqrt_().mul_(angle.cos_())
     if mean == 0.0 and std == 1.0:
         return z
     return z.mul_(std).add_(mean)
@@ -143,46 +152,53 @@ def _norm_cdf(x: float) -> float:
     return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
 
-def _trunc_normal_from_words(w, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
-    # torch.nn.init.trunc_normal_'s chain: uniform on [2 Phi(a') - 1, 2 Phi(b') - 1], erfinv, scale, shift,
-    # clamp. The uniform takes 53 bits (two words) because erfinv stretches its spacing in the tails.
+def _uniform53(w) -> tuple[Tensor]:
+    # 53 bits (two words) because erfinv stretches the uniform's spacing in the tails.
+    return ((w[0] >> 5).mul_(1 << 26).add_(w[1] >> 6).to(torch.float64).mul_(_2POW_M53),)
+
+
+def _trunc_normal(u: tuple[Tensor], mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
+    # torch.nn.init.trunc_normal_'s chain: uniform on [2 Phi(a') - 1, 2 Phi(b') - 1], erfinv, scale, shift, clamp.
     if not (a < b and std > 0.0):
         raise ValueError(f"trunc_normal needs a < b and std > 0, got a={a}, b={b}, std={std}")
     lo = 2.0 * _norm_cdf((a - mean) / std) - 1.0
     hi = 2.0 * _norm_cdf((b - mean) / std) - 1.0
-    u = (w[0] >> 5).mul_(1 << 26).add_(w[1] >> 6).to(torch.float64).mul_(_2POW_M53)
-    x = u.mul_(hi - lo).add_(lo).erfinv_()
+    x = u[0].mul_(hi - lo).add_(lo).erfinv_()
     return x.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
 
 
-# kind -> (Philox words it needs, map from those words and the parameters to float64 values)
-_DISTS: dict[str, tuple[int, Callable[..., Tensor]]] = {
-    "normal": (2, _normal_from_words),
-    "trunc_normal": (2, _trunc_normal_from_words),
+def _trunc_normal_from_words(w, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
+    return _trunc_normal(_uniform53(w), mean, std, a, b)
+
+
+# kind -> (its uniforms from Philox words in torch ops, the same from the C kernels, float64 values from them)
+_DISTS: dict[str, tuple[Callable, Callable, Callable[..., Tensor]]] = {
+    "normal": (
+        _normal_uniforms,
+        lambda runs, s, e, key, counter: native.normal_uniforms(runs, s, e, key, counter, _ANGLE_SCALE),
+        _normal,
+    ),
+    "trunc_normal": (_uniform53, native.uniform53, _trunc_normal),
 }
 
 
-def _for_chunks(n: int, device: torch.device, body: Callable[[int, int], None]) -> None:
-    """Run ``body(start, end)`` over [0, n) in chunks (CPU chunks on a thread pool).
+def _use_native(out: Tensor) -> bool:
+    """Whether to compute ``out`` with the C kernels: a plain, contiguous CPU tensor (a subclass may hold no data
+    of its own). Builds them here, on first use, before any worker thread asks."""
+    return out.device.type == "cpu" and type(out) is Tensor and out.is_contiguous() and native.library() is not None
 
-    Chunks write disjoint slices and each value depends only on its own index, so the result does not depend
-    on the chunking or the thread schedule.
-    """
+
+def _for_chunks(n: int, device: torch.device, body: Callable[[int, int], None]) -> None:
+    """Run ``body(start, end)`` over [0, n) in chunks. Each value depends only on its own index, so the result does
+    not depend on the chunking."""
     chunk = _CPU_CHUNK if device.type == "cpu" else _ACCEL_CHUNK
-    bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    workers = min(torch.get_num_threads(), len(bounds)) if device.type == "cpu" else 1
-    if workers <= 1:
-        for s, e in bounds:
-            body(s, e)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="titan-rng") as pool:
-        for _ in pool.map(lambda se: body(*se), bounds):
-            pass
+    for s in range(0, n, chunk):
+        body(s, min(s + chunk, n))
 
 
 def generate_into(
     out_flat: Tensor,
-    index_chunk: Callable[[int, int], Tensor],
+    runs: tuple[Tensor, Tensor],
     seed: int,
     stream: str,
     counter: int,
@@ -190,41 +206,61 @@ def generate_into(
     params: dict,
 ) -> None:
     """Fill the 1-D ``out_flat`` with distribution ``kind`` ("normal": mean, std; "trunc_normal": mean, std,
-    a, b, absolute bounds) at the global indices ``index_chunk(s, e)`` gives for positions [s, e).
+    a, b, absolute bounds) at the global indices ``runs`` gives (see :func:`~titan.parallel.rng.shards.flat_indices`).
 
     Parameters are checked before any element is written.
     """
-    need, fn = _DISTS[kind]
+    from_words, from_native, values = _DISTS[kind]
     key = stream_key(seed, stream)
     counter = _check_counter(counter)
-    fn([torch.empty(0, dtype=torch.int64)] * need, **params)
+    values(from_words([torch.empty(0, dtype=torch.int64)] * 2), **params)
+    use_native = _use_native(out_flat)
 
     def body(s: int, e: int) -> None:
-        with torch.no_grad():  # grad mode is per thread: pool threads must not record this fill
-            out_flat[s:e].copy_(fn(_words(index_chunk(s, e), key, counter, need), **params))
+        if use_native:
+            u = from_native(runs, s, e, key, counter)
+        else:
+            u = from_words(_words(flat_indices(runs, s, e), key, counter, 2))
+        with torch.no_grad():
+            out_flat[s:e].copy_(values(u, **params))
+
+    _for_chunks(out_flat.numel(), out_flat.device, body)
+
+
+def keep_mask_into(
+    out_flat: Tensor, runs: tuple[Tensor, Tensor], seed: int, stream: str, counter: int, p_keep: float
+) -> None:
+    """Fill the 1-D bool ``out_flat`` with dropout's keep mask at the global indices ``runs`` gives (see
+    :func:`~titan.parallel.rng.shards.flat_indices`): True where the element's 24-bit uniform is below ``p_keep``.
+
+    The comparison is done exactly on the 24-bit integer.
+    """
+    if not 0.0 <= p_keep <= 1.0:
+        raise ValueError(f"p_keep must be in [0, 1], got {p_keep}")
+    if out_flat.dtype != torch.bool:
+        raise TypeError(f"the keep mask is bool, got {out_flat.dtype}")
+    key = stream_key(seed, stream)
+    counter = _check_counter(counter)
+    # u = k / 2**24 < p  <=>  k < ceil(p * 2**24) for integer k (p * 2**24 is exact).
+    threshold = math.ceil(p_keep * (1 << 24))
+    use_native = _use_native(out_flat)
+
+    def body(s: int, e: int) -> None:
+        if use_native:
+            native.keep_mask(runs, s, e, key, counter, threshold, out_flat[s:e])
+        else:
+            (w0,) = _words(flat_indices(runs, s, e), key, counter, 1)
+            torch.lt(w0.bitwise_right_shift_(8), threshold, out=out_flat[s:e])
 
     _for_chunks(out_flat.numel(), out_flat.device, body)
 
 
 def bernoulli_mask(global_index: Tensor, seed: int, stream: str, counter: int = 0, *, p_keep: float) -> Tensor:
-    """Dropout keep-mask of ``global_index``'s shape: True where the element's 24-bit uniform is below ``p_keep``.
-
-    The comparison is done exactly on the 24-bit integer.
-    """
+    """Dropout keep-mask of ``global_index``'s shape (see :func:`keep_mask_into`)."""
     if global_index.dtype != torch.int64:
         raise TypeError(f"global_index must be int64, got {global_index.dtype}")
-    if not 0.0 <= p_keep <= 1.0:
-        raise ValueError(f"p_keep must be in [0, 1], got {p_keep}")
-    key = stream_key(seed, stream)
-    counter = _check_counter(counter)
-    # u = k / 2**24 < p  <=>  k < ceil(p * 2**24) for integer k (p * 2**24 is exact).
-    threshold = math.ceil(p_keep * (1 << 24))
     flat_idx = global_index.reshape(-1)
     out = torch.empty(flat_idx.shape, dtype=torch.bool, device=global_index.device)
-
-    def body(s: int, e: int) -> None:
-        (w0,) = _words(flat_idx[s:e], key, counter, 1)
-        torch.lt(w0.bitwise_right_shift_(8), threshold, out=out[s:e])
-
-    _for_chunks(flat_idx.numel(), flat_idx.device, body)
+    runs = (torch.zeros(1, dtype=torch.int64, device=flat_idx.device), flat_idx)  # one run: the index itself
+    keep_mask_into(out, runs, seed, stream, counter, p_keep)
     return out.view(global_index.shape)

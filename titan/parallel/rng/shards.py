@@ -75,46 +75,72 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
+def flat_indices(runs: tuple[Tensor, Tensor], start: int, end: int) -> Tensor:
+    """The global indices of flat positions [start, end) of an index given as runs ``(row_starts, last)``: position
+    p holds row_starts[p // n] + last[p % n], n = last.numel(). Adding the two needs no per-element division (an
+    int64 division per element per dim cost ~4x the generator)."""
+    rows, last = runs
+    n = last.numel()
+    (r0, j0), (r1, j1) = divmod(start, n), divmod(end, n)
+    if start >= end:
+        return torch.empty(0, dtype=torch.int64, device=last.device)
+    if r0 == r1:
+        return rows[r0] + last[j0:j1]
+    # The tail of row r0, whole rows r0 + 1 .. r1 - 1, the head of row r1: written in place, one pass.
+    out = torch.empty(end - start, dtype=torch.int64, device=last.device)
+    torch.add(last[j0:], rows[r0], out=out[: n - j0])
+    torch.add(rows[r0 + 1 : r1, None], last, out=out[n - j0 : end - start - j1].view(-1, n))
+    if j1:
+        torch.add(last[:j1], rows[r1], out=out[end - start - j1 :])
+    return out
+
+
 class ShardIndex:
     """Global flat indices of one rank's local shard, whole (:meth:`full`) or by flat ranges (:meth:`flat`,
-    bounded memory). With no mesh dims the shard is the whole tensor."""
+    bounded memory). With no mesh dims the shard is the whole tensor. ``rows``, where given, are dim 0's global
+    indices instead (dropout: each local row's row in the step's global batch).
 
-    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None):
+    ``runs``: row-major, the shard is rows along the last dim, row r holding row_starts[r] + last (see
+    :func:`flat_indices`); the C kernels take the index in this form and never hold it element by element."""
+
+    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None):
         self.global_shape = tuple(int(s) for s in global_shape)
         vecs = _dim_index_vectors(self.global_shape, mesh_shape, mesh_coord, placements)
+        if rows is not None:
+            vecs[0] = rows.reshape(-1).to(torch.int64)
         self.local_shape = tuple(self.global_shape[d] if v is None else v.numel() for d, v in enumerate(vecs))
         self.trivial = all(v is None for v in vecs)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.vecs = [None if v is None else v.to(self.device) for v in vecs]
         self.gstrides = _contiguous_strides(self.global_shape)
+        ndim = len(self.global_shape)
+        if ndim == 0:  # a scalar: one run of one element
+            self.runs = (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
+        else:
+            self.runs = (self._combine(range(ndim - 1)).view(-1), self._vector(ndim - 1).contiguous())
+
+    def _vector(self, d: int) -> Tensor:
+        v = self.vecs[d]
+        return torch.arange(self.global_shape[d], device=self.device) if v is None else v
+
+    def _combine(self, dims: range) -> Tensor:
+        """The global index of each element of the sub-grid of ``dims`` (the other dims at 0), local-shaped."""
+        out = torch.zeros([self.local_shape[d] for d in dims], dtype=torch.int64, device=self.device)
+        for i, d in enumerate(dims):
+            view = [1] * len(dims)
+            view[i] = -1
+            out.add_(self._vector(d).view(view) * self.gstrides[d])
+        return out
 
     def flat(self, start: int, end: int) -> Tensor:
         """Global indices of local flat (row-major) positions [start, end)."""
-        f = torch.arange(start, end, dtype=torch.int64, device=self.device)
-        if self.trivial:
-            return f
-        out = torch.zeros_like(f)
-        for d in reversed(range(len(self.local_shape))):
-            size, v, gs = self.local_shape[d], self.vecs[d], self.gstrides[d]
-            c = f.remainder(size) if d else f
-            g = c if v is None else v[c]
-            out.add_(g, alpha=gs) if gs != 1 else out.add_(g)
-            if d:
-                f = f.div(size, rounding_mode="floor")
-        return out
+        if self.trivial or start >= end:
+            return torch.arange(start, max(start, end), dtype=torch.int64, device=self.device)
+        return flat_indices(self.runs, start, end)
 
     def full(self) -> Tensor:
         """All indices, shaped like the local shard."""
-        ndim = len(self.global_shape)
-        out = torch.zeros(self.local_shape, dtype=torch.int64, device=self.device)
-        for d in range(ndim):
-            v = self.vecs[d]
-            if v is None:
-                v = torch.arange(self.global_shape[d], device=self.device)
-            view = [1] * ndim
-            view[d] = -1
-            out.add_(v.view(view) * self.gstrides[d])
-        return out
+        return self._combine(range(len(self.global_shape)))
 
 
 def global_indices(
