@@ -4,6 +4,7 @@
     python scripts/bench.py --compare layouts     # single process vs FSDP2, TP2, PP2, FSDP2xTP2, PP2xFSDP2
     python scripts/bench.py --compare float8      # titan with float8.enable false and true
     python scripts/bench.py --compare dropout     # dropout 0 vs 0.1 (the counter-based RNG's cost)
+    python scripts/bench.py --compare compile     # eager vs torch.compile of each block
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
     python scripts/bench.py --compare packing     # FSDP2, long-tailed documents: token- vs cost-balanced placement
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -47,6 +49,7 @@ COMPARISONS = {
         ("titan", "titan", 1, ["--float8.enable", "false"]),
         ("float8", "titan", 1, ["--float8.enable", "true"]),
     ],
+    "compile": [("eager", "titan", 1, []), ("compiled", "titan", 1, ["--compile.enable", "true"])],
     "dropout": [
         ("dropout0", "titan", 1, []),
         ("dropout0.1", "titan", 1, ["--model.overrides.resid_dropout", "0.1", "--model.overrides.attn_dropout", "0.1"]),
@@ -346,6 +349,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--history",
+        type=Path,
+        default=ROOT / "outputs" / "bench" / "history.jsonl",
+        help="every report is appended here, and each run's tokens/s compared with the last like it",
+    )
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, "straggler"]), default="bare")
     parser.add_argument("--init-flavors", help="comma-separated flavors: time their initialisation instead")
     parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
@@ -373,10 +382,18 @@ def main() -> None:
 
     import torch
 
+    from titan.config import load_config
     from titan.metrics import measure_cpu_flops
 
+    share: dict[int, list[str]] = {}  # processes -> the peak override each run gets
     if not any(o.startswith("--metrics.peak_flops") for o in overrides) and not torch.cuda.is_available():
-        overrides += ["--metrics.peak_flops", f"{measure_cpu_flops():.4e}"]  # one denominator for every run
+        bf16 = load_config(args.config, overrides).training.mixed_precision == "bf16"
+        rate = measure_cpu_flops(torch.bfloat16 if bf16 else torch.float32)
+        print(
+            f"this CPU's measured {'bf16' if bf16 else 'fp32'} matmul rate with {torch.get_num_threads()} threads: "
+            f"{rate / 1e9:.0f} GFLOP/s. MFU is against it; each of n ranks on these cores against 1/n of it."
+        )
+        share = {n: ["--metrics.peak_flops", f"{rate / n:.4e}"] for n in range(1, 9)}
     runs = COMPARISONS[args.compare]
     if args.compare == "packing":
         corpus = long_tailed_corpus(Path(tempfile.mkdtemp(prefix="titan-bench-corpus-")) / "long_tailed.jsonl")
@@ -391,7 +408,7 @@ def main() -> None:
             (label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)])
             for label, mode, n, extra in runs
         ]
-    results = [run(label, mode, n, args, [*overrides, *extra]) for label, mode, n, extra in runs]
+    results = [run(label, mode, n, args, [*overrides, *extra, *share.get(n, [])]) for label, mode, n, extra in runs]
     base = results[0]
     print(
         f"{'run':<12}{'procs':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}  "
@@ -416,9 +433,38 @@ def main() -> None:
         "device": base["device"],
         "results": results,
     }
-    print(json.dumps(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    keep_in_history(report, args.history)
+
+
+def keep_in_history(report: dict, path: Path) -> None:
+    """Append the report, dated and with the commit, to the history file, and print how tokens/s moved since the
+    last report of the same comparison (same recipe, overrides and machine)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": commit.stdout.strip() or None,
+        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        **report,
+    }
+    key = ("recipe", "compare", "overrides", "steps", "machine")
+    earlier = []
+    if path.exists():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        earlier = [r for r in records if all(r.get(k) == report[k] for k in key)]
+    if earlier:
+        last = {r["run"]: r for r in earlier[-1]["results"]}
+        moves = [
+            f"{r['run']} {r['tokens_per_s'] / last[r['run']]['tokens_per_s']:.3f}x"
+            for r in report["results"]
+            if r["run"] in last
+        ]
+        print(f"tokens/s against {earlier[-1]['date']} ({earlier[-1]['commit']}): {', '.join(moves)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(report) + "\n")
+    print(f"kept in {path}")
 
 
 if __name__ == "__main__":

@@ -284,6 +284,7 @@ class Plan:
     intra_node_gbs: float = 0.0  # one device's bandwidth to the others in its node, GB/s each way; 0: the device's
     inter_node_gbs: float = 0.0  # one device's bandwidth to other nodes, GB/s each way; 0: the device's
     gpus_per_node: int = 0  # devices per node; 0: the device's (8)
+    host_gbs: float = 0.0  # one device's link to host memory (PCIe), GB/s each way; 0: the device's
 
 
 @dataclass

@@ -43,9 +43,10 @@ GPU_PEAK_FLOPS = {
 }
 
 
-def peak_flops(device: torch.device, configured: float = 0.0) -> tuple[float, str]:
+def peak_flops(device: torch.device, configured: float = 0.0, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
     """Peak FLOP/s of one device, which MFU divides by, and what it is: the recipe's figure, the known GPU's
-    datasheet figure, or on CPU this machine's measured matmul rate. An unknown GPU gives 0 (no MFU)."""
+    datasheet figure, or on CPU this machine's measured matmul rate in the run's ``dtype``. An unknown GPU gives 0
+    (no MFU)."""
     if configured:
         return configured, f"metrics.peak_flops = {configured:.3g} FLOP/s"
     if device.type == "cuda":
@@ -53,19 +54,20 @@ def peak_flops(device: torch.device, configured: float = 0.0) -> tuple[float, st
         if name in GPU_PEAK_FLOPS:
             return GPU_PEAK_FLOPS[name], f"the {name}'s dense bf16 peak, {GPU_PEAK_FLOPS[name] / 1e12:.0f} TFLOP/s"
         return 0.0, f"unknown GPU {name!r}: no MFU is reported; set metrics.peak_flops to its peak FLOP/s"
-    rate = measure_cpu_flops()
+    rate = measure_cpu_flops(dtype)
+    kind = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
     return rate, (
-        f"this CPU's measured fp32 matmul rate with {torch.get_num_threads()} threads, {rate / 1e9:.0f} GFLOP/s "
+        f"this CPU's measured {kind} matmul rate with {torch.get_num_threads()} threads, {rate / 1e9:.0f} GFLOP/s "
         "(a ceiling measured here, not a datasheet peak)"
     )
 
 
-def measure_cpu_flops(size: int = 1024, repeats: int = 20) -> float:
-    """Best fp32 matmul rate of this CPU with torch's threads: a realistic ceiling, not a datasheet number.
+def measure_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 20) -> float:
+    """Best matmul rate of this CPU in ``dtype`` with torch's threads: a realistic ceiling, not a datasheet number.
 
     Best of many short runs, after a warm-up, so a busy moment on the machine does not lower the figure.
     """
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     for _ in range(3):
         a @ b
     best = float("inf")

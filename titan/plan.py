@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from titan.config import Config, ConfigError, Layout, batch_plan
+from titan.config import Config, Layout, batch_plan
+from titan.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel import pp
 from titan.parallel.parallelize import check_layout
 from titan.plan_devices import Device, Links, planned_device
@@ -27,7 +28,6 @@ from titan.plan_pipeline import replay, schedule_actions, schedule_peak, sends, 
 from titan.plan_trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
 from titan.trainer import resolve_model
 
-GIB = 2**30
 MODES = ("none", "full", "selective")
 
 
@@ -46,6 +46,7 @@ class RankPlan:
     flops: float  # per step, recomputation included
     traffic: dict[tuple[str, str], float]  # bytes per step, by (collective, mesh dimension)
     seconds: float = 0.0  # the rank's forwards, backwards and optimizer step, without waiting
+    checkpointing: Plan | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
 
 
 @dataclass
@@ -57,6 +58,7 @@ class RunPlan:
     microbatches: int  # per rank and step
     params: int = 0  # the whole model's
     block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
+    block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
     ranks: list[RankPlan] = field(default_factory=list)
     step_seconds: float = 0.0
     mfu: float = 0.0
@@ -67,7 +69,10 @@ class RunPlan:
 
 
 def plan_run(config: Config, world_size: int) -> RunPlan:
-    """Trace the recipe's step on every pipeline rank and put the figures together."""
+    """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
+    = "auto" the step is traced keeping every block's activations, and each rank's blocks then take the ways the
+    memory planner chooses from the traced bytes and roofline seconds of one block run each way."""
+    auto = config.activation_checkpoint.mode == "auto"
     config = _as_traced(config)
     layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
@@ -89,26 +94,61 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
 
         order = schedule_actions(config, layout, mesh, len(layers), microbatches) if layout.pp > 1 else None
         _trace_ranks(plan, trace, layers, order)
-        for mode in MODES:  # what one block holds under each mode, from the forward of one block
-            if mode != config.activation_checkpoint.mode:
-                forward = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=True)
-                plan.block_activations[mode] = forward.block_held[0]
+        one_block = {}  # what one block holds under each mode, from one block's forward (and backward, for auto)
+        for mode in MODES:
+            if auto or mode != config.activation_checkpoint.mode:
+                one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
+                plan.block_activations[mode] = one_block[mode].block_held[0]
     for rank in plan.ranks:
-        rank.peak_by_mode = {mode: _peak_with(plan, rank, order, held) for mode, held in plan.block_activations.items()}
+        rank.peak_by_mode = {m: _peak_with(plan, rank, order, held)[0] for m, held in plan.block_activations.items()}
+    if auto:
+        plan.block_options = _block_options(plan, one_block)
+        for rank in plan.ranks:
+            _plan_checkpointing(plan, rank, order)
     _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
     return plan
 
 
+def _block_options(plan: RunPlan, one_block: dict[str, RankTrace]) -> list[Option]:
+    """The ways to run a block, as ac.measure_options gives them on the training device, here from traces of one
+    block: the bytes it keeps, and the roofline seconds its forward and backward add over keeping everything. On an
+    accelerator offload keeps nothing on the device and copies what keep keeps out and back over the host link."""
+    links = Links(plan.device, plan.layout.world_size)
+
+    def seconds(t: RankTrace) -> float:
+        return sum(links.seconds(cost, t.groups) for cost in (*t.forward.values(), *t.backward.values()))
+
+    keep = seconds(one_block["none"])
+    options = [
+        Option(name, plan.block_activations[mode], max(0.0, seconds(one_block[mode]) - keep))
+        for name, mode in (("keep", "none"), ("selective", "selective"), ("full", "full"))
+    ]
+    offload_seconds = 2 * plan.block_activations["none"] / (plan.device.host_gbs * 1e9)
+    return [*options, Option("offload", 0, offload_seconds)]
+
+
+def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order) -> None:
+    """The rank's blocks planned within the budget, as the trainer plans them; its peak and time follow."""
+    n_blocks = sum(map(len, rank.layers))
+    choice = plan_memory([plan.block_options] * n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
+    rank.checkpointing = choice
+    rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, choice.saved_bytes // n_blocks)
+    added = {o.name: o.added_seconds for o in plan.block_options}
+    first = 0
+    for stage, layers in zip(rank.stage_ids, rank.layers):
+        ways = choice.choices[first : first + len(layers)]
+        first += len(layers)
+        rank.trace.backward[stage].seconds += sum(added[w] for w in ways)  # recomputation, copies: in backward
+
+
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (torch.compile would lower memory and time a little), and with
-    the CPU's flash attention kept by selective checkpointing wherever the GPU's would be."""
-    if config.activation_checkpoint.mode == "auto":
-        raise ConfigError(
-            "titan plan cannot trace activation_checkpoint.mode = 'auto' (it measures blocks on the training device); "
-            "plan with none, full or selective"
-        )
+    """The recipe as the planner runs it: eagerly (torch.compile would lower memory and time a little), with the
+    CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
+    none (every block keeps its activations; plan_run then plans them)."""
     config = copy.deepcopy(config)
     config.compile.enable = False
+    if config.activation_checkpoint.mode == "auto":
+        config.activation_checkpoint.mode = "none"
     save_ops = config.activation_checkpoint.save_ops
     if "aten._scaled_dot_product_flash_attention" in save_ops:
         save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")
@@ -204,11 +244,12 @@ def _peak(trace: RankTrace, held: dict[int, int], actions: list | None) -> tuple
     return max(peak, trace.optimizer_peak), activations, in_flight
 
 
-def _peak_with(plan: RunPlan, rank: RankPlan, order, block_bytes: int) -> int:
-    """The rank's peak if each block held `block_bytes` per micro-batch instead of the recipe's."""
+def _peak_with(plan: RunPlan, rank: RankPlan, order, block_bytes: int) -> tuple[int, int, int]:
+    """The rank's (peak, activations then held, micro-batches then held) if each block held `block_bytes` per
+    micro-batch instead of the recipe's."""
     change = block_bytes - plan.block_activations[plan.config.activation_checkpoint.mode]
     held = {s: rank.trace.held[s] + change * len(layers) for s, layers in zip(rank.stage_ids, rank.layers)}
-    return _peak(rank.trace, held, order[rank.pp_rank] if order else None)[0]
+    return _peak(rank.trace, held, order[rank.pp_rank] if order else None)
 
 
 def _step_time(plan: RunPlan, flops_per_token: float, order) -> None:

@@ -22,13 +22,14 @@ class Device:
     intra_node_gbs: float  # to the other devices of its node (NVLink, Infinity Fabric), GB/s each way
     inter_node_gbs: float  # to other nodes (one 400 or 200 Gb/s NIC per device), GB/s each way
     gpus_per_node: int
+    host_gbs: float  # to host memory (PCIe x16), GB/s each way: activation offload's copies
 
 
 DEVICES = {
-    "h100": Device("NVIDIA H100 SXM 80GB", 989e12, 79.6, 3350, 450, 50, 8),
-    "h200": Device("NVIDIA H200 SXM 141GB", 989e12, 140.4, 4800, 450, 50, 8),
-    "a100": Device("NVIDIA A100 SXM4 80GB", 312e12, 80.0, 2039, 300, 25, 8),
-    "mi300x": Device("AMD Instinct MI300X", 1307e12, 191.7, 5300, 448, 50, 8),
+    "h100": Device("NVIDIA H100 SXM 80GB", 989e12, 79.6, 3350, 450, 50, 8, 64),
+    "h200": Device("NVIDIA H200 SXM 141GB", 989e12, 140.4, 4800, 450, 50, 8, 64),
+    "a100": Device("NVIDIA A100 SXM4 80GB", 312e12, 80.0, 2039, 300, 25, 8, 32),
+    "mi300x": Device("AMD Instinct MI300X", 1307e12, 191.7, 5300, 448, 50, 8, 64),
 }
 
 

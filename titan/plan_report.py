@@ -41,6 +41,12 @@ def format_plan(plan: RunPlan) -> str:
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
         f"activations one block keeps for backward, per micro-batch: {_by_mode(plan, plan.block_activations)}",
     ]
+    if plan.block_options:
+        lines.append(
+            f"activation_checkpoint auto, within {c.activation_checkpoint.budget_gib:g} GiB per rank and micro-batch, "
+            "chose from (bytes kept, seconds added per block and micro-batch): "
+            + ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in plan.block_options)
+        )
     for rank in plan.ranks:
         lines += ["", _rank_name(plan, rank) + (f": layers {_spans(rank.layers)}" if layout.pp > 1 else "")]
         lines += [f"  {label:<24}{value}" for label, value in _rows(plan, rank)]
@@ -67,6 +73,7 @@ def _rows(plan: RunPlan, rank: RankPlan) -> list[tuple[str, str]]:
         ("activations at the peak", f"{_size(rank.activations)}, {_micro_batches(rank.in_flight)} in flight"),
         ("largest temporary", f"{_size(t.largest[0])} ({t.largest[1]})"),
         ("peak", f"{_size(rank.peak)}: {fits}"),
+        *([("checkpointing (auto)", _checkpointing(plan, rank))] if rank.checkpointing else []),
         ("peak by checkpointing", _by_mode(plan, rank.peak_by_mode)),
         ("FLOPs per step", f"{rank.flops:.3g}, recomputation included"),
         ("traffic per step", _traffic(rank.traffic)),
@@ -74,9 +81,19 @@ def _rows(plan: RunPlan, rank: RankPlan) -> list[tuple[str, str]]:
     ]
 
 
+def _checkpointing(plan: RunPlan, rank: RankPlan) -> str:
+    """The auto plan of the rank's blocks: how many take each way, what they keep, the time it adds per step."""
+    choices, names = rank.checkpointing.choices, [o.name for o in plan.block_options]
+    counts = ", ".join(f"{choices.count(name)} {name}" for name in names if name in choices)
+    return (
+        f"{counts}: {_size(rank.checkpointing.saved_bytes)} kept per micro-batch, "
+        f"+{rank.checkpointing.added_seconds * plan.microbatches:.3g} s per step"
+    )
+
+
 def _by_mode(plan: RunPlan, values: dict[str, int]) -> str:
-    """Figures per activation checkpointing mode, the recipe's first."""
-    mode = plan.config.activation_checkpoint.mode
+    """Figures per activation checkpointing mode, the recipe's marked (auto: none is)."""
+    mode = plan.config.activation_checkpoint.mode if not plan.block_options else None
     return " | ".join(f"{m} {_size(b)}{' (recipe)' * (m == mode)}" for m, b in values.items())
 
 
@@ -90,6 +107,7 @@ def plan_json(plan: RunPlan) -> dict:
         "step_seconds": plan.step_seconds,
         "mfu": plan.mfu,
         "block_activation_bytes": plan.block_activations,
+        "block_options": [vars(o) for o in plan.block_options],
         "ranks": [
             {
                 "pp_rank": r.pp_rank,
@@ -103,6 +121,7 @@ def plan_json(plan: RunPlan) -> dict:
                 "micro_batches_in_flight": r.in_flight,
                 "peak_bytes": r.peak,
                 "peak_bytes_by_checkpointing": r.peak_by_mode,
+                "checkpointing": vars(r.checkpointing) if r.checkpointing else None,
                 "flops": r.flops,
                 "traffic_bytes": {f"{role} {kind}": nbytes for (kind, role), nbytes in r.traffic.items()},
                 "busy_seconds": r.seconds,

@@ -141,7 +141,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
-        self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops)
+        run_dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+        self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops, run_dtype)
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
@@ -628,8 +629,11 @@ class Trainer:
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
                     raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
+                profiler_start = time.perf_counter()
                 if self.profiler.step():  # writing the trace is not step time
                     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+                else:  # nor is starting the profiler, which the next step's window would otherwise hold
+                    window_start += time.perf_counter() - profiler_start
         if pending:
             step_loss()
         self.checkpointer.finish_pending()
