@@ -224,13 +224,16 @@ DP2_LAYOUTS = {
 # plain styles scales the row-parallel linears' input shards by their own amax: 1.5e-6 and 4.8e-4 (Adam
 # moves near-zero gradients by up to lr per step whatever their size). Bounds ~5x. A real bug is far
 # outside: a float8 all-gather that scales each shard by its own amax moves the loss by 4.2e-5 and the
-# weights by 1.1e-2.
+# weights by 1.1e-2. The largest weight difference under TP with float8 styles is one element's, where a split
+# sum lands on the other side of a float8 rounding (e4m3 keeps 3 mantissa bits: one flip moves a product by up
+# to 1/16), so it depends on the CPU's summation order: 2.0e-6 measured on an Intel host, 1.13e-5 on an AMD
+# EPYC (one element of 12288; the 99.99th percentile there 8.8e-7). Its bound, 5e-5, stays 200x below the bug.
 FSDP_TOL = (6e-7, 3e-7)  # (loss rtol, weight atol)
 TOLERANCES = {
     "fsdp2_hp_all_gather": FSDP_TOL,
     "fsdp2_float8_all_gather": FSDP_TOL,
     "fsdp2_float8_all_gather_selective_ac": FSDP_TOL,
-    "tp2_float8_styles": (3e-7, 1e-5),
+    "tp2_float8_styles": (3e-7, 5e-5),
     "tp2_sequence_parallel": (7.5e-6, 2.5e-3),
 }
 

@@ -276,6 +276,9 @@ def plan(
     world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
     device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
     json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    graph: bool = typer.Option(
+        False, "--graph", help="Instead: one block's operator order and memory layouts, traced and reordered."
+    ),
 ) -> None:
     """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
 
@@ -292,11 +295,20 @@ def plan(
             world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
         cfg = load_config(config, overrides, world_size=world_size)
         from titan.plan import plan_run  # imported late: torch takes a while to import
-        from titan.plan_report import format_plan, plan_json, shortfall
+        from titan.plan_graph import analyse_recipe
+        from titan.plan_report import format_graph, format_plan, plan_json, shortfall
 
-        result = plan_run(cfg, world_size)
+        if graph:
+            analysis, what = analyse_recipe(cfg, world_size)
+        else:
+            result = plan_run(cfg, world_size)
     except ConfigError as e:
         _fail(str(e))
+    if graph:
+        typer.echo(format_graph(analysis, what))
+        if json_path is not None:
+            json_path.write_text(json.dumps(analysis.as_json(), indent=2) + "\n")
+        return
     typer.echo(format_plan(result))
     if json_path is not None:
         json_path.write_text(json.dumps(plan_json(result), indent=2) + "\n")

@@ -68,6 +68,16 @@ class RunPlan:
         return self.device.memory_gib * (1 - self.config.plan.headroom_fraction) * GIB
 
 
+def micro_batches(config: Config, layout: Layout) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
+    sizes = batch_plan(config, layout.world_size)
+    rows, microbatches = max(map(max, sizes)), len(sizes[0])
+    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
+        microbatches = pp.microbatches(config.parallel, rows)
+        rows //= microbatches
+    return rows, microbatches
+
+
 def plan_run(config: Config, world_size: int) -> RunPlan:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced keeping every block's activations, and each rank's blocks then take the ways the
@@ -77,11 +87,7 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
     layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
     check_layout(config, spec, args, layout, CPU)
-    sizes = batch_plan(config, world_size)
-    rows, microbatches = max(map(max, sizes)), len(sizes[0])  # the largest micro-batch of any rank
-    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
-        microbatches = pp.microbatches(config.parallel, rows)
-        rows //= microbatches
+    rows, microbatches = micro_batches(config, layout)
     plan = RunPlan(config, planned_device(config.plan), layout, rows, microbatches)
     layers = stage_layers(config, spec, args, layout)
     with fake_world(layout) as mesh:

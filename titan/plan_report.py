@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from titan.config import batch_plan
 from titan.plan import GIB, RankPlan, RunPlan
+from titan.plan_graph import PLACEMENTS, GraphAnalysis
 
 
 def shortfall(plan: RunPlan) -> str | None:
@@ -150,3 +151,28 @@ def _traffic(traffic: dict[tuple[str, str], float]) -> str:
 
 def _spans(layers: list[list[int]]) -> str:
     return ", ".join(f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0]) for ids in layers if ids)
+
+
+def format_graph(analysis: GraphAnalysis, what: str) -> str:
+    """`titan plan --graph`: the peak and the static layouts of the traced order and of the best reordering."""
+    lines = [
+        what,
+        f"{analysis.ops} ops; the inputs (parameters, the block's input, its output's gradient) take "
+        f"{_size(analysis.input_bytes)} throughout and are not counted below",
+        "",
+        f"{'order':<34}{'peak':>10}" + "".join(f"{p:>22}" for p in PLACEMENTS),
+    ]
+    for figures in (analysis.traced, analysis.memory_aware):
+        name = "traced" if figures is analysis.traced else f"reordered: {figures.name}"
+        arenas = [f"{_size(a)} (+{a / figures.peak - 1:.1%})" for a in figures.arenas.values()]
+        lines.append(f"{name:<34}{_size(figures.peak):>10}" + "".join(f"{a:>22}" for a in arenas))
+    gain = 1 - analysis.memory_aware.peak / analysis.traced.peak
+    verdict = f"lowers the peak by {gain:.1%}" if gain > 0 else f"raises the peak by {-gain:.1%}: keep the traced order"
+    lines += [
+        "",
+        f"the best reordering {verdict}.",
+        "Static layouts: one address per storage, first fit, storages placed in each column's order; their excess",
+        "over the peak (the least memory any allocator needs) is fragmentation. With compile.enable, Inductor",
+        "reorders its fused kernels for peak memory itself (compile.reorder_for_peak_memory).",
+    ]
+    return "\n".join(lines)

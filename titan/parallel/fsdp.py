@@ -22,9 +22,13 @@ def apply_fsdp(
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
+    # A block's hidden states arrive in the compute dtype already. Not casting its other inputs keeps the rope table
+    # in fp32, as autocast does on one device, and keeps FSDP's cast out of the block: its pre-forward hook runs
+    # before checkpointing's in forward but inside the recomputation, which selective checkpointing refuses.
+    block_policy = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)}
     for i, block in enumerate(blocks):
         # The last block's parameters are the first needed by backward: resharding them would be wasted work.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **policy)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **block_policy)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

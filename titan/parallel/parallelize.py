@@ -147,6 +147,9 @@ def parallelize(
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
     apply_activation_checkpointing(blocks, checkpointing, config.activation_checkpoint.save_ops)
     if config.compile.enable:
+        import torch._inductor.config as inductor  # a process-wide setting: every compiled block follows the recipe
+
+        inductor.reorder_for_peak_memory = config.compile.reorder_for_peak_memory
         model.attention_per_document = False
         for block in blocks:
             block.compile()
