@@ -15,7 +15,7 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import layout_overrides, trainer_for
 from titan.config import ConfigError, Layout, load_config
-from titan.memory_plan import GIB, Option, gib_rounded_up, plan_memory
+from titan.memory_plan import GIB, Option, gib_rounded_up, plan_alike_blocks, plan_memory
 from titan.parallel import ac, parallelize
 from titan.trainer import Trainer, resolve_model
 
@@ -63,6 +63,20 @@ def test_the_planner_finds_the_best_plan_that_trying_every_plan_finds():
                 assert plan.added_seconds == sum(o.added_seconds for o in chosen) <= slowest  # more budget: no slower
                 slowest = plan.added_seconds
             assert plan_memory(blocks, 10**15).choices == ("keep",) * n  # no budget to speak of: nothing recomputed
+
+
+def test_alike_blocks_that_recompute_come_first():
+    """Backward runs the last block first. Keep 10 bytes, full 1: within 22 bytes two blocks keep and two recompute,
+    and the recomputing ones go first, so each re-holds its 10 bytes after the kept blocks have freed 20. The
+    other way round, the first block backward runs would re-hold 10 bytes beside the 21 the others keep (the
+    plan's _recomputed: 9 bytes over what the blocks keep, against none)."""
+    from titan.plan import _recomputed
+
+    options = [Option("keep", 10, 0.0), Option("full", 1, 1.0)]
+    plan = plan_alike_blocks(options, 4, 22)
+    assert plan.choices == ("full", "full", "keep", "keep")
+    assert sorted(plan.choices) == sorted(plan_memory([options] * 4, 22).choices)
+    assert _recomputed(10, [[1, 1, 10, 10]]) == 0 and _recomputed(10, [[10, 10, 1, 1]]) == 9
 
 
 def test_a_budget_no_plan_meets_names_the_least_that_does():
@@ -216,10 +230,10 @@ def test_a_planned_run_keeps_within_its_budget_at_the_slowdown_it_predicts(tmp_p
         plans = []
 
         def recorded_plan(*args):
-            plans.append(plan_memory(*args))
+            plans.append(plan_alike_blocks(*args))
             return plans[-1]
 
-        monkeypatch.setattr(ac, "plan_memory", recorded_plan)
+        monkeypatch.setattr(ac, "plan_alike_blocks", recorded_plan)
         planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget / GIB)}
         auto = trainer_for(tmp_path / "auto", **FOUR_BLOCKS, **planned)
         (plan,) = plans
@@ -249,7 +263,7 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
     """On each of two FSDP ranks: the plan, how often this rank measured a block, and the losses of 3 steps with
     the plan and without checkpointing."""
     measured, plans = [], []
-    measure, plan_for = ac.measure_options, ac.plan_memory  # recorded in this worker process only
+    measure, plan_for = ac.measure_options, ac.plan_alike_blocks  # recorded in this worker process only
 
     def recorded_measure(*args):
         measured.append(args)
@@ -259,7 +273,7 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
         plans.append(plan_for(*args))
         return plans[-1]
 
-    ac.measure_options, ac.plan_memory = recorded_measure, recorded_plan
+    ac.measure_options, ac.plan_alike_blocks = recorded_measure, recorded_plan
     planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
     losses = fsdp_losses(tmp / "auto", planned), fsdp_losses(tmp / "plain", {})
     return plans, len(measured), *losses

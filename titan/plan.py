@@ -20,7 +20,7 @@ import copy
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout, batch_plan
-from titan.memory_plan import GIB, Option, Plan, plan_memory
+from titan.memory_plan import GIB, Option, Plan, plan_alike_blocks
 from titan.parallel import pp
 from titan.parallel.parallelize import check_layout
 from titan.plan_devices import Device, Links, planned_device
@@ -106,7 +106,7 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 plan.block_activations[mode] = one_block[mode].block_held[0]
     for rank in plan.ranks:
-        rank.peak_by_mode = {m: _peak_with(plan, rank, order, held)[0] for m, held in plan.block_activations.items()}
+        rank.peak_by_mode = {m: _peak_with(plan, rank, order, _ways(plan, rank, m))[0] for m in MODES}
     if auto:
         plan.block_options = _block_options(plan, one_block)
         for rank in plan.ranks:
@@ -136,15 +136,16 @@ def _block_options(plan: RunPlan, one_block: dict[str, RankTrace]) -> list[Optio
 def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order) -> None:
     """The rank's blocks planned within the budget, as the trainer plans them; its peak and time follow."""
     n_blocks = sum(map(len, rank.layers))
-    choice = plan_memory([plan.block_options] * n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
+    choice = plan_alike_blocks(plan.block_options, n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
     rank.checkpointing = choice
-    rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, choice.saved_bytes // n_blocks)
-    added = {o.name: o.added_seconds for o in plan.block_options}
-    first = 0
-    for stage, layers in zip(rank.stage_ids, rank.layers):
-        ways = choice.choices[first : first + len(layers)]
+    ways, first = [], 0
+    for layers in rank.layers:  # the trainer gives each model part's blocks their choices in this order
+        ways.append(list(choice.choices[first : first + len(layers)]))
         first += len(layers)
-        rank.trace.backward[stage].seconds += sum(added[w] for w in ways)  # recomputation, copies: in backward
+    rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
+    added = {o.name: o.added_seconds for o in plan.block_options}
+    for stage, stage_ways in zip(rank.stage_ids, ways):
+        rank.trace.backward[stage].seconds += sum(added[w] for w in stage_ways)  # recomputation, copies: in backward
 
 
 def _as_traced(config: Config) -> Config:
@@ -181,8 +182,8 @@ def _trace_ranks(plan: RunPlan, trace, layers: list[list[int]], order) -> None:
         grown = _grow(traces[ends[pp_rank]], *rate, [len(layers[s]) for s in stages], stages)
         plan.ranks.append(_rank_plan(plan, pp_rank, [layers[s] for s in stages], grown, order))
     plan.params = sum(rank.trace.total_params for rank in plan.ranks)
-    # One block's activations under the recipe's checkpointing: the average over its period.
-    plan.block_activations[config.activation_checkpoint.mode] = sum(rate[1].block_held[:every]) // every
+    # One block's activations under the recipe's checkpointing: the first of each period runs its way.
+    plan.block_activations[config.activation_checkpoint.mode] = rate[1].block_held[0]
 
 
 def _optimizer_from_rate(trace: RankTrace, shallow: RankTrace, deep: RankTrace) -> None:
@@ -239,10 +240,11 @@ def _rank_plan(plan: RunPlan, pp_rank: int, layers: list[list[int]], trace: Rank
     )
 
 
-def _peak(trace: RankTrace, held: dict[int, int], actions: list | None) -> tuple[int, int, int]:
+def _peak(trace: RankTrace, held: dict[int, int], actions: list | None, recomputed: int = 0) -> tuple[int, int, int]:
     """(peak bytes, activation bytes then held, micro-batches then held) of the rank's step when its stages' forwards
-    hold `held` each, over the pipeline's `actions` or the micro-batches one after another."""
-    change = sum(held.values()) - sum(trace.held.values())
+    hold `held` each and backward brings back `recomputed` bytes more than the trace's, over the pipeline's
+    `actions` or the micro-batches one after another."""
+    change = sum(held.values()) - sum(trace.held.values()) + recomputed
     if actions is None:
         peak, activations, in_flight = trace.peak + change, sum(held.values()), 1
     else:
@@ -250,12 +252,36 @@ def _peak(trace: RankTrace, held: dict[int, int], actions: list | None) -> tuple
     return max(peak, trace.optimizer_peak), activations, in_flight
 
 
-def _peak_with(plan: RunPlan, rank: RankPlan, order, block_bytes: int) -> tuple[int, int, int]:
-    """The rank's (peak, activations then held, micro-batches then held) if each block held `block_bytes` per
-    micro-batch instead of the recipe's."""
-    change = block_bytes - plan.block_activations[plan.config.activation_checkpoint.mode]
-    held = {s: rank.trace.held[s] + change * len(layers) for s, layers in zip(rank.stage_ids, rank.layers)}
-    return _peak(rank.trace, held, order[rank.pp_rank] if order else None)
+def _ways(plan: RunPlan, rank: RankPlan, mode: str) -> list[list[str]]:
+    """Per stage of the rank, how each block runs under `mode` with the recipe's period (every Nth block)."""
+    ac = plan.config.activation_checkpoint
+    way = "keep" if mode == "none" else mode
+    return [[way if i % ac.every == 0 else "keep" for i in range(len(layers))] for layers in rank.layers]
+
+
+def _recomputed(keep: int, kept: list[list[int]]) -> int:
+    """The most bytes backward holds beyond what the blocks keep (`kept`, per stage and block): a block that
+    recomputes or reloads its activations holds them again as keep does, while it runs its backward, and the
+    blocks after it have freed what they kept."""
+    extra = 0
+    for stage in kept:
+        freed = 0
+        for block in reversed(stage):
+            extra = max(extra, keep - block - freed)
+            freed += block
+    return extra
+
+
+def _peak_with(plan: RunPlan, rank: RankPlan, order, ways: list[list[str]]) -> tuple[int, int, int]:
+    """The rank's (peak, activations then held, micro-batches then held) if its blocks ran `ways` (per stage and
+    block: keep, selective, full or offload) instead of the recipe's."""
+    a = plan.block_activations
+    kept_by_way = {"keep": a["none"], "selective": a["selective"], "full": a["full"], "offload": 0}
+    kept = [[kept_by_way[w] for w in stage] for stage in ways]
+    traced = [[kept_by_way[w] for w in stage] for stage in _ways(plan, rank, plan.config.activation_checkpoint.mode)]
+    held = {s: rank.trace.held[s] + sum(k) - sum(t) for s, k, t in zip(rank.stage_ids, kept, traced)}
+    recomputed = _recomputed(a["none"], kept) - _recomputed(a["none"], traced)
+    return _peak(rank.trace, held, order[rank.pp_rank] if order else None, recomputed)
 
 
 def _step_time(plan: RunPlan, flops_per_token: float, order) -> None:

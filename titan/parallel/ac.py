@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.config import Config, Layout, batch_plan
-from titan.memory_plan import GIB, Option, plan_memory
+from titan.memory_plan import GIB, Option, plan_alike_blocks
 from titan.models import ModelSpec
 
 log = logging.getLogger("titan")
@@ -60,7 +60,7 @@ def block_choices(
         config.training.seq_len,
         ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
     )
-    plan = plan_memory([options] * n_blocks, int(cfg.budget_gib * GIB))
+    plan = plan_alike_blocks(options, n_blocks, int(cfg.budget_gib * GIB))
     log.info(
         "activation_checkpoint auto: %s; the blocks keep %.4g of %.4g GiB, +%.3g s per step (predicted)",
         ", ".join(f"{plan.choices.count(o.name)} {o.name}" for o in options if o.name in plan.choices),

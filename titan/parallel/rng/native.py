@@ -33,6 +33,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
+#include <pthread.h>
 #include <stdint.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -97,29 +98,95 @@ static void run_indices(const int64_t *row_starts, const int64_t *last, int64_t 
 }
 
 /* Positions [start, start + count) a block at a time: their indices and words on the stack, then `body` for
-   each element i of the block (output position s + i of the call). */
-#define RUNS_ARGS const int64_t *row_starts, const int64_t *last, int64_t n, int64_t start, int64_t count, \
-                  uint32_t k0, uint32_t k1, uint64_t counter
+   each element i of the block (output position s + i of the range). */
 #define FOR_BLOCKS(body)                                                         \
     int64_t index[BLOCK];                                                        \
     uint32_t w0[BLOCK], w1[BLOCK];                                               \
     for (int64_t s = 0; s < count; s += BLOCK) {                                 \
         int64_t m = count - s < BLOCK ? count - s : BLOCK;                       \
-        run_indices(row_starts, last, n, start + s, m, index);                   \
-        words(index, m, k0, k1, counter, w0, w1);                                \
+        run_indices(j->row_starts, j->last, j->n, start + s, m, index);          \
+        words(index, m, j->k0, j->k1, j->counter, w0, w1);                      \
         for (int64_t i = 0; i < m; i++) { body; }                                \
     }
 
+enum { KEEP_MASK, NORMAL_UNIFORMS, UNIFORM53 };
+
+/* One call: what to draw at which positions of an index given as runs, and where to write it. */
+typedef struct {
+    int kind;
+    const int64_t *row_starts, *last;
+    int64_t n, start, count;
+    uint32_t k0, k1;
+    uint64_t counter;
+    uint32_t threshold;
+    double angle_scale;
+    void *out0, *out1;
+} job;
+
+/* Positions [start + offset, start + offset + count) of the job, written from output element `offset`. */
+static void run_range(const job *j, int64_t offset, int64_t count) {
+    int64_t start = j->start + offset;
+    if (j->kind == KEEP_MASK) {
+        uint8_t *keep = (uint8_t *)j->out0 + offset;
+        FOR_BLOCKS(keep[s + i] = (w0[i] >> 8) < j->threshold)
+    } else if (j->kind == NORMAL_UNIFORMS) {
+        double *u1 = (double *)j->out0 + offset, *u2 = (double *)j->out1 + offset;
+        FOR_BLOCKS(u1[s + i] = ((double)w0[i] + 0.5) * 0x1p-32; u2[s + i] = (double)w1[i] * j->angle_scale)
+    } else {
+        double *u = (double *)j->out0 + offset;
+        FOR_BLOCKS(u[s + i] = (double)(((uint64_t)(w0[i] >> 5) << 26) + (w1[i] >> 6)) * 0x1p-53)
+    }
+}
+
+typedef struct { const job *j; int64_t offset, count; } part;
+
+static void *run_part(void *p) {
+    const part *q = (const part *)p;
+    run_range(q->j, q->offset, q->count);
+    return 0;
+}
+
+/* Each element depends only on its own index, so the job splits into contiguous parts, one per thread. Threads
+   are started per call: a call is a chunk of a quarter million elements or more, which takes milliseconds. */
+static void run(const job *j, int threads) {
+    enum { MAX_THREADS = 64, MIN_PART = 16384 };
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > j->count / MIN_PART) threads = (int)(j->count / MIN_PART);
+    if (threads <= 1) { run_range(j, 0, j->count); return; }
+    pthread_t ids[MAX_THREADS];
+    part parts[MAX_THREADS];
+    int64_t per = (j->count + threads - 1) / threads;
+    int started = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t offset = t * per, count = j->count - offset < per ? j->count - offset : per;
+        parts[t] = (part){j, offset, count > 0 ? count : 0};
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], 0, run_part, &parts[t]) != 0) break;  /* no thread: this one does the rest */
+        started = t;
+    }
+    run_part(&parts[0]);
+    for (int t = started + 1; t < threads; t++) run_part(&parts[t]);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], 0);
+}
+
+#define RUNS_ARGS const int64_t *row_starts, const int64_t *last, int64_t n, int64_t start, int64_t count, \
+                  uint32_t k0, uint32_t k1, uint64_t counter, int threads
+#define JOB(kind) (job){kind, row_starts, last, n, start, count, k0, k1, counter
+
 void titan_keep_mask(RUNS_ARGS, uint32_t threshold, uint8_t *keep) {
-    FOR_BLOCKS(keep[s + i] = (w0[i] >> 8) < threshold)
+    job j = JOB(KEEP_MASK), threshold, 0.0, keep, 0};
+    run(&j, threads);
 }
 
 void titan_normal_uniforms(RUNS_ARGS, double angle_scale, double *u1, double *u2) {
-    FOR_BLOCKS(u1[s + i] = ((double)w0[i] + 0.5) * 0x1p-32; u2[s + i] = (double)w1[i] * angle_scale)
+    job j = JOB(NORMAL_UNIFORMS), 0, angle_scale, u1, u2};
+    run(&j, threads);
 }
 
 void titan_uniform53(RUNS_ARGS, double *u) {
-    FOR_BLOCKS(u[s + i] = (double)(((uint64_t)(w0[i] >> 5) << 26) + (w1[i] >> 6)) * 0x1p-53)
+    job j = JOB(UNIFORM53), 0, 0.0, u, 0};
+    run(&j, threads);
 }
 
 /* Dropout's float32 arithmetic, rounded as torch's two ops round it: (x * keep) / c, and backward (g / c) * keep. */
@@ -132,7 +199,8 @@ void titan_dropout_f32(const float *x, const uint8_t *keep, int64_t n, float c, 
 """
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_RUNS_ARGS = [_P, _P, _I64, _I64, _I64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64]  # runs, range, key, counter
+# runs, range, key, counter, threads
+_RUNS_ARGS = [_P, _P, _I64, _I64, _I64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int]
 _SIGNATURES = {
     "titan_keep_mask": [*_RUNS_ARGS, ctypes.c_uint32, _P],
     "titan_normal_uniforms": [*_RUNS_ARGS, ctypes.c_double, _P, _P],
@@ -148,7 +216,7 @@ def _flags() -> list[str]:
         "AVX2",
         "AVX512",
     )
-    return ["-O3", "-shared", "-fPIC", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
+    return ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
 
 
 def _build(path: Path, compiler: str, flags: list[str]) -> None:
@@ -195,11 +263,10 @@ def _check(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _call(name: str, runs: tuple[Tensor, Tensor], start: int, end: int, key: tuple[int, int], counter: int, *args):
-    # ctypes releases the GIL for the call, so chunks run in parallel on the caller's thread pool.
+    # The kernel splits the range over as many threads as torch's ops use (ATen's own threads are idle meanwhile).
     row_starts, last = (_check(t, torch.int64) for t in runs)
-    getattr(library(), name)(
-        row_starts.data_ptr(), last.data_ptr(), last.numel(), start, end - start, key[0], key[1], counter, *args
-    )
+    span = (row_starts.data_ptr(), last.data_ptr(), last.numel(), start, end - start)
+    getattr(library(), name)(*span, key[0], key[1], counter, torch.get_num_threads(), *args)
 
 
 def keep_mask(runs, start: int, end: int, key: tuple[int, int], counter: int, threshold: int, out: Tensor) -> None:

@@ -243,14 +243,13 @@ def keep_mask_into(
     counter = _check_counter(counter)
     # u = k / 2**24 < p  <=>  k < ceil(p * 2**24) for integer k (p * 2**24 is exact).
     threshold = math.ceil(p_keep * (1 << 24))
-    use_native = _use_native(out_flat)
+    if _use_native(out_flat):  # no temporaries to bound: one call, which the kernel splits over the threads
+        native.keep_mask(runs, 0, out_flat.numel(), key, counter, threshold, out_flat)
+        return
 
     def body(s: int, e: int) -> None:
-        if use_native:
-            native.keep_mask(runs, s, e, key, counter, threshold, out_flat[s:e])
-        else:
-            (w0,) = _words(flat_indices(runs, s, e), key, counter, 1)
-            torch.lt(w0.bitwise_right_shift_(8), threshold, out=out_flat[s:e])
+        (w0,) = _words(flat_indices(runs, s, e), key, counter, 1)
+        torch.lt(w0.bitwise_right_shift_(8), threshold, out=out_flat[s:e])
 
     _for_chunks(out_flat.numel(), out_flat.device, body)
 
