@@ -15,7 +15,7 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import layout_overrides, trainer_for
 from titan.config import ConfigError, Layout, load_config
-from titan.memory_plan import GIB, Option, gib_rounded_up, plan_alike_blocks, plan_memory
+from titan.memory_plan import GIB, Option, gib_rounded_up, plan_memory
 from titan.parallel import ac, parallelize
 from titan.trainer import Trainer, resolve_model
 
@@ -65,20 +65,6 @@ def test_the_planner_finds_the_best_plan_that_trying_every_plan_finds():
             assert plan_memory(blocks, 10**15).choices == ("keep",) * n  # no budget to speak of: nothing recomputed
 
 
-def test_alike_blocks_that_recompute_come_first():
-    """Backward runs the last block first. Keep 10 bytes, full 1: within 22 bytes two blocks keep and two recompute,
-    and the recomputing ones go first, so each re-holds its 10 bytes after the kept blocks have freed 20. The
-    other way round, the first block backward runs would re-hold 10 bytes beside the 21 the others keep (the
-    plan's _recomputed: 9 bytes over what the blocks keep, against none)."""
-    from titan.plan import _recomputed
-
-    options = [Option("keep", 10, 0.0), Option("full", 1, 1.0)]
-    plan = plan_alike_blocks(options, 4, 22)
-    assert plan.choices == ("full", "full", "keep", "keep")
-    assert sorted(plan.choices) == sorted(plan_memory([options] * 4, 22).choices)
-    assert _recomputed(10, [[1, 1, 10, 10]]) == 0 and _recomputed(10, [[10, 10, 1, 1]]) == 9
-
-
 def test_a_budget_no_plan_meets_names_the_least_that_does():
     blocks = random_blocks(random.Random(1), 5)
     least = sum(min(o.saved_bytes for o in options) for options in blocks)
@@ -104,8 +90,6 @@ def test_a_405b_sized_plan_is_quick():
         ({"activation_checkpoint.budget_gib": "-1"}, "activation_checkpoint.budget_gib must be"),
         ({"activation_checkpoint.budget_gib": "nan"}, "activation_checkpoint.budget_gib must be"),
         ({"activation_checkpoint.every": "0"}, "activation_checkpoint.every must be >= 1"),
-        ({"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": "1", "parallel.pp": "2"},
-         "parallel.pp > 1"),
         ({"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": "1", "compile.enable": "true"},
          "compile.enable"),
     ],
@@ -230,10 +214,10 @@ def test_a_planned_run_keeps_within_its_budget_at_the_slowdown_it_predicts(tmp_p
         plans = []
 
         def recorded_plan(*args):
-            plans.append(plan_alike_blocks(*args))
+            plans.append(plan_memory(*args))
             return plans[-1]
 
-        monkeypatch.setattr(ac, "plan_alike_blocks", recorded_plan)
+        monkeypatch.setattr(ac, "plan_memory", recorded_plan)
         planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget / GIB)}
         auto = trainer_for(tmp_path / "auto", **FOUR_BLOCKS, **planned)
         (plan,) = plans
@@ -263,7 +247,7 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
     """On each of two FSDP ranks: the plan, how often this rank measured a block, and the losses of 3 steps with
     the plan and without checkpointing."""
     measured, plans = [], []
-    measure, plan_for = ac.measure_options, ac.plan_alike_blocks  # recorded in this worker process only
+    measure, plan_for = ac.measure_options, ac.plan_memory  # recorded in this worker process only
 
     def recorded_measure(*args):
         measured.append(args)
@@ -273,7 +257,7 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
         plans.append(plan_for(*args))
         return plans[-1]
 
-    ac.measure_options, ac.plan_alike_blocks = recorded_measure, recorded_plan
+    ac.measure_options, ac.plan_memory = recorded_measure, recorded_plan
     planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
     losses = fsdp_losses(tmp / "auto", planned), fsdp_losses(tmp / "plain", {})
     return plans, len(measured), *losses
@@ -291,4 +275,46 @@ def test_fsdp_ranks_plan_from_rank_0s_measurement_and_train_as_without_a_plan(tm
     (plans_0, measured_0, planned_0, plain_0), (plans_1, measured_1, planned_1, plain_1) = results
     assert (measured_0, measured_1) == (1, 0)  # rank 0 measured, rank 1 received its numbers
     assert plans_0 == plans_1 and len(plans_0) == 1 and set(plans_0[0].choices) != {"keep"}
+    assert planned_0 == planned_1 == plain_0 == plain_1  # bitwise: checkpointing changes no number
+
+
+def planned_and_plain_pipeline(tmp, budget_gib: float):
+    """On each of two pipeline ranks (one stage each, 2 blocks): the plan, how often this rank measured a block,
+    and the losses of 3 steps with the plan and without checkpointing."""
+    measured, plans = [], []
+    measure, plan_for = ac.measure_options, ac.plan_memory
+
+    def recorded_measure(*args):
+        measured.append(args[4])  # the rows measured: one pipeline micro-batch's
+        return measure(*args)
+
+    def recorded_plan(*args):
+        plans.append(plan_for(*args))
+        return plans[-1]
+
+    ac.measure_options, ac.plan_memory = recorded_measure, recorded_plan
+    layout = {"parallel.pp": "2", "training.local_batch_size": "8", "parallel.pp_microbatches": "4"}
+    planned = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
+    losses = []
+    for name, extra in (("auto", planned), ("plain", {})):
+        trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, {**layout, **extra})))
+        losses.append([trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)])
+    return plans, measured, *losses
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_ranks_plan_per_micro_batch_and_train_as_without_a_plan(tmp_path):
+    """Under a pipeline the budget is per micro-batch (a rank holds several at once): the block is measured at one
+    pipeline micro-batch (8 rows in 4 micro-batches: 2), and the plan changes no number."""
+    config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "8"}))
+    spec, args = resolve_model(config)
+    with torch.device("meta"):
+        model = spec.build(args)
+    keep = ac.measure_options(model, spec, config, Layout(), 2, torch.device("cpu"))[0].saved_bytes
+    results = run_distributed(planned_and_plain_pipeline, 2, tmp_path, 1.5 * keep / GIB)  # 1.5 of a stage's 2 blocks
+    (plans_0, measured_0, planned_0, plain_0), (plans_1, measured_1, planned_1, plain_1) = results
+    assert (measured_0, measured_1) == ([2], [])  # rank 0 measured a 2-row micro-batch, rank 1 received its numbers
+    (plan,) = plans_0
+    assert plans_1 == [plan] and "keep" in plan.choices and set(plan.choices) != {"keep"}
     assert planned_0 == planned_1 == plain_0 == plain_1  # bitwise: checkpointing changes no number

@@ -155,6 +155,16 @@ def test_405b_on_one_node_is_refused_with_its_shortfall():
     assert rest == [] and line.startswith("error: every rank needs") and "GiB short" in line
 
 
+def test_backward_re_holds_a_recomputing_block_s_activations_once_later_blocks_freed_theirs():
+    """Keep 10 bytes a block, full 1. Backward runs the last block first: recomputing, it holds its 10 bytes again
+    beside the 21 the others keep, 9 more than the blocks keep; placed first, the recomputing blocks re-hold theirs
+    once the kept blocks have freed 20, adding nothing to the peak."""
+    from titan.plan import _recomputed
+
+    assert _recomputed(10, [[10, 10, 1, 1]]) == 9 and _recomputed(10, [[1, 1, 10, 10]]) == 0
+    assert _recomputed(10, [[10, 1], [1, 10]]) == 9  # stages: the worst one's
+
+
 FULL = {"activation_checkpoint.mode": "full"}
 
 

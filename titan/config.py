@@ -598,12 +598,6 @@ def validate(config: Config, world_size: int) -> None:
             "activation_checkpoint.mode = 'auto' plans to a budget: set activation_checkpoint.budget_gib to the GiB "
             "of activations each rank's blocks may keep for backward",
         )
-        # A pipeline holds several micro-batches' activations at once, which the plan for one does not cover.
-        require(
-            p.pp == 1,
-            "activation_checkpoint.mode = 'auto' does not plan for a pipeline's micro-batches in flight yet; with "
-            "parallel.pp > 1 use mode 'full' or 'selective'",
-        )
         require(
             not config.compile.enable,
             "activation_checkpoint.mode = 'auto' measures eager blocks, which compiled ones do not match; set "

@@ -9,7 +9,6 @@ bytes within the budget, least total seconds), solved exactly by dynamic program
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from titan.config import ConfigError
@@ -64,15 +63,6 @@ def plan_memory(blocks: list[list[Option]], budget_bytes: int) -> Plan:
         frontier = _unbeaten(grown)
     saved, seconds, choices = frontier[-1]  # the fastest; the frontier trades bytes for seconds
     return Plan(choices, saved, seconds)
-
-
-def plan_alike_blocks(options: list[Option], n_blocks: int, budget_bytes: int) -> Plan:
-    """plan_memory for `n_blocks` blocks that are alike, the ways placed to lower backward's peak: those keeping the
-    least first. Backward runs the last blocks first, and a block that recomputes or reloads its activations holds
-    them again while it runs; placed early, it does so once the blocks after it have freed what they kept."""
-    plan = plan_memory([options] * n_blocks, budget_bytes)
-    kept = {o.name: o.saved_bytes for o in options}
-    return dataclasses.replace(plan, choices=tuple(sorted(plan.choices, key=kept.__getitem__)))
 
 
 def _unbeaten(plans: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:

@@ -20,7 +20,7 @@ import copy
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout, batch_plan
-from titan.memory_plan import GIB, Option, Plan, plan_alike_blocks
+from titan.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel import pp
 from titan.parallel.parallelize import check_layout
 from titan.plan_devices import Device, Links, planned_device
@@ -68,26 +68,16 @@ class RunPlan:
         return self.device.memory_gib * (1 - self.config.plan.headroom_fraction) * GIB
 
 
-def micro_batches(config: Config, layout: Layout) -> tuple[int, int]:
-    """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
-    sizes = batch_plan(config, layout.world_size)
-    rows, microbatches = max(map(max, sizes)), len(sizes[0])
-    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
-        microbatches = pp.microbatches(config.parallel, rows)
-        rows //= microbatches
-    return rows, microbatches
-
-
 def plan_run(config: Config, world_size: int) -> RunPlan:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
-    = "auto" the step is traced keeping every block's activations, and each rank's blocks then take the ways the
-    memory planner chooses from the traced bytes and roofline seconds of one block run each way."""
+    = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
+    planner chooses from the traced bytes and roofline seconds of one block run each way."""
     auto = config.activation_checkpoint.mode == "auto"
     config = _as_traced(config)
     layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
     check_layout(config, spec, args, layout, CPU)
-    rows, microbatches = micro_batches(config, layout)
+    rows, microbatches = pp.micro_batch_shape(config, layout)
     plan = RunPlan(config, planned_device(config.plan), layout, rows, microbatches)
     layers = stage_layers(config, spec, args, layout)
     with fake_world(layout) as mesh:
@@ -109,8 +99,12 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
         rank.peak_by_mode = {m: _peak_with(plan, rank, order, _ways(plan, rank, m))[0] for m in MODES}
     if auto:
         plan.block_options = _block_options(plan, one_block)
+        block_flops = {
+            way: sum(c.flops for c in (*one_block[mode].forward.values(), *one_block[mode].backward.values()))
+            for way, mode in (("keep", "none"), ("selective", "selective"), ("full", "full"), ("offload", "none"))
+        }
         for rank in plan.ranks:
-            _plan_checkpointing(plan, rank, order)
+            _plan_checkpointing(plan, rank, order, block_flops)
     _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
     return plan
 
@@ -133,29 +127,37 @@ def _block_options(plan: RunPlan, one_block: dict[str, RankTrace]) -> list[Optio
     return [*options, Option("offload", 0, offload_seconds)]
 
 
-def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order) -> None:
-    """The rank's blocks planned within the budget, as the trainer plans them; its peak and time follow."""
+def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order, block_flops: dict[str, float]) -> None:
+    """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs and time follow
+    (`block_flops`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))
-    choice = plan_alike_blocks(plan.block_options, n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
+    choice = plan_memory([plan.block_options] * n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
     rank.checkpointing = choice
     ways, first = [], 0
     for layers in rank.layers:  # the trainer gives each model part's blocks their choices in this order
         ways.append(list(choice.choices[first : first + len(layers)]))
         first += len(layers)
     rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
+    # The trace ran every block with full recomputation (see _as_traced): each block's way replaces that in
+    # backward, where recomputation and copies happen.
     added = {o.name: o.added_seconds for o in plan.block_options}
     for stage, stage_ways in zip(rank.stage_ids, ways):
-        rank.trace.backward[stage].seconds += sum(added[w] for w in stage_ways)  # recomputation, copies: in backward
+        flops = sum(block_flops[w] - block_flops["full"] for w in stage_ways)
+        rank.trace.backward[stage].seconds += sum(added[w] - added["full"] for w in stage_ways)
+        rank.trace.backward[stage].flops += flops
+        rank.flops += flops * plan.microbatches
 
 
 def _as_traced(config: Config) -> Config:
     """The recipe as the planner runs it: eagerly (torch.compile would lower memory and time a little), with the
     CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
-    none (every block keeps its activations; plan_run then plans them)."""
+    full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
+    and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
+    everything gave a 405B pipeline rank's all-full peak 13% low)."""
     config = copy.deepcopy(config)
     config.compile.enable = False
     if config.activation_checkpoint.mode == "auto":
-        config.activation_checkpoint.mode = "none"
+        config.activation_checkpoint.mode = "full"
     save_ops = config.activation_checkpoint.save_ops
     if "aten._scaled_dot_product_flash_attention" in save_ops:
         save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")

@@ -271,11 +271,12 @@ def analyse(gm: fx.GraphModule) -> GraphAnalysis:
 
 def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]:
     """The analysis of one block of the recipe's model at its micro-batch and dtype, and what was traced."""
-    from titan.plan import micro_batches, resolve_model
+    from titan.parallel.pp import micro_batch_shape
+    from titan.plan import resolve_model
 
     layout = Layout.from_config(config.parallel, world_size)
     _, args = resolve_model(config)
-    rows, _ = micro_batches(config, layout)
+    rows, _ = micro_batch_shape(config, layout)
     seq = config.training.seq_len
     dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
     what = (

@@ -28,9 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titan.config import Config, Layout, batch_plan
-from titan.memory_plan import GIB, Option, plan_alike_blocks
+from titan.config import Config, Layout
+from titan.memory_plan import GIB, Option, plan_memory
 from titan.models import ModelSpec
+from titan.parallel.pp import micro_batch_shape
 
 log = logging.getLogger("titan")
 
@@ -50,9 +51,9 @@ def block_choices(
         return [cfg.mode if cfg.mode != "none" and i % cfg.every == 0 else KEEP for i in range(n_blocks)]
     if device is None:
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
-    sizes = batch_plan(config, layout.world_size)
-    # The largest micro-batch of any rank, so that the one plan fits every rank.
-    rows, micro_batches = max(max(s) for s in sizes), len(sizes[0])
+    # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the one plan fits
+    # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
+    rows, micro_batches = micro_batch_shape(config, layout)
     options = _on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device)
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
@@ -60,7 +61,7 @@ def block_choices(
         config.training.seq_len,
         ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
     )
-    plan = plan_alike_blocks(options, n_blocks, int(cfg.budget_gib * GIB))
+    plan = plan_memory([options] * n_blocks, int(cfg.budget_gib * GIB))
     log.info(
         "activation_checkpoint auto: %s; the blocks keep %.4g of %.4g GiB, +%.3g s per step (predicted)",
         ", ".join(f"{plan.choices.count(o.name)} {o.name}" for o in options if o.name in plan.choices),

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-from titan.config import ConfigError, Parallel
+from titan.config import Config, ConfigError, Layout, Parallel, batch_plan
 from titan.parallel.balance import layer_split
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
@@ -79,6 +79,16 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     if schedule.lower() in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
+
+
+def micro_batch_shape(config: Config, layout: Layout) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
+    sizes = batch_plan(config, layout.world_size)
+    rows, count = max(map(max, sizes)), len(sizes[0])
+    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
+        count = microbatches(config.parallel, rows)
+        rows //= count
+    return rows, count
 
 
 def microbatches(cfg: Parallel, local_batch_size: int) -> int:
