@@ -383,16 +383,13 @@ def main() -> None:
     import torch
 
     from titan.config import load_config
-    from titan.metrics import measure_cpu_flops
+    from titan.metrics import peak_flops
 
     share: dict[int, list[str]] = {}  # processes -> the peak override each run gets
     if not any(o.startswith("--metrics.peak_flops") for o in overrides) and not torch.cuda.is_available():
         bf16 = load_config(args.config, overrides).training.mixed_precision == "bf16"
-        rate = measure_cpu_flops(torch.bfloat16 if bf16 else torch.float32)
-        print(
-            f"this CPU's measured {'bf16' if bf16 else 'fp32'} matmul rate with {torch.get_num_threads()} threads: "
-            f"{rate / 1e9:.0f} GFLOP/s. MFU is against it; each of n ranks on these cores against 1/n of it."
-        )
+        rate, what = peak_flops(torch.device("cpu"), dtype=torch.bfloat16 if bf16 else torch.float32)
+        print(f"MFU against {what}; each of n ranks on these cores against 1/n of it.")
         share = {n: ["--metrics.peak_flops", f"{rate / n:.4e}"] for n in range(1, 9)}
     runs = COMPARISONS[args.compare]
     if args.compare == "packing":

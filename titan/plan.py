@@ -29,6 +29,9 @@ from titan.plan_trace import CPU, Cost, RankTrace, fake_world, stage_layers, tra
 from titan.trainer import resolve_model
 
 MODES = ("none", "full", "selective")
+# Each way a block can run (the trainer's names) and the checkpointing mode whose one-block trace shows it; offload
+# runs a block as keep does, its kept bytes going to the host.
+TRACED_AS = {"keep": "none", "selective": "selective", "full": "full", "offload": "none"}
 
 
 @dataclass
@@ -98,33 +101,29 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
     for rank in plan.ranks:
         rank.peak_by_mode = {m: _peak_with(plan, rank, order, _ways(plan, rank, m))[0] for m in MODES}
     if auto:
-        plan.block_options = _block_options(plan, one_block)
-        block_flops = {
-            way: sum(c.flops for c in (*one_block[mode].forward.values(), *one_block[mode].backward.values()))
-            for way, mode in (("keep", "none"), ("selective", "selective"), ("full", "full"), ("offload", "none"))
-        }
+        plan.block_options, block_flops = _block_ways(plan, one_block)
         for rank in plan.ranks:
             _plan_checkpointing(plan, rank, order, block_flops)
     _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
     return plan
 
 
-def _block_options(plan: RunPlan, one_block: dict[str, RankTrace]) -> list[Option]:
+def _block_ways(plan: RunPlan, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
     """The ways to run a block, as ac.measure_options gives them on the training device, here from traces of one
-    block: the bytes it keeps, and the roofline seconds its forward and backward add over keeping everything. On an
-    accelerator offload keeps nothing on the device and copies what keep keeps out and back over the host link."""
+    block: the bytes it keeps and the roofline seconds its forward and backward add over keeping everything; and
+    the FLOPs of its forward and backward each way. On an accelerator offload keeps nothing on the device and
+    copies what keep keeps out and back over the host link."""
     links = Links(plan.device, plan.layout.world_size)
-
-    def seconds(t: RankTrace) -> float:
-        return sum(links.seconds(cost, t.groups) for cost in (*t.forward.values(), *t.backward.values()))
-
-    keep = seconds(one_block["none"])
+    costs = {mode: [*t.forward.values(), *t.backward.values()] for mode, t in one_block.items()}
+    seconds = {mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) for mode, cs in costs.items()}
+    flops = {way: sum(c.flops for c in costs[mode]) for way, mode in TRACED_AS.items()}
+    keep_bytes = plan.block_activations["none"]
     options = [
-        Option(name, plan.block_activations[mode], max(0.0, seconds(one_block[mode]) - keep))
-        for name, mode in (("keep", "none"), ("selective", "selective"), ("full", "full"))
+        Option(way, plan.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
+        for way, mode in TRACED_AS.items()
+        if way != "offload"
     ]
-    offload_seconds = 2 * plan.block_activations["none"] / (plan.device.host_gbs * 1e9)
-    return [*options, Option("offload", 0, offload_seconds)]
+    return [*options, Option("offload", 0, 2 * keep_bytes / (plan.device.host_gbs * 1e9))], flops
 
 
 def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order, block_flops: dict[str, float]) -> None:
@@ -257,7 +256,7 @@ def _peak(trace: RankTrace, held: dict[int, int], actions: list | None, recomput
 def _ways(plan: RunPlan, rank: RankPlan, mode: str) -> list[list[str]]:
     """Per stage of the rank, how each block runs under `mode` with the recipe's period (every Nth block)."""
     ac = plan.config.activation_checkpoint
-    way = "keep" if mode == "none" else mode
+    way = {m: w for w, m in TRACED_AS.items() if w != "offload"}[mode]
     return [[way if i % ac.every == 0 else "keep" for i in range(len(layers))] for layers in rank.layers]
 
 
@@ -278,7 +277,7 @@ def _peak_with(plan: RunPlan, rank: RankPlan, order, ways: list[list[str]]) -> t
     """The rank's (peak, activations then held, micro-batches then held) if its blocks ran `ways` (per stage and
     block: keep, selective, full or offload) instead of the recipe's."""
     a = plan.block_activations
-    kept_by_way = {"keep": a["none"], "selective": a["selective"], "full": a["full"], "offload": 0}
+    kept_by_way = {way: 0 if way == "offload" else a[mode] for way, mode in TRACED_AS.items()}
     kept = [[kept_by_way[w] for w in stage] for stage in ways]
     traced = [[kept_by_way[w] for w in stage] for stage in _ways(plan, rank, plan.config.activation_checkpoint.mode)]
     held = {s: rank.trace.held[s] + sum(k) - sum(t) for s, k, t in zip(rank.stage_ids, kept, traced)}
