@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
@@ -23,6 +24,7 @@ from helpers import (
     with_local_batch,
 )
 from titan.config import load_config
+from titan.parallel import pp
 from titan.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -169,6 +171,44 @@ def train_through_a_pipeline_resplit(tmp, layout: dict):
     after = moved_state()
     losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 3)]
     return trainer.mesh["pp"].get_local_rank(), before, after, how, [*losses, trainer.evaluate()], full_weights(trainer)
+
+
+def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
+    """One step, with the stages checking every tensor they send and receive against the shapes and dtypes
+    given to them (torch's pipeline stages do at debug level DETAIL); returns (forwards the stages ran,
+    forwards the schedule needs, the step's loss)."""
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, layout)))
+    forwards = []
+    for part in trainer.model_parts.parts:
+        part.register_forward_pre_hook(lambda *_: forwards.append(1))
+    loss = trainer.train_step(next(trainer.loader))[0].item()
+    needed = len(trainer.model_parts.parts) * pp.microbatches(trainer.config.parallel, trainer.micro_batch_size)
+    return len(forwards), needed, loss
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,data",
+    [({"parallel.pp": "2", "parallel.tp": "2"}, {}),
+     ({"parallel.pp": "2", "parallel.tp": "2"}, {"data.document_mask": "false"}),
+     ({"parallel.pp": "2", "parallel.dp_shard": "2"}, {"training.mixed_precision": "bf16"})],
+    ids=["pp2_tp2_sequence_parallel", "pp2_tp2_without_document_ids", "pp2_fsdp2_bf16"],
+)  # fmt: skip
+def test_pipeline_stages_know_their_shapes_without_a_shape_inference_pass(tmp_path, layout, data):
+    """The stages are given what they exchange (hidden states sharded by sequence parallel, bf16 under FSDP's
+    bf16, the rows and document ids passed along), so the first step runs each micro-batch's forward once:
+    torch would otherwise run an extra forward and backward per stage to find the shapes. In fp32 the step's
+    loss is one process's."""
+    (spread,) = with_local_batch({"spread": {**layout, **data}}, 4).values()
+    single = layout_overrides(tmp_path / "single", {"training.local_batch_size": str(GLOBAL_BATCH), **data})
+    trainer = Trainer(load_config(DEBUG_RECIPE, single))
+    expected = trainer.train_step(next(trainer.loader))[0].item()
+    for forwards, needed, loss in run_distributed(first_pipeline_step, 4, tmp_path, spread):
+        assert forwards == needed
+        if "training.mixed_precision" not in data:
+            assert loss == pytest.approx(expected, rel=LOSS_RTOL, abs=0)
 
 
 @pytest.mark.distributed

@@ -32,12 +32,10 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
 
     The peak is torch's MemTracker (as StepPeak) over the second step, when AdamW's moments exist, as the plan
     assumes; it counts every tensor the step holds: parameters, gradients, optimizer states, activations and
-    temporaries. AdamW runs its foreach path, the GPU's default that the plan assumes (the CPU's is a loop)."""
+    temporaries."""
     from titan.trainer import Trainer
 
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
-    for group in trainer.optimizer.param_groups:
-        group["foreach"] = True
     trainer.train_step(next(trainer.loader))
     batches = next(trainer.loader)
     tracker = StepPeak()

@@ -88,7 +88,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_f
 
     trainer.forward_backward = poisoned
     loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(norm, loss.item)  # counted, not raised
+    trainer._check_finite(trainer.step, loss.item(), norm.item())  # counted, not raised
     assert trainer.step == 3 and trainer.skipped_in_a_row == 1 and not torch.isfinite(norm)
     for name, value in full_weights(trainer).items():
         assert torch.equal(value, before[name]), name
@@ -96,7 +96,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_f
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], moments[name]), name
     trainer.forward_backward = real
     loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(norm, loss.item)
+    trainer._check_finite(trainer.step, loss.item(), norm.item())
     assert trainer.skipped_in_a_row == 0 and torch.isfinite(norm)
 
 

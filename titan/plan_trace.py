@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state
+from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
 from titan.parallel import pp
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import layer_gib, parallelize
@@ -155,8 +155,6 @@ class _RankStep:
             part.attention_per_document = False
         self.params = [p for part in stages.values() for p in part.parameters()]
         self.optimizer = build_optimizer(self.params, config.optimizer)
-        for group in self.optimizer.param_groups:
-            group["foreach"] = True  # AdamW's default on GPUs, with its temporaries
         ensure_adamw_state(self.optimizer, self.params)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
         self.inputs = _inputs(config, args, layout, rows)
@@ -247,7 +245,8 @@ class _RankStep:
         tracker.track_external(*self.stages.values(), self.optimizer)
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         with tracker, self.counter, self.counter.phase(trace.optimizer):
-            clip_grad_norm_(self.params, self.config.training.max_grad_norm or float("inf"), pp_group)
+            grad_norm = clip_grad_norm_(self.params, self.config.training.max_grad_norm or float("inf"), pp_group)
+            skip_if_nonfinite(self.optimizer, grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         trace.optimizer_peak = total_bytes(tracker, "peak")

@@ -28,11 +28,11 @@ from titan.data.packing import CostModel, Target
 from titan.files import hold_run_folder, write_error
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
-from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state
+from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
 from titan.parallel import pp
 from titan.parallel.balance import layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
-from titan.parallel.parallelize import build_model_parts, check_layout
+from titan.parallel.parallelize import build_model_parts, check_layout, stage_activations
 from titan.parallel.rng import Dropout
 from titan.profiling import Profiler, StepClock
 from titan.straggler import Probe, StragglerDetector, gather_times
@@ -270,11 +270,21 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.schedule = None
         if self.layout.pp > 1:
+            n_microbatches = pp.microbatches(config.parallel, self.micro_batch_size)
+            # What the stages exchange for one micro-batch, so that the schedule need not run one to find out.
+            micro_batch = (self.micro_batch_size // n_microbatches, config.training.seq_len)
+            activations = (*stage_activations(config, self.layout), config.data.document_mask)
+            last = self.model_parts.n_stages - 1
+            io = [
+                self.spec.pipeline_io(self.model_args, *micro_batch, *activations, stage == 0, stage == last)
+                for stage in self.model_parts.stage_ids
+            ]
             self.schedule = pp.build_schedule(
                 config.parallel,
                 list(zip(self.model_parts.stage_ids, self.model_parts.parts)),
+                io,
                 self.model_parts.n_stages,
-                pp.microbatches(config.parallel, self.micro_batch_size),
+                n_microbatches,
                 self.loss_fn,
                 self.device,
                 self.mesh["pp"].get_group(),
@@ -479,15 +489,16 @@ class Trainer:
 
         A step whose gradient norm is NaN or inf leaves the weights and optimizer state as they were (the step
         still counts, so the data and the schedule move on). A non-finite loss makes non-finite gradients, and
-        the norm is global (every shard, every stage), so all ranks take the same decision without the loss."""
+        the norm is global (every shard, every stage), so all ranks take the same decision without the loss.
+        The decision is made on the device: the host reads the norm only when the loop settles its steps."""
         local = self.forward_backward(micro_batches)
         with self.clock.phase("optimizer"):  # with the gradient-norm all-reduce
             params = list(self.model_parts.parameters())
             pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
             grad_norm = clip_grad_norm_(params, self.config.training.max_grad_norm or float("inf"), pp_group)
-            if bool(torch.isfinite(grad_norm)):
-                self.optimizer.step()
-                precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 AG
+            skip_if_nonfinite(self.optimizer, grad_norm)
+            self.optimizer.step()
+            precompute_float8_scales(self.config, self.layout, self.model_parts.parts)  # no-op unless fp8 AG
             self.optimizer.zero_grad(set_to_none=True)
             self.lr_scheduler.step()
             self.step += 1
@@ -565,13 +576,20 @@ class Trainer:
         """
         total = until or self.config.training.steps
         losses: list[float] = []
-        pending: list[torch.Tensor] = []  # this rank's loss shares of the steps not yet summed over ranks
+        # The steps not yet settled: (step, this rank's loss share, gradient norm), all still on the device.
+        pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
-        def step_loss() -> float:
-            """The last step's global loss: one collective for all the steps since the last call."""
+        def settle() -> float:
+            """Bring the pending steps to the host, in one collective and one device sync, and act on any
+            non-finite one; returns the last step's global loss. Every rank settles at the same steps: before
+            anything is logged or saved, so a skipped step is known and logged in order."""
             if pending:
-                losses.extend(self.global_loss(torch.stack(pending)).tolist())
+                steps, shares, norms = zip(*pending)
                 pending.clear()
+                step_losses = self.global_loss(torch.stack(shares)).tolist()
+                for step, loss, norm in zip(steps, step_losses, torch.stack(norms).tolist()):
+                    losses.append(loss)
+                    self._check_finite(step, loss, norm)
             return losses[-1]
 
         if self.step >= total:
@@ -592,15 +610,20 @@ class Trainer:
                 compute_start = time.perf_counter()
                 local_loss, grad_norm = self.step_without_loss_reduction(batches)
                 compute_s = time.perf_counter() - compute_start
-                pending.append(local_loss)
-                self._check_finite(grad_norm, step_loss)
+                pending.append((self.step, local_loss, grad_norm))
                 # Tokens batching takes whole documents up to the budget: count the tokens it took.
                 step_tokens = batches[0].step_loss_tokens if self.documents else self.tokens_per_step
                 self.tokens_seen += step_tokens
                 window_steps, window_tokens = window_steps + 1, window_tokens + step_tokens
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
-                if self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1):
-                    loss = step_loss()
+                logged = self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1)
+                checked = self.straggler is not None and self.step % self.config.straggler.interval == 0
+                interval = self.config.validation.interval
+                validated = bool(interval) and (self.step % interval == 0 or self.step == total)
+                saving = self.checkpointer.due(self.step, final=self.step == total)
+                if logged or checked or validated or saving:
+                    loss = settle()
+                if logged:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     window_s = time.perf_counter() - window_start
@@ -608,21 +631,21 @@ class Trainer:
                     if self.documents:
                         self._log_packing(compute_s)
                     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-                if self.straggler is not None and self.step % self.config.straggler.interval == 0:
+                if checked:
                     self._check_stragglers()
-                interval = self.config.validation.interval
-                if interval and (self.step % interval == 0 or self.step == total):
+                if validated:
                     self._log_validation()
                     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0  # evaluation is not steps
                 # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
-                saved_loss = lambda: float("nan") if self.skipped_in_a_row else step_loss()  # noqa: E731
-                if self.checkpointer.due(self.step, final=self.step == total):
+                saved_loss = lambda: float("nan") if self.skipped_in_a_row else settle()  # noqa: E731
+                if saving:
                     self._log_checkpoint(
                         self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=self.step == total)
                     )
                 if self._stop_requested(time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
+                        settle()
                         self._log_checkpoint(
                             self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=True)
                         )
@@ -635,7 +658,7 @@ class Trainer:
                 else:  # nor is starting the profiler, which the next step's window would otherwise hold
                     window_start += time.perf_counter() - profiler_start
         if pending:
-            step_loss()
+            settle()
         self.checkpointer.finish_pending()
         self.metrics.close()
         return losses
@@ -694,17 +717,16 @@ class Trainer:
             metrics["val_time_s"],
         )
 
-    def _check_finite(self, grad_norm: torch.Tensor, step_loss) -> None:
+    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
         """Stop at a NaN or inf gradient norm (nothing is saved after the last good step), or count the step as
-        skipped. The norm is global, so every rank gets here together; step_loss() then sums the loss."""
-        if math.isfinite(float(grad_norm)):
+        skipped. The norm is global, so every rank decides alike."""
+        if math.isfinite(grad_norm):
             self.skipped_in_a_row = 0
             return
-        loss = step_loss()
         t = self.config.training
         self.skipped_in_a_row += 1
-        self.metrics.log(self.step, {"skipped_step": 1})
-        what = f"step {self.step}: loss {loss}, gradient norm {float(grad_norm)}"
+        self.metrics.log(step, {"skipped_step": 1})
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
         if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
             log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
             return
@@ -716,8 +738,8 @@ class Trainer:
         if good is None:
             raise NonFinite(f"{what}; no checkpoint was saved before: start again with a lower learning rate ({lr})")
         newest = max(complete_checkpoints(self.checkpointer.folder))
-        step = int(good.name.removeprefix("step-"))
-        rewind = f" --checkpoint.load_step {step}" if step != newest else ""
+        good_step = int(good.name.removeprefix("step-"))
+        rewind = f" --checkpoint.load_step {good_step}" if good_step != newest else ""
         raise NonFinite(
             f"{what}; nothing was saved from this step on. The last good checkpoint is {good}: resume from it with "
             f"a lower learning rate, adding {lr}{rewind} --checkpoint.allow_changes optimizer.lr to the command"

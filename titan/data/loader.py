@@ -36,7 +36,9 @@ class Batch:
     step_loss_tokens: int  # ... of the step's whole global batch: every rank divides its loss sum by this
 
     def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        # From pinned memory the copy to a GPU runs in the background; from pageable memory the host waits.
+        pin = device.type == "cuda"
+        move = lambda t: None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=True)  # noqa: E731
         return Batch(
             move(self.inputs),
             move(self.labels),

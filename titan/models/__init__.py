@@ -40,6 +40,8 @@ class ModelSpec:
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
     blocks: Callable[[nn.Module], list[nn.Module]]  # units for checkpointing, compile and FSDP
     pipeline_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layer ids, first, last)
+    # (args, rows, seq_len, hidden dtype, sequence shards, document ids?, first, last) -> (inputs, outputs) on meta
+    pipeline_io: Callable[..., tuple]
     hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
 
 
@@ -56,6 +58,7 @@ def _llama3() -> ModelSpec:
         tp_plan=parallelize.tp_plan,
         blocks=parallelize.blocks,
         pipeline_stage=parallelize.pipeline_stage,
+        pipeline_io=parallelize.pipeline_io,
         hf=HFAdapter(
             args_from_config=hf.args_from_hf_config,
             config_from_args=hf.hf_config_from_args,

@@ -106,6 +106,16 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     float8.check_float8(config, layout, device, spec, args)
 
 
+def stage_activations(config: Config, layout: Layout) -> tuple[torch.dtype, int]:
+    """The dtype of the hidden states that pipeline stages pass, and how many shards their sequence is cut
+    into. FSDP with bf16 casts a stage's inputs to bf16 (its mixed-precision policy) and the residual stream
+    stays in it; autocast alone keeps the residual stream in fp32. Sequence parallel splits the sequence
+    over the TP ranks."""
+    bf16_stream = layout.dp > 1 and config.training.mixed_precision == "bf16"  # FSDP is applied when dp > 1
+    sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
+    return torch.bfloat16 if bf16_stream else torch.float32, layout.tp if sequence_parallel else 1
+
+
 def layer_gib(model: nn.Module, spec: ModelSpec) -> float:
     """One block's fp32 weights, gradients and two Adam moments (16 bytes per parameter), in GiB."""
     return 16 * sum(p.numel() for p in spec.blocks(model)[0].parameters()) / 2**30

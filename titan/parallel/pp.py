@@ -108,13 +108,19 @@ def microbatches(cfg: Parallel, local_batch_size: int) -> int:
 def build_schedule(
     cfg: Parallel,
     stage_modules: list[tuple[int, nn.Module]],
+    stage_io: list[tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]],
     n_stages: int,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     pp_group,
 ):
-    stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in stage_modules]
+    """stage_io: each stage's (inputs, outputs) for one micro-batch, as meta tensors. Given them, torch skips
+    the forward and backward it otherwise runs at the first step to learn the shapes the stages exchange."""
+    stages = [
+        PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=pp_group)
+        for (index, module), (inputs, outputs) in zip(stage_modules, stage_io)
+    ]
     cls = schedule_class(cfg.pp_schedule)
     multi = issubclass(cls, PipelineScheduleMulti)
     if not multi and len(stages) != 1:

@@ -93,7 +93,8 @@ def rope_table(args: ModelArgs, device=None) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim) by the angles of each
-    token's position, rope: (batch or 1, seq, head_dim/2, 2)."""
+    token's position, rope: (batch or 1, seq or more, head_dim/2, 2), of which x takes the first seq."""
+    rope = rope[:, : x.shape[1]]
     pairs = x.float().unflatten(-1, (-1, 2))
     cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
@@ -315,7 +316,9 @@ class Transformer(nn.Module):
             # this non-square mask top-left).
             mask = torch.ones(seq, start + seq, dtype=torch.bool, device=tokens.device).tril(start)
         elif document_ids is None:
-            rope, mask = self.rope[:seq].unsqueeze(0), None
+            # The whole table: a later pipeline stage's hidden states may be a sequence shard (sequence
+            # parallel), while attention sees the whole sequence and takes its length from the table.
+            rope, mask = self.rope.unsqueeze(0), None
         else:
             rope = self.rope[document_positions(document_ids)]
             explicit = self.training and self.args.attn_dropout > 0  # dropout on the probabilities needs them all

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -117,3 +118,20 @@ def pipeline_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
         stage.norm = None
         stage.output = None
     return stage
+
+
+def pipeline_io(
+    args, rows: int, seq_len: int, hidden: torch.dtype, seq_shards: int, documents: bool, first: bool, last: bool
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Meta tensors of one stage's inputs and outputs for a micro-batch of `rows` sequences, as forward takes
+    and returns them: the pipeline schedule then allocates its buffers without running a forward to find
+    them. Stages pass hidden states (sequence-sharded under sequence parallel) with the rows and, with
+    document masking, the document ids. The last stage's logits go to the loss, not to a stage, so only
+    their presence counts."""
+    meta = dict(device="meta")
+    ids = torch.empty(rows, seq_len, dtype=torch.long, **meta)
+    states = torch.empty(rows, seq_len // seq_shards, args.dim, dtype=hidden, **meta).requires_grad_()
+    passed = (torch.empty(rows, dtype=torch.long, **meta),) + ((ids,) if documents else ())
+    inputs = ((ids,) if first else (states,)) + passed
+    outputs = (torch.empty(rows, seq_len, args.vocab_size, **meta),) if last else (states,) + passed
+    return inputs, outputs
