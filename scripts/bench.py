@@ -11,8 +11,8 @@
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
 
-The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, plain
-AdamW, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
+The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, AdamW fused
+as titan's, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
 Each run is its own process (torchrun for layouts), so peak memory is its own. Step time is the median over
 the steps after warm-up. Layouts keep the global batch: local batch = global batch / data-parallel size.
 """
@@ -132,7 +132,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     else:
         device, world = pick_device(config.training.device), 1
         model = build_model(config, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=True)  # as titan's
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=True)
         plan = batch_plan(config, 1)[0]
         micro, accumulation = plan[0], len(plan)
         batch = next(build_loaders(config, micro, range(micro), [micro])[0])[0].to(device)

@@ -145,6 +145,28 @@ def test_each_checkpointing_mode_s_peak_follows_from_any_mode_s_trace():
 
 
 @pytest.mark.slow
+def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
+    """With compile.enable, every block that keeps its activations keeps less by what torch.compile's partitioner
+    recomputes instead (plan_graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
+    the peak drops with it."""
+    from titan.plan_graph import saved_by_block
+
+    plans = {
+        c: plan_run(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
+    }
+    config = load_config(DEBUG_RECIPE, [], world_size=1)
+    rows, seq, n_layers = plans["true"].rows, config.training.seq_len, plans["true"].ranks[0].trace.blocks[0]
+    _, args = resolve_model(config)
+    saving = saved_by_block(args, rows, seq, False, compiled=False) - saved_by_block(
+        args, rows, seq, False, compiled=True
+    )
+    assert plans["true"].compiled_saving == saving > 0
+    eager, compiled = plans["false"].ranks[0], plans["true"].ranks[0]
+    assert compiled.activations == eager.activations - n_layers * saving
+    assert compiled.peak < eager.peak
+
+
+@pytest.mark.slow
 def test_405b_on_one_node_is_refused_with_its_shortfall():
     overrides = ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp_shard", "8"]
     result = run_titan("plan", "--config", "recipes/llama3_405b.toml", "--world-size", "8", *overrides)

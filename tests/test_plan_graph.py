@@ -149,3 +149,42 @@ def test_titan_plan_graph_prints_the_table(tmp_path):
     assert set(figures["traced"]["arenas"]) == set(PLACEMENTS)
     lowers = figures["memory_aware"]["peak"] < figures["traced"]["peak"]
     assert ("the best reordering lowers the peak" in result.stdout) == lowers
+
+
+def _measured_saved_bytes(args, bf16: bool, compiled: bool) -> int:
+    """What a real block (eager, or compiled by Inductor) keeps for backward beyond its parameters and inputs,
+    counted by storage as autograd packs each saved tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    block = TransformerBlock(0, args)
+    block.attention_dropout.stream, block.ffn_dropout.stream = "attention_dropout", "ffn_dropout"
+    inputs = (torch.randn(ROWS, SEQ, args.dim, requires_grad=True), rope_table(args)[:SEQ][None], torch.arange(ROWS))
+    run = torch.compile(block) if compiled else block
+    kept = {}
+
+    def pack(t):
+        kept[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        run(*inputs, None)  # compiles, outside the count
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run(*inputs, None)
+    inputs_and_weights = {StorageWeakRef(t.untyped_storage()) for t in (*block.parameters(), *inputs)}
+    return sum(n for ref, n in kept.items() if ref not in inputs_and_weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16,dropout", [(False, 0.0), (True, 0.1)], ids=["fp32", "bf16_dropout"])
+def test_the_plan_knows_what_a_compiled_block_keeps_for_backward(bf16, dropout):
+    """`titan plan` with compile.enable counts a compiled block's activations as torch.compile keeps them: fewer
+    than eager autograd, since its partitioner recomputes cheap ops in backward. Traced under fake tensors, the
+    bytes equal a real block's on this CPU, eager and compiled."""
+    from titan.plan_graph import saved_by_block
+
+    args = dataclasses.replace(ARGS, attn_dropout=dropout, resid_dropout=dropout)
+    planned = {c: saved_by_block(args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}
+    measured = {c: _measured_saved_bytes(args, bf16, compiled=c) for c in (False, True)}
+    assert planned == measured
+    assert planned[True] < planned[False]

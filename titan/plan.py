@@ -24,6 +24,7 @@ from titan.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel import pp
 from titan.parallel.parallelize import check_layout
 from titan.plan_devices import Device, Links, planned_device
+from titan.plan_graph import saved_by_block
 from titan.plan_pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
 from titan.plan_trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
 from titan.trainer import resolve_model
@@ -62,6 +63,8 @@ class RunPlan:
     params: int = 0  # the whole model's
     block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
     block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
+    # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
+    compiled_saving: int = 0
     ranks: list[RankPlan] = field(default_factory=list)
     step_seconds: float = 0.0
     mfu: float = 0.0
@@ -75,7 +78,7 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
-    auto = config.activation_checkpoint.mode == "auto"
+    auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
     layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
@@ -98,6 +101,11 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
             if auto or mode != config.activation_checkpoint.mode:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 plan.block_activations[mode] = one_block[mode].block_held[0]
+    if compiled:
+        plan.compiled_saving = _compiled_saving(config, args, layout, rows)
+        for rank in plan.ranks:
+            ways = _ways(plan, rank, config.activation_checkpoint.mode)
+            rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
     for rank in plan.ranks:
         rank.peak_by_mode = {m: _peak_with(plan, rank, order, _ways(plan, rank, m))[0] for m in MODES}
     if auto:
@@ -106,6 +114,16 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
             _plan_checkpointing(plan, rank, order, block_flops)
     _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
     return plan
+
+
+def _compiled_saving(config: Config, args, layout: Layout, rows: int) -> int:
+    """What compiling a block that keeps everything saves of its activations on a rank: the partitioner keeps less
+    than eager autograd (titan/plan_graph.saved_by_block, one whole block on one device); tensor parallelism
+    splits those activations over its ranks (by heads, or by sequence under sequence parallel). Recomputing
+    blocks keep their input either way."""
+    bf16, seq = config.training.mixed_precision == "bf16", config.training.seq_len
+    eager, compiled = (saved_by_block(args, rows, seq, bf16, compiled=c) for c in (False, True))
+    return max(0, eager - compiled) // layout.tp
 
 
 def _block_ways(plan: RunPlan, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
@@ -148,7 +166,7 @@ def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order, block_flops: dict[
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (torch.compile would lower memory and time a little), with the
+    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), with the
     CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
     full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
     and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
@@ -277,9 +295,10 @@ def _peak_with(plan: RunPlan, rank: RankPlan, order, ways: list[list[str]]) -> t
     """The rank's (peak, activations then held, micro-batches then held) if its blocks ran `ways` (per stage and
     block: keep, selective, full or offload) instead of the recipe's."""
     a = plan.block_activations
-    kept_by_way = {way: 0 if way == "offload" else a[mode] for way, mode in TRACED_AS.items()}
+    traced_by_way = {way: 0 if way == "offload" else a[mode] for way, mode in TRACED_AS.items()}
+    kept_by_way = {**traced_by_way, "keep": traced_by_way["keep"] - plan.compiled_saving}  # traced eagerly
     kept = [[kept_by_way[w] for w in stage] for stage in ways]
-    traced = [[kept_by_way[w] for w in stage] for stage in _ways(plan, rank, plan.config.activation_checkpoint.mode)]
+    traced = [[traced_by_way[w] for w in stage] for stage in _ways(plan, rank, plan.config.activation_checkpoint.mode)]
     held = {s: rank.trace.held[s] + sum(k) - sum(t) for s, k, t in zip(rank.stage_ids, kept, traced)}
     recomputed = _recomputed(a["none"], kept) - _recomputed(a["none"], traced)
     return _peak(rank.trace, held, order[rank.pp_rank] if order else None, recomputed)

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
@@ -50,6 +50,56 @@ def trace_block(args: ModelArgs, rows: int, seq: int, dtype: torch.dtype = torch
         x = torch.empty(rows, seq, args.dim, dtype=dtype, requires_grad=True)
         primals = [*params, x, rope_table(args)[:seq].unsqueeze(0), torch.arange(rows)]
         return aot_export_joint_simple(forward, primals, trace_joint=True)
+
+
+def saved_by_block(args: ModelArgs, rows: int, seq: int, bf16: bool, compiled: bool) -> int:
+    """Bytes one block's forward keeps for its backward beyond its inputs (parameters, the hidden states it takes,
+    the rope table), under fake tensors on this CPU: what eager autograd keeps, or, `compiled`, what a
+    torch.compile'd block keeps. The compiled block is traced as torch.compile traces it and split into forward
+    and backward by the partitioner Inductor uses, after Inductor's decompositions; the partitioner recomputes
+    cheap ops in backward rather than keep their results. bf16: under autocast, as on one device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        block = TransformerBlock(0, args)
+    block.attention_dropout.stream, block.ffn_dropout.stream = "attention_dropout", "ffn_dropout"
+    kept: dict[StorageWeakRef, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        block.to_empty(device="cpu")
+        x = torch.empty(rows, seq, args.dim, requires_grad=True)
+        inputs = (x, rope_table(args)[:seq].unsqueeze(0).to("cpu"), torch.arange(rows))
+        run = _compiled_as_inductor_partitions(block) if compiled else block
+        # A compiled graph keeps its tensors through autograd too (save_for_backward), so one count serves both.
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run(*inputs, None)
+        held = {StorageWeakRef(t.untyped_storage()) for t in (*block.parameters(), *inputs)}
+    return sum(n for ref, n in kept.items() if ref not in held)
+
+
+def _compiled_as_inductor_partitions(block: nn.Module):
+    """The block under torch.compile with Inductor's decompositions and partitioner, its graphs run as traced (on
+    fake tensors, Inductor's kernels would be the same ops fused)."""
+    from functools import partial
+
+    from torch._dynamo import reset
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        partition = partial(min_cut_rematerialization_partition, compiler="inductor")
+        as_traced = lambda graph, _inputs: graph.forward  # noqa: E731
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=as_traced, decompositions=select_decomp_table(), partition_fn=partition
+        )
+
+    reset()  # a fresh trace: dynamo's cache would otherwise serve an earlier block's graphs
+    return torch.compile(block, backend=backend)
 
 
 @dataclass

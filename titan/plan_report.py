@@ -42,6 +42,12 @@ def format_plan(plan: RunPlan) -> str:
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
         f"activations one block keeps for backward, per micro-batch: {_by_mode(plan, plan.block_activations)}",
     ]
+    if plan.compiled_saving:
+        keep = plan.block_activations["none"]
+        lines.append(
+            f"compiled (compile.enable), a block that keeps everything keeps {_size(keep - plan.compiled_saving)}: "
+            "torch.compile's partitioner recomputes cheap ops in backward rather than keep their results"
+        )
     if plan.block_options:
         lines.append(
             f"activation_checkpoint auto, within {c.activation_checkpoint.budget_gib:g} GiB per rank and micro-batch, "

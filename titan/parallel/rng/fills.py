@@ -87,6 +87,9 @@ class Dropout(torch.nn.Module):
         return f"p={self.p}"
 
 
+# Compiled blocks call dropout eagerly (a graph break): dynamo cannot trace the C kernels (a ctypes call on the
+# tensors' memory), and eager draws exactly the masks of an uncompiled run.
+@torch.compiler.disable
 def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: int) -> Tensor:
     """`x` (batch first; a plain tensor of whole rows, or a DTensor sharded along other dims) with elements
     dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch."""
