@@ -82,9 +82,11 @@ class Profiler:
 CATEGORIES = (
     ("collectives", ("c10d", "gloo", "nccl", "wait_tensor", "all_reduce", "allreduce", "all_gather", "allgather",
                      "reduce_scatter", "broadcast", "send", "recv")),
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::linear")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::linear")),
     ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::_softmax")),
     ("optimizer", ("_foreach", "Optimizer.", "aten::_fused_adam")),
+    # Layout changes and dtype casts: DTensor redistributions, FSDP's buffers, autocast.
+    ("copies", ("aten::copy_", "aten::cat", "aten::clone", "aten::_to_copy")),
 )  # fmt: skip
 
 

@@ -214,12 +214,16 @@ class Attention(nn.Module):
         elif self.training and self.dropout.p:
             # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            # In place on the (batch, heads, seq, seq) temporaries: the same values, two fewer such allocations
-            # (fresh pages are costly on a CPU; about a tenth of the step on the debug recipe).
-            scores = (q @ k.transpose(-2, -1)).mul_(self.head_dim**-0.5)
             if mask is None:
                 mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(q)
+            # The mask as the bias and the scale as the alpha of the scores' matmul: two fewer passes over the
+            # (batch, heads, seq, seq) scores each way, which on a CPU cost more than the matmul itself.
+            heads = q.shape[1]
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+            if bias.ndim == 4:  # a mask per row (documents): one per row and head
+                bias = bias.expand(batch, heads, seq, seq).flatten(0, 1)
+            scores = torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=self.head_dim**-0.5)
+            probs = scores.view(batch, heads, seq, seq).softmax(dim=-1, dtype=torch.float32).type_as(q)
             out = self.dropout(probs, rows) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
