@@ -65,6 +65,8 @@ def run_titan_forked(runs: list[tuple[list[str], dict]], tmp: Path, workers: int
         child.join(600)
         if child.is_alive():
             child.kill()
+        if child.exitcode == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
+            return run_titan(*args, env=env)
         return subprocess.CompletedProcess(args, child.exitcode, out.read_text(), err.read_text())
 
     with ThreadPoolExecutor(workers) as pool:
