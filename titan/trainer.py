@@ -272,7 +272,9 @@ class Trainer:
         if self.layout.pp > 1:
             n_microbatches = pp.microbatches(config.parallel, self.micro_batch_size)
             # What the stages exchange for one micro-batch, so that the schedule need not run one to find out.
-            micro_batch = (self.micro_batch_size // n_microbatches, config.training.seq_len)
+            rows = self.micro_batch_size // n_microbatches
+            # Packed documents come as one row of as many tokens.
+            micro_batch = (1, rows * config.training.seq_len) if self.documents else (rows, config.training.seq_len)
             activations = (*stage_activations(config, self.layout), config.data.document_mask)
             last = self.model_parts.n_stages - 1
             io = [
