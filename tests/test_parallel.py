@@ -213,6 +213,26 @@ def test_pipeline_stages_know_their_shapes_without_a_shape_inference_pass(tmp_pa
             assert loss == pytest.approx(expected, rel=LOSS_RTOL, abs=0)
 
 
+def packed_steps_then_validation(tmp, layout: dict) -> tuple[list[float], float]:
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, layout)))
+    return [trainer.train_step(next(trainer.loader))[0].item() for _ in range(2)], trainer.evaluate()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pipeline_trains_packed_documents_and_evaluates_rows(tmp_path):
+    """Training micro-batches of packed documents are one long row; evaluation reads rows of seq_len: the pipeline
+    runs both shapes, with one process's losses."""
+    packed = {"data.batching": "tokens", "validation.interval": "2"}
+    expected = packed_steps_then_validation(
+        tmp_path / "single", {"training.local_batch_size": str(GLOBAL_BATCH), **packed}
+    )
+    layout = {"parallel.pp": "2", "training.local_batch_size": str(GLOBAL_BATCH), **packed}
+    for losses, validation in run_distributed(packed_steps_then_validation, 2, tmp_path, layout):
+        assert losses == pytest.approx(expected[0], rel=LOSS_RTOL, abs=0)
+        assert validation == pytest.approx(expected[1], rel=LOSS_RTOL, abs=0)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(

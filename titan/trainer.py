@@ -272,13 +272,16 @@ class Trainer:
         if self.layout.pp > 1:
             n_microbatches = pp.microbatches(config.parallel, self.micro_batch_size)
             # What the stages exchange for one micro-batch, so that the schedule need not run one to find out.
-            rows = self.micro_batch_size // n_microbatches
-            # Packed documents come as one row of as many tokens.
-            micro_batch = (1, rows * config.training.seq_len) if self.documents else (rows, config.training.seq_len)
+            # Packed documents come as one row of as many tokens, but evaluation reads rows: with both, torch
+            # finds the shapes of each itself.
+            rows, seq = self.micro_batch_size // n_microbatches, config.training.seq_len
+            micro_batch = (1, rows * seq) if self.documents else (rows, seq)
             activations = (*stage_activations(config, self.layout), config.data.document_mask)
             last = self.model_parts.n_stages - 1
             io = [
                 self.spec.pipeline_io(self.model_args, *micro_batch, *activations, stage == 0, stage == last)
+                if not (self.documents and config.validation.interval)
+                else (None, None)
                 for stage in self.model_parts.stage_ids
             ]
             self.schedule = pp.build_schedule(
