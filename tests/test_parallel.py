@@ -193,14 +193,14 @@ def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
     "layout,data",
     [({"parallel.pp": "2", "parallel.tp": "2"}, {}),
      ({"parallel.pp": "2", "parallel.tp": "2"}, {"data.document_mask": "false"}),
-     ({"parallel.pp": "2", "parallel.tp": "2"}, {"data.batching": "tokens"}),
+     ({"parallel.pp": "2", "parallel.tp": "2"}, {"data.batching": "tokens", "validation.interval": "0"}),
      ({"parallel.pp": "2", "parallel.dp_shard": "2"}, {"training.mixed_precision": "bf16"})],
     ids=["pp2_tp2_sequence_parallel", "pp2_tp2_without_document_ids", "pp2_tp2_packed_documents", "pp2_fsdp2_bf16"],
 )  # fmt: skip
 def test_pipeline_stages_know_their_shapes_without_a_shape_inference_pass(tmp_path, layout, data):
     """The stages are given what they exchange (hidden states sharded by sequence parallel, bf16 under FSDP's
-    bf16, the rows and document ids passed along, packed documents as one long row), so the first step runs each
-    micro-batch's forward once:
+    bf16, the rows and document ids passed along, packed documents as one long row when nothing is evaluated:
+    see the next test), so the first step runs each micro-batch's forward once:
     torch would otherwise run an extra forward and backward per stage to find the shapes. In fp32 the step's
     loss is one process's."""
     (spread,) = with_local_batch({"spread": {**layout, **data}}, 4).values()
