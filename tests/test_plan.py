@@ -26,10 +26,10 @@ LAYOUTS = {
     "pp2": (2, {"parallel.pp": "2"}),
 }
 
-# The debug model, and one of a few hundred million parameters (290M: 24 blocks of dim 1024, GQA 16/8 heads).
+# The debug model, and one of a few hundred million parameters (283M: 24 blocks of dim 1024, GQA 16/8 heads).
 SIZES = {
     "debug": {},
-    "290M": {
+    "283M": {
         "model.overrides.dim": "1024",
         "model.overrides.n_layers": "24",
         "model.overrides.n_heads": "16",
@@ -63,7 +63,7 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys, request):
-    if (layout, size) == ("fsdp2", "290M"):
+    if (layout, size) == ("fsdp2", "283M"):
         # Measured: planned 3,064,691,572 bytes, measured 2,448,435,064 (+25%). The real peak comes late in
         # backward, when each block's sharded gradients have replaced its activations; the plan grows the peak
         # of its 2- and 3-block traces linearly and counts both at depth 24. Not fixed yet.
