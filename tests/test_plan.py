@@ -62,12 +62,7 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys, request):
-    if (layout, size) == ("fsdp2", "283M"):
-        # Measured: planned 3,064,691,572 bytes, measured 2,448,435,064 (+25%). The real peak comes late in
-        # backward, when each block's sharded gradients have replaced its activations; the plan grows the peak
-        # of its 2- and 3-block traces linearly and counts both at depth 24. Not fixed yet.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="FSDP2 peak at depth 24 planned 25% high"))
+def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
     world, extra = LAYOUTS[layout]
     overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **SIZES[size], **extra})
     measured = [measure_step(overrides)] if world == 1 else run_distributed(measure_step, world, overrides)
