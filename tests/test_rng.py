@@ -302,6 +302,28 @@ def test_native_path_is_bitwise_the_torch_op_path(monkeypatch):
         assert torch.equal(values, draws[name](*cases[i])), (name, i)
 
 
+def test_native_kernels_run_on_torch_s_openmp_threads_and_draw_as_a_serial_build(monkeypatch, tmp_path):
+    """Built with OpenMP, the kernels use the libgomp torch loaded, not a second runtime whose threads would fight
+    torch's for the cores; built without it (a compiler lacking OpenMP) they draw the same values on one thread."""
+    if native.library() is None:
+        pytest.skip("no C compiler here: the torch-op path is the only one")
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+    idx = torch.arange(1 << 21) + (1 << 32)
+    threaded = [bernoulli_mask(idx, SEED, "w", 3, p_keep=0.9), sample("trunc_normal", idx, SEED, "w", 0, std=0.02)]
+    serial_flags = native._flags(openmp=False)
+    monkeypatch.setenv("TITAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_flags", lambda openmp: serial_flags)
+    native.library.cache_clear()
+    try:
+        serial = [bernoulli_mask(idx, SEED, "w", 3, p_keep=0.9), sample("trunc_normal", idx, SEED, "w", 0, std=0.02)]
+        assert list((tmp_path / "rng").glob("philox-*.so"))  # this test's serial build, not the cached one
+    finally:
+        native.library.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(threaded, serial))
+
+
 def test_native_dropout_is_bitwise_the_torch_ops_with_gradients(monkeypatch):
     """Dropout's float32 multiply and divide in C round as torch's ops do, forward and backward, bit for bit
     (infinities, NaN and signed zeros included)."""

@@ -33,7 +33,6 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
-#include <pthread.h>
 #include <stdint.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -138,36 +137,20 @@ static void run_range(const job *j, int64_t offset, int64_t count) {
     }
 }
 
-typedef struct { const job *j; int64_t offset, count; } part;
-
-static void *run_part(void *p) {
-    const part *q = (const part *)p;
-    run_range(q->j, q->offset, q->count);
-    return 0;
-}
-
-/* Each element depends only on its own index, so the job splits into contiguous parts, one per thread. Threads
-   are started per call: a call is a chunk of a quarter million elements or more, which takes milliseconds. */
+/* Each element depends only on its own index, so the job splits into contiguous parts, one per thread. The
+   threads are OpenMP's, and the library links the libgomp torch has loaded: they are torch's own intra-op
+   threads, which spin for a while after each torch op, so threads of its own would fight them for the cores
+   (on 2 cores, between torch ops, the words took 2x as long). */
 static void run(const job *j, int threads) {
-    enum { MAX_THREADS = 64, MIN_PART = 16384 };
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    enum { MIN_PART = 16384 };
     if (threads > j->count / MIN_PART) threads = (int)(j->count / MIN_PART);
-    if (threads <= 1) { run_range(j, 0, j->count); return; }
-    pthread_t ids[MAX_THREADS];
-    part parts[MAX_THREADS];
+    if (threads < 1) threads = 1;
     int64_t per = (j->count + threads - 1) / threads;
-    int started = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {
-        int64_t offset = t * per, count = j->count - offset < per ? j->count - offset : per;
-        parts[t] = (part){j, offset, count > 0 ? count : 0};
+        int64_t offset = t * per;
+        if (offset < j->count) run_range(j, offset, j->count - offset < per ? j->count - offset : per);
     }
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], 0, run_part, &parts[t]) != 0) break;  /* no thread: this one does the rest */
-        started = t;
-    }
-    run_part(&parts[0]);
-    for (int t = started + 1; t < threads; t++) run_part(&parts[t]);
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], 0);
 }
 
 #define RUNS_ARGS const int64_t *row_starts, const int64_t *last, int64_t n, int64_t start, int64_t count, \
@@ -209,14 +192,16 @@ _SIGNATURES = {
 }
 
 
-def _flags() -> list[str]:
+def _flags(openmp: bool) -> list[str]:
     # AVX2 only where the CPU has it: the cached library must run on the machine that loads it, and -march=native
-    # would tie a shared cache to one CPU model. The key below includes the flags.
+    # would tie a shared cache to one CPU model. The key below includes the flags. Without OpenMP (a compiler
+    # lacking it) the kernels run on one thread.
     avx2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
         "AVX2",
         "AVX512",
     )
-    return ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
+    extra = [*(["-fopenmp"] if openmp else []), *(["-mavx2"] if avx2 else [])]
+    return ["-O3", "-shared", "-fPIC", "-ffp-contract=off", *extra]
 
 
 def _build(path: Path, compiler: str, flags: list[str]) -> None:
@@ -239,15 +224,18 @@ def library() -> ctypes.CDLL | None:
         return None
     from titan.data.corpora import cache_root
 
-    flags = _flags()
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, platform.machine(), *flags]).encode()).hexdigest()[:16]
-    path = cache_root() / "rng" / f"philox-{key}.so"
-    try:
-        if not path.exists():
-            _build(path, compiler, flags)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
+    for openmp in (True, False):
+        flags = _flags(openmp)
+        key = hashlib.sha256("\0".join([_SOURCE, compiler, platform.machine(), *flags]).encode()).hexdigest()[:16]
+        path = cache_root() / "rng" / f"philox-{key}.so"
+        try:
+            if not path.exists():
+                _build(path, compiler, flags)
+            lib = ctypes.CDLL(str(path))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
+    else:
         log.warning("could not build titan's RNG kernels, running on torch ops (slower, same values): %s", detail)
         return None
     for name, argtypes in _SIGNATURES.items():
@@ -263,7 +251,7 @@ def _check(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _call(name: str, runs: tuple[Tensor, Tensor], start: int, end: int, key: tuple[int, int], counter: int, *args):
-    # The kernel splits the range over as many threads as torch's ops use (ATen's own threads are idle meanwhile).
+    # The kernel splits the range over as many threads as torch's ops use.
     row_starts, last = (_check(t, torch.int64) for t in runs)
     span = (row_starts.data_ptr(), last.data_ptr(), last.numel(), start, end - start)
     getattr(library(), name)(*span, key[0], key[1], counter, torch.get_num_threads(), *args)
