@@ -42,6 +42,9 @@ def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
         (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
         mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
     )
+    # Norms of parameters sharded by FSDP and TP (gradient clipping) reduce over both dims: flattened, DTensor
+    # reduces them in one collective instead of one per dim.
+    root["dp_shard", "tp"]._flatten()
     return {
         "pp": root["pp"],
         "tp": root["tp"],
