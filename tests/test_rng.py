@@ -311,13 +311,17 @@ def test_native_kernels_run_on_torch_s_openmp_threads_and_draw_as_a_serial_build
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(runtimes) == 1, runtimes
     idx = torch.arange(1 << 21) + (1 << 32)
-    threaded = [bernoulli_mask(idx, SEED, "w", 3, p_keep=0.9), sample("trunc_normal", idx, SEED, "w", 0, std=0.02)]
+
+    def draw():
+        return [bernoulli_mask(idx, SEED, "w", 3, p_keep=0.9), sample("trunc_normal", idx, SEED, "w", 0, std=0.02)]
+
+    threaded = draw()
     serial_flags = native._flags(openmp=False)
     monkeypatch.setenv("TITAN_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_flags", lambda openmp: serial_flags)
     native.library.cache_clear()
     try:
-        serial = [bernoulli_mask(idx, SEED, "w", 3, p_keep=0.9), sample("trunc_normal", idx, SEED, "w", 0, std=0.02)]
+        serial = draw()
         assert list((tmp_path / "rng").glob("philox-*.so"))  # this test's serial build, not the cached one
     finally:
         native.library.cache_clear()
