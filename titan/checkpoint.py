@@ -15,6 +15,7 @@ unpickled as is: DCP's .metadata goes through an allow-list (TrustedReader), the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -26,6 +27,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +68,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """DCP warns that it assumes a single process when torch.distributed is not initialised: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 class TrustedReader(dcp.FileSystemReader):
@@ -499,12 +509,13 @@ class Checkpointer:
         if tensors:
             TrustedReader(str(path)).read_metadata()  # refuse an untrusted checkpoint with its own message
             try:
-                dcp.load(
-                    tensors,
-                    storage_reader=TrustedReader(str(path)),
-                    process_group=self.save_group,
-                    no_dist=self.save_group is None,
-                )
+                with single_process_quiet():
+                    dcp.load(
+                        tensors,
+                        storage_reader=TrustedReader(str(path)),
+                        process_group=self.save_group,
+                        no_dist=self.save_group is None,
+                    )
             except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
                 raise ConfigError(
                     f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"

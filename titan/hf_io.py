@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import tomllib
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from titan.checkpoint import (
     model_shapes,
     read_train_state,
     seal,
+    single_process_quiet,
     verify,
     write_train_state,
 )
@@ -306,14 +306,6 @@ def read_into(hf: HFFolder, named_tensors) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _single_process():
-    """DCP warns that it assumes a single process when torch.distributed is not initialised: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-@contextlib.contextmanager
 def _atomic_folder(out: Path):
     """Yield a temporary folder beside `out`, renamed to `out` when the block succeeds (as checkpoints are)."""
     out = Path(out)
@@ -349,7 +341,7 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     read_into(hf, tensors.items())
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with _atomic_folder(out_dir) as tmp:
-        with _single_process():
+        with single_process_quiet():
             dcp.save({"model": tensors}, checkpoint_id=str(tmp), no_dist=True)
         # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
         write_train_state(
@@ -431,7 +423,7 @@ def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]
     their bytes, whatever layout wrote them."""
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
     try:
-        with _single_process():
+        with single_process_quiet():
             dcp.load({"model": tensors}, storage_reader=TrustedReader(str(path)), no_dist=True)
     except Exception as e:
         raise ConfigError(
