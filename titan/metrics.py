@@ -56,8 +56,9 @@ def peak_flops(device: torch.device, configured: float = 0.0, dtype: torch.dtype
         return 0.0, f"unknown GPU {name!r}: no MFU is reported; set metrics.peak_flops to its peak FLOP/s"
     rate = measure_cpu_flops(dtype)
     kind = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    threads = torch.get_num_threads()
     return rate, (
-        f"this CPU's measured {kind} matmul rate with {torch.get_num_threads()} threads, {rate / 1e9:.0f} GFLOP/s "
+        f"this CPU's measured {kind} matmul rate with {threads} thread{'s' * (threads != 1)}, {rate / 1e9:.0f} GFLOP/s "
         "(a ceiling measured here, not a datasheet peak)"
     )
 
