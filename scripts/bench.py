@@ -262,7 +262,8 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     same whatever the bytes, so the files hold random bytes, not a trained model."""
     import math
 
-    from titan.checkpoint import check_files, model_shapes, sha256_files
+    from titan.checkpoint import model_shapes
+    from titan.checkpoint_format import seal, sha256_files, verify
     from titan.config import load_config
     from titan.trainer import resolve_model
 
@@ -277,11 +278,11 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
                 left = total // files
                 while left > 0:
                     left -= f.write(chunk[: min(left, len(chunk))])
-        manifest = sha256_files(Path(tmp), names)
+        seal(Path(tmp), sha256_files(Path(tmp), names))
         start = time.perf_counter()
-        problems = check_files(Path(tmp), manifest)
+        problem = verify(Path(tmp))
         seconds = time.perf_counter() - start
-    assert not problems, problems
+    assert problem is None, problem
     print(f"{flavor}: {params / 1e9:.2f}B parameters, checkpoint {total / 1e9:.1f} GB in {files} files: "
           f"verified in {seconds:.1f} s by one process ({total / seconds / 1e9:.2f} GB/s, {os.cpu_count()} cores); "
           f"with N ranks each hashes 1/N of the files")  # fmt: skip

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
-from titan.checkpoint import Checkpointer, complete_checkpoints, sha256_files
+from titan.checkpoint import Checkpointer, complete_checkpoints
+from titan.checkpoint_format import sha256_files
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):

@@ -37,7 +37,8 @@ from titan import (  # noqa: E402
     hf_match,
     models,  # noqa: E402
 )
-from titan.checkpoint import model_shapes, seal, write_train_state  # noqa: E402
+from titan.checkpoint import model_shapes, write_train_state  # noqa: E402
+from titan.checkpoint_format import CheckpointWriter, seal  # noqa: E402
 from titan.config import Config, ConfigError, Model, load_config, to_toml  # noqa: E402
 from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
 from titan.parallel.rng.shards import ShardIndex, global_indices  # noqa: E402
@@ -490,7 +491,7 @@ def _save_sharded_checkpoint(model, spec, args, folder) -> None:
     """The model as a titan checkpoint holding only the model, one DCP file per rank."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"model": dict(model.named_parameters())}, checkpoint_id=str(folder))
+    dcp.save({"model": dict(model.named_parameters())}, storage_writer=CheckpointWriter(folder))
     if dist.get_rank() == 0:
         flavor, overrides = hf_match.recipe_model(spec, args)
         recipe = to_toml(Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides)))

@@ -12,7 +12,8 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint import Checkpointer, complete_checkpoints, verify
+from titan.checkpoint import Checkpointer, complete_checkpoints
+from titan.checkpoint_format import verify
 from titan.trainer import NonFinite
 
 

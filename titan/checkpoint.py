@@ -1,7 +1,7 @@
 """Checkpoints of the whole training state: sharded (DCP), atomic, verified, optionally async, reshardable on load.
 
-Layout of one checkpoint, `<run>/checkpoints/step-N/`:
-    *.distcp, .metadata     model weights and optimizer state, one shard file per rank (DCP)
+Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint_format.py: why nothing in it is code):
+    *.distcp, tensors.json  model weights and optimizer state, one shard file per rank (DCP), and their JSON index
     train_state.json        step, tokens seen, the step's loss, lr schedule, the model's parameter shapes, the
                             recipe's math-changing values and the whole resolved recipe
     data.json               the data loader's position: the next global sample (the same on every rank)
@@ -9,8 +9,7 @@ Layout of one checkpoint, `<run>/checkpoints/step-N/`:
     COMPLETE                written last; a folder without it is never loaded
 
 A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
-the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. Nothing is
-unpickled as is: DCP's .metadata goes through an allow-list (TrustedReader), the rest is JSON.
+the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest.
 """
 
 from __future__ import annotations
@@ -18,56 +17,37 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import hashlib
 import json
 import logging
 import math
-import os
-import pickle
 import re
 import shutil
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.metadata import StorageMeta
 
+from titan.checkpoint_format import (
+    MARKER,
+    CheckpointReader,
+    CheckpointWriter,
+    dcp_error,
+    seal,
+    sha256_files,
+    verify,
+)
 from titan.config import Checkpoint, ConfigError
 from titan.files import fsync, write_error, write_synced
 from titan.optim import ensure_adamw_state
 
 log = logging.getLogger("titan")
-MARKER = "COMPLETE"
-MANIFEST = "manifest.json"
 PARTS = ("model", "optimizer", "lr_scheduler", "data", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's .metadata holds: its metadata classes, torch sizes, dtypes and layouts, paths."""
-
-    _SAFE = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("collections", "OrderedDict"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if (
-            (module, name) in self._SAFE
-            or module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
 @contextlib.contextmanager
@@ -76,25 +56,6 @@ def single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-class TrustedReader(dcp.FileSystemReader):
-    """DCP's file reader with a restricted unpickler for .metadata. DCP reads that file with plain pickle,
-    so a checkpoint someone shares could run code on resume or conversion; titan admits only the classes
-    DCP's metadata is made of and refuses the checkpoint otherwise. (The tensor files are read by DCP
-    with torch.load(weights_only=True) already.)"""
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise ConfigError(f"checkpoint {self.path} is not trusted: its .metadata asks for {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def complete_checkpoints(folder: Path) -> dict[int, Path]:
@@ -109,16 +70,16 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def find_checkpoint(path: Path, key: str = "checkpoint") -> Path:
-    """A complete checkpoint folder as given, else the newest in `path` (a checkpoints/ folder) or in
-    `path/checkpoints` (a run folder). `key` names what the user set, for the error."""
+def checkpoints_at(path: Path, key: str = "checkpoint") -> list[Path]:
+    """The complete checkpoint folder `path`, else every one in `path` (a checkpoints/ folder) or in
+    `path/checkpoints` (a run folder), oldest first. `key` names what the user set, for the error."""
     path = Path(path)
     if (path / MARKER).is_file():
-        return path
+        return [path]
     for folder in (path, path / "checkpoints"):
         found = complete_checkpoints(folder)
         if found:
-            return found[max(found)]
+            return list(found.values())
     what = (
         "does not exist"
         if not path.exists()
@@ -127,78 +88,18 @@ def find_checkpoint(path: Path, key: str = "checkpoint") -> Path:
     raise ConfigError(f"{key}: {path} {what}")
 
 
+def find_checkpoint(path: Path, key: str = "checkpoint") -> Path:
+    """A complete checkpoint folder as given, else the newest in `path` (a checkpoints/ folder) or in
+    `path/checkpoints` (a run folder)."""
+    return checkpoints_at(path, key)[-1]
+
+
 def model_shapes(spec, args) -> dict[str, list[int]]:
     """Every parameter's shape, by name, for the whole model (a tied head once): what train_state.json
     records, so every layout, and the HF import, describe a model alike."""
     with torch.device("meta"):
         model = spec.build(args)
     return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
-# -- integrity: a manifest of every file's size and SHA-256, checked before a load --------------------
-
-
-def sha256_files(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"size", "sha256"}} of files in `folder`, hashed in threads (hashlib releases the GIL)."""
-
-    def digest(name: str) -> tuple[str, dict]:
-        with open(folder / name, "rb") as f:
-            return name, {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-
-    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        return dict(pool.map(digest, names))
-
-
-def check_files(folder: Path, expected: dict[str, dict]) -> list[str]:
-    """What is wrong with the files of `expected` (a manifest's entries) in `folder`: one line each."""
-    problems, present = [], []
-    for name, entry in expected.items():
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(f"{name} has {path.stat().st_size} bytes, {entry['size']} were saved")
-        else:
-            present.append(name)
-    for name, entry in sha256_files(folder, present).items():
-        if entry["sha256"] != expected[name]["sha256"]:
-            problems.append(f"{name} does not match its SHA-256 (its bytes changed after the save)")
-    return problems
-
-
-def read_manifest(folder: Path) -> dict[str, dict] | str:
-    """The manifest's entries, or what is wrong with it."""
-    try:
-        files = json.loads((folder / MANIFEST).read_text())["files"]
-        if isinstance(files, dict) and all({"size", "sha256"} <= set(e) for e in files.values()):
-            return files
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is missing or unreadable ({e.__class__.__name__})"
-    return f"{MANIFEST} is malformed"
-
-
-def seal(folder: Path, files: dict[str, dict] | None = None) -> None:
-    """Write the manifest (`files`, else every file's hash now) and then the COMPLETE marker, all on disk."""
-    if files is None:
-        files = sha256_files(folder, sorted(p.name for p in folder.iterdir() if p.is_file()))
-    write_synced(folder / MANIFEST, json.dumps({"files": files}, indent=1).encode())
-    write_synced(folder / MARKER, b"")
-    fsync(folder)
-
-
-def verify(folder: Path, rank: int = 0, world: int = 1, group=None) -> str | None:
-    """None if every file of the checkpoint matches its manifest, else the first problem. With several
-    ranks (and `group`), each hashes its share of the files and all learn the verdict."""
-    files = read_manifest(folder)
-    problems = [files] if isinstance(files, str) else []
-    if not problems:
-        names = sorted(files)[rank::world]
-        problems = check_files(folder, {n: files[n] for n in names})
-    if group is not None:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, problems, group=group)
-        problems = [p for share in gathered for p in share]
-    return f"{folder}: {problems[0]}" if problems else None
 
 
 # -- what a checkpoint holds besides tensors --------------------------------------------------------
@@ -252,8 +153,8 @@ def _cause(e: BaseException) -> OSError | None:
         if isinstance(e, OSError) and e.errno is not None:
             return e
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        if isinstance(failures, dict):  # DCP's: {rank: (exception, its stack summary)}
+            stack.extend(v[0] if isinstance(v, tuple) else v for v in failures.values())
         stack.extend([e.__cause__, e.__context__])
         stack.extend(a for a in getattr(e, "args", ()) if isinstance(a, BaseException))
     return None
@@ -376,11 +277,13 @@ class Checkpointer:
                 )
             state = self._tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
+            writer = CheckpointWriter(tmp)
             if self.cfg.async_save and not wait:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
                 self._pending = (future, tmp, final)
             else:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self.save_group, no_dist=no_dist)
+                with single_process_quiet():
+                    dcp.save(state, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
                 self._pending = (None, tmp, final)
                 self.finish_pending()
         except (OSError, CheckpointException) as e:
@@ -507,19 +410,17 @@ class Checkpointer:
             self._check_math(path, train_state)
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
-            TrustedReader(str(path)).read_metadata()  # refuse an untrusted checkpoint with its own message
+            CheckpointReader(path).read_metadata()  # a refused index gets its own message, not DCP's wrapping
             try:
                 with single_process_quiet():
                     dcp.load(
                         tensors,
-                        storage_reader=TrustedReader(str(path)),
+                        storage_reader=CheckpointReader(path),
                         process_group=self.save_group,
                         no_dist=self.save_group is None,
                     )
             except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
-                raise ConfigError(
-                    f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
-                ) from None
+                raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
         step = train_state["step"] if "train_state" in parts else 0
         if "train_state" in parts:
             self.plan.clear()
@@ -588,15 +489,15 @@ class Checkpointer:
 
     def save_tensors(self, folder: Path) -> None:
         """The model and optimizer tensors into `folder`, for load_tensors after the parts are rebuilt."""
-        dcp.save(self._tensor_state(("model", "optimizer")), checkpoint_id=str(folder), process_group=self.save_group,
-                 no_dist=self.save_group is None)  # fmt: skip
+        dcp.save(self._tensor_state(("model", "optimizer")), storage_writer=CheckpointWriter(folder),
+                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
 
     def rebind(self, model_parts, optimizer, lr_scheduler) -> None:
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
 
     def load_tensors(self, folder: Path) -> None:
-        dcp.load(self._tensor_state(("model", "optimizer")), checkpoint_id=str(folder), process_group=self.save_group,
-                 no_dist=self.save_group is None)  # fmt: skip
+        dcp.load(self._tensor_state(("model", "optimizer")), storage_reader=CheckpointReader(folder, sealed=False),
+                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
         self._barrier()  # every rank has read it
         if self.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)

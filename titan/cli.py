@@ -213,6 +213,23 @@ def convert_dcp_to_hf(
         _fail(str(e))
 
 
+@convert_app.command("upgrade")
+def convert_upgrade(
+    path: Path = typer.Argument(
+        ..., help="A checkpoint of an older titan (step-N), or a checkpoints/ or run folder: all of its checkpoints."
+    ),
+) -> None:
+    """Rewrite checkpoints of an older titan (DCP's pickled .metadata) to titan's JSON index, in place, once."""
+    from titan.checkpoint import checkpoints_at
+    from titan.checkpoint_format import upgrade
+
+    try:
+        for folder in checkpoints_at(path):
+            typer.echo(upgrade(folder))
+    except ConfigError as e:
+        _fail(str(e))
+
+
 @app.command()
 def generate(
     checkpoint: Path = typer.Option(

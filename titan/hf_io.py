@@ -38,18 +38,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from titan import models
-from titan.checkpoint import (
-    TrustedReader,
-    find_checkpoint,
-    model_shapes,
-    read_train_state,
-    seal,
-    single_process_quiet,
-    verify,
-    write_train_state,
-)
+from titan.checkpoint import find_checkpoint, model_shapes, read_train_state, single_process_quiet, write_train_state
+from titan.checkpoint_format import CheckpointReader, CheckpointWriter, dcp_error, seal, verify
 from titan.config import Config, ConfigError, Model, to_toml, toml_value
 from titan.hf_match import check_model_matches, describe_match, model_toml
 
@@ -342,7 +335,7 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with _atomic_folder(out_dir) as tmp:
         with single_process_quiet():
-            dcp.save({"model": tensors}, checkpoint_id=str(tmp), no_dist=True)
+            dcp.save({"model": tensors}, storage_writer=CheckpointWriter(tmp), no_dist=True)
         # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
         write_train_state(
             tmp,
@@ -398,14 +391,7 @@ def _model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str
         args = models.model_args(spec, model.get("flavor", "debug"), model.get("overrides", {}))
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
-    try:
-        metadata = TrustedReader(str(path)).read_metadata().state_dict_metadata
-    except ConfigError:
-        raise
-    except Exception as e:  # DCP raises assorted errors on truncated or foreign files
-        raise ConfigError(
-            f"checkpoint {path} is corrupt: cannot read its DCP metadata ({str(e).strip()[:200]})"
-        ) from None
+    metadata = CheckpointReader(path).read_metadata().state_dict_metadata
     saved = {}
     for name, shape in model_shapes(spec, args).items():
         entry = metadata.get(f"model.{name}")
@@ -424,11 +410,9 @@ def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
     try:
         with single_process_quiet():
-            dcp.load({"model": tensors}, storage_reader=TrustedReader(str(path)), no_dist=True)
-    except Exception as e:
-        raise ConfigError(
-            f"checkpoint {path} is corrupt or incomplete: {str(e).strip().splitlines()[0][:300]}"
-        ) from None
+            dcp.load({"model": tensors}, storage_reader=CheckpointReader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
+        raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
     return tensors
 
 
