@@ -106,12 +106,11 @@ from helpers import trainer_for
 from pathlib import Path
 
 real_save = dcp.save
-def save_then_die(state, checkpoint_id, **kwargs):
-    if checkpoint_id.endswith("step-4"):
-        real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # the shards are written...
-        Path(checkpoint_id, "__0_0.distcp").write_bytes(b"half")  # ...one is half-overwritten...
+def save_then_die(state, storage_writer, **kwargs):
+    real_save(state, storage_writer=storage_writer, **kwargs)
+    if str(storage_writer.path).endswith("step-4"):  # the shards are written...
+        Path(storage_writer.path, "__0_0.distcp").write_bytes(b"half")  # ...one is half-overwritten...
         os.kill(os.getpid(), signal.SIGKILL)  # ...and the process dies before the checkpoint is complete
-    return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
 dcp.save = save_then_die
 trainer_for(Path({root!r}), **{{"checkpoint.interval": "2"}}).train()
 """
