@@ -8,15 +8,17 @@ process group is joined)."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
 from helpers import SMALL, assert_one_line_error, torchrun, trainer_for
-from titan.checkpoint_format import sha256_files
+from titan.checkpoint_format import INDEX, MANIFEST, MARKER, CheckpointReader, sha256_files
 
 SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
 
@@ -64,18 +66,10 @@ def truncate(folder: Path):
     shard.write_bytes(shard.read_bytes()[:1000])
 
 
-class _RunsCode:
-    def __reduce__(self):
-        import os
-
-        return (os.system, ("true",))
-
-
-def craft_metadata(folder: Path):
-    (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"].update(sha256_files(folder, [".metadata"]))  # checksums that pass
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+def reseal(folder: Path) -> None:
+    """A manifest of the folder's files as they are now: whoever crafts a checkpoint writes one whose sums pass."""
+    names = sorted(p.name for p in folder.iterdir() if p.name not in (MANIFEST, MARKER))
+    (folder / MANIFEST).write_text(json.dumps({"files": sha256_files(folder, names)}))
 
 
 def resume_saved(**extra):
@@ -527,7 +521,14 @@ CASES = [
         {},
         ["manifest.json is missing or unreadable"],
     ),  # fmt: skip
-    ("metadata that runs code", "train", {}, damaged_checkpoint(craft_metadata), {}, ["not trusted", "posix.system"]),
+    (
+        "an older titan's checkpoint",
+        "train",
+        {},
+        damaged_checkpoint(lambda f: (f / "tensors.json").rename(f / ".metadata") or reseal(f)),
+        {},
+        ["written by an older titan", "titan convert upgrade"],
+    ),  # fmt: skip
     # -- faults
     (
         "output folder is a file",
@@ -614,3 +615,224 @@ def test_under_torchrun_the_line_is_printed_once_and_every_rank_exits_2(tmp_path
     assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
     assert f'File "{ROOT / "titan"}' not in result.stderr  # no traceback from titan on any rank
     assert result.stderr.count("exitcode  : 2") == 2, result.stderr[-2000:]  # torchrun's summary of each rank
+
+
+# -- crafted checkpoints: a folder someone shares, made to run code, read outside itself or exhaust memory.
+# Every case goes through each command that reads a checkpoint; the payloads would create the file `ran`.
+
+
+def _text(value: str) -> bytes:
+    return b"\x8c" + bytes([len(value.encode())]) + value.encode()  # SHORT_BINUNICODE
+
+
+def _calls(module: str, name: str, arg: str) -> bytes:
+    """Pickle opcodes calling module.name(arg): STACK_GLOBAL (protocol 4 reads a dotted name as an attribute
+    chain), the argument, TUPLE1, REDUCE."""
+    return _text(module) + _text(name) + b"\x93" + _text(arg) + b"\x85R"
+
+
+def _command(marker: Path) -> str:
+    return f"touch {marker}"
+
+
+def legacy_pickle(payload):
+    """An older titan's checkpoint (`.metadata`, no tensors.json) whose pickle is `payload(marker)`."""
+
+    def damage(folder: Path, marker: Path) -> None:
+        pickled = payload(marker)
+        (folder / INDEX).unlink()
+        (folder / ".metadata").write_bytes(pickled)
+        reseal(folder)
+
+    return damage
+
+
+def legacy_call(module: str, name: str):
+    return legacy_pickle(lambda marker: b"\x80\x04" + _calls(module, name, _command(marker)) + b".")
+
+
+def hostile_build(marker: Path) -> bytes:
+    """BUILD on an admitted class (TensorProperties.__setstate__) with a state whose making runs a command."""
+    admitted = _text("torch.distributed.checkpoint.metadata") + _text("TensorProperties") + b"\x93"
+    return b"\x80\x04" + admitted + b")\x81" + _calls("torch", "os.system", _command(marker)) + b"b."
+
+
+def legacy_metadata(change):
+    """An older titan's index made of DCP's own classes, as its pickle held them, after `change(metadata)`."""
+
+    return legacy_pickle(
+        lambda marker: pickle.dumps(change(CheckpointReader(marker.parent / "step-2").read_metadata()))
+    )
+
+
+def with_bytes_entry(metadata):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata.state_dict_metadata["model.norm.weight"] = BytesStorageMetadata()
+    return metadata
+
+
+def with_path_outside(metadata):
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../outside.distcp"
+    return metadata
+
+
+def edit_index(edit):
+    """The index changed by `edit(index, folder, marker)`, the manifest rewritten to match."""
+
+    def damage(folder: Path, marker: Path) -> None:
+        index = json.loads((folder / INDEX).read_text())
+        edit(index, folder, marker)
+        (folder / INDEX).write_text(json.dumps(index))
+        reseal(folder)
+
+    return damage
+
+
+def first_chunk(index: dict) -> dict:
+    return index["tensors"]["model.tok_embeddings.weight"]["chunks"][0]
+
+
+def declare_huge(index, folder, marker) -> None:
+    entry = index["tensors"]["model.tok_embeddings.weight"]
+    entry["shape"], entry["chunks"][0]["offsets"], entry["chunks"][0]["sizes"] = [10**12], [0], [10**12]
+
+
+def point_past_the_end(index, folder, marker) -> None:
+    first_chunk(index)["start"] = (folder / "__0_0.distcp").stat().st_size - 10
+
+
+def leave_a_hole(index, folder, marker) -> None:
+    first_chunk(index)["sizes"][0] //= 2
+
+
+def shard_that_runs_code(index, folder, marker) -> None:
+    """A shard file whose torch.save pickle calls os.system (DCP reads shards with weights_only=True)."""
+
+    class RunsACommand:
+        def __reduce__(self):
+            return (os.system, (_command(marker),))
+
+    torch.save({"weight": RunsACommand(), "padding": b"0" * 600_000}, folder / "__0_1.distcp")
+    first_chunk(index).update(file="__0_1.distcp", start=0, length=(folder / "__0_1.distcp").stat().st_size)
+
+
+def unlisted_shard(folder: Path, marker: Path) -> None:
+    edit_index(lambda index, *_: first_chunk(index).update(file="__9_0.distcp"))(folder, marker)
+    shutil.copy(folder / "__0_0.distcp", folder / "__9_0.distcp")  # after the manifest was written
+
+
+def edit_manifest(edit):
+    def damage(folder: Path, marker: Path) -> None:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        edit(manifest["files"])
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+
+    return damage
+
+
+def symlinked(name: str):
+    """`name` moved out of the folder and linked back (its sums pass: they are of the file linked to)."""
+
+    def damage(folder: Path, marker: Path) -> None:
+        outside = folder.parent / f"outside-{name}"
+        (folder / name).rename(outside)
+        (folder / name).symlink_to(outside)
+        reseal(folder)
+
+    return damage
+
+
+def replace_index(payload):
+    def damage(folder: Path, marker: Path) -> None:
+        (folder / INDEX).write_bytes(payload(marker))
+        reseal(folder)
+
+    return damage
+
+
+OLDER = ["written by an older titan", "titan convert upgrade"]
+# (id, damage(folder, marker), words of resume / dcp-to-hf / generate, words of `convert upgrade` or None)
+CRAFTED = [
+    ("dotted name through DCP's metadata module", legacy_call("torch.distributed.checkpoint.metadata", "os.system"),
+     OLDER, ["not trusted", "torch.distributed.checkpoint.metadata.os.system is not part of a DCP index"]),
+    ("dotted name through torch", legacy_call("torch", "os.system"), OLDER, ["not trusted", "torch.os.system"]),
+    ("dotted name through torch.serialization", legacy_call("torch.serialization", "os.system"), OLDER,
+     ["not trusted", "torch.serialization.os.system"]),
+    ("dotted name through pathlib", legacy_call("pathlib", "os.system"), OLDER, ["not trusted", "pathlib.os.system"]),
+    ("attribute chain through an admitted function", legacy_call("torch.serialization", "_get_layout.__globals__"),
+     OLDER, ["not trusted", "_get_layout.__globals__"]),
+    ("os.system", legacy_call("os", "system"), OLDER, ["not trusted", "os.system"]),
+    ("builtins.eval", legacy_call("builtins", "eval"), OLDER, ["not trusted", "builtins.eval"]),
+    ("BUILD with a state that runs code", legacy_pickle(hostile_build), OLDER, ["not trusted", "torch.os.system"]),
+    ("bytes entry in a pickled index", legacy_metadata(with_bytes_entry), OLDER,
+     ["not trusted", "BytesStorageMetadata"]),
+    ("pickled index naming a file outside", legacy_metadata(with_path_outside), OLDER,
+     ["corrupt", "'../../outside.distcp', which is not a shard file"]),
+    ("bytes entry", edit_index(lambda index, *_: index["tensors"].update({"model.norm.weight": {
+        "type": "bytes", "file": "__0_0.distcp", "start": 0, "length": 10}})), ["corrupt", "is not a tensor"], None),
+    ("10^12 elements", edit_index(declare_huge), ["corrupt", "declares 1000000000000 elements"], None),
+    ("chunk past the end of its file", edit_index(point_past_the_end), ["corrupt", "spans bytes"], None),
+    ("chunk longer than its file", edit_index(lambda index, *_: first_chunk(index).update(length=10**15)),
+     ["corrupt", "spans bytes"], None),
+    ("chunks leaving a hole", edit_index(leave_a_hole), ["corrupt", "chunks of 65536 elements"], None),
+    ("relative path leaving the folder", edit_index(lambda index, *_: first_chunk(index).update(file="../../x.distcp")),
+     ["corrupt", "'../../x.distcp', which is not a shard file"], None),
+    ("absolute path", edit_index(lambda index, *_: first_chunk(index).update(file="/etc/passwd")),
+     ["corrupt", "'/etc/passwd', which is not a shard file"], None),
+    ("unknown dtype", edit_index(lambda index, *_: index["tensors"]["model.norm.weight"].update(dtype="object")),
+     ["corrupt", "dtype 'object'"], None),
+    ("index of a future version", edit_index(lambda index, *_: index.update(version=2)),
+     ["corrupt", "version 2", "upgrade titan"], None),
+    ("pickle in the index's place", replace_index(lambda m: b"\x80\x04" + _calls("os", "system", _command(m)) + b"."),
+     ["corrupt", "tensors.json is not JSON"], None),
+    ("shard whose pickle runs code", edit_index(shard_that_runs_code), ["corrupt", "Weights only load failed"], None),
+    ("symlinked shard file", symlinked("__0_0.distcp"), ["__0_0.distcp is a symbolic link"], None),
+    ("symlinked index", symlinked(INDEX), ["tensors.json is a symbolic link"], None),
+    ("shard file the manifest does not list", unlisted_shard, ["__9_0.distcp is not listed in manifest.json"], None),
+    ("manifest listing a missing file", edit_manifest(lambda files: files.update({"__1_0.distcp": files["data.json"]})),
+     ["__1_0.distcp is missing"], None),
+    ("manifest listing a path outside", edit_manifest(lambda files: files.update({"../../etc/passwd": files[INDEX]})),
+     ["manifest.json lists '../../etc/passwd', which is not a file name of a checkpoint"], None),
+]  # fmt: skip
+READERS = ("resume", "dcp-to-hf", "generate")
+
+
+def crafted_run(case, command: str, tmp: Path, saved: Path) -> tuple[list[str], dict]:
+    """The CLI run of `command` on the case's crafted copy of the saved checkpoint, in a folder of its own."""
+    _, damage, _, _ = case
+    tmp.mkdir(parents=True)
+    folder = tmp / "step-2"
+    shutil.copytree(saved, folder)
+    damage(folder, tmp / "ran")
+    if command == "resume":
+        overrides = tiny_overrides(tmp, **{**SMALL, **SAVED, "checkpoint.resume": str(folder)})
+        return ["train", "--config", str(DEBUG_RECIPE), *overrides], {}
+    if command == "dcp-to-hf":
+        return ["convert", "dcp-to-hf", str(folder), str(tmp / "hf")], {}
+    if command == "generate":
+        return ["generate", "--checkpoint", str(folder), "--prompt", "Once upon a time"], {}
+    return ["convert", "upgrade", str(folder)], {}
+
+
+@pytest.fixture(scope="module")
+def crafted_results(tmp_path_factory, saved) -> dict:
+    root = tmp_path_factory.mktemp("crafted")
+    keys = [(i, command) for i, case in enumerate(CRAFTED) for command in (*READERS, "upgrade")[: 3 + bool(case[3])]]
+    runs = [crafted_run(CRAFTED[i], command, root / f"case{i}-{command}", saved) for i, command in keys]
+    results = run_titan_forked(runs, root)
+    return {key: (result, root / f"case{key[0]}-{key[1]}" / "ran") for key, result in zip(keys, results)}
+
+
+@pytest.mark.parametrize("index", range(len(CRAFTED)), ids=[c[0] for c in CRAFTED])
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line(crafted_results, index):
+    _, _, words, upgrade_words = CRAFTED[index]
+    for command in (*READERS, "upgrade")[: 3 + bool(upgrade_words)]:
+        result, ran = crafted_results[(index, command)]
+        assert not ran.exists(), f"{command} ran the checkpoint's code"
+        assert_one_line_error(result, *(upgrade_words if command == "upgrade" else words))
+
+
+def test_the_crafted_table_covers_every_way_in():
+    assert len(CRAFTED) >= 15 and len({c[0] for c in CRAFTED}) == len(CRAFTED)
