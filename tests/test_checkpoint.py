@@ -209,6 +209,39 @@ def train_resuming(tmp_path, checkpoint, **extra):
     return run_titan("train", "--config", str(DEBUG_RECIPE), *overrides)
 
 
+def test_an_older_titans_checkpoint_upgrades_once_and_resumes_as_the_original(tmp_path, saved_run):
+    """An older titan wrote the same shards with DCP's own writer, whose index is a pickled .metadata. After
+    `titan convert upgrade` it resumes exactly as the checkpoint it was made from."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from titan.checkpoint_format import INDEX, seal
+
+    older = tmp_path / "older" / "step-2"
+    loaded = trainer_for(tmp_path / "load", **SAVED, **{"checkpoint.resume": str(saved_run)})
+    dcp.save(loaded.checkpointer._tensor_state(("model", "optimizer")), checkpoint_id=str(older), no_dist=True)
+    for name in ("train_state.json", "data.json"):
+        shutil.copy(saved_run / name, older / name)
+    seal(older)
+    assert (older / ".metadata").is_file() and not (older / INDEX).exists()
+    assert_one_line_error(train_resuming(tmp_path / "refused", older), "older titan", "titan convert upgrade")
+
+    upgraded = run_titan("convert", "upgrade", str(older.parent))  # a folder of checkpoints: each of them
+    assert upgraded.returncode == 0 and "upgraded" in upgraded.stdout, upgraded.stderr
+    assert (older / INDEX).is_file() and not (older / ".metadata").exists()
+    again = run_titan("convert", "upgrade", str(older))
+    assert again.returncode == 0 and "current format already" in again.stdout, again.stderr
+
+    continued = {**SAVED, "training.steps": "4", "checkpoint.allow_changes": "training.steps"}
+    runs = [trainer_for(tmp_path / name, **continued, **{"checkpoint.resume": str(path)})
+            for name, path in (("original", saved_run), ("upgraded", older))]  # fmt: skip
+    assert runs[0].step == runs[1].step == 2
+    assert runs[0].train() == runs[1].train()  # bitwise
+    for (name, a), (_, b) in zip(runs[0].model_parts.named_parameters(), runs[1].model_parts.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_truncated_checkpoint_is_a_clear_error(tmp_path, saved_run):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(saved_run), str(broken)], check=True)
