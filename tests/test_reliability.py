@@ -15,6 +15,7 @@ from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
 from titan.checkpoint import Checkpointer, complete_checkpoints
 from titan.checkpoint_format import verify
+from titan.optim import FiniteFlags
 from titan.trainer import NonFinite
 
 
@@ -73,6 +74,39 @@ def test_after_a_nan_stop_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
     resumed = trainer_for(tmp_path / "run", **schedule)
     assert resumed.step == 4
     assert resumed.train() == straight[4:]  # bitwise
+
+
+def test_a_nan_stops_the_run_before_the_next_step_between_logs(tmp_path):
+    """The loop brings losses to the host only where it logs; a NaN still stops it before the step after it."""
+    trainer = trainer_for(tmp_path, **{"metrics.log_freq": "10", "training.steps": "10", "checkpoint.interval": "100"})
+    real, steps_run = trainer.loss_fn, []
+
+    def nan_at_step_3(logits, labels):
+        steps_run.append(trainer.step + 1)
+        loss = real(logits, labels)
+        return loss * float("nan") if trainer.step == 2 else loss
+
+    trainer.loss_fn = nan_at_step_3
+    with pytest.raises(NonFinite, match=r"step 3: loss nan"):
+        trainer.train()
+    assert trainer.step == 3 and max(steps_run) == 3  # step 4 never ran
+
+
+def test_finite_flags_are_read_lag_steps_late_and_once():
+    flags = FiniteFlags(torch.device("cpu"))
+    assert flags.lag == 0
+    flags.lag = 1  # a GPU's lag, with the CPU's flags
+    norms = [1.0, float("nan"), 2.0, 3.0]
+    due = []
+    for norm in norms:
+        due.append(flags.nonfinite_due())  # as each step starts
+        flags.add(torch.tensor(norm))
+    assert due == [False, False, False, True]  # step 2's NaN is read as step 4 starts
+    assert not flags.nonfinite_due()
+    flags.add(torch.tensor(float("inf")))
+    flags.clear()  # the loop settled every step itself
+    flags.add(torch.tensor(1.0))
+    assert not flags.nonfinite_due() and not flags.nonfinite_due()
 
 
 def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_finite_checkpoint(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 
@@ -25,6 +26,42 @@ def skip_if_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor)
     """Make the next optimizer.step() leave weights, moments and step counts as they are if grad_norm is NaN or
     inf, decided on the device (GradScaler's mechanism: the fused kernel returns early when found_inf is 1)."""
     optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+
+
+class FiniteFlags:
+    """Whether each step's gradient norm was finite, copied to the host without blocking the step, and read
+    `lag` steps later: 0 on a CPU (its flag is ready when the step returns), 1 on a GPU (by the time the next
+    step has been queued the one before it has run, so reading its flag rarely waits). The norm is global, so
+    every rank reads the same flags at the same steps and acts on them together."""
+
+    def __init__(self, device: torch.device):
+        self.lag = 1 if device.type == "cuda" else 0
+        self.unread: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+
+    def add(self, grad_norm: torch.Tensor) -> None:
+        finite = torch.isfinite(grad_norm)
+        if grad_norm.device.type != "cuda":
+            self.unread.append((finite, None))
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(finite, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.unread.append((host, event))
+
+    def nonfinite_due(self) -> bool:
+        """Whether a step at least `lag` steps old had a non-finite norm (its flag is read once)."""
+        found = False
+        while len(self.unread) > self.lag:
+            finite, event = self.unread.popleft()
+            if event is not None:
+                event.synchronize()
+            found |= not bool(finite)
+        return found
+
+    def clear(self) -> None:
+        """Forget the unread flags: the loop brought their steps to the host and checked them itself."""
+        self.unread.clear()
 
 
 def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:

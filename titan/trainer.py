@@ -28,7 +28,14 @@ from titan.data.packing import CostModel, Target
 from titan.files import hold_run_folder, write_error
 from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
-from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
+from titan.optim import (
+    FiniteFlags,
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_,
+    ensure_adamw_state,
+    skip_if_nonfinite,
+)
 from titan.parallel import pp
 from titan.parallel.balance import layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
@@ -584,6 +591,9 @@ class Trainer:
         # The steps not yet settled: (step, this rank's loss share, gradient norm), all still on the device.
         pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
+        # Each step's finiteness, read at most one step later: a NaN stops the run then, not at the next log.
+        finite_flags = FiniteFlags(self.device)
+
         def settle() -> float:
             """Bring the pending steps to the host, in one collective and one device sync, and act on any
             non-finite one; returns the last step's global loss. Every rank settles at the same steps: before
@@ -591,6 +601,7 @@ class Trainer:
             if pending:
                 steps, shares, norms = zip(*pending)
                 pending.clear()
+                finite_flags.clear()
                 step_losses = self.global_loss(torch.stack(shares)).tolist()
                 for step, loss, norm in zip(steps, step_losses, torch.stack(norms).tolist()):
                     losses.append(loss)
@@ -608,6 +619,8 @@ class Trainer:
         first_step, window_start, window_steps, window_tokens = self.step, time.perf_counter(), 0, 0
         with _stop_on_signals(self), self.profiler:
             while self.step < total:
+                if finite_flags.nonfinite_due():
+                    settle()  # stops the run, or logs the skipped step
                 step_start = time.perf_counter()
                 with self.clock.phase("data"):
                     batches = next(self.loader)
@@ -616,6 +629,7 @@ class Trainer:
                 local_loss, grad_norm = self.step_without_loss_reduction(batches)
                 compute_s = time.perf_counter() - compute_start
                 pending.append((self.step, local_loss, grad_norm))
+                finite_flags.add(grad_norm)
                 # Tokens batching takes whole documents up to the budget: count the tokens it took.
                 step_tokens = batches[0].step_loss_tokens if self.documents else self.tokens_per_step
                 self.tokens_seen += step_tokens
