@@ -334,8 +334,11 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     read_into(hf, tensors.items())
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with _atomic_folder(out_dir) as tmp:
-        with single_process_quiet():
-            dcp.save({"model": tensors}, storage_writer=CheckpointWriter(tmp), no_dist=True)
+        try:
+            with single_process_quiet():
+                dcp.save({"model": tensors}, storage_writer=CheckpointWriter(tmp), no_dist=True)
+        except CheckpointException as e:  # DCP wraps the writer's error (a full disk) with every rank's traceback
+            raise ConfigError(f"cannot write {out_dir}: {dcp_error(e)}") from None
         # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
         write_train_state(
             tmp,
