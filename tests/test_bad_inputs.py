@@ -72,6 +72,11 @@ def reseal(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": sha256_files(folder, names)}))
 
 
+def as_written_by_an_older_titan(folder: Path) -> None:
+    (folder / INDEX).rename(folder / ".metadata")  # where its pickled index was (refused before it is read)
+    reseal(folder)
+
+
 def resume_saved(**extra):
     def use(tmp: Path, saved: Path) -> dict:
         return {**SAVED, "checkpoint.resume": str(saved), **extra}
@@ -525,7 +530,7 @@ CASES = [
         "an older titan's checkpoint",
         "train",
         {},
-        damaged_checkpoint(lambda f: (f / "tensors.json").rename(f / ".metadata") or reseal(f)),
+        damaged_checkpoint(as_written_by_an_older_titan),
         {},
         ["written by an older titan", "titan convert upgrade"],
     ),  # fmt: skip
