@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomli_w
 
 from titan.parallel.balance import data_shares, micro_batch_sizes
 
@@ -733,27 +736,19 @@ def to_dict(config: Config) -> dict:
 
 
 def to_toml(config: Config) -> str:
-    """The resolved recipe as TOML, loadable again by load_config."""
-    lines = []
-    for section, values in to_dict(config).items():
-        lines.append(f"[{section}]")
-        nested = []
-        for key, value in values.items():
-            if isinstance(value, dict):
-                nested.append((key, value))
-            else:
-                lines.append(f"{key} = {toml_value(value)}")
-        for key, table in nested:
-            lines.append(f"{key} = {{ {', '.join(f'{k} = {toml_value(v)}' for k, v in table.items())} }}")
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved recipe as TOML, loadable again by load_config to the same Config (tests/test_config.py)."""
+    return tomli_w.dumps(to_dict(config))
 
 
 def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """One value as TOML on a single line, for the `key = value` hints of messages and `titan config keys`
+    (tomli-w spreads arrays over lines and writes tables as [sections], so only scalars go to it)."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
     if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return repr(value)
+        return "[" + ", ".join(map(toml_value, value)) + "]"
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").removesuffix("\n")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
