@@ -184,6 +184,22 @@ CASES = [
         {},
         ["data.sources[0].weight must be > 0"],
     ),
+    (
+        "mixture weight infinite",
+        "show",
+        [],
+        recipe_file('[[data.sources]]\nsource = "a.jsonl"\nweight = inf\n'),
+        {},
+        ["data.sources[0].weight must be > 0 and finite", "inf"],
+    ),
+    (
+        "mixture weight too small for the blend",
+        "show",
+        [],
+        recipe_file('[[data.sources]]\nsource = "a.jsonl"\n[[data.sources]]\nsource = "b.jsonl"\nweight = 1e-7\n'),
+        {},
+        ["data.sources[1].weight = 1e-07", "under one sample in 1048576", "at least 9.63e-07"],
+    ),
     # -- the global batch and the layout's degrees
     (
         "global batch below data-parallel size",

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import random
+import re
 import tomllib
 import typing
 from typing import Literal
@@ -135,6 +136,16 @@ def test_config_show_of_a_mixture_is_the_recipe_it_resolves(tmp_path):
     resolved.write_text(shown.stdout)
     assert load_config(resolved) == load_config(recipe)
     assert [s["weight"] for s in tomllib.loads(shown.stdout)["data"]["sources"]] == [3.0, 1.0]
+
+
+def test_a_mixture_share_no_blend_can_serve_is_refused_with_the_smallest_weight_that_works():
+    mixture = lambda weight: ["--data.sources", f'[{{source = "a"}}, {{source = "b", weight = {weight!r}}}]']
+    with pytest.raises(ConfigError, match="data.sources.1..weight = 1e-07") as refused:
+        load_config(None, mixture(1e-7))
+    smallest = float(re.search(r"at least (\S+),", str(refused.value)).group(1))
+    assert load_config(None, mixture(smallest)).data.sources[1].weight == smallest
+    with pytest.raises(ConfigError, match="at least"):
+        load_config(None, mixture(smallest / 1.02))  # the smallest to within 2%
 
 
 def test_int_is_accepted_for_a_float_but_not_a_bool_for_an_int():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -62,6 +63,23 @@ class DataSource:
     split: str = "train"  # the hub dataset's split
     subset: str = ""  # the hub dataset's configuration name, if it has several
     weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
+
+
+# A mixture's sources take turns in a pattern of samples, repeated (titan/data/loader.py's Blend), in which each
+# source has its share to within one sample. A share under one sample in BLEND_PERIOD would get none, so the
+# pattern doubles until every share has one: honoured rather than refused, as a longer pattern costs only memory
+# (16 bytes a sample); validate refuses a share that even MAX_BLEND_PERIOD cannot hold.
+BLEND_PERIOD, MAX_BLEND_PERIOD = 4096, 2**20
+
+
+def blend_period(weights: list[float]) -> int:
+    """Samples in one repeat of the blend pattern of sources with these weights."""
+    period = BLEND_PERIOD
+    while min(weights) / sum(weights) * period < 1:
+        if period >= MAX_BLEND_PERIOD:
+            raise ValueError(f"a mixture share of {min(weights) / sum(weights):.3g} is under 1/{MAX_BLEND_PERIOD}")
+        period *= 2
+    return period
 
 
 @dataclass
@@ -545,8 +563,22 @@ def validate(config: Config, world_size: int) -> None:
     for i, source in enumerate(d.sources):
         require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
         require(
-            source.weight > 0, f"data.sources[{i}].weight must be > 0 (a share of the mixture), got {source.weight}"
+            0 < source.weight < math.inf,
+            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
         )
+    if d.sources:
+        weights = [s.weight for s in d.sources]
+        try:
+            blend_period(weights)
+        except ValueError:
+            i = weights.index(min(weights))
+            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
+            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
+            raise ConfigError(
+                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
+                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
+                f"least {smallest:.3g}, or drop the source"
+            ) from None
     require(
         d.prepare_workers >= 0,
         f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
