@@ -234,6 +234,14 @@ CASES = [
         ["parallel.dp_weights must all be > 0"],
     ),  # fmt: skip
     (
+        "dp_weights infinite",
+        "show",
+        ["--parallel.dp_weights", "[1, inf]"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.dp_weights must all be > 0 and finite", "inf"],
+    ),  # fmt: skip
+    (
         "straggler with dp and pp",
         "show",
         ["--straggler.enable", "true", "--parallel.pp", "2", "--parallel.dp_shard", "2"],
@@ -347,6 +355,22 @@ CASES = [
         None,
         {},
         ["data.cost_model", "[a, b, c]"],
+    ),
+    (
+        "cost model infinite",
+        "show",
+        ["--data.batching", "tokens", "--data.cost_model", "[1e-6, inf, 1e-3]"],
+        None,
+        {},
+        ["data.cost_model", "finite", "inf"],
+    ),
+    (
+        "cost model pricing documents at zero",
+        "show",
+        ["--data.batching", "tokens", "--data.cost_model", "[0, 0, 1e-3]"],
+        None,
+        {},
+        ["data.cost_model", "sends them all to rank 0", "set a or b > 0"],
     ),
     (
         "tokens batching with dropout",

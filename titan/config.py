@@ -552,8 +552,14 @@ def validate(config: Config, world_size: int) -> None:
         )
         require(d.max_document_len >= 0, f"data.max_document_len must be >= 0 (0 = seq_len), got {d.max_document_len}")
         require(
-            len(d.cost_model) in (0, 3) and all(x >= 0 for x in d.cost_model),
-            f"data.cost_model must be [] (measure it) or three numbers >= 0 [a, b, c], got {d.cost_model}",
+            len(d.cost_model) in (0, 3) and all(0 <= x < math.inf for x in d.cost_model),
+            f"data.cost_model must be [] (measure it) or three finite numbers >= 0 [a, b, c], got {d.cost_model}",
+        )
+        require(
+            d.balance != "cost" or not d.cost_model or d.cost_model[0] > 0 or d.cost_model[1] > 0,
+            f"data.cost_model {d.cost_model} prices every document at 0 s (a·s² + b·s with a = b = 0), so "
+            "data.balance = 'cost' sends them all to rank 0; set a or b > 0 (e.g. [2e-6, 1e-4, 1e-3]), or [] to "
+            "measure them",
         )
         require(
             not config.compile.enable,
@@ -655,7 +661,10 @@ def validate(config: Config, world_size: int) -> None:
             f"parallel.dp_weights has {len(p.dp_weights)} entries but there are {dp} data-parallel ranks; "
             "give one weight per rank",
         )
-        require(all(w > 0 for w in p.dp_weights), f"parallel.dp_weights must all be > 0, got {p.dp_weights}")
+        require(
+            all(0 < w < math.inf for w in p.dp_weights),
+            f"parallel.dp_weights must all be > 0 and finite (relative speeds), got {p.dp_weights}",
+        )
     try:
         batch_plan(config, world_size)
     except ValueError as e:
