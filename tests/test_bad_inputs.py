@@ -425,6 +425,38 @@ CASES = [
         {"WORLD_SIZE": "2"},
         ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"],
     ),  # fmt: skip
+    (
+        "pp stage memory without speeds",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_stage_memory_gib": "[0.0000001, 1]"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"],
+    ),  # fmt: skip
+    (
+        "pp stage memory with a fixed split",
+        "show",
+        ["--parallel.pp_stage_memory_gib", "[4, 4]", "--parallel.pp_layers_per_stage", "[1, 1]"],
+        None,
+        {},
+        ["parallel.pp_stage_memory_gib", "parallel.pp_layers_per_stage sets it", "leave one"],
+    ),  # fmt: skip
+    (
+        "pp stage memory zero",
+        "show",
+        ["--parallel.pp_stage_memory_gib", "[0, 4]"],
+        None,
+        {},
+        ["parallel.pp_stage_memory_gib must all be GiB > 0"],
+    ),  # fmt: skip
+    (
+        "pp stage speed infinite",
+        "show",
+        ["--parallel.pp_stage_speeds", "[1, inf]"],
+        None,
+        {},
+        ["parallel.pp_stage_speeds must all be > 0 and finite", "inf"],
+    ),  # fmt: skip
     ("cuda without a GPU", "train", {"training.device": "cuda"}, None, {}, ["training.device = 'cuda'", "no CUDA"]),
     # -- the model
     ("flavor", "train", {"model.flavor": "7B"}, None, {}, ["model.flavor", "7B", "debug"]),

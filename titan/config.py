@@ -202,8 +202,8 @@ class Parallel:
     # Relative speed of each pipeline stage's devices, e.g. [1, 3]: layers are split to even out the stages'
     # times (titan/parallel/balance.py); used when pp_layers_per_stage is empty.
     pp_stage_speeds: list[float] = field(default_factory=list)
-    # With pp_stage_speeds: the GiB each stage may give its layers' weights, gradients and Adam moments
-    # (16 bytes per fp32 parameter); empty: no cap.
+    # The GiB each stage may give its layers' weights, gradients and Adam moments (16 bytes per fp32 parameter):
+    # the split by pp_stage_speeds (even speeds when that is empty) keeps within them; empty: no cap.
     pp_stage_memory_gib: list[float] = field(default_factory=list)
     # Relative speed of each data-parallel rank (HSDP: replica-major), e.g. [1, 3]: its share of the global
     # batch's rows; empty: even shares.
@@ -534,6 +534,19 @@ def validate(config: Config, world_size: int) -> None:
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
     for name in ("dp_replicate", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    require(
+        all(0 < x < math.inf for x in p.pp_stage_speeds),
+        f"parallel.pp_stage_speeds must all be > 0 and finite (relative speeds), got {p.pp_stage_speeds}",
+    )
+    require(
+        all(x > 0 for x in p.pp_stage_memory_gib),
+        f"parallel.pp_stage_memory_gib must all be GiB > 0, got {p.pp_stage_memory_gib}",
+    )
+    require(
+        not (p.pp_stage_memory_gib and p.pp_layers_per_stage),
+        "parallel.pp_stage_memory_gib caps the layer split titan chooses, but parallel.pp_layers_per_stage sets it; "
+        "leave one of them empty",
+    )
     require(
         p.dp_shard >= 1 or p.dp_shard == -1,
         f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
