@@ -183,6 +183,22 @@ CASES = [
         {},
         ["data.sources[0].weight must be > 0"],
     ),
+    (
+        "mixture weight infinite",
+        "show",
+        [],
+        recipe_file('[[data.sources]]\nsource = "a.jsonl"\nweight = inf\n'),
+        {},
+        ["data.sources[0].weight must be > 0 and finite", "inf"],
+    ),
+    (
+        "mixture weight too small for the blend",
+        "show",
+        [],
+        recipe_file('[[data.sources]]\nsource = "a.jsonl"\n[[data.sources]]\nsource = "b.jsonl"\nweight = 1e-7\n'),
+        {},
+        ["data.sources[1].weight = 1e-07", "under one sample in 1048576", "at least 9.63e-07"],
+    ),
     # -- the global batch and the layout's degrees
     (
         "global batch below data-parallel size",
@@ -215,6 +231,14 @@ CASES = [
         None,
         {"WORLD_SIZE": "2"},
         ["parallel.dp_weights must all be > 0"],
+    ),  # fmt: skip
+    (
+        "dp_weights infinite",
+        "show",
+        ["--parallel.dp_weights", "[1, inf]"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.dp_weights must all be > 0 and finite", "inf"],
     ),  # fmt: skip
     (
         "straggler with dp and pp",
@@ -332,6 +356,22 @@ CASES = [
         ["data.cost_model", "[a, b, c]"],
     ),
     (
+        "cost model infinite",
+        "show",
+        ["--data.batching", "tokens", "--data.cost_model", "[1e-6, inf, 1e-3]"],
+        None,
+        {},
+        ["data.cost_model", "finite", "inf"],
+    ),
+    (
+        "cost model pricing documents at zero",
+        "show",
+        ["--data.batching", "tokens", "--data.cost_model", "[0, 0, 1e-3]"],
+        None,
+        {},
+        ["data.cost_model", "sends them all to rank 0", "set a or b > 0"],
+    ),
+    (
         "tokens batching with dropout",
         "train",
         {"data.batching": "tokens", "model.overrides.resid_dropout": "0.1"},
@@ -383,6 +423,38 @@ CASES = [
         None,
         {"WORLD_SIZE": "2"},
         ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"],
+    ),  # fmt: skip
+    (
+        "pp stage memory without speeds",
+        "train",
+        {"parallel.pp": "2", "parallel.pp_stage_memory_gib": "[0.0000001, 1]"},
+        None,
+        {"WORLD_SIZE": "2"},
+        ["pp_stage_memory_gib", "no split of the 2 layers", "raise the caps"],
+    ),  # fmt: skip
+    (
+        "pp stage memory with a fixed split",
+        "show",
+        ["--parallel.pp_stage_memory_gib", "[4, 4]", "--parallel.pp_layers_per_stage", "[1, 1]"],
+        None,
+        {},
+        ["parallel.pp_stage_memory_gib", "parallel.pp_layers_per_stage sets it", "leave one"],
+    ),  # fmt: skip
+    (
+        "pp stage memory zero",
+        "show",
+        ["--parallel.pp_stage_memory_gib", "[0, 4]"],
+        None,
+        {},
+        ["parallel.pp_stage_memory_gib must all be GiB > 0"],
+    ),  # fmt: skip
+    (
+        "pp stage speed infinite",
+        "show",
+        ["--parallel.pp_stage_speeds", "[1, inf]"],
+        None,
+        {},
+        ["parallel.pp_stage_speeds must all be > 0 and finite", "inf"],
     ),  # fmt: skip
     ("cuda without a GPU", "train", {"training.device": "cuda"}, None, {}, ["training.device = 'cuda'", "no CUDA"]),
     # -- the model

@@ -99,6 +99,28 @@ def test_memory_caps_bound_the_recipe_s_split():
         stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 1.0], pp_stage_memory_gib=[1.0, 1.0]), layer_gib=1.0)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_memory_caps_alone_bound_an_even_split_as_brute_force_does(seed):
+    """pp_stage_memory_gib without pp_stage_speeds: the fewest layers on the busiest stage among the splits
+    within the caps."""
+    from titan.config import ConfigError, Parallel
+    from titan.parallel.pp import stage_layers
+
+    rng = random.Random(seed)
+    stages = rng.randint(2, 4)
+    layers, layer_gib = rng.randint(stages, 9), rng.uniform(0.5, 2)
+    caps = [rng.uniform(1, 8) for _ in range(stages)]
+    parallel = Parallel(pp=stages, pp_schedule="1F1B", pp_stage_memory_gib=caps)
+    feasible = [c for c in compositions(layers, stages, 1) if stage_memory_fits(c, [layer_gib] * layers, caps)]
+    if not feasible:
+        with pytest.raises(ConfigError, match="no split"):
+            stage_layers(layers, parallel, layer_gib)
+        return
+    counts = [len(ids) for ids in stage_layers(layers, parallel, layer_gib)]
+    assert sum(counts) == layers and min(counts) >= 1 and stage_memory_fits(counts, [layer_gib] * layers, caps)
+    assert max(counts) == min(max(c) for c in feasible)
+
+
 def test_layer_split_gives_a_faster_stage_more_layers():
     assert layer_split([1.0] * 4, [1.0, 1.0]) == [2, 2]
     assert layer_split([1.0] * 4, [1.0, 3.0]) == [1, 3]

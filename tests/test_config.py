@@ -1,10 +1,32 @@
 """The recipe schema: overrides, round trips, the batch arithmetic. (Bad recipes: tests/test_bad_inputs.py.)"""
 
+import dataclasses
+import math
+import random
+import re
+import tomllib
+import typing
+from typing import Literal
+
 import pytest
 
-from conftest import DEBUG_RECIPE, run_titan
+from conftest import DEBUG_RECIPE, ROOT, run_titan
 from helpers import assert_one_line_error
-from titan.config import ConfigError, batch_plan, load_config, to_toml
+from titan.config import Config, ConfigError, batch_plan, load_config, read_config, to_dict, to_toml, toml_value
+
+MIXTURE = (
+    DEBUG_RECIPE.read_text()
+    + """
+[[data.sources]]
+source = "data/stories.jsonl"
+weight = 3.0
+
+[[data.sources]]
+source = "titan:shakespeare"
+text_field = ""
+weight = 1.0
+"""
+)
 
 
 def test_overrides_convert_to_the_field_types():
@@ -26,6 +48,104 @@ def test_resolved_toml_loads_back_to_the_same_config(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
+
+
+# Strings TOML must escape or quote: quotes, backslashes, control characters, non-ASCII, TOML syntax.
+PIECES = ["", "a", " ", "x.y", "#", '"', "'", "\\", "\n", "\r\n", "\t", "\x01", "\x7f", "é", "日本", "🙂",
+          "[t]", '"""', "= 1"]  # fmt: skip
+
+
+def random_string(rng: random.Random) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 4)))
+
+
+SCALARS = {
+    bool: lambda rng: rng.random() < 0.5,
+    int: lambda rng: rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randint(-(10**9), 10**9)]),
+    float: lambda rng: rng.choice([0.0, -0.0, 5e-324, 1e300, math.inf, -math.inf, rng.uniform(-1, 1) * 1e9]),
+    str: random_string,
+}
+
+
+def random_scalar(rng: random.Random):
+    return SCALARS[rng.choice(list(SCALARS))](rng)
+
+
+def random_table(rng: random.Random, depth: int) -> dict:
+    """Nested tables as model.overrides may hold them: scalars, arrays (of tables too), tables."""
+    table = {}
+    for _ in range(rng.randint(0, 4)):
+        kind = rng.choice(["scalar", "array", "table", "tables"] if depth else ["scalar", "array"])
+        table[random_string(rng)] = {
+            "scalar": lambda: random_scalar(rng),
+            "array": lambda: [random_scalar(rng) for _ in range(rng.randint(0, 3))],
+            "table": lambda: random_table(rng, depth - 1),
+            "tables": lambda: [random_table(rng, depth - 1) for _ in range(rng.randint(1, 3))],
+        }[kind]()
+    return table
+
+
+def random_value(rng: random.Random, tp):
+    """A value of a recipe field's type: the schema's dataclasses, lists, tables, choices and scalars."""
+    if dataclasses.is_dataclass(tp):
+        return tp(**{name: random_value(rng, t) for name, t in typing.get_type_hints(tp).items()})
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return rng.choice(typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [random_value(rng, item) for _ in range(rng.randint(0, 3))]
+    if origin is dict:
+        return random_table(rng, depth=2)
+    return SCALARS[tp](rng)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_config_loads_back_from_its_toml_as_written(tmp_path, seed):
+    """Type-correct configs (validation is another matter) with mixtures, lists, nested overrides, empty and
+    awkward strings: load(write(config)) == config, and each value's one-line form reads back as itself."""
+    rng = random.Random(seed)
+    path = tmp_path / "config.toml"
+    for _ in range(100):
+        config = random_value(rng, Config)
+        config.job.recipe = config.job.recipe or "recipe.toml"  # an empty one is filled in with the file's path
+        path.write_text(to_toml(config), encoding="utf-8")
+        loaded = read_config(path)
+        assert loaded == config and to_toml(loaded) == to_toml(config)  # the same values, of the same types
+        for section in to_dict(config).values():
+            for value in section.values():
+                assert "\n" not in toml_value(value) and tomllib.loads(f"v = {toml_value(value)}")["v"] == value
+
+
+@pytest.mark.parametrize("recipe", [*sorted(p.name for p in (ROOT / "recipes").glob("*.toml")), "mixture"])
+def test_every_recipe_loads_back_from_its_resolved_toml(tmp_path, recipe):
+    path = tmp_path / "recipe.toml"
+    path.write_text(MIXTURE if recipe == "mixture" else (ROOT / "recipes" / recipe).read_text())
+    config = read_config(path)
+    path.write_text(to_toml(config))
+    assert read_config(path) == config
+
+
+def test_config_show_of_a_mixture_is_the_recipe_it_resolves(tmp_path):
+    """What a run saves as config.toml, and what `titan compare`, `generate` and `convert` parse."""
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(MIXTURE)
+    shown = run_titan("config", "show", "--config", str(recipe))
+    assert shown.returncode == 0, shown.stderr
+    resolved = tmp_path / "config.toml"
+    resolved.write_text(shown.stdout)
+    assert load_config(resolved) == load_config(recipe)
+    assert [s["weight"] for s in tomllib.loads(shown.stdout)["data"]["sources"]] == [3.0, 1.0]
+
+
+def test_a_mixture_share_no_blend_can_serve_is_refused_with_the_smallest_weight_that_works():
+    mixture = lambda weight: ["--data.sources", f'[{{source = "a"}}, {{source = "b", weight = {weight!r}}}]']
+    with pytest.raises(ConfigError, match="data.sources.1..weight = 1e-07") as refused:
+        load_config(None, mixture(1e-7))
+    smallest = float(re.search(r"at least (\S+),", str(refused.value)).group(1))
+    assert load_config(None, mixture(smallest)).data.sources[1].weight == smallest
+    with pytest.raises(ConfigError, match="at least"):
+        load_config(None, mixture(smallest / 1.02))  # the smallest to within 2%
 
 
 def test_int_is_accepted_for_a_float_but_not_a_bool_for_an_int():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import assert_one_line_error
+from titan.compare import load_run
 from titan.config import load_config
 from titan.data import IGNORE, build_loaders
 from titan.trainer import Trainer, build_model
@@ -97,6 +98,10 @@ weight = 1.0
     assert result.returncode == 0, result.stderr
     assert "data data/stories.jsonl:" in result.stderr and "weight 0.750, realised 0.750" in result.stderr
     assert f"data {other}:" in result.stderr and "weight 0.250, realised 0.250" in result.stderr
+    # The run's saved recipe is TOML that loads back, and what `titan compare` reads.
+    saved = load_config(tmp_path / "debug" / "config.toml").data.sources
+    assert [(s.source, s.weight) for s in saved] == [("data/stories.jsonl", 3.0), (str(other), 1.0)]
+    assert load_run(tmp_path / "debug").config["data.sources"][1]["source"] == str(other)
 
 
 def test_resuming_a_prepared_corpus_far_into_training_takes_well_under_a_second(tmp_path):

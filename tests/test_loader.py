@@ -1,6 +1,7 @@
 """The global sample order: one global batch per step whatever the layout, shuffled per epoch, resumable
 anywhere at once, blended across sources, with document boundaries and loss-bearing tokens exact."""
 
+import random
 import time
 
 import numpy as np
@@ -146,7 +147,7 @@ def test_resume_far_into_training_takes_well_under_a_second():
 
 
 def test_blend_serves_each_source_in_proportion_and_in_order():
-    blend = Blend([0.7, 0.2, 0.1], period=1000)
+    blend = Blend([0.7, 0.2, 0.1])
     n = 25_000
     located = [blend.locate(g) for g in range(n)]
     counts = np.bincount([s for s, _ in located], minlength=3)
@@ -154,6 +155,33 @@ def test_blend_serves_each_source_in_proportion_and_in_order():
     assert np.array_equal(counts, blend.counts(n))
     for source in range(3):  # each source's samples are used once each, in order
         assert [j for s, j in located if s == source] == list(range(counts[source]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_blend_gives_every_source_its_share_of_each_period_to_within_one_sample(seed):
+    """Counted sample by sample over a period: every source within one sample of weight / sum x period, even a
+    share far below 1/4096 (the period grows for it), and the next periods the same."""
+    rng = random.Random(seed)
+    weights = [
+        rng.choice([1.0, 3.0, rng.uniform(0.01, 10), 10 ** rng.uniform(-4, 0)]) for _ in range(rng.randint(1, 5))
+    ]
+    blend = Blend(weights)
+    counts = [0] * len(weights)
+    for g in range(blend.period):
+        source, index = blend.locate(g)
+        assert index == counts[source]  # each source's samples in order, each once
+        counts[source] += 1
+    exact = np.array(weights) / sum(weights) * blend.period
+    assert np.abs(np.array(counts) - exact).max() < 1 and min(counts) >= 1
+    assert blend.period == 4096 or min(exact) < 2  # a longer period only when a share needs it
+    for g in rng.sample(range(blend.period), 20):
+        source, index = blend.locate(g)
+        assert blend.locate(g + 3 * blend.period) == (source, index + 3 * counts[source])
+
+
+def test_a_share_below_one_sample_in_4096_still_gets_its_samples():
+    blend = Blend([1.0, 1e-4])  # once [4096, 0] per 4096 samples: none ever
+    assert blend.period == 16384 and blend.per_period.tolist() == [16382, 2]  # 1.64 due per period
 
 
 def test_a_mixture_reads_each_source_by_its_own_order():

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomli_w
 
 from titan.parallel.balance import data_shares, micro_batch_sizes
 
@@ -59,6 +63,23 @@ class DataSource:
     split: str = "train"  # the hub dataset's split
     subset: str = ""  # the hub dataset's configuration name, if it has several
     weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
+
+
+# A mixture's sources take turns in a pattern of samples, repeated (titan/data/loader.py's Blend), in which each
+# source has its share to within one sample. A share under one sample in BLEND_PERIOD would get none, so the
+# pattern doubles until every share has one: honoured rather than refused, as a longer pattern costs only memory
+# (16 bytes a sample); validate refuses a share that even MAX_BLEND_PERIOD cannot hold.
+BLEND_PERIOD, MAX_BLEND_PERIOD = 4096, 2**20
+
+
+def blend_period(weights: list[float]) -> int:
+    """Samples in one repeat of the blend pattern of sources with these weights."""
+    period = BLEND_PERIOD
+    while min(weights) / sum(weights) * period < 1:
+        if period >= MAX_BLEND_PERIOD:
+            raise ValueError(f"a mixture share of {min(weights) / sum(weights):.3g} is under 1/{MAX_BLEND_PERIOD}")
+        period *= 2
+    return period
 
 
 @dataclass
@@ -181,8 +202,8 @@ class Parallel:
     # Relative speed of each pipeline stage's devices, e.g. [1, 3]: layers are split to even out the stages'
     # times (titan/parallel/balance.py); used when pp_layers_per_stage is empty.
     pp_stage_speeds: list[float] = field(default_factory=list)
-    # With pp_stage_speeds: the GiB each stage may give its layers' weights, gradients and Adam moments
-    # (16 bytes per fp32 parameter); empty: no cap.
+    # The GiB each stage may give its layers' weights, gradients and Adam moments (16 bytes per fp32 parameter):
+    # the split by pp_stage_speeds (even speeds when that is empty) keeps within them; empty: no cap.
     pp_stage_memory_gib: list[float] = field(default_factory=list)
     # Relative speed of each data-parallel rank (HSDP: replica-major), e.g. [1, 3]: its share of the global
     # batch's rows; empty: even shares.
@@ -514,6 +535,19 @@ def validate(config: Config, world_size: int) -> None:
     for name in ("dp_replicate", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     require(
+        all(0 < x < math.inf for x in p.pp_stage_speeds),
+        f"parallel.pp_stage_speeds must all be > 0 and finite (relative speeds), got {p.pp_stage_speeds}",
+    )
+    require(
+        all(x > 0 for x in p.pp_stage_memory_gib),
+        f"parallel.pp_stage_memory_gib must all be GiB > 0, got {p.pp_stage_memory_gib}",
+    )
+    require(
+        not (p.pp_stage_memory_gib and p.pp_layers_per_stage),
+        "parallel.pp_stage_memory_gib caps the layer split titan chooses, but parallel.pp_layers_per_stage sets it; "
+        "leave one of them empty",
+    )
+    require(
         p.dp_shard >= 1 or p.dp_shard == -1,
         f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
     )
@@ -531,8 +565,14 @@ def validate(config: Config, world_size: int) -> None:
         )
         require(d.max_document_len >= 0, f"data.max_document_len must be >= 0 (0 = seq_len), got {d.max_document_len}")
         require(
-            len(d.cost_model) in (0, 3) and all(x >= 0 for x in d.cost_model),
-            f"data.cost_model must be [] (measure it) or three numbers >= 0 [a, b, c], got {d.cost_model}",
+            len(d.cost_model) in (0, 3) and all(0 <= x < math.inf for x in d.cost_model),
+            f"data.cost_model must be [] (measure it) or three finite numbers >= 0 [a, b, c], got {d.cost_model}",
+        )
+        require(
+            d.balance != "cost" or not d.cost_model or d.cost_model[0] > 0 or d.cost_model[1] > 0,
+            f"data.cost_model {d.cost_model} prices every document at 0 s (a·s² + b·s with a = b = 0), so "
+            "data.balance = 'cost' sends them all to rank 0; set a or b > 0 (e.g. [2e-6, 1e-4, 1e-3]), or [] to "
+            "measure them",
         )
         require(
             not config.compile.enable,
@@ -542,8 +582,22 @@ def validate(config: Config, world_size: int) -> None:
     for i, source in enumerate(d.sources):
         require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
         require(
-            source.weight > 0, f"data.sources[{i}].weight must be > 0 (a share of the mixture), got {source.weight}"
+            0 < source.weight < math.inf,
+            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
         )
+    if d.sources:
+        weights = [s.weight for s in d.sources]
+        try:
+            blend_period(weights)
+        except ValueError:
+            i = weights.index(min(weights))
+            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
+            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
+            raise ConfigError(
+                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
+                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
+                f"least {smallest:.3g}, or drop the source"
+            ) from None
     require(
         d.prepare_workers >= 0,
         f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
@@ -620,7 +674,10 @@ def validate(config: Config, world_size: int) -> None:
             f"parallel.dp_weights has {len(p.dp_weights)} entries but there are {dp} data-parallel ranks; "
             "give one weight per rank",
         )
-        require(all(w > 0 for w in p.dp_weights), f"parallel.dp_weights must all be > 0, got {p.dp_weights}")
+        require(
+            all(0 < w < math.inf for w in p.dp_weights),
+            f"parallel.dp_weights must all be > 0 and finite (relative speeds), got {p.dp_weights}",
+        )
     try:
         batch_plan(config, world_size)
     except ValueError as e:
@@ -733,27 +790,19 @@ def to_dict(config: Config) -> dict:
 
 
 def to_toml(config: Config) -> str:
-    """The resolved recipe as TOML, loadable again by load_config."""
-    lines = []
-    for section, values in to_dict(config).items():
-        lines.append(f"[{section}]")
-        nested = []
-        for key, value in values.items():
-            if isinstance(value, dict):
-                nested.append((key, value))
-            else:
-                lines.append(f"{key} = {toml_value(value)}")
-        for key, table in nested:
-            lines.append(f"{key} = {{ {', '.join(f'{k} = {toml_value(v)}' for k, v in table.items())} }}")
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved recipe as TOML, loadable again by load_config to the same Config (tests/test_config.py)."""
+    return tomli_w.dumps(to_dict(config))
 
 
 def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """One value as TOML on a single line, for the `key = value` hints of messages and `titan config keys`
+    (tomli-w spreads arrays over lines and writes tables as [sections], so only scalars go to it)."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
     if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return repr(value)
+        return "[" + ", ".join(map(toml_value, value)) + "]"
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").removesuffix("\n")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)

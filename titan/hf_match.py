@@ -52,7 +52,7 @@ def recipe_model(spec: models.ModelSpec, args, flavor: str | None = None) -> tup
 def model_toml(name: str, flavor: str, overrides: dict[str, Any]) -> str:
     lines = ["[model]", f"name = {toml_value(name)}", f"flavor = {toml_value(flavor)}"]
     if overrides:
-        lines.append("overrides = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in overrides.items()) + " }")
+        lines.append(f"overrides = {toml_value(overrides)}")
     return "\n".join(lines)
 
 
@@ -117,7 +117,5 @@ class _Hint:
         overrides = {k: v for k, v in overrides.items() if k not in _TRAINING_CHOICES}
         text = f"; to use it, set model.flavor = {toml_value(flavor)}"
         if overrides:
-            text += (
-                " and model.overrides = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in overrides.items()) + " }"
-            )
+            text += f" and model.overrides = {toml_value(overrides)}"
         return text

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from titan.config import ConfigError
+from titan.config import ConfigError, blend_period
 
 IGNORE = -100  # label of a token that carries no loss (F.cross_entropy's default ignore_index)
 
@@ -111,23 +111,23 @@ class PackedSamples:
 
 
 class Blend:
-    """Which source serves each global sample: a fixed pattern of `period` samples in which source d appears
-    in proportion to its weight (each slot goes to the source furthest below its share), repeated. Sample g
-    is then the n-th sample of its source with n known in O(1), so a mixture resumes anywhere at once."""
+    """Which source serves each global sample: a fixed pattern of `blend_period(weights)` samples, repeated, in
+    which each source serves its share of the period to within one sample (the largest remainders get the
+    samples that rounding down leaves), its k-th sample placed near (k + 1/2) / count of the way through.
+    Sample g is then the n-th sample of its source with n known in O(1), so a mixture resumes anywhere at once."""
 
-    def __init__(self, weights: list[float], period: int = 4096):
-        shares = np.asarray(weights, dtype=np.float64) / sum(weights)
-        self.period = period if len(weights) > 1 else 1
-        pattern, counts = np.empty(self.period, dtype=np.int64), np.zeros(len(weights), dtype=np.int64)
-        for slot in range(self.period):
-            source = int(np.argmax(shares * (slot + 1) - counts))
-            pattern[slot], counts[source] = source, counts[source] + 1
-        self.pattern, self.per_period = pattern, counts
-        # ordinal[slot]: how many earlier slots of the pattern went to the same source.
-        self.ordinal = np.zeros(self.period, dtype=np.int64)
-        for source in range(len(weights)):
-            slots = pattern == source
-            self.ordinal[slots] = np.arange(int(slots.sum()))
+    def __init__(self, weights: list[float]):
+        self.period = blend_period(weights)
+        exact = np.asarray(weights, dtype=np.float64) / sum(weights) * self.period
+        counts = np.floor(exact).astype(np.int64)
+        left = self.period - int(counts.sum())
+        counts[np.argsort(counts - exact, kind="stable")[:left]] += 1
+        # Each source's slots in order of their ideal places; a stable sort keeps every source's own order.
+        place = np.concatenate([(np.arange(n) + 0.5) / n for n in counts])
+        order = np.argsort(place, kind="stable")
+        self.pattern = np.repeat(np.arange(len(counts)), counts)[order]
+        self.ordinal = np.concatenate([np.arange(n) for n in counts])[order]  # earlier slots of the same source
+        self.per_period = counts
 
     def locate(self, sample: int) -> tuple[int, int]:
         """(source, that source's own sample index) of global sample `sample`."""

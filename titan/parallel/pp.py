@@ -33,25 +33,28 @@ def stages_per_rank(cfg: Parallel) -> int:
 
 
 def stage_layers(n_layers: int, cfg: Parallel, layer_gib: float = 0.0) -> list[list[int]]:
-    """Layer ids of every stage: the recipe's explicit counts, or an even split (earlier stages take the
-    remainder, since the last stage also carries the output head)."""
+    """Layer ids of every stage: the recipe's explicit counts, a split by stage speeds and memory caps, or an
+    even split (earlier stages take the remainder, since the last stage also carries the output head)."""
     n_stages = cfg.pp * stages_per_rank(cfg)
     if cfg.pp_schedule.lower() in V_SHAPED and stages_per_rank(cfg) != 2:
         raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} needs parallel.pp_stages_per_rank = 2")
     counts = cfg.pp_layers_per_stage
-    if not counts and cfg.pp_stage_speeds:
-        if len(cfg.pp_stage_speeds) != n_stages or min(cfg.pp_stage_speeds) <= 0:
+    if not counts and n_stages > n_layers:
+        raise ConfigError(
+            f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the "
+            f"model has {n_layers}"
+        )
+    if not counts and (cfg.pp_stage_speeds or cfg.pp_stage_memory_gib):
+        speeds = cfg.pp_stage_speeds or [1.0] * n_stages  # memory caps alone bound a split of even speeds
+        if len(speeds) != n_stages or min(speeds) <= 0:
             raise ConfigError(
-                f"parallel.pp_stage_speeds {cfg.pp_stage_speeds} must list {n_stages} positive speeds "
-                "(pp x stages per rank)"
+                f"parallel.pp_stage_speeds {speeds} must list {n_stages} positive speeds (pp x stages per rank)"
             )
-        if n_stages > n_layers:
-            raise ConfigError(f"parallel.pp_stage_speeds: {n_stages} stages need {n_layers} layers at least")
         caps = cfg.pp_stage_memory_gib or None
         if caps is not None and len(caps) != n_stages:
             raise ConfigError(f"parallel.pp_stage_memory_gib {caps} must list {n_stages} caps, one per stage")
         try:
-            counts = layer_split([1.0] * n_layers, cfg.pp_stage_speeds, [layer_gib] * n_layers, caps)
+            counts = layer_split([1.0] * n_layers, speeds, [layer_gib] * n_layers, caps)
         except ValueError:
             raise ConfigError(
                 f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({layer_gib:.3g} GiB of "
@@ -65,11 +68,6 @@ def stage_layers(n_layers: int, cfg: Parallel, layer_gib: float = 0.0) -> list[l
                 f"summing to the model's {n_layers} layers"
             )
     else:
-        if n_stages > n_layers:
-            raise ConfigError(
-                f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the "
-                f"model has {n_layers}"
-            )
         counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
     starts = [sum(counts[:s]) for s in range(n_stages)]
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
