@@ -30,7 +30,7 @@ from titan.float8 import precompute_scales as precompute_float8_scales
 from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
 from titan.parallel import pp
-from titan.parallel.balance import layer_split
+from titan.parallel.balance import data_shares, layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, stage_activations
 from titan.parallel.rng import Dropout
@@ -117,7 +117,8 @@ class Trainer:
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
         self.dp_rank = dp_rank
         # Each data-parallel rank's micro-batch sizes: its contiguous share of every global batch.
-        plan = batch_plan(config, self.world_size)
+        self.pipeline_microbatches = pp.microbatches(config.parallel) if self.layout.pp > 1 else 0
+        plan = self._batch_plan()
         self.global_batch = sum(map(sum, plan))
         self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
         self.loader, self.validation_loader = build_loaders(
@@ -270,7 +271,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.schedule = None
         if self.layout.pp > 1:
-            n_microbatches = pp.microbatches(config.parallel, self.micro_batch_size)
+            n_microbatches = self.pipeline_microbatches
             # What the stages exchange for one micro-batch, so that the schedule need not run one to find out.
             # Packed documents come as one row of as many tokens, but evaluation reads rows: with both, torch
             # finds the shapes of each itself.
@@ -345,7 +346,7 @@ class Trainer:
                 "position, and packing places a document differently on every layout; set the model's "
                 "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
             )
-        pipeline_rows = pp.microbatches(p, self.micro_batch_size) if layout.pp > 1 else 0
+        pipeline_rows = self.pipeline_microbatches
         rows = self.micro_batch_size // pipeline_rows if pipeline_rows else t.local_batch_size
         capacity = rows * t.seq_len
         max_len = d.max_document_len or t.seq_len
@@ -403,10 +404,14 @@ class Trainer:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
         return range(start, start + sum(plan[self.dp_rank]))
 
+    def _batch_plan(self, weights: list[float] | None = None) -> list[list[int]]:
+        return batch_plan(self.config, self.world_size, weights, self.pipeline_microbatches)
+
     def apply_plan(self, weights: list[float]) -> list[list[int]]:
         """Share the global batch's rows by `weights` from the next step on (every rank calls this with the
-        same weights). Nothing moves: each rank reads other rows of the same global batches."""
-        plan = batch_plan(self.config, self.world_size, weights)
+        same weights), as closely as micro-batches allow. Nothing moves: each rank reads other rows of the same
+        global batches."""
+        plan = self._batch_plan(weights)
         for loader in (self.loader, self.validation_loader):
             if isinstance(loader, DocumentBatchLoader):
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
@@ -443,11 +448,17 @@ class Trainer:
             )  # fmt: skip
             return
         rows = [sum(sizes) for sizes in self.apply_plan(weights)]
+        asked = data_shares(sum(rows), weights)
+        slowest = lambda shares: max(r / w for r, w in zip(shares, weights))  # noqa: E731
         log.info(
-            "step %d: data-parallel speeds %s: rows per rank now %s",
+            "step %d: data-parallel speeds %s: rows per rank now %s%s",
             self.step,
             " ".join(f"{w:.2f}" for w in weights),
             " ".join(map(str, rows)),
+            ""
+            if slowest(rows) <= slowest(asked) * (1 + 1e-9)
+            else f" (the speeds ask for {' '.join(map(str, asked))}; micro-batches of 1 to training.local_batch_size "
+            f"{self.config.training.local_batch_size} rows, as many on every rank, allow no closer plan)",
         )
         self.metrics.log(
             self.step, {"replan": 1, **{f"dp_weight_{i}": w for i, w in enumerate(weights)},

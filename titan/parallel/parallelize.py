@@ -75,13 +75,14 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     if layout.pp > 1:
         with torch.device("meta"):
             pp.stage_layers(args.n_layers, p, layer_gib(spec.build(args), spec))
-        for sizes in batch_plan(config, layout.world_size):
-            if len(set(sizes)) > 1:  # the schedule's buffers take the first micro-batch's shape
-                raise ConfigError(
-                    f"with parallel.pp > 1 each rank's micro-batches must have equal rows, but one rank gets {sizes}; "
-                    "make training.global_batch_size a multiple of local_batch_size x data-parallel size"
-                )
-            pp.microbatches(p, sizes[0])
+        n = pp.microbatches(p)
+        try:
+            batch_plan(config, layout.world_size, pipeline=n)
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.pp_microbatches ({n}) with training.local_batch_size ({config.training.local_batch_size}): "
+                f"{e}; make training.global_batch_size a multiple of pp_microbatches x data-parallel size"
+            ) from None
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.

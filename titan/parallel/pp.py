@@ -83,21 +83,18 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
 
 def micro_batch_shape(config: Config, layout: Layout) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
-    sizes = batch_plan(config, layout.world_size)
+    pipeline = microbatches(config.parallel) if layout.pp > 1 else 0
+    sizes = batch_plan(config, layout.world_size, pipeline=pipeline)
     rows, count = max(map(max, sizes)), len(sizes[0])
-    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
-        count = microbatches(config.parallel, rows)
-        rows //= count
+    if pipeline:  # the pipeline cuts each rank's batch into its own micro-batches
+        rows, count = rows // pipeline, pipeline
     return rows, count
 
 
-def microbatches(cfg: Parallel, local_batch_size: int) -> int:
+def microbatches(cfg: Parallel) -> int:
+    """The schedule's micro-batches per micro-batch of the data-parallel plan (batch_plan gives each rank
+    micro-batches of a multiple of this many rows)."""
     n = cfg.pp_microbatches or cfg.pp * stages_per_rank(cfg)
-    if local_batch_size % n:
-        raise ConfigError(
-            f"training.local_batch_size ({local_batch_size}) must divide into parallel.pp_microbatches ({n}) "
-            "micro-batches"
-        )
     if n < cfg.pp:
         raise ConfigError(
             f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline"
