@@ -457,8 +457,9 @@ class Trainer:
             " ".join(map(str, rows)),
             ""
             if slowest(rows) <= slowest(asked) * (1 + 1e-9)
-            else f" (the speeds ask for {' '.join(map(str, asked))}; micro-batches of 1 to training.local_batch_size "
-            f"{self.config.training.local_batch_size} rows, as many on every rank, allow no closer plan)",
+            else f" (the speeds ask for {' '.join(map(str, asked))}; micro-batches of at most "
+            f"training.local_batch_size ({self.config.training.local_batch_size}) rows, as many on every rank, allow "
+            "no closer plan)",
         )
         self.metrics.log(
             self.step, {"replan": 1, **{f"dp_weight_{i}": w for i, w in enumerate(weights)},
