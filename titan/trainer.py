@@ -35,7 +35,7 @@ from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, stage_activations
 from titan.parallel.rng import Dropout
 from titan.profiling import Profiler, StepClock
-from titan.straggler import Probe, StragglerDetector, gather_times
+from titan.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
 
@@ -177,7 +177,13 @@ class Trainer:
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
-        # A re-planned run resumes with the plan in force when it stopped.
+        # A re-planned run resumes with the plan in force when it stopped, if it runs on the layout and devices
+        # that plan was measured on; else it starts from the recipe's plan and measures again.
+        self.measured_on = {"layout": dataclasses.asdict(self.layout), "devices": self._rank_devices()}
+        foreign = foreign_plan(self.plan.get("measured_on"), self.measured_on) if self.plan else None
+        if foreign:
+            log.info("the checkpoint's re-plan is dropped (%s): starting from the recipe's plan", foreign)
+            self.plan.clear()
         if self.plan.get("dp_weights"):
             self.apply_plan(self.plan["dp_weights"])
         if (
@@ -311,6 +317,7 @@ class Trainer:
             folder = self.checkpointer.folder / f".resplit-step-{self.step}"
             self.checkpointer.save_tensors(folder)
         self.config.parallel.pp_layers_per_stage = self.plan["pp_layers_per_stage"] = list(layers_per_stage)
+        self.plan["measured_on"] = self.measured_on
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
         if point_to_point:
@@ -400,6 +407,15 @@ class Trainer:
         log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
         return float(seconds)
 
+    def _rank_devices(self) -> list[str]:
+        """Each rank's device, in rank order: its host and local rank (under torchrun, the node and its GPU)."""
+        mine = f"{platform.node()}:{os.environ.get('LOCAL_RANK', '0')}"
+        if self.control_group is None:
+            return [mine]
+        devices = [""] * self.world_size
+        dist.all_gather_object(devices, mine, group=self.control_group)
+        return devices
+
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
         return range(start, start + sum(plan[self.dp_rank]))
@@ -417,7 +433,7 @@ class Trainer:
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
             elif loader is not None:
                 loader.assign(self._rows_of(plan), plan[self.dp_rank])
-        self.plan["dp_weights"] = list(weights)
+        self.plan["dp_weights"], self.plan["measured_on"] = list(weights), self.measured_on
         self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
         return plan
 
