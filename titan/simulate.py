@@ -47,7 +47,8 @@ class Scenario:
         return self.devices // (self.tp * self.pp)
 
     def shares(self, weights: list[float]) -> list[int]:
-        """The trainer's plan for these replica speeds (a pipeline of pp stages runs pp micro-batches at once)."""
+        """The trainer's plan for these replica speeds (under a pipeline, titan's default of pp schedule
+        micro-batches in each micro-batch)."""
         return plan_shares(self.global_rows, weights, self.local_batch_size, self.pp if self.pp > 1 else 0)
 
 

@@ -139,11 +139,9 @@ def plan_shares(rows: int, weights: list[float], cap: int, pipeline: int = 0) ->
 
 
 def _cannot_be_cut(ranks: int, cap: int, pipeline: int) -> str:
-    each = (
-        f"a multiple of {pipeline} rows (the pipeline's micro-batches) and at most {cap}"
-        if pipeline
-        else (f"of at most {cap} row{'s' if cap > 1 else ''}")
-    )
+    each = f"of at most {cap} row{'s' if cap > 1 else ''}"
+    if pipeline:
+        each = f"a multiple of {pipeline} rows (the pipeline's micro-batches) and at most {cap}"
     return f"cannot be cut into the same number of micro-batches on every data-parallel rank ({ranks}), each {each}"
 
 
