@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan import __version__, models
 from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
-from titan.config import Config, ConfigError, Layout, batch_plan, math_values, to_toml
+from titan.config import Config, ConfigError, Layout, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
@@ -118,7 +118,7 @@ class Trainer:
         self.dp_rank = dp_rank
         # Each data-parallel rank's micro-batch sizes: its contiguous share of every global batch.
         self.pipeline_microbatches = pp.microbatches(config.parallel) if self.layout.pp > 1 else 0
-        plan = self._batch_plan()
+        plan = pp.batch_plan_for(config, self.layout)
         self.global_batch = sum(map(sum, plan))
         self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
         self.loader, self.validation_loader = build_loaders(
@@ -420,14 +420,11 @@ class Trainer:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
         return range(start, start + sum(plan[self.dp_rank]))
 
-    def _batch_plan(self, weights: list[float] | None = None) -> list[list[int]]:
-        return batch_plan(self.config, self.world_size, weights, self.pipeline_microbatches)
-
     def apply_plan(self, weights: list[float]) -> list[list[int]]:
         """Share the global batch's rows by `weights` from the next step on (every rank calls this with the
         same weights), as closely as micro-batches allow. Nothing moves: each rank reads other rows of the same
         global batches."""
-        plan = self._batch_plan(weights)
+        plan = pp.batch_plan_for(self.config, self.layout, weights)
         for loader in (self.loader, self.validation_loader):
             if isinstance(loader, DocumentBatchLoader):
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds

@@ -81,13 +81,28 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
 
 
+def batch_plan_for(config: Config, layout: Layout, weights: list[float] | None = None) -> list[list[int]]:
+    """batch_plan on this layout: under a pipeline, micro-batches its schedule can cut (a recipe without any is a
+    ConfigError)."""
+    if layout.pp == 1:
+        return batch_plan(config, layout.world_size, weights)
+    n = microbatches(config.parallel)
+    try:
+        return batch_plan(config, layout.world_size, weights, n)
+    except ValueError as e:
+        raise ConfigError(
+            f"parallel.pp_microbatches ({n}) with training.local_batch_size ({config.training.local_batch_size}): "
+            f"{e}; make training.global_batch_size a multiple of pp_microbatches x data-parallel size"
+        ) from None
+
+
 def micro_batch_shape(config: Config, layout: Layout) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
-    pipeline = microbatches(config.parallel) if layout.pp > 1 else 0
-    sizes = batch_plan(config, layout.world_size, pipeline=pipeline)
+    sizes = batch_plan_for(config, layout)
     rows, count = max(map(max, sizes)), len(sizes[0])
-    if pipeline:  # the pipeline cuts each rank's batch into its own micro-batches
-        rows, count = rows // pipeline, pipeline
+    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
+        count = microbatches(config.parallel)
+        rows //= count
     return rows, count
 
 
