@@ -209,12 +209,12 @@ CASES = [
         ["global_batch_size (3)", "4 data-parallel", "at least 1"],
     ),
     (
-        "uneven weights too uneven",
+        "global batch in no equal count of micro-batches",
         "show",
-        ["--training.global_batch_size", "10", "--training.local_batch_size", "3", "--parallel.dp_weights", "[1, 9]"],
+        ["--training.global_batch_size", "10", "--training.local_batch_size", "1"],
         None,
-        {"WORLD_SIZE": "2"},
-        ["weighted [1.0, 9.0]", "3 micro-batches", "only 1 rows"],
+        {"WORLD_SIZE": "4"},
+        ["global_batch_size (10)", "4 data-parallel", "same number of micro-batches", "at most 1 row"],
     ),
     (
         "dp_weights count",

@@ -1,4 +1,5 @@
-"""The planners against brute force: rows per data-parallel rank, micro-batches, layers per stage."""
+"""The planners against brute force: rows per data-parallel rank, micro-batches, layers per stage; and every
+re-plan the trainer can run."""
 
 import itertools
 import math
@@ -6,7 +7,8 @@ import random
 
 import pytest
 
-from titan.parallel.balance import data_shares, layer_split, micro_batch_sizes
+from titan.config import Config, batch_plan
+from titan.parallel.balance import data_shares, layer_split, micro_batch_sizes, plan_shares, runnable_counts
 
 
 def compositions(total: int, parts: int, least: int):
@@ -16,16 +18,21 @@ def compositions(total: int, parts: int, least: int):
         yield [bounds[k + 1] - bounds[k] - 1 + least for k in range(parts)]
 
 
+def slowest(shares, weights) -> float:
+    return max(r / w for r, w in zip(shares, weights))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_data_shares_minimise_the_slowest_rank_as_brute_force_does(seed):
     rng = random.Random(seed)
     ranks, least = rng.randint(1, 4), rng.randint(0, 2)
     rows = rng.randint(ranks * least, 14)
+    most = rng.choice([None, rng.randint(max(least, math.ceil(rows / ranks)), 14)])
     weights = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0, rng.uniform(0.2, 4)]) for _ in range(ranks)]
-    shares = data_shares(rows, weights, least)
-    assert sum(shares) == rows and min(shares) >= least
-    best = min(max(r / w for r, w in zip(c, weights)) for c in compositions(rows, ranks, least))
-    assert max(r / w for r, w in zip(shares, weights)) == pytest.approx(best, rel=1e-12)
+    shares = data_shares(rows, weights, least, most)
+    assert sum(shares) == rows and min(shares) >= least and max(shares) <= (most or rows)
+    best = min(slowest(c, weights) for c in compositions(rows, ranks, least) if max(c) <= (most or rows))
+    assert slowest(shares, weights) == pytest.approx(best, rel=1e-12)
 
 
 def test_data_shares_in_proportion_and_even_when_weights_are():
@@ -42,8 +49,83 @@ def test_micro_batches_are_as_many_on_every_rank_and_within_the_cap():
         sizes = micro_batch_sizes(shares, cap)
         assert len({len(s) for s in sizes}) == 1 and all(max(s) <= cap for s in sizes)
         assert [sum(s) for s in sizes] == shares and all(max(s) - min(s) <= 1 for s in sizes)
-    with pytest.raises(ValueError, match="only 1 rows"):
+    with pytest.raises(ValueError, match=r"\[1, 9\] rows cannot be cut into the same number of micro-batches"):
         micro_batch_sizes([1, 9], cap=3)
+    assert micro_batch_sizes([4, 8], cap=4, pipeline=2) == [[2, 2], [4, 4]]  # equal, a multiple of 2 rows
+    with pytest.raises(ValueError, match="a multiple of 2 rows"):
+        micro_batch_sizes([4, 6], cap=4, pipeline=2)  # 6 rows are 3 micro-batches of 2, 4 rows not
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_shares_is_the_fastest_runnable_plan_as_brute_force_finds(seed):
+    """Among every composition of the rows that some count of micro-batches runs: the smallest max(rows / speed),
+    and of those the fewest micro-batches; and no plan exactly when no composition runs."""
+    rng = random.Random(seed)
+    ranks, cap, pipeline = rng.randint(1, 4), rng.randint(1, 5), rng.choice([0, 0, 2, 3])
+    rows = rng.randint(ranks, 16)
+    weights = [rng.choice([1.0, 1 / 3, 0.5, rng.uniform(1 / 8, 1)]) for _ in range(ranks)]
+    runnable = [c for c in compositions(rows, ranks, 1) if runnable_counts(c, cap, pipeline)]
+    if not runnable:
+        with pytest.raises(ValueError, match="cannot be cut into the same number of micro-batches"):
+            plan_shares(rows, weights, cap, pipeline)
+        return
+    shares = plan_shares(rows, weights, cap, pipeline)
+    best = min(slowest(c, weights) for c in runnable)
+    assert slowest(shares, weights) == pytest.approx(best, rel=1e-12)
+    fewest = min(runnable_counts(c, cap, pipeline)[0] for c in runnable if slowest(c, weights) <= best * (1 + 1e-12))
+    assert runnable_counts(shares, cap, pipeline)[0] == fewest
+
+
+def test_at_one_row_per_micro_batch_no_rows_move_and_at_two_some_do():
+    """The issue's case: 16 rows on 2 ranks, the second at 0.45 of the first's speed. The speeds ask for 11 and
+    5 rows, which no count of one-row micro-batches runs on both ranks."""
+    assert data_shares(16, [1.0, 0.45]) == [11, 5]
+    assert micro_batch_sizes(plan_shares(16, [1.0, 0.45], cap=1), cap=1) == [[1] * 8, [1] * 8]
+    assert micro_batch_sizes(plan_shares(16, [1.0, 0.45], cap=2), cap=2) == [[2] * 5, [2, 1, 1, 1, 1]]  # 10, 6
+    assert micro_batch_sizes(plan_shares(16, [1.0, 0.45], cap=8), cap=8) == [[6, 5], [3, 2]]  # 11, 5
+
+
+def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
+    """Property test: random data-parallel sizes 2-128, global batches 8-4,096, local batches 1-8, speeds from 1
+    to 8x slower, with and without pipelines. Whenever the recipe runs at all (its even plan), the plan for any
+    speeds is one the trainer runs: batch_plan, through which apply_plan re-plans, returns it, and it holds
+    every rank's rows in as many micro-batches of 1 to local_batch_size rows (under a pipeline, equal ones of a
+    multiple of the schedule's micro-batches)."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(1500):
+        config = Config()
+        t, p = config.training, config.parallel
+        dp, pipeline = round(2 ** rng.uniform(1, 7)), rng.choice([0, 0, 2, 4])
+        t.local_batch_size = rng.randint(max(1, pipeline), 8)
+        t.global_batch_size = rng.randint(8, 4096)
+        if pipeline:
+            p.pp, p.pp_microbatches = 2, pipeline
+            t.global_batch_size = max(8, t.global_batch_size // (pipeline * dp) * pipeline * dp)
+        p.dp_shard, world = dp, dp * p.pp
+        slow = rng.choice(["one", "some", "all"])
+        weights = [1.0] * dp
+        for i in rng.sample(range(dp), {"one": 1, "some": max(1, dp // 4), "all": dp}[slow]):
+            weights[i] = 1 / rng.uniform(1, 8)
+        try:
+            batch_plan(config, world, pipeline=pipeline)
+        except ValueError:  # the recipe is refused before training; so is every other plan
+            with pytest.raises(ValueError):
+                batch_plan(config, world, weights, pipeline)
+            continue
+        plan = batch_plan(config, world, weights, pipeline)
+        checked += 1
+        assert sum(map(sum, plan)) == t.global_batch_size and len(plan) == dp
+        assert len({len(sizes) for sizes in plan}) == 1  # FSDP's collectives in step on every rank
+        assert all(1 <= size <= t.local_batch_size for sizes in plan for size in sizes)
+        if pipeline:
+            assert all(len(set(sizes)) == 1 and sizes[0] % pipeline == 0 for sizes in plan)
+        shares = [sum(sizes) for sizes in plan]
+        assert plan_shares(t.global_batch_size, weights, t.local_batch_size, pipeline) == shares
+        # Never slower than the even plan: a re-plan only helps.
+        even = [sum(sizes) for sizes in batch_plan(config, world, pipeline=pipeline)]
+        assert slowest(shares, weights) <= slowest(even, weights) * (1 + 1e-12)
+    assert checked >= 1000
 
 
 def stage_time(counts, costs, speeds):

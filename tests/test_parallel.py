@@ -183,7 +183,7 @@ def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
     for part in trainer.model_parts.parts:
         part.register_forward_pre_hook(lambda *_: forwards.append(1))
     loss = trainer.train_step(next(trainer.loader))[0].item()
-    needed = len(trainer.model_parts.parts) * pp.microbatches(trainer.config.parallel, trainer.micro_batch_size)
+    needed = len(trainer.model_parts.parts) * pp.microbatches(trainer.config.parallel)
     return len(forwards), needed, loss
 
 

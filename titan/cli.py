@@ -341,6 +341,7 @@ def simulate_stragglers(
     tp: int = typer.Option(8, help="Tensor-parallel degree."),
     pp: int = typer.Option(1, help="Pipeline-parallel degree."),
     steps: int = typer.Option(300, help="Training steps to simulate."),
+    local_batch_size: int = typer.Option(8, help="Most rows per micro-batch (4,096 rows per step)."),
     slow_factor: float = typer.Option(3.0, help="One device this many times slower ..."),
     slow_start: int = typer.Option(50, help="... from this step ..."),
     slow_end: int = typer.Option(150, help="... to this one."),
@@ -352,10 +353,16 @@ def simulate_stragglers(
 
     if devices % (tp * pp):
         _fail(f"--devices {devices} is not a multiple of --tp x --pp = {tp * pp}")
-    s = Scenario(devices, tp, pp, steps, slow_factor=slow_factor, slow_start=slow_start, slow_end=slow_end,
-                 blip_rate=blip_rate, seed=seed)  # fmt: skip
-    results = compare(s)
-    typer.echo(f"{s.devices} devices, {s.replicas} data-parallel replicas of tp {tp} x pp {pp}, {steps} steps")
+    s = Scenario(devices, tp, pp, steps, local_batch_size=local_batch_size, slow_factor=slow_factor,
+                 slow_start=slow_start, slow_end=slow_end, blip_rate=blip_rate, seed=seed)  # fmt: skip
+    try:
+        results = compare(s)
+    except ValueError as e:
+        _fail(f"no runnable plan: {e}")
+    typer.echo(
+        f"{s.devices} devices, {s.replicas} data-parallel replicas of tp {tp} x pp {pp}, {steps} steps, "
+        f"micro-batches of at most {local_batch_size} rows"
+    )
     typer.echo(f"{'policy':<8}{'rows/s':>10}{'slow phase rows/s':>19}{'re-plans':>10}")
     for policy, r in results.items():
         typer.echo(f"{policy:<8}{r['rows_per_s']:>10,.0f}{r['slow_phase_rows_per_s']:>19,.0f}{r['replans']:>10}")

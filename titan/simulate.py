@@ -2,11 +2,13 @@
 
 N devices in a dp x tp x pp layout train synchronously: a data-parallel replica (tp x pp devices) runs at the
 speed of its slowest device, and a step takes as long as the slowest replica needs for its rows. Three
-policies share the global batch's rows between replicas:
+policies share the global batch's rows between replicas, each with plan_shares (titan/parallel/balance.py), so
+only plans the trainer can run: micro-batches of 1 to `local_batch_size` rows, as many on every replica (and
+under a pipeline, of a multiple of pp rows):
 - static: even shares, always;
-- titan: the StragglerDetector of titan/straggler.py on noisy probe times, re-planning with data_shares and
-  paying `replan_cost_s` for each re-plan;
-- oracle: the min-max shares for the true speeds of every step, at no cost.
+- titan: the StragglerDetector of titan/straggler.py on noisy probe times, re-planning for the speeds it
+  measured and paying `replan_cost_s` for each re-plan;
+- oracle: the best runnable shares for the true speeds of every step, at no cost.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from titan.parallel.balance import data_shares
+from titan.parallel.balance import plan_shares
 from titan.straggler import StragglerDetector
 
 
@@ -25,6 +27,7 @@ class Scenario:
     pp: int = 1
     steps: int = 300
     global_rows: int = 4096
+    local_batch_size: int = 8  # most rows per micro-batch (each replica runs as many micro-batches)
     row_time_s: float = 0.01  # one row's forward and backward on a device at full speed
     comm_s: float = 0.05  # the step's collectives, the same for every policy
     replan_cost_s: float = 0.1
@@ -42,6 +45,11 @@ class Scenario:
     @property
     def replicas(self) -> int:
         return self.devices // (self.tp * self.pp)
+
+    def shares(self, weights: list[float]) -> list[int]:
+        """The trainer's plan for these replica speeds (under a pipeline, titan's default of pp schedule
+        micro-batches in each micro-batch)."""
+        return plan_shares(self.global_rows, weights, self.local_batch_size, self.pp if self.pp > 1 else 0)
 
 
 def speed_trace(s: Scenario) -> list[list[float]]:
@@ -65,19 +73,18 @@ def speed_trace(s: Scenario) -> list[list[float]]:
 def run_policy(s: Scenario, trace: list[list[float]], policy: str) -> tuple[list[float], int]:
     """Step times under `policy`, and the number of re-plans."""
     rng = random.Random(s.seed + 1)
-    even = [1.0] * s.replicas
-    shares = data_shares(s.global_rows, even)
+    shares = s.shares([1.0] * s.replicas)
     detector = StragglerDetector(s.replicas)
     replans, times = 0, []
     for speeds in trace:
         extra = 0.0
         if policy == "oracle":
-            shares = data_shares(s.global_rows, speeds)
+            shares = s.shares(speeds)
         elif policy == "titan":
             probes = [(1 + rng.uniform(-s.probe_noise, s.probe_noise)) / v for v in speeds]
             weights = detector.update(probes)
             if weights is not None:
-                shares, replans, extra = data_shares(s.global_rows, weights), replans + 1, s.replan_cost_s
+                shares, replans, extra = s.shares(weights), replans + 1, s.replan_cost_s
         compute = max(rows * s.row_time_s / v for rows, v in zip(shares, speeds))
         times.append(compute + s.comm_s + extra)
     return times, replans

@@ -16,6 +16,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from titan.config import Layout
+
 
 class StragglerDetector:
     """Turns probe times (seconds, one per rank, the same work on each) into data-parallel weights.
@@ -81,3 +83,19 @@ def gather_times(seconds: float, index: int, count: int, device: torch.device) -
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return times.tolist()
+
+
+def foreign_plan(measured_on: dict | None, here: dict) -> str | None:
+    """Why a saved re-plan does not hold for this run, or None when it does. `measured_on` and `here`: the
+    layout (degrees) and each rank's device (host and local rank), in rank order, of the run that measured the
+    speeds and of this one. On another layout the plan's weights or layer counts do not fit the ranks; on other
+    devices (another allocation, or the same hosts in another order) they would slow a healthy one."""
+    if measured_on is None:
+        return "it does not say which devices it was measured on"
+    if measured_on["layout"] != here["layout"]:
+        saved, current = (Layout(**x["layout"]).name for x in (measured_on, here))
+        return f"it was measured on layout {saved} and this run is {current}"
+    if measured_on["devices"] != here["devices"]:
+        moved = sum(a != b for a, b in zip(measured_on["devices"], here["devices"]))
+        return f"{moved} of the {len(here['devices'])} ranks are on other devices (host:local rank) than it measured"
+    return None

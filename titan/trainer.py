@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan import __version__, models
 from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
-from titan.config import Config, ConfigError, Layout, batch_plan, math_values, to_toml
+from titan.config import Config, ConfigError, Layout, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
@@ -37,12 +37,12 @@ from titan.optim import (
     skip_if_nonfinite,
 )
 from titan.parallel import pp
-from titan.parallel.balance import layer_split
+from titan.parallel.balance import data_shares, layer_split
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, stage_activations
 from titan.parallel.rng import Dropout
 from titan.profiling import Profiler, StepClock
-from titan.straggler import Probe, StragglerDetector, gather_times
+from titan.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
 
@@ -124,7 +124,8 @@ class Trainer:
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
         self.dp_rank = dp_rank
         # Each data-parallel rank's micro-batch sizes: its contiguous share of every global batch.
-        plan = batch_plan(config, self.world_size)
+        self.pipeline_microbatches = pp.microbatches(config.parallel) if self.layout.pp > 1 else 0
+        plan = pp.batch_plan_for(config, self.layout)
         self.global_batch = sum(map(sum, plan))
         self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
         self.loader, self.validation_loader = build_loaders(
@@ -183,7 +184,13 @@ class Trainer:
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
-        # A re-planned run resumes with the plan in force when it stopped.
+        # A re-planned run resumes with the plan in force when it stopped, if it runs on the layout and devices
+        # that plan was measured on; else it starts from the recipe's plan and measures again.
+        self.measured_on = {"layout": dataclasses.asdict(self.layout), "devices": self._rank_devices()}
+        foreign = foreign_plan(self.plan.get("measured_on"), self.measured_on) if self.plan else None
+        if foreign:
+            log.info("the checkpoint's re-plan is dropped (%s): starting from the recipe's plan", foreign)
+            self.plan.clear()
         if self.plan.get("dp_weights"):
             self.apply_plan(self.plan["dp_weights"])
         if (
@@ -277,7 +284,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.schedule = None
         if self.layout.pp > 1:
-            n_microbatches = pp.microbatches(config.parallel, self.micro_batch_size)
+            n_microbatches = self.pipeline_microbatches
             # What the stages exchange for one micro-batch, so that the schedule need not run one to find out.
             # Packed documents come as one row of as many tokens, but evaluation reads rows: with both, torch
             # finds the shapes of each itself.
@@ -317,6 +324,7 @@ class Trainer:
             folder = self.checkpointer.folder / f".resplit-step-{self.step}"
             self.checkpointer.save_tensors(folder)
         self.config.parallel.pp_layers_per_stage = self.plan["pp_layers_per_stage"] = list(layers_per_stage)
+        self.plan["measured_on"] = self.measured_on
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
         if point_to_point:
@@ -352,7 +360,7 @@ class Trainer:
                 "position, and packing places a document differently on every layout; set the model's "
                 "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
             )
-        pipeline_rows = pp.microbatches(p, self.micro_batch_size) if layout.pp > 1 else 0
+        pipeline_rows = self.pipeline_microbatches
         rows = self.micro_batch_size // pipeline_rows if pipeline_rows else t.local_batch_size
         capacity = rows * t.seq_len
         max_len = d.max_document_len or t.seq_len
@@ -406,20 +414,30 @@ class Trainer:
         log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
         return float(seconds)
 
+    def _rank_devices(self) -> list[str]:
+        """Each rank's device, in rank order: its host and local rank (under torchrun, the node and its GPU)."""
+        mine = f"{platform.node()}:{os.environ.get('LOCAL_RANK', '0')}"
+        if self.control_group is None:
+            return [mine]
+        devices = [""] * self.world_size
+        dist.all_gather_object(devices, mine, group=self.control_group)
+        return devices
+
     def _rows_of(self, plan: list[list[int]]) -> range:
         start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
         return range(start, start + sum(plan[self.dp_rank]))
 
     def apply_plan(self, weights: list[float]) -> list[list[int]]:
         """Share the global batch's rows by `weights` from the next step on (every rank calls this with the
-        same weights). Nothing moves: each rank reads other rows of the same global batches."""
-        plan = batch_plan(self.config, self.world_size, weights)
+        same weights), as closely as micro-batches allow. Nothing moves: each rank reads other rows of the same
+        global batches."""
+        plan = pp.batch_plan_for(self.config, self.layout, weights)
         for loader in (self.loader, self.validation_loader):
             if isinstance(loader, DocumentBatchLoader):
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
             elif loader is not None:
                 loader.assign(self._rows_of(plan), plan[self.dp_rank])
-        self.plan["dp_weights"] = list(weights)
+        self.plan["dp_weights"], self.plan["measured_on"] = list(weights), self.measured_on
         self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
         return plan
 
@@ -450,11 +468,18 @@ class Trainer:
             )  # fmt: skip
             return
         rows = [sum(sizes) for sizes in self.apply_plan(weights)]
+        asked = data_shares(sum(rows), weights)
+        slowest = lambda shares: max(r / w for r, w in zip(shares, weights))  # noqa: E731
         log.info(
-            "step %d: data-parallel speeds %s: rows per rank now %s",
+            "step %d: data-parallel speeds %s: rows per rank now %s%s",
             self.step,
             " ".join(f"{w:.2f}" for w in weights),
             " ".join(map(str, rows)),
+            ""
+            if slowest(rows) <= slowest(asked) * (1 + 1e-9)
+            else f" (the speeds ask for {' '.join(map(str, asked))}; micro-batches of at most "
+            f"training.local_batch_size ({self.config.training.local_batch_size}) rows, as many on every rank, allow "
+            "no closer plan)",
         )
         self.metrics.log(
             self.step, {"replan": 1, **{f"dp_weight_{i}": w for i, w in enumerate(weights)},

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan import float8
-from titan.config import Config, ConfigError, Layout, batch_plan
+from titan.config import Config, ConfigError, Layout
 from titan.models import ModelSpec
 from titan.parallel import pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
@@ -75,13 +75,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     if layout.pp > 1:
         with torch.device("meta"):
             pp.stage_layers(args.n_layers, p, layer_gib(spec.build(args), spec))
-        for sizes in batch_plan(config, layout.world_size):
-            if len(set(sizes)) > 1:  # the schedule's buffers take the first micro-batch's shape
-                raise ConfigError(
-                    f"with parallel.pp > 1 each rank's micro-batches must have equal rows, but one rank gets {sizes}; "
-                    "make training.global_batch_size a multiple of local_batch_size x data-parallel size"
-                )
-            pp.microbatches(p, sizes[0])
+        pp.batch_plan_for(config, layout)  # micro-batches the schedule can cut
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.

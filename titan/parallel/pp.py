@@ -79,23 +79,35 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
 
 
+def batch_plan_for(config: Config, layout: Layout, weights: list[float] | None = None) -> list[list[int]]:
+    """batch_plan on this layout: under a pipeline, micro-batches its schedule can cut (a recipe without any is a
+    ConfigError)."""
+    if layout.pp == 1:
+        return batch_plan(config, layout.world_size, weights)
+    n = microbatches(config.parallel)
+    try:
+        return batch_plan(config, layout.world_size, weights, n)
+    except ValueError as e:
+        raise ConfigError(
+            f"parallel.pp_microbatches ({n}) with training.local_batch_size ({config.training.local_batch_size}): "
+            f"{e}; make training.global_batch_size a multiple of pp_microbatches x data-parallel size"
+        ) from None
+
+
 def micro_batch_shape(config: Config, layout: Layout) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
-    sizes = batch_plan(config, layout.world_size)
+    sizes = batch_plan_for(config, layout)
     rows, count = max(map(max, sizes)), len(sizes[0])
     if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
-        count = microbatches(config.parallel, rows)
+        count = microbatches(config.parallel)
         rows //= count
     return rows, count
 
 
-def microbatches(cfg: Parallel, local_batch_size: int) -> int:
+def microbatches(cfg: Parallel) -> int:
+    """The schedule's micro-batches per micro-batch of the data-parallel plan (batch_plan gives each rank
+    micro-batches of a multiple of this many rows)."""
     n = cfg.pp_microbatches or cfg.pp * stages_per_rank(cfg)
-    if local_batch_size % n:
-        raise ConfigError(
-            f"training.local_batch_size ({local_batch_size}) must divide into parallel.pp_microbatches ({n}) "
-            "micro-batches"
-        )
     if n < cfg.pp:
         raise ConfigError(
             f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline"
