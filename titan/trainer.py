@@ -37,9 +37,9 @@ from titan.optim import (
     skip_if_nonfinite,
 )
 from titan.parallel import pp
-from titan.parallel.balance import data_shares, layer_split
+from titan.parallel.balance import data_shares
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
-from titan.parallel.parallelize import build_model_parts, check_layout, stage_activations
+from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
 from titan.parallel.rng import Dropout
 from titan.profiling import Profiler, StepClock
 from titan.straggler import Probe, StragglerDetector, foreign_plan, gather_times
@@ -459,7 +459,11 @@ class Trainer:
                 for stage in pp.stage_ids(r, p.pp, self.model_parts.n_stages, p.pp_schedule)
             }
             speeds = [weights[rank_of_stage[stage]] for stage in range(self.model_parts.n_stages)]
-            counts = layer_split([1.0] * self.model_args.n_layers, speeds)
+            # The recipe's split rule with the measured speeds, so the stages' memory caps still hold.
+            with torch.device("meta"):
+                block_gib = layer_gib(self.spec.build(self.model_args), self.spec)
+            resplit = dataclasses.replace(p, pp_stage_speeds=speeds, pp_layers_per_stage=[])
+            counts = [len(layers) for layers in pp.stage_layers(self.model_args.n_layers, resplit, block_gib)]
             self.resplit_pipeline(counts)
             log.info("step %d: pipeline ranks' speeds %s", self.step, " ".join(f"{w:.2f}" for w in weights))
             self.metrics.log(
