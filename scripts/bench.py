@@ -97,8 +97,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
 
     from titan.config import batch_plan, load_config
     from titan.data import build_loaders
-    from titan.metrics import peak_flops, peak_memory_bytes
-    from titan.trainer import Trainer, build_model, pick_device, resolve_model
+    from titan.observe.metrics import peak_flops, peak_memory_bytes
+    from titan.train.trainer import Trainer, build_model, pick_device, resolve_model
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
     overrides = [
@@ -208,7 +208,7 @@ def init_times(flavors: list[str], recipe: str) -> None:
     import torch
 
     from titan.config import load_config
-    from titan.trainer import build_model
+    from titan.train.trainer import build_model
 
     print(f"{'flavor':<8}{'parameters':>16}{'init s':>10}")
     for flavor in flavors:
@@ -262,10 +262,10 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     same whatever the bytes, so the files hold random bytes, not a trained model."""
     import math
 
-    from titan.checkpoint import model_shapes
-    from titan.checkpoint_format import seal, sha256_files, verify
+    from titan.checkpoint.checkpointer import model_shapes
+    from titan.checkpoint.format import seal, sha256_files, verify
     from titan.config import load_config
-    from titan.trainer import resolve_model
+    from titan.train.trainer import resolve_model
 
     spec, args = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
     params = sum(math.prod(s) for s in model_shapes(spec, args).values())
@@ -384,7 +384,7 @@ def main() -> None:
     import torch
 
     from titan.config import load_config
-    from titan.metrics import peak_flops
+    from titan.observe.metrics import peak_flops
 
     share: dict[int, list[str]] = {}  # processes -> the peak override each run gets
     if not any(o.startswith("--metrics.peak_flops") for o in overrides) and not torch.cuda.is_available():

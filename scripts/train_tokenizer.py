@@ -3,7 +3,7 @@
     python scripts/train_tokenizer.py --data data/stories.jsonl --text-field text \
         --vocab-size 2048 --out data/tokenizer.json
 
-The training itself is titan.data.tokenizer.train_bpe: special tokens with the Llama 3 names
+The training itself is titan.data.bpe.train_bpe: special tokens with the Llama 3 names
 get ids 0 and 1, and no BOS/EOS post-processor is attached. After training, the CLI prints
 corpus statistics, including the unigram entropy: the loss a model that learned nothing beyond
 token frequencies reaches.
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from tokenizers import Tokenizer
 
-from titan.data.tokenizer import SPECIAL_TOKENS, train_bpe
+from titan.data.bpe import SPECIAL_TOKENS, train_bpe
 
 
 def iter_texts(path: str, text_field: str = "text") -> Iterator[str]:

@@ -55,7 +55,7 @@ def run_titan_forked(runs: list[tuple[list[str], dict]], tmp: Path, workers: int
     """Like :func:`run_titan` for many runs, each in its own process forked from a server that imported torch and
     titan once (~5 s saved per run): the same entry point, exit status, stdout and stderr as `python -m titan`."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "titan.cli", "titan.trainer"])
+    context.set_forkserver_preload(["torch", "titan.cli", "titan.train.trainer"])
 
     def one(i: int) -> subprocess.CompletedProcess:
         args, env = runs[i]

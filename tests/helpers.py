@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
-from titan.trainer import Preempted, Trainer
+from titan.train.trainer import Preempted, Trainer
 
 
 class InMemoryDocuments:

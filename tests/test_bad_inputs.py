@@ -18,7 +18,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
 from helpers import SMALL, assert_one_line_error, torchrun, trainer_for
-from titan.checkpoint_format import INDEX, MANIFEST, MARKER, CheckpointReader, sha256_files
+from titan.checkpoint.format import INDEX, MANIFEST, MARKER, CheckpointReader, sha256_files
 
 SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
 

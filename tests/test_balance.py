@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from titan.balance import data_shares, layer_split, micro_batch_sizes, plan_shares, runnable_counts
 from titan.config import Config, batch_plan
-from titan.parallel.balance import data_shares, layer_split, micro_batch_sizes, plan_shares, runnable_counts
 
 
 def compositions(total: int, parts: int, least: int):

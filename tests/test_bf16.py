@@ -8,7 +8,7 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import STEPS, layout_overrides, micro_batches_of_rank, train_steps
 from titan.config import load_config
-from titan.trainer import Trainer
+from titan.train.trainer import Trainer
 
 BF16 = {"training.mixed_precision": "bf16", "model.overrides.resid_dropout": "0.1"}
 MODES = ("none", "selective", "full")

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
-from titan.checkpoint import Checkpointer, complete_checkpoints, single_process_quiet
+from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, single_process_quiet
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
@@ -39,7 +39,7 @@ def _stop_signalled_on_rank_1(root):
     """Train with rank 1 alone receiving a stop signal after step 3; returns (stop step, signal, votes)."""
     import torch.distributed as dist
 
-    from titan.trainer import Preempted
+    from titan.train.trainer import Preempted
 
     trainer = trainer_for(root, **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "60"})
     step, vote, votes = trainer.step_without_loss_reduction, trainer._stop_requested, []
@@ -216,7 +216,7 @@ def test_an_older_titans_checkpoint_upgrades_once_and_resumes_as_the_original(tm
 
     import torch.distributed.checkpoint as dcp
 
-    from titan.checkpoint_format import INDEX, seal
+    from titan.checkpoint.format import INDEX, seal
 
     older = tmp_path / "older" / "step-2"
     loaded = trainer_for(tmp_path / "load", **SAVED, **{"checkpoint.resume": str(saved_run)})

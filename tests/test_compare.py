@@ -8,8 +8,8 @@ import matplotlib.image
 import pytest
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from titan.compare import CompareError, load_run, wall_time_s
 from titan.config import load_config
+from titan.tools.compare import CompareError, load_run, wall_time_s
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -178,7 +178,7 @@ def test_wall_time_adds_up_the_segments_of_a_restarted_run():
 def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeypatch):
     import wandb
 
-    from titan import metrics
+    from titan.observe import metrics
 
     captured = {}
 

@@ -8,7 +8,7 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import GLOBAL_BATCH, LOSS_RTOL, layout_overrides, with_local_batch
 from titan.config import load_config
-from titan.trainer import Trainer, build_model
+from titan.train.trainer import Trainer, build_model
 
 INIT_LAYOUTS_2 = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
 INIT_LAYOUTS_4 = {
@@ -174,7 +174,7 @@ def plain_dtensor_random_init():
 
 @pytest.mark.distributed
 def test_negative_control_plain_dtensor_random_init_differs_from_one_device():
-    """Why titan/parallel/rng exists: on a CPU mesh, torch draws each shard from the rank's own
+    """Why titan/rng exists: on a CPU mesh, torch draws each shard from the rank's own
     same-seeded generator, so shards repeat each other and the tensor differs from one device's."""
     (local0, full0), (local1, _) = run_distributed(plain_dtensor_random_init, 2)
     torch.manual_seed(0)

@@ -32,17 +32,15 @@ from helpers import (  # noqa: E402
     read_checkpoint,
     tiny_hf_config,
 )
-from titan import (  # noqa: E402
-    hf_io,
-    hf_match,
-    models,  # noqa: E402
-)
-from titan.checkpoint import model_shapes, write_train_state  # noqa: E402
-from titan.checkpoint_format import CheckpointWriter, seal  # noqa: E402
+from titan import models  # noqa: E402
+from titan.checkpoint import hf as hf_io  # noqa: E402
+from titan.checkpoint import hf_match  # noqa: E402
+from titan.checkpoint.checkpointer import model_shapes, write_train_state  # noqa: E402
+from titan.checkpoint.format import CheckpointWriter, seal  # noqa: E402
 from titan.config import Config, ConfigError, Model, load_config, to_toml  # noqa: E402
 from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
-from titan.parallel.rng.shards import ShardIndex, global_indices  # noqa: E402
-from titan.trainer import Trainer  # noqa: E402
+from titan.rng.shards import ShardIndex, global_indices  # noqa: E402
+from titan.train.trainer import Trainer  # noqa: E402
 
 VOCAB = 1280  # covers the project tokenizer's 1170 tokens (the Trainer checks), and splits in two for TP
 BATCH, SEQ = 2, 24
@@ -238,7 +236,7 @@ def _layouts(ndim: int) -> dict[str, tuple[tuple[int, ...], list]]:
 @pytest.mark.parametrize("hf_dir", [False], ids=["untied"], indirect=True)
 def test_every_shard_layout_reads_what_the_full_load_holds_there(hf_dir):
     """read_part for every rank of each layout, given the per-dim indices a DTensor shard holds (as init_from_hf
-    computes them), against the full load at the flat global indices of titan.parallel.rng.shards (which
+    computes them), against the full load at the flat global indices of titan.rng.shards (which
     test_rng checks against DTensor itself)."""
     hf = hf_io.open_hf(hf_dir, models.get_model_spec("llama3"))
     for name, full in full_load(hf_dir).items():

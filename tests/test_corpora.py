@@ -22,7 +22,8 @@ import pytest
 from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data import Tokenizer, corpora
-from titan.data.corpora import cache_root, resolve_source, resolve_tokenizer_path
+from titan.data.corpora import resolve_source, resolve_tokenizer_path
+from titan.files import cache_root
 
 # What a Project Gutenberg licence, header or small print would leave in the text ("etext" whole: "pretext" is
 # Shakespeare's).

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import assert_one_line_error
-from titan.compare import load_run
 from titan.config import load_config
 from titan.data import IGNORE, build_loaders
-from titan.trainer import Trainer, build_model
+from titan.tools.compare import load_run
+from titan.train.trainer import Trainer, build_model
 
 
 def records(run_dir) -> list[dict]:

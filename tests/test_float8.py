@@ -23,10 +23,10 @@ from helpers import (
     straight_and_resumed,
     trainer_for,
 )
-from titan import float8
 from titan.config import ConfigError, Layout, load_config
 from titan.models.llama.hf import from_hf_state_dict, to_hf_state_dict
-from titan.trainer import Trainer, build_model
+from titan.parallel import float8
+from titan.train.trainer import Trainer, build_model
 
 SMALL = {
     "model.overrides.dim": "64",

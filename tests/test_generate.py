@@ -12,9 +12,9 @@ import torch
 
 from conftest import ROOT, run_titan
 from helpers import TOL, assert_one_line_error, max_diff, trainer_for
-from titan import hf_io
-from titan.generate import continue_text, generate, load_model, load_tokenizer
+from titan.checkpoint import hf as hf_io
 from titan.models.llama.model import KVCache
+from titan.tools.generate import continue_text, generate, load_model, load_tokenizer
 
 PROMPT = "The dog ran"
 NEW_TOKENS = 24

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import numbered_documents
+from titan.balance import micro_batch_sizes
 from titan.data.loader import IGNORE, Blend, GlobalBatchLoader, PackedSamples, held_out
-from titan.parallel.balance import micro_batch_sizes
 
 SEQ = 15  # windows of 16 tokens
 

@@ -1,6 +1,6 @@
-"""Activation memory planned to a budget (titan/memory_plan.py, titan/parallel/ac.py): the planner is exact, a mix
-of ways to run the blocks changes no number, the bytes counted are those autograd keeps, and a planned run keeps
-within its budget at the slowdown it predicts."""
+"""Activation memory planned to a budget (titan/parallel/memory_plan.py, titan/parallel/ac.py): the planner is
+exact, a mix of ways to run the blocks changes no number, the bytes counted are those autograd keeps, and a planned
+run keeps within its budget at the slowdown it predicts."""
 
 import itertools
 import math
@@ -15,9 +15,9 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import layout_overrides, trainer_for
 from titan.config import ConfigError, Layout, load_config
-from titan.memory_plan import GIB, Option, gib_rounded_up, plan_memory
 from titan.parallel import ac, parallelize
-from titan.trainer import Trainer, resolve_model
+from titan.parallel.memory_plan import GIB, Option, gib_rounded_up, plan_memory
+from titan.train.trainer import Trainer, resolve_model
 
 # The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
 FOUR_BLOCKS = {"model.overrides.n_layers": "4", "model.overrides.attn_dropout": "0.1", "checkpoint.enable": "false"}

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from titan.data.packing import CostModel, Target, balance_by_cost, balance_by_tokens, rank_time
-from titan.simulate_packing import lower_bound
+from titan.tools.simulate.packing import lower_bound
 
 
 def check_valid(assignment, lengths, target):
@@ -142,7 +142,7 @@ def test_simulated_at_scale_the_cost_plan_reaches_the_lower_bound(pp):
     """64 replicas, lognormal lengths (median 1k) clipped at 32k, the 8B flavor's FLOPs. Balancing tokens leaves
     the replicas with the longest documents ~11% (pp 1) or ~2% (pp 4, padded micro-batches) slower than no
     placement can avoid; the cost plan reaches that lower bound."""
-    from titan.simulate_packing import PackingScenario, simulate
+    from titan.tools.simulate.packing import PackingScenario, simulate
 
     result = simulate(PackingScenario(replicas=64, pp=pp, flavor="8B", micro_batches=8 if pp > 1 else 2, steps=2))
     assert result["cost_step_s"] <= 1.005 * result["bound_step_s"]

@@ -25,7 +25,7 @@ from helpers import (
 )
 from titan.config import load_config
 from titan.parallel import pp
-from titan.trainer import Trainer
+from titan.train.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 V_SHAPED = ["ZBVZeroBubble", "DualPipeV"]

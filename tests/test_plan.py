@@ -11,12 +11,12 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import Plan, load_config
-from titan.memory_plan import GIB
-from titan.plan import plan_run
-from titan.plan_counters import StepPeak, total_bytes
-from titan.plan_devices import DEVICES
-from titan.plan_pipeline import replay
-from titan.trainer import resolve_model
+from titan.parallel.memory_plan import GIB
+from titan.tools.plan.counters import StepPeak, total_bytes
+from titan.tools.plan.devices import DEVICES
+from titan.tools.plan.estimate import plan_run
+from titan.tools.plan.pipeline import replay
+from titan.train.trainer import resolve_model
 
 # The debug recipe on every kind of layout: (world size, overrides).
 LAYOUTS = {
@@ -44,7 +44,7 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
     The peak is torch's MemTracker (as StepPeak) over the second step, when AdamW's moments exist, as the plan
     assumes; it counts every tensor the step holds: parameters, gradients, optimizer states, activations and
     temporaries."""
-    from titan.trainer import Trainer
+    from titan.train.trainer import Trainer
 
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
     trainer.train_step(next(trainer.loader))
@@ -161,7 +161,7 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     """With compile.enable, every block that keeps its activations keeps less by what torch.compile's partitioner
     recomputes instead (plan_graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
     the peak drops with it."""
-    from titan.plan_graph import saved_by_block
+    from titan.tools.plan.graph import saved_by_block
 
     plans = {
         c: plan_run(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
@@ -191,7 +191,7 @@ def test_backward_re_holds_a_recomputing_block_s_activations_once_later_blocks_f
     """Keep 10 bytes a block, full 1. Backward runs the last block first: recomputing, it holds its 10 bytes again
     beside the 21 the others keep, 9 more than the blocks keep; placed first, the recomputing blocks re-hold theirs
     once the kept blocks have freed 20, adding nothing to the peak."""
-    from titan.plan import _recomputed
+    from titan.tools.plan.estimate import _recomputed
 
     assert _recomputed(10, [[10, 10, 1, 1]]) == 9 and _recomputed(10, [[1, 1, 10, 10]]) == 0
     assert _recomputed(10, [[10, 1], [1, 10]]) == 9  # stages: the worst one's
@@ -208,7 +208,7 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
 
     from titan.config import Layout
     from titan.parallel import ac
-    from titan.plan_report import format_plan
+    from titan.tools.plan.report import format_plan
 
     def planned(budget_gib: float):
         extra = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}

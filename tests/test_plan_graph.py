@@ -11,7 +11,7 @@ from torch import fx
 from conftest import DEBUG_RECIPE, run_titan
 from titan.models.llama.flavors import FLAVORS
 from titan.models.llama.model import TransformerBlock, rope_table
-from titan.plan_graph import (
+from titan.tools.plan.graph import (
     PLACEMENTS,
     analyse,
     layout,
@@ -181,7 +181,7 @@ def test_the_plan_knows_what_a_compiled_block_keeps_for_backward(bf16, dropout):
     """`titan plan` with compile.enable counts a compiled block's activations as torch.compile keeps them: fewer
     than eager autograd, since its partitioner recomputes cheap ops in backward. Traced under fake tensors, the
     bytes equal a real block's on this CPU, eager and compiled."""
-    from titan.plan_graph import saved_by_block
+    from titan.tools.plan.graph import saved_by_block
 
     args = dataclasses.replace(ARGS, attn_dropout=dropout, resid_dropout=dropout)
     planned = {c: saved_by_block(args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}

@@ -13,10 +13,10 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint import Checkpointer, complete_checkpoints
-from titan.checkpoint_format import verify
+from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints
+from titan.checkpoint.format import verify
 from titan.optim import FiniteFlags
-from titan.trainer import NonFinite
+from titan.train.trainer import NonFinite
 
 
 def train(tmp_path, **extra):
@@ -341,8 +341,8 @@ def test_a_full_disk_is_named_in_one_line(tmp_path):
 def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_last_one(tmp_path, monkeypatch):
     import errno
 
-    from titan.checkpoint import SaveError
-    from titan.checkpoint_format import CheckpointWriter
+    from titan.checkpoint.checkpointer import SaveError
+    from titan.checkpoint.format import CheckpointWriter
 
     folder = tmp_path / "checkpoints"
     model = torch.nn.Linear(3, 2)

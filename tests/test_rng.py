@@ -1,4 +1,4 @@
-"""Tests for titan.parallel.rng: Philox correctness, layout independence, statistics."""
+"""Tests for titan.rng: Philox correctness, layout independence, statistics."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan.parallel import rng
-from titan.parallel.rng import native, philox
-from titan.parallel.rng.philox import bernoulli_mask, stream_key
-from titan.parallel.rng.shards import ShardIndex, global_indices
+from titan import rng
+from titan.rng import native, philox
+from titan.rng.philox import bernoulli_mask, stream_key
+from titan.rng.shards import ShardIndex, global_indices
 
 M32 = 0xFFFFFFFF
 SEED = 1234

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import run_titan
-from titan.simulate import Scenario, compare
+from titan.tools.simulate.stragglers import Scenario, compare
 
 
 def test_replanning_beats_static_shares_and_nears_the_oracle_at_1024_devices():

@@ -16,10 +16,10 @@ import torch
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from distributed import free_port, run_distributed
 from helpers import LOSS_RTOL, MODEL, layout_overrides
+from titan.balance import data_shares
 from titan.config import load_config
-from titan.parallel.balance import data_shares
-from titan.straggler import StragglerDetector, foreign_plan
-from titan.trainer import Trainer
+from titan.train.straggler import StragglerDetector, foreign_plan
+from titan.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -8,9 +8,9 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from titan.config import LRScheduler, load_config
-from titan.metrics import format_line, peak_flops
+from titan.observe.metrics import format_line, peak_flops
 from titan.optim import lr_factor
-from titan.trainer import Trainer
+from titan.train.trainer import Trainer
 
 
 def read_metrics(run_dir):

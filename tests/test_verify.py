@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from titan.verify import PHASES, Records, assemble, compare
+from titan.tools.verify import PHASES, Records, assemble, compare
 
 
 def whole(t):
@@ -129,7 +129,7 @@ BREAKS = {
     ),
     "dropout_by_local_row": (
         "import torch\n"
-        "from titan.parallel.rng import fills\n"
+        "from titan.rng import fills\n"
         "forward = fills.Dropout.forward\n"
         "fills.Dropout.forward = lambda self, x, rows: forward(self, x, torch.arange(len(rows)))\n"
     ),

@@ -78,7 +78,7 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """
     try:
         cfg = load_config(config, ctx.args)
-        from titan.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
+        from titan.train.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
 
         try:
             Trainer(cfg).train()
@@ -163,8 +163,8 @@ def compare(
 
     Reads only the run folders (config.toml, metrics.jsonl, run_info.json); works offline.
     """
-    from titan.compare import CompareError, format_report, load_run
-    from titan.compare import plot as draw
+    from titan.tools.compare import CompareError, format_report, load_run
+    from titan.tools.compare import plot as draw
 
     try:
         loaded = [load_run(run) for run in runs]
@@ -187,7 +187,7 @@ def convert_hf_to_dcp(
     ),
 ) -> None:
     """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
-    from titan.hf_io import hf_to_dcp  # imported late: torch takes a while to import
+    from titan.checkpoint.hf import hf_to_dcp  # imported late: torch takes a while to import
 
     try:
         typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
@@ -205,7 +205,7 @@ def convert_dcp_to_hf(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
 ) -> None:
     """Export a titan checkpoint's model as config.json + safetensors, loadable by transformers' from_pretrained."""
-    from titan.hf_io import dcp_to_hf
+    from titan.checkpoint.hf import dcp_to_hf
 
     try:
         typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
@@ -220,8 +220,8 @@ def convert_upgrade(
     ),
 ) -> None:
     """Rewrite checkpoints of an older titan (DCP's pickled .metadata) to titan's JSON index, in place, once."""
-    from titan.checkpoint import checkpoints_at
-    from titan.checkpoint_format import upgrade
+    from titan.checkpoint.checkpointer import checkpoints_at
+    from titan.checkpoint.format import upgrade
 
     try:
         for folder in checkpoints_at(path):
@@ -245,7 +245,7 @@ def generate(
     """Continue a prompt with a checkpoint's model, using a KV cache: the text on stdout, the speed on stderr."""
     if not prompt:
         _fail("--prompt is empty; give the text to continue")
-    from titan.generate import continue_text  # imported late: torch takes a while to import
+    from titan.tools.generate import continue_text  # imported late: torch takes a while to import
 
     try:
         text, generation = continue_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
@@ -275,7 +275,7 @@ def verify(
     Give the layout as overrides, e.g. --parallel.dp_shard 2 --parallel.tp 2; the processes are started for you.
     Exit status 1 when the layout is not equivalent.
     """
-    from titan.verify import verify as run_verify  # imported late: torch takes a while to import
+    from titan.tools.verify import verify as run_verify  # imported late: torch takes a while to import
 
     try:
         report, equivalent = run_verify(config, ctx.args, steps, out, reuse_reference)
@@ -311,9 +311,9 @@ def plan(
                 _fail("parallel.dp_shard = -1 takes what the world size leaves: give --world-size")
             world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
         cfg = load_config(config, overrides, world_size=world_size)
-        from titan.plan import plan_run  # imported late: torch takes a while to import
-        from titan.plan_graph import analyse_recipe
-        from titan.plan_report import format_graph, format_plan, plan_json, shortfall
+        from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
+        from titan.tools.plan.graph import analyse_recipe
+        from titan.tools.plan.report import format_graph, format_plan, plan_json, shortfall
 
         if graph:
             analysis, what = analyse_recipe(cfg, world_size)
@@ -349,7 +349,7 @@ def simulate_stragglers(
     seed: int = typer.Option(0),
 ) -> None:
     """Static even shares, titan's straggler re-planning, and an oracle, on one speed trace."""
-    from titan.simulate import Scenario, compare
+    from titan.tools.simulate.stragglers import Scenario, compare
 
     if devices % (tp * pp):
         _fail(f"--devices {devices} is not a multiple of --tp x --pp = {tp * pp}")
@@ -378,7 +378,7 @@ def simulate_packing(
     """Token-balanced against cost-balanced packing of long-tailed documents, without and with a 4-stage
     pipeline: mean predicted step time, a lower bound no placement beats, imbalance (slowest replica over
     mean) and planning time."""
-    from titan.simulate_packing import PackingScenario, simulate
+    from titan.tools.simulate.packing import PackingScenario, simulate
 
     typer.echo(
         f"{replicas} replicas, {steps} steps; documents lognormal (median 1024, sigma 1.0) clipped at 32k; "

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import tomli_w
 
-from titan.parallel.balance import micro_batch_sizes, plan_shares
+from titan.balance import micro_batch_sizes, plan_shares
 
 
 class ConfigError(ValueError):
@@ -200,7 +200,7 @@ class Parallel:
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for multi-stage schedules, else 1
     pp_layers_per_stage: list[int] = field(default_factory=list)  # e.g. [3, 5]; empty: as even as possible
     # Relative speed of each pipeline stage's devices, e.g. [1, 3]: layers are split to even out the stages'
-    # times (titan/parallel/balance.py); used when pp_layers_per_stage is empty.
+    # times (titan/balance.py); used when pp_layers_per_stage is empty.
     pp_stage_speeds: list[float] = field(default_factory=list)
     # The GiB each stage may give its layers' weights, gradients and Adam moments (16 bytes per fp32 parameter):
     # the split by pp_stage_speeds (even speeds when that is empty) keeps within them; empty: no cap.
@@ -212,7 +212,7 @@ class Parallel:
 
 @dataclass
 class Straggler:
-    """Re-plan the data shares when a data-parallel rank slows down (titan/straggler.py)."""
+    """Re-plan the data shares when a data-parallel rank slows down (titan/train/straggler.py)."""
 
     enable: bool = False  # probe the ranks' speeds and re-plan when one slows down
     interval: int = 1  # time the probe every N steps
@@ -240,7 +240,7 @@ class ActivationCheckpoint:
 
 @dataclass
 class Profiling:
-    """Traces, memory snapshots and a per-step time breakdown, into <run>/profiling/ (titan/profiling.py)."""
+    """Traces, memory snapshots and a per-step time breakdown, into <run>/profiling/ (titan/observe/profiling.py)."""
 
     enable: bool = False  # trace a window of steps with the torch profiler, one file per rank
     wait: int = 1  # steps run untraced before the window
@@ -259,7 +259,7 @@ class Compile:
 
 @dataclass
 class Float8:
-    """Float8 matmuls for the transformer blocks' linear layers, through torchao (see titan/float8.py)."""
+    """Float8 matmuls for the transformer blocks' linear layers, through torchao (see titan/parallel/float8.py)."""
 
     enable: bool = False  # needs a GPU of compute capability 8.9+ (Ada, Hopper, Blackwell), or the CPU
     # tensorwise: one scale per tensor (fastest; the only recipe with float8 FSDP all-gather and float8 TP).
@@ -295,7 +295,7 @@ class Checkpoint:
 
 @dataclass
 class Plan:
-    """`titan plan`: the accelerator a run is planned for (titan/plan_devices.py); a figure set here replaces the
+    """`titan plan`: the accelerator a run is planned for (titan/tools/plan/devices.py); a figure set here replaces the
     device's own."""
 
     device: Literal["h100", "h200", "a100", "mi300x"] = "h100"  # the accelerator; its figures unless set below

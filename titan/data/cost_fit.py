@@ -18,8 +18,8 @@ import time
 import numpy as np
 import torch
 
-from titan.data.corpora import cache_root
 from titan.data.packing import CostModel
+from titan.files import cache_root
 
 log = logging.getLogger("titan")
 

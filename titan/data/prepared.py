@@ -41,10 +41,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from titan.config import ConfigError, Data, DataSource
 from titan.config import Tokenizer as TokenizerConfig
-from titan.data.corpora import cache_root
 from titan.data.dataset import Documents, iter_texts, open_documents
 from titan.data.tokenizer import Tokenizer
-from titan.files import build_once, fsync, write_synced
+from titan.files import build_once, cache_root, fsync, write_synced
 
 FORMAT_VERSION = 1
 SHARD_TOKENS = 256 * 2**20  # at most ~512 MB of uint16 per shard file

@@ -1,47 +1,14 @@
-"""A HF `tokenizers` tokenizer plus the BOS/EOS ids that frame every document, and how titan trains one."""
+"""A HF `tokenizers` tokenizer plus the BOS/EOS ids that frame every document."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import resolve_tokenizer_path
-
-BOS_TOKEN = "<|begin_of_text|>"
-EOS_TOKEN = "<|end_of_text|>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)  # order here fixes their ids: 0 and 1
-
-
-def train_bpe(
-    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
-) -> HFTokenizer:
-    """A byte-level BPE tokenizer trained on `texts`, with SPECIAL_TOKENS as ids 0 and 1.
-
-    Byte-level means every string is encodable (no <unk>): the 256 byte symbols are always in the vocab,
-    whatever the training text contained. No BOS/EOS post-processor is attached on purpose: titan's data
-    pipeline adds BOS/EOS itself, so `encode()` must return only the text's tokens.
-    """
-    tok = HFTokenizer(models.BPE())
-    # GPT-2 style: split on words/punctuation/whitespace with a regex, map bytes to
-    # printable symbols; no prefix space, so decode(encode(s)) == s exactly.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),  # added first -> ids 0..len-1
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
-    )
-    # With the length known, the progress bar (show_progress) shows a total and an ETA.
-    length = len(texts) if hasattr(texts, "__len__") else None
-    tok.train_from_iterator(texts, trainer=trainer, length=length)
-    return tok
 
 
 def looks_like_hub_name(name: str) -> bool:

@@ -7,7 +7,7 @@ runs one of four ways:
 - offload: it keeps everything, in pinned host memory, and copies it back for backward.
 
 Modes full and selective run every Nth block that way. Mode auto measures each way on one block of the run
-(`measure_options`) and lets titan/memory_plan.py choose per block, within activation_checkpoint.budget_gib.
+(`measure_options`) and lets titan/parallel/memory_plan.py choose per block, within activation_checkpoint.budget_gib.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.config import Config, Layout
-from titan.memory_plan import GIB, Option, plan_memory
 from titan.models import ModelSpec
+from titan.parallel.memory_plan import GIB, Option, plan_memory
 from titan.parallel.pp import micro_batch_shape
 
 log = logging.getLogger("titan")

@@ -13,10 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan import float8
 from titan.config import Config, ConfigError, Layout
 from titan.models import ModelSpec
-from titan.parallel import pp
+from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
+from titan.balance import layer_split
 from titan.config import Config, ConfigError, Layout, Parallel, batch_plan
-from titan.parallel.balance import layer_split
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}

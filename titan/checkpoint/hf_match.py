@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from titan import models
-from titan.checkpoint import model_shapes
+from titan.checkpoint.checkpointer import model_shapes
 from titan.config import ConfigError, toml_value
 
 # Model args that are training choices rather than properties of the weights: the RoPE table's length (titan

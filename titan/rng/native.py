@@ -222,7 +222,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: titan's RNG runs on torch ops (slower, same values)")
         return None
-    from titan.data.corpora import cache_root
+    from titan.files import cache_root
 
     for openmp in (True, False):
         flags = _flags(openmp)
@@ -259,7 +259,7 @@ def _call(name: str, runs: tuple[Tensor, Tensor], start: int, end: int, key: tup
 
 def keep_mask(runs, start: int, end: int, key: tuple[int, int], counter: int, threshold: int, out: Tensor) -> None:
     """``out`` (bool, contiguous, end - start elements) = (word 0 >> 8) < threshold at positions [start, end) of
-    the index ``runs`` (see :func:`titan.parallel.rng.shards.flat_indices`)."""
+    the index ``runs`` (see :func:`titan.rng.shards.flat_indices`)."""
     _call("titan_keep_mask", runs, start, end, key, counter, threshold, out.data_ptr())
 
 

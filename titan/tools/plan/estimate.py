@@ -1,16 +1,16 @@
 """`titan plan`: what a recipe's training step needs on each rank at its real world size, and how long it takes,
 worked out on this CPU with no GPU and no other process.
 
-Each pipeline rank's step is traced (titan/plan_trace.py): one micro-batch through its stages, then the optimizer
+Each pipeline rank's step is traced (titan/tools/plan/trace.py): one micro-batch through its stages, then the optimizer
 step, under fake tensors on a fake process group. The ranks of one pipeline rank hold alike shards, so one stands
 for all. Blocks are alike too, so a rank is traced with 3 blocks per stage (TRACED_DEPTH), one rank again with
 3 + every (activation checkpointing's period) in its longest stage, and every figure grows from there at that rate
 per block to the stages' real depths: parameters, activations, peaks, FLOPs, traffic. Then:
 
-- the pipeline schedule's own table of actions (titan/plan_pipeline.py) says how many micro-batches each rank
+- the pipeline schedule's own table of actions (titan/tools/plan/pipeline.py) says how many micro-batches each rank
   holds at once, and replayed with each stage's times it gives the step time;
 - an op takes the slower of its FLOPs at the device's peak and its bytes through HBM (a roofline),
-  tensor-parallel collectives add to that, FSDP's overlap it (titan/plan_devices.py);
+  tensor-parallel collectives add to that, FSDP's overlap it (titan/tools/plan/devices.py);
 - so the step time is a lower bound (no kernel gaps, ideal overlap) and the MFU an upper bound.
 """
 
@@ -20,14 +20,14 @@ import copy
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout, batch_plan
-from titan.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel import pp
+from titan.parallel.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel.parallelize import check_layout
-from titan.plan_devices import Device, Links, planned_device
-from titan.plan_graph import saved_by_block
-from titan.plan_pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
-from titan.plan_trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
-from titan.trainer import resolve_model
+from titan.tools.plan.devices import Device, Links, planned_device
+from titan.tools.plan.graph import saved_by_block
+from titan.tools.plan.pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
+from titan.tools.plan.trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
+from titan.train.trainer import resolve_model
 
 MODES = ("none", "full", "selective")
 # Each way a block can run (the trainer's names) and the checkpointing mode whose one-block trace shows it; offload

@@ -1,6 +1,6 @@
 """Checkpoints of the whole training state: sharded (DCP), atomic, verified, optionally async, reshardable on load.
 
-Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint_format.py: why nothing in it is code):
+Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format.py: why nothing in it is code):
     *.distcp, tensors.json  model weights and optimizer state, one shard file per rank (DCP), and their JSON index
     train_state.json        step, tokens seen, the step's loss, lr schedule, the model's parameter shapes, the
                             recipe's math-changing values and the whole resolved recipe
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from titan.checkpoint_format import (
+from titan.checkpoint.format import (
     MARKER,
     CheckpointReader,
     CheckpointWriter,

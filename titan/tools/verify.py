@@ -152,7 +152,7 @@ def _global_indices(p: torch.Tensor) -> torch.Tensor | None:
     """Flat indices of a DTensor's local elements in the full tensor; None for a whole tensor."""
     from torch.distributed.tensor import DTensor
 
-    from titan.parallel.rng import dtensor_global_indices
+    from titan.rng import dtensor_global_indices
 
     return dtensor_global_indices(p, device="cpu").reshape(-1) if isinstance(p, DTensor) else None
 
@@ -161,7 +161,7 @@ def record(config: Config, steps: int) -> None:
     """Train `steps` steps of the recipe, recording this rank into <run folder>/records/rank<r>.pt."""
     import torch.distributed as dist
 
-    from titan.trainer import Trainer
+    from titan.train.trainer import Trainer
 
     trainer = Trainer(config)
     schedule = trainer.schedule
@@ -222,7 +222,7 @@ def launch(run: Config, processes: int, steps: int, folder: Path) -> None:
     recipe = folder / f"{run.job.name}.toml"
     recipe.write_text(to_toml(run))
     shutil.rmtree(run.run_dir, ignore_errors=True)
-    entry = ["-m", "titan.verify", "--config", str(recipe), "--steps", str(steps)]
+    entry = ["-m", "titan.tools.verify", "--config", str(recipe), "--steps", str(steps)]
     if processes > 1:
         entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *entry]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
@@ -479,7 +479,7 @@ def verify(
 
 def main() -> None:
     """The recording entry point each run's processes start with (titan verify launches them)."""
-    parser = argparse.ArgumentParser(prog="python -m titan.verify")
+    parser = argparse.ArgumentParser(prog="python -m titan.tools.verify")
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, required=True)
     args = parser.parse_args()

@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from titan.parallel.rng import native
-from titan.parallel.rng.shards import flat_indices
+from titan.rng import native
+from titan.rng.shards import flat_indices
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
@@ -206,7 +206,7 @@ def generate_into(
     params: dict,
 ) -> None:
     """Fill the 1-D ``out_flat`` with distribution ``kind`` ("normal": mean, std; "trunc_normal": mean, std,
-    a, b, absolute bounds) at the global indices ``runs`` gives (see :func:`~titan.parallel.rng.shards.flat_indices`).
+    a, b, absolute bounds) at the global indices ``runs`` gives (see :func:`~titan.rng.shards.flat_indices`).
 
     Parameters are checked before any element is written.
     """
@@ -231,7 +231,7 @@ def keep_mask_into(
     out_flat: Tensor, runs: tuple[Tensor, Tensor], seed: int, stream: str, counter: int, p_keep: float
 ) -> None:
     """Fill the 1-D bool ``out_flat`` with dropout's keep mask at the global indices ``runs`` gives (see
-    :func:`~titan.parallel.rng.shards.flat_indices`): True where the element's 24-bit uniform is below ``p_keep``.
+    :func:`~titan.rng.shards.flat_indices`): True where the element's 24-bit uniform is below ``p_keep``.
 
     The comparison is done exactly on the 24-bit integer.
     """

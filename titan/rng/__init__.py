@@ -18,7 +18,7 @@ Modules, by concern:
     fills   in-place weight init (:func:`normal_`, :func:`trunc_normal_`) and :class:`Dropout`.
 """
 
-from titan.parallel.rng.fills import Dropout, normal_, trunc_normal_
-from titan.parallel.rng.shards import dtensor_global_indices
+from titan.rng.fills import Dropout, normal_, trunc_normal_
+from titan.rng.shards import dtensor_global_indices
 
 __all__ = ["Dropout", "dtensor_global_indices", "normal_", "trunc_normal_"]

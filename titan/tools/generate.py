@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan.checkpoint import read_train_state
+from titan.checkpoint.checkpointer import read_train_state
+from titan.checkpoint.hf import read_model_checkpoint
 from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.tokenizer import Tokenizer
-from titan.hf_io import read_model_checkpoint
 from titan.models.llama.model import KVCache
 
 

@@ -4,8 +4,8 @@ not fit."""
 from __future__ import annotations
 
 from titan.config import batch_plan
-from titan.plan import GIB, RankPlan, RunPlan
-from titan.plan_graph import PLACEMENTS, GraphAnalysis
+from titan.tools.plan.estimate import GIB, RankPlan, RunPlan
+from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
 
 
 def shortfall(plan: RunPlan) -> str | None:

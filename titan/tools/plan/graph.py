@@ -325,7 +325,7 @@ def analyse(gm: fx.GraphModule) -> GraphAnalysis:
 def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]:
     """The analysis of one block of the recipe's model at its micro-batch and dtype, and what was traced."""
     from titan.parallel.pp import micro_batch_shape
-    from titan.plan import resolve_model
+    from titan.train.trainer import resolve_model
 
     layout = Layout.from_config(config.parallel, world_size)
     _, args = resolve_model(config)

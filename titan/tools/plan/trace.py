@@ -5,7 +5,7 @@ The rank's stages are built on the meta device and parallelised by titan's own b
 (titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP), materialised as fake tensors
 (FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
 (as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
-AdamW. titan/plan_counters.py measures.
+AdamW. titan/tools/plan/counters.py measures.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, sk
 from titan.parallel import pp
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import layer_gib, parallelize
-from titan.plan_counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
-from titan.plan_devices import Device
+from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
+from titan.tools.plan.devices import Device
 
 CPU = torch.device("cpu")
 

@@ -2,11 +2,11 @@
 
 N devices in a dp x tp x pp layout train synchronously: a data-parallel replica (tp x pp devices) runs at the
 speed of its slowest device, and a step takes as long as the slowest replica needs for its rows. Three
-policies share the global batch's rows between replicas, each with plan_shares (titan/parallel/balance.py), so
+policies share the global batch's rows between replicas, each with plan_shares (titan/balance.py), so
 only plans the trainer can run: micro-batches of 1 to `local_batch_size` rows, as many on every replica (and
 under a pipeline, of a multiple of pp rows):
 - static: even shares, always;
-- titan: the StragglerDetector of titan/straggler.py on noisy probe times, re-planning for the speeds it
+- titan: the StragglerDetector of titan/train/straggler.py on noisy probe times, re-planning for the speeds it
   measured and paying `replan_cost_s` for each re-plan;
 - oracle: the best runnable shares for the true speeds of every step, at no cost.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from titan.parallel.balance import plan_shares
-from titan.straggler import StragglerDetector
+from titan.balance import plan_shares
+from titan.train.straggler import StragglerDetector
 
 
 @dataclass

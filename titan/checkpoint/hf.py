@@ -11,8 +11,8 @@ bf16 files, which read whole by each of a node's 8 ranks would take 1.1 TB; read
   against config.json and the recipe, then every rank reads, per parameter, one slice of the file (the box around
   the rows and columns its shard holds) and copies its elements out of it.
 * hf-to-dcp reads the same way into full fp32 tensors and writes a titan checkpoint folder (the layout of
-  titan/checkpoint.py) holding only the model: DCP shards with keys `model.<fqn>`, `train_state.json` at step 0,
-  and the COMPLETE marker, written under a temporary name and renamed. Train from it with
+  titan/checkpoint/format.py) holding only the model: DCP shards with keys `model.<fqn>`, `train_state.json` at
+  step 0, and the COMPLETE marker, written under a temporary name and renamed. Train from it with
   `checkpoint.resume = <folder>` and `load_only = ["model"]`. (It holds the model, in one process.)
 * dcp-to-hf exports the model part of any titan checkpoint (whatever layout saved it): the output files are
   planned from the checkpoint's metadata, then each is filled by loading just its tensors from DCP, written,
@@ -41,10 +41,16 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from titan import models
-from titan.checkpoint import find_checkpoint, model_shapes, read_train_state, single_process_quiet, write_train_state
-from titan.checkpoint_format import CheckpointReader, CheckpointWriter, dcp_error, seal, verify
+from titan.checkpoint.checkpointer import (
+    find_checkpoint,
+    model_shapes,
+    read_train_state,
+    single_process_quiet,
+    write_train_state,
+)
+from titan.checkpoint.format import CheckpointReader, CheckpointWriter, dcp_error, seal, verify
+from titan.checkpoint.hf_match import check_model_matches, describe_match, model_toml
 from titan.config import Config, ConfigError, Model, to_toml, toml_value
-from titan.hf_match import check_model_matches, describe_match, model_toml
 
 log = logging.getLogger("titan")
 
@@ -223,7 +229,7 @@ def _shard_index(name: str, param: Tensor) -> tuple[Tensor, list[Tensor]]:
     tensor; of a DTensor, the local shard, which is the cross product of those index vectors (see ShardIndex)."""
     from torch.distributed.tensor import DTensor
 
-    from titan.parallel.rng.shards import ShardIndex
+    from titan.rng.shards import ShardIndex
 
     if not isinstance(param, DTensor):
         return param, [torch.arange(n) for n in param.shape]

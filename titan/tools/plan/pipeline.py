@@ -8,7 +8,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from titan.config import Config, Layout
 from titan.parallel import pp
-from titan.plan_trace import CPU
+from titan.tools.plan.trace import CPU
 
 
 def stage_ids(config: Config, layout: Layout, n_stages: int, pp_rank: int) -> list[int]:

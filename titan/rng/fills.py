@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan.parallel.rng import native
-from titan.parallel.rng.philox import _for_chunks, _use_native, generate_into, keep_mask_into
-from titan.parallel.rng.shards import ShardIndex
+from titan.rng import native
+from titan.rng.philox import _for_chunks, _use_native, generate_into, keep_mask_into
+from titan.rng.shards import ShardIndex
 
 
 def _fill(tensor: Tensor, kind: str, seed: int, stream: str, params: dict) -> Tensor:

@@ -19,15 +19,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan import __version__, models
-from titan.checkpoint import Checkpointer, complete_checkpoints, model_shapes
+from titan.balance import data_shares
+from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, model_shapes
 from titan.config import Config, ConfigError, Layout, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.files import hold_run_folder, write_error
-from titan.float8 import precompute_scales as precompute_float8_scales
-from titan.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
+from titan.observe.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
+from titan.observe.profiling import Profiler, StepClock
 from titan.optim import (
     FiniteFlags,
     build_lr_scheduler,
@@ -37,12 +38,11 @@ from titan.optim import (
     skip_if_nonfinite,
 )
 from titan.parallel import pp
-from titan.parallel.balance import data_shares
+from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
-from titan.parallel.rng import Dropout
-from titan.profiling import Profiler, StepClock
-from titan.straggler import Probe, StragglerDetector, foreign_plan, gather_times
+from titan.rng import Dropout
+from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
 
@@ -210,7 +210,7 @@ class Trainer:
             self.probe = Probe(self.device)
         if config.checkpoint.init_from_hf:
             if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
-                from titan.hf_io import init_from_hf
+                from titan.checkpoint.hf import init_from_hf
 
                 init_from_hf(
                     self.model_parts.named_parameters(),

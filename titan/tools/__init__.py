@@ -1,0 +1,1 @@
+"""The commands besides train: plan, verify, compare, generate, simulate."""

@@ -1,0 +1,1 @@
+"""Simulators of clusters larger than this machine: stragglers and packing."""

@@ -1,0 +1,1 @@
+"""The training core: the trainer loop and the straggler re-plan."""
