@@ -95,9 +95,10 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     import torch
     import torch.nn.functional as F
 
-    from titan.config import batch_plan, load_config
+    from titan.config import load_config
     from titan.data import build_loaders
     from titan.observe.metrics import peak_flops, peak_memory_bytes
+    from titan.run_plan import run_plan
     from titan.train.trainer import Trainer, build_model, pick_device, resolve_model
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
@@ -133,7 +134,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         device, world = pick_device(config.training.device), 1
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=True)
-        plan = batch_plan(config, 1)[0]
+        plan = list(run_plan(config, 1).micro_batches[0])
         micro, accumulation = plan[0], len(plan)
         batch = next(build_loaders(config, micro, range(micro), [micro])[0])[0].to(device)
         bf16 = config.training.mixed_precision == "bf16"
@@ -223,9 +224,10 @@ def init_times(flavors: list[str], recipe: str) -> None:
 def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
     """Prepare throughput (1 and `workers` tokenizer processes, in a fresh cache), the loader's throughput for
     one rank, and the time to restore a loader far into training."""
-    from titan.config import batch_plan, load_config
+    from titan.config import load_config
     from titan.data import build_loaders
     from titan.data.prepared import prepare
+    from titan.run_plan import run_plan
 
     with tempfile.TemporaryDirectory(prefix="titan-bench-data-") as cache:
         config = load_config(recipe, [*overrides, "--data.cache_dir", cache])
@@ -241,7 +243,7 @@ def data_figures(recipe: str, overrides: list[str], workers: int) -> None:
                 print(f"{label:<32}{meta['documents']:>10,}{meta['tokens']:>12,}{seconds:>9.2f}{rate:>12,.0f}")
         t = config.training
         global_batch = t.global_batch_size or t.local_batch_size
-        loader, _ = build_loaders(config, global_batch, range(global_batch), batch_plan(config, 1)[0])
+        loader, _ = build_loaders(config, global_batch, range(global_batch), list(run_plan(config, 1).micro_batches[0]))
         steps, start = 200, time.perf_counter()
         for _ in range(steps):
             next(loader)

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from titan.balance import data_shares, layer_split, micro_batch_sizes, plan_shares, runnable_counts
-from titan.config import Config, batch_plan
+from titan.config import Config
+from titan.run_plan import run_plan
 
 
 def compositions(total: int, parts: int, least: int):
@@ -88,7 +89,7 @@ def test_at_one_row_per_micro_batch_no_rows_move_and_at_two_some_do():
 def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
     """Property test: random data-parallel sizes 2-128, global batches 8-4,096, local batches 1-8, speeds from 1
     to 8x slower, with and without pipelines. Whenever the recipe runs at all (its even plan), the plan for any
-    speeds is one the trainer runs: batch_plan, through which apply_plan re-plans, returns it, and it holds
+    speeds is one the trainer runs: run_plan, through which apply_plan re-plans, returns it, and it holds
     every rank's rows in as many micro-batches of 1 to local_batch_size rows (under a pipeline, equal ones of a
     multiple of the schedule's micro-batches)."""
     rng = random.Random(0)
@@ -108,12 +109,12 @@ def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
         for i in rng.sample(range(dp), {"one": 1, "some": max(1, dp // 4), "all": dp}[slow]):
             weights[i] = 1 / rng.uniform(1, 8)
         try:
-            batch_plan(config, world, pipeline=pipeline)
+            run_plan(config, world)
         except ValueError:  # the recipe is refused before training; so is every other plan
             with pytest.raises(ValueError):
-                batch_plan(config, world, weights, pipeline)
+                run_plan(config, world, weights)
             continue
-        plan = batch_plan(config, world, weights, pipeline)
+        plan = run_plan(config, world, weights).micro_batches
         checked += 1
         assert sum(map(sum, plan)) == t.global_batch_size and len(plan) == dp
         assert len({len(sizes) for sizes in plan}) == 1  # FSDP's collectives in step on every rank
@@ -123,7 +124,7 @@ def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
         shares = [sum(sizes) for sizes in plan]
         assert plan_shares(t.global_batch_size, weights, t.local_batch_size, pipeline) == shares
         # Never slower than the even plan: a re-plan only helps.
-        even = [sum(sizes) for sizes in batch_plan(config, world, pipeline=pipeline)]
+        even = [sum(sizes) for sizes in run_plan(config, world).micro_batches]
         assert slowest(shares, weights) <= slowest(even, weights) * (1 + 1e-12)
     assert checked >= 1000
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan
 from helpers import assert_one_line_error
-from titan.config import Config, ConfigError, batch_plan, load_config, read_config, to_dict, to_toml, toml_value
+from titan.config import Config, ConfigError, load_config, read_config, to_dict, to_toml, toml_value
+from titan.run_plan import run_plan
 
 MIXTURE = (
     DEBUG_RECIPE.read_text()
@@ -177,7 +178,7 @@ def test_the_global_batch_is_the_contract_and_local_batch_size_a_cap(world, loca
     if weights:
         overrides += ["--parallel.dp_weights", str(weights)]
     config = load_config(DEBUG_RECIPE, overrides, world_size=world)
-    plan = batch_plan(config, world)  # each data-parallel rank's micro-batch sizes
+    plan = [list(sizes) for sizes in run_plan(config, world).micro_batches]  # each data-parallel rank's
     assert plan == expected
     assert sum(map(sum, plan)) == 8 and all(max(sizes) <= local for sizes in plan)
 

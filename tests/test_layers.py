@@ -19,7 +19,7 @@ LAYERS = [
     ["titan.parallel", "titan.data", "titan.observe", "titan.optim"],
     ["titan.models"],
     ["titan.rng"],
-    ["titan.config_keys"],
+    ["titan.config_keys", "titan.run_plan"],  # the recipe's keys described; what each rank computes
     ["titan.config"],
     ["titan.balance", "titan.files"],
     ["titan"],  # the package's own __init__: its version

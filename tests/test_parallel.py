@@ -24,7 +24,6 @@ from helpers import (
     with_local_batch,
 )
 from titan.config import load_config
-from titan.parallel import pp
 from titan.train.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -183,7 +182,7 @@ def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
     for part in trainer.model_parts.parts:
         part.register_forward_pre_hook(lambda *_: forwards.append(1))
     loss = trainer.train_step(next(trainer.loader))[0].item()
-    needed = len(trainer.model_parts.parts) * pp.microbatches(trainer.config.parallel)
+    needed = len(trainer.model_parts.parts) * trainer.run_plan.pipeline_microbatches
     return len(forwards), needed, loss
 
 

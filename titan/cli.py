@@ -11,7 +11,8 @@ from pathlib import Path
 
 import typer
 
-from titan.config import ConfigError, load_config, read_config, to_toml
+from titan.config import Config, ConfigError, load_config, read_config, to_toml
+from titan.run_plan import run_plan
 
 app = typer.Typer(
     help="titan: pretrain Llama-family language models from a TOML recipe, on one CPU or thousands of GPUs.",
@@ -49,6 +50,14 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _preflight(path: Path, overrides: list[str]) -> Config:
+    """The recipe, loaded and checked, and its run plan checked at the world size torchrun gives (1 alone): a
+    recipe that cannot run is refused here, before torch is imported."""
+    config = load_config(path, overrides)
+    run_plan(config, int(os.environ.get("WORLD_SIZE", "1")))
+    return config
+
+
 def _leave_together() -> None:
     """Under torchrun the first rank to exit gets the others killed (exit -15 rather than 2). The ranks stop on
     the same user error, so they meet at a barrier (for at most 30 s) and leave at once."""
@@ -77,7 +86,7 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     every key with its type, default and meaning.
     """
     try:
-        cfg = load_config(config, ctx.args)
+        cfg = _preflight(config, ctx.args)
         from titan.train.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
 
         try:
@@ -103,7 +112,7 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
 def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """Print the fully resolved recipe (defaults and overrides applied) as TOML."""
     try:
-        typer.echo(to_toml(load_config(config, ctx.args)), nl=False)
+        typer.echo(to_toml(_preflight(config, ctx.args)), nl=False)
     except ConfigError as e:
         _fail(str(e))
 

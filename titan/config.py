@@ -20,8 +20,6 @@ from typing import Any, Literal
 
 import tomli_w
 
-from titan.balance import micro_batch_sizes, plan_shares
-
 
 class ConfigError(ValueError):
     """A mistake in the recipe or the command line; the message says what, where and how to fix it."""
@@ -678,14 +676,6 @@ def validate(config: Config, world_size: int) -> None:
             all(0 < w < math.inf for w in p.dp_weights),
             f"parallel.dp_weights must all be > 0 and finite (relative speeds), got {p.dp_weights}",
         )
-    try:
-        batch_plan(config, world_size)
-    except ValueError as e:
-        raise ConfigError(
-            f"training.global_batch_size ({t.global_batch_size or 'local x dp'}) over {dp} data-parallel ranks"
-            f"{' weighted ' + str(p.dp_weights) if p.dp_weights else ''}: {e}; raise global_batch_size or "
-            "local_batch_size"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -723,22 +713,6 @@ class Layout:
     def name(self) -> str:
         """The degrees other than 1, e.g. 'dp_shard2-tp2'; 'single' when there are none."""
         return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items() if v != 1) or "single"
-
-
-def batch_plan(
-    config: Config, world_size: int, weights: list[float] | None = None, pipeline: int = 0
-) -> list[list[int]]:
-    """Each data-parallel rank's micro-batch sizes (rows), in rank order. The global batch is the contract:
-    its rows are shared out by `weights` (default: parallel.dp_weights, else even) as closely as a runnable plan
-    allows (balance.plan_shares), each rank reads its share at most local_batch_size rows at a time, and every
-    rank runs the same number of micro-batches (FSDP's collectives run once per micro-batch on every rank).
-    `pipeline`: the schedule's micro-batches per micro-batch, under a pipeline. Without global_batch_size,
-    local_batch_size per rank."""
-    t = config.training
-    dp = Layout.from_config(config.parallel, world_size).dp
-    rows = t.global_batch_size or t.local_batch_size * dp
-    weights = weights or config.parallel.dp_weights or [1.0] * dp
-    return micro_batch_sizes(plan_shares(rows, weights, t.local_batch_size, pipeline), t.local_batch_size, pipeline)
 
 
 # The recipe keys that change what a resumed run computes: a resume checks them against the checkpoint's.

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, plan_memory
-from titan.parallel.pp import micro_batch_shape
+from titan.run_plan import run_plan
 
 log = logging.getLogger("titan")
 
@@ -53,7 +53,7 @@ def block_choices(
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the one plan fits
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
-    rows, micro_batches = micro_batch_shape(config, layout)
+    rows, micro_batches = run_plan(config, layout.world_size).largest_micro_batch
     options = _on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device)
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",

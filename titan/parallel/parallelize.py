@@ -18,6 +18,7 @@ from titan.models import ModelSpec
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
+from titan.run_plan import run_plan, stages_per_rank
 
 
 @dataclass
@@ -66,7 +67,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     """Every combination that cannot work, refused with its reason before any work starts."""
     p = config.parallel
     pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
-    n_stages = layout.pp * pp.stages_per_rank(p) if layout.pp > 1 else 1
+    n_stages = layout.pp * stages_per_rank(p) if layout.pp > 1 else 1
     try:
         spec.check_parallelism(args, layout.tp, n_stages)
     except ValueError as e:
@@ -74,7 +75,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     if layout.pp > 1:
         with torch.device("meta"):
             pp.stage_layers(args.n_layers, p, layer_gib(spec.build(args), spec))
-        pp.batch_plan_for(config, layout)  # micro-batches the schedule can cut
+        run_plan(config, layout.world_size)  # micro-batches the schedule can cut
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.

@@ -11,7 +11,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan.balance import layer_split
-from titan.config import Config, ConfigError, Layout, Parallel, batch_plan
+from titan.config import ConfigError, Parallel
+from titan.run_plan import stages_per_rank
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}
@@ -24,12 +25,6 @@ def schedule_class(name: str):
         return get_schedule_class(name)
     except ValueError as e:
         raise ConfigError(f"parallel.pp_schedule: {e}") from None
-
-
-def stages_per_rank(cfg: Parallel) -> int:
-    if cfg.pp_stages_per_rank:
-        return cfg.pp_stages_per_rank
-    return 2 if issubclass(schedule_class(cfg.pp_schedule), PipelineScheduleMulti) else 1
 
 
 def stage_layers(n_layers: int, cfg: Parallel, layer_gib: float = 0.0) -> list[list[int]]:
@@ -77,42 +72,6 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     if schedule.lower() in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
-
-
-def batch_plan_for(config: Config, layout: Layout, weights: list[float] | None = None) -> list[list[int]]:
-    """batch_plan on this layout: under a pipeline, micro-batches its schedule can cut (a recipe without any is a
-    ConfigError)."""
-    if layout.pp == 1:
-        return batch_plan(config, layout.world_size, weights)
-    n = microbatches(config.parallel)
-    try:
-        return batch_plan(config, layout.world_size, weights, n)
-    except ValueError as e:
-        raise ConfigError(
-            f"parallel.pp_microbatches ({n}) with training.local_batch_size ({config.training.local_batch_size}): "
-            f"{e}; make training.global_batch_size a multiple of pp_microbatches x data-parallel size"
-        ) from None
-
-
-def micro_batch_shape(config: Config, layout: Layout) -> tuple[int, int]:
-    """(sequences per micro-batch, micro-batches per rank and step), for the largest micro-batch of any rank."""
-    sizes = batch_plan_for(config, layout)
-    rows, count = max(map(max, sizes)), len(sizes[0])
-    if layout.pp > 1:  # the pipeline cuts each rank's batch into its own micro-batches
-        count = microbatches(config.parallel)
-        rows //= count
-    return rows, count
-
-
-def microbatches(cfg: Parallel) -> int:
-    """The schedule's micro-batches per micro-batch of the data-parallel plan (batch_plan gives each rank
-    micro-batches of a multiple of this many rows)."""
-    n = cfg.pp_microbatches or cfg.pp * stages_per_rank(cfg)
-    if n < cfg.pp:
-        raise ConfigError(
-            f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({cfg.pp}) to fill the pipeline"
-        )
-    return n
 
 
 def build_schedule(

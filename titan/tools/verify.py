@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from titan.config import Config, ConfigError, Layout, load_config, read_config, to_toml, validate
+from titan.run_plan import run_plan
 
 # The smallest tolerance per compute dtype, relative to a tensor's largest magnitude. fp32: the layouts' tests
 # measure up to ~3e-7 after a few steps (sums in other orders); bf16 rounds to 2**-8 and FSDP's mixed precision
@@ -440,6 +441,7 @@ def verify(
     config = read_config(recipe, overrides)
     processes = world_size_of(config.parallel)
     validate(config, processes)
+    run_plan(config, processes)
     layout = Layout.from_config(config.parallel, processes)
     if processes == 1:
         raise ConfigError(

@@ -42,6 +42,7 @@ from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
 from titan.rng import Dropout
+from titan.run_plan import RunPlan, run_plan
 from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
@@ -124,12 +125,13 @@ class Trainer:
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh else 0
         self.dp_rank = dp_rank
         # Each data-parallel rank's micro-batch sizes: its contiguous share of every global batch.
-        self.pipeline_microbatches = pp.microbatches(config.parallel) if self.layout.pp > 1 else 0
-        plan = pp.batch_plan_for(config, self.layout)
-        self.global_batch = sum(map(sum, plan))
-        self.grad_accum, self.micro_batch_size = len(plan[dp_rank]), plan[dp_rank][0]
+        self.run_plan = run_plan(config, self.world_size)
+        self.pipeline_microbatches = self.run_plan.pipeline_microbatches
+        sizes = self.run_plan.micro_batches[dp_rank]
+        self.global_batch = self.run_plan.global_rows
+        self.grad_accum, self.micro_batch_size = len(sizes), sizes[0]
         self.loader, self.validation_loader = build_loaders(
-            config, self.global_batch, self._rows_of(plan), plan[dp_rank], log_rows=config.data.batching == "rows"
+            config, self.global_batch, self.run_plan.rows(dp_rank), list(sizes), log_rows=config.data.batching == "rows"
         )
         self.documents = config.data.batching == "tokens"
         if self.documents:
@@ -231,7 +233,7 @@ class Trainer:
         else:
             batching = (
                 f"{self.tokens_per_step} tokens/step ({self.global_batch} x {t.seq_len} seq; this rank "
-                f"{' + '.join(map(str, plan[dp_rank]))} rows)"
+                f"{' + '.join(map(str, self.run_plan.micro_batches[dp_rank]))} rows)"
             )
         log.info(
             "%s %s: %.2fM parameters on %s x %d (%s) | %s | %s",
@@ -423,22 +425,19 @@ class Trainer:
         dist.all_gather_object(devices, mine, group=self.control_group)
         return devices
 
-    def _rows_of(self, plan: list[list[int]]) -> range:
-        start = sum(sum(sizes) for sizes in plan[: self.dp_rank])
-        return range(start, start + sum(plan[self.dp_rank]))
-
-    def apply_plan(self, weights: list[float]) -> list[list[int]]:
+    def apply_plan(self, weights: list[float]) -> RunPlan:
         """Share the global batch's rows by `weights` from the next step on (every rank calls this with the
         same weights), as closely as micro-batches allow. Nothing moves: each rank reads other rows of the same
         global batches."""
-        plan = pp.batch_plan_for(self.config, self.layout, weights)
+        self.run_plan = plan = run_plan(self.config, self.world_size, weights)
+        sizes = list(plan.micro_batches[self.dp_rank])
         for loader in (self.loader, self.validation_loader):
             if isinstance(loader, DocumentBatchLoader):
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
             elif loader is not None:
-                loader.assign(self._rows_of(plan), plan[self.dp_rank])
+                loader.assign(plan.rows(self.dp_rank), sizes)
         self.plan["dp_weights"], self.plan["measured_on"] = list(weights), self.measured_on
-        self.grad_accum, self.micro_batch_size = len(plan[self.dp_rank]), plan[self.dp_rank][0]
+        self.grad_accum, self.micro_batch_size = len(sizes), sizes[0]
         return plan
 
     def _check_stragglers(self) -> None:
@@ -471,7 +470,7 @@ class Trainer:
                             **{f"pp_layers_{i}": c for i, c in enumerate(counts)}},
             )  # fmt: skip
             return
-        rows = [sum(sizes) for sizes in self.apply_plan(weights)]
+        rows = [sum(sizes) for sizes in self.apply_plan(weights).micro_batches]
         asked = data_shares(sum(rows), weights)
         slowest = lambda shares: max(r / w for r, w in zip(shares, weights))  # noqa: E731
         log.info(

@@ -19,10 +19,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from titan.config import Config, Layout, batch_plan
-from titan.parallel import pp
+from titan.config import Config, Layout
 from titan.parallel.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel.parallelize import check_layout
+from titan.run_plan import run_plan
 from titan.tools.plan.devices import Device, Links, planned_device
 from titan.tools.plan.graph import saved_by_block
 from titan.tools.plan.pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
@@ -40,7 +40,7 @@ TRACED_DEPTH = 3
 
 
 @dataclass
-class RankPlan:
+class RankEstimate:
     """One pipeline rank's step at its real depth (every rank of that pipeline rank alike)."""
 
     pp_rank: int
@@ -58,7 +58,7 @@ class RankPlan:
 
 
 @dataclass
-class RunPlan:
+class StepEstimate:
     config: Config
     device: Device
     layout: Layout
@@ -69,7 +69,7 @@ class RunPlan:
     block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
     # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
     compiled_saving: int = 0
-    ranks: list[RankPlan] = field(default_factory=list)
+    ranks: list[RankEstimate] = field(default_factory=list)
     step_seconds: float = 0.0
     mfu: float = 0.0
 
@@ -78,7 +78,7 @@ class RunPlan:
         return self.device.memory_gib * (1 - self.config.plan.headroom_fraction) * GIB
 
 
-def plan_run(config: Config, world_size: int) -> RunPlan:
+def plan_run(config: Config, world_size: int) -> StepEstimate:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
@@ -87,8 +87,8 @@ def plan_run(config: Config, world_size: int) -> RunPlan:
     layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
     check_layout(config, spec, args, layout, CPU)
-    rows, microbatches = pp.micro_batch_shape(config, layout)
-    plan = RunPlan(config, planned_device(config.plan), layout, rows, microbatches)
+    rows, microbatches = run_plan(config, world_size).largest_micro_batch
+    plan = StepEstimate(config, planned_device(config.plan), layout, rows, microbatches)
     layers = stage_layers(config, spec, args, layout)
     with fake_world(layout) as mesh:
 
@@ -130,7 +130,7 @@ def _compiled_saving(config: Config, args, layout: Layout, rows: int) -> int:
     return max(0, eager - compiled) // layout.tp
 
 
-def _block_ways(plan: RunPlan, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
+def _block_ways(plan: StepEstimate, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
     """The ways to run a block, as ac.measure_options gives them on the training device, here from traces of one
     block: the bytes it keeps and the roofline seconds its forward and backward add over keeping everything; and
     the FLOPs of its forward and backward each way. On an accelerator offload keeps nothing on the device and
@@ -148,7 +148,7 @@ def _block_ways(plan: RunPlan, one_block: dict[str, RankTrace]) -> tuple[list[Op
     return [*options, Option("offload", 0, 2 * keep_bytes / (plan.device.host_gbs * 1e9))], flops
 
 
-def _plan_checkpointing(plan: RunPlan, rank: RankPlan, order, block_flops: dict[str, float]) -> None:
+def _plan_checkpointing(plan: StepEstimate, rank: RankEstimate, order, block_flops: dict[str, float]) -> None:
     """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs and time follow
     (`block_flops`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))
@@ -185,7 +185,7 @@ def _as_traced(config: Config) -> Config:
     return config
 
 
-def _trace_ranks(plan: RunPlan, trace, layers: list[list[int]], order) -> None:
+def _trace_ranks(plan: StepEstimate, trace, layers: list[list[int]], order) -> None:
     """Each pipeline rank's step at its real depth. The rate per block comes from the rank with the longest stage,
     traced with TRACED_DEPTH blocks per stage and again with `every` more in that stage; every rank's trace with
     TRACED_DEPTH per stage grows from there. Ranks whose stages have the same ends (embedding, head) share a
@@ -248,7 +248,7 @@ def _grow(start: RankTrace, shallow: RankTrace, deep: RankTrace, counts: list[in
     return grown
 
 
-def _rank_plan(plan: RunPlan, pp_rank: int, layers: list[list[int]], trace: RankTrace, order) -> RankPlan:
+def _rank_plan(plan: StepEstimate, pp_rank: int, layers: list[list[int]], trace: RankTrace, order) -> RankEstimate:
     """The rank's step: the trace held one micro-batch in each stage; a pipeline holds more."""
     peak, activations, in_flight = _peak(trace, trace.held, order[pp_rank] if order else None)
     step = Cost()
@@ -259,7 +259,7 @@ def _rank_plan(plan: RunPlan, pp_rank: int, layers: list[list[int]], trace: Rank
     step.add(trace.optimizer)
     if order:
         step.traffic[("send", "pp")] += trace.boundary_bytes * sends(order, pp_rank)
-    return RankPlan(
+    return RankEstimate(
         pp_rank, trace.stage_ids, layers, trace, in_flight, activations, peak, {}, step.flops, dict(step.traffic)
     )
 
@@ -276,7 +276,7 @@ def _peak(trace: RankTrace, held: dict[int, int], actions: list | None, recomput
     return max(peak, trace.optimizer_peak), activations, in_flight
 
 
-def _ways(plan: RunPlan, rank: RankPlan, mode: str) -> list[list[str]]:
+def _ways(plan: StepEstimate, rank: RankEstimate, mode: str) -> list[list[str]]:
     """Per stage of the rank, how each block runs under `mode` with the recipe's period (every Nth block)."""
     ac = plan.config.activation_checkpoint
     way = {m: w for w, m in TRACED_AS.items() if w != "offload"}[mode]
@@ -296,7 +296,7 @@ def _recomputed(keep: int, kept: list[list[int]]) -> int:
     return extra
 
 
-def _peak_with(plan: RunPlan, rank: RankPlan, order, ways: list[list[str]]) -> tuple[int, int, int]:
+def _peak_with(plan: StepEstimate, rank: RankEstimate, order, ways: list[list[str]]) -> tuple[int, int, int]:
     """The rank's (peak, activations then held, micro-batches then held) if its blocks ran `ways` (per stage and
     block: keep, selective, full or offload) instead of the recipe's."""
     a = plan.block_activations
@@ -309,7 +309,7 @@ def _peak_with(plan: RunPlan, rank: RankPlan, order, ways: list[list[str]]) -> t
     return _peak(rank.trace, held, order[rank.pp_rank] if order else None, recomputed)
 
 
-def _step_time(plan: RunPlan, flops_per_token: float, order) -> None:
+def _step_time(plan: StepEstimate, flops_per_token: float, order) -> None:
     """The step's time: the pipeline replayed with each stage's times (or the micro-batches one after another),
     then the optimizer step; and the MFU that gives."""
     layout = plan.layout
@@ -328,5 +328,5 @@ def _step_time(plan: RunPlan, flops_per_token: float, order) -> None:
         plan.step_seconds = replay(order, forward, backward, hop) + optimizer
     else:
         plan.step_seconds = plan.ranks[0].seconds
-    tokens = plan.config.training.seq_len * sum(map(sum, batch_plan(plan.config, layout.world_size)))
+    tokens = run_plan(plan.config, layout.world_size).tokens_per_step
     plan.mfu = flops_per_token * tokens / (plan.step_seconds * plan.device.peak_flops * layout.world_size)

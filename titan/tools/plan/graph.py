@@ -28,8 +28,9 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from titan.config import Config, Layout
+from titan.config import Config
 from titan.models.llama.model import ModelArgs, TransformerBlock, rope_table
+from titan.run_plan import run_plan
 
 
 def trace_block(args: ModelArgs, rows: int, seq: int, dtype: torch.dtype = torch.float32) -> fx.GraphModule:
@@ -324,12 +325,10 @@ def analyse(gm: fx.GraphModule) -> GraphAnalysis:
 
 def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]:
     """The analysis of one block of the recipe's model at its micro-batch and dtype, and what was traced."""
-    from titan.parallel.pp import micro_batch_shape
     from titan.train.trainer import resolve_model
 
-    layout = Layout.from_config(config.parallel, world_size)
     _, args = resolve_model(config)
-    rows, _ = micro_batch_shape(config, layout)
+    rows, _ = run_plan(config, world_size).largest_micro_batch
     seq = config.training.seq_len
     dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
     what = (

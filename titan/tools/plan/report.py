@@ -3,12 +3,12 @@ not fit."""
 
 from __future__ import annotations
 
-from titan.config import batch_plan
-from titan.tools.plan.estimate import GIB, RankPlan, RunPlan
+from titan.run_plan import run_plan
+from titan.tools.plan.estimate import GIB, RankEstimate, StepEstimate
 from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
 
 
-def shortfall(plan: RunPlan) -> str | None:
+def shortfall(plan: StepEstimate) -> str | None:
     """One line naming the first pipeline rank whose peak does not fit, or None when all fit."""
     for rank in plan.ranks:
         if rank.peak > plan.usable_bytes:
@@ -21,18 +21,18 @@ def shortfall(plan: RunPlan) -> str | None:
     return None
 
 
-def _rank_name(plan: RunPlan, rank: RankPlan) -> str:
+def _rank_name(plan: StepEstimate, rank: RankEstimate) -> str:
     if plan.layout.pp == 1:
         return "every rank"
     stages = ", ".join(map(str, rank.stage_ids))
     return f"pipeline rank {rank.pp_rank} (stage{'s' * (len(rank.stage_ids) > 1)} {stages})"
 
 
-def format_plan(plan: RunPlan) -> str:
+def format_plan(plan: StepEstimate) -> str:
     """The plan as text: what is planned, a table per pipeline rank, then the step time."""
     c, layout, device = plan.config, plan.layout, plan.device
     degrees = " x ".join(f"{k} {v}" for k, v in vars(layout).items() if v > 1) or "one device"
-    global_batch = sum(map(sum, batch_plan(c, layout.world_size)))
+    global_batch = run_plan(c, layout.world_size).global_rows
     schedule = f", {c.parallel.pp_schedule}" if layout.pp > 1 else ""
     lines = [
         f"{c.model.name} {c.model.flavor}, {_params(plan.params)} parameters, on {layout.world_size} x {device.name} "
@@ -67,7 +67,7 @@ def format_plan(plan: RunPlan) -> str:
     return "\n".join(lines)
 
 
-def _rows(plan: RunPlan, rank: RankPlan) -> list[tuple[str, str]]:
+def _rows(plan: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
     """The rank's table: what it holds, its peak, and what its step does."""
     t = rank.trace
     fits = "fits" if rank.peak <= plan.usable_bytes else f"{_size(rank.peak - plan.usable_bytes)} short"
@@ -88,7 +88,7 @@ def _rows(plan: RunPlan, rank: RankPlan) -> list[tuple[str, str]]:
     ]
 
 
-def _checkpointing(plan: RunPlan, rank: RankPlan) -> str:
+def _checkpointing(plan: StepEstimate, rank: RankEstimate) -> str:
     """The auto plan of the rank's blocks: how many take each way, what they keep, the time it adds per step."""
     choices, names = rank.checkpointing.choices, [o.name for o in plan.block_options]
     counts = ", ".join(f"{choices.count(name)} {name}" for name in names if name in choices)
@@ -98,13 +98,13 @@ def _checkpointing(plan: RunPlan, rank: RankPlan) -> str:
     )
 
 
-def _by_mode(plan: RunPlan, values: dict[str, int]) -> str:
+def _by_mode(plan: StepEstimate, values: dict[str, int]) -> str:
     """Figures per activation checkpointing mode, the recipe's marked (auto: none is)."""
     mode = plan.config.activation_checkpoint.mode if not plan.block_options else None
     return " | ".join(f"{m} {_size(b)}{' (recipe)' * (m == mode)}" for m, b in values.items())
 
 
-def plan_json(plan: RunPlan) -> dict:
+def plan_json(plan: StepEstimate) -> dict:
     """The plan's figures for programs (`titan plan --json`): bytes, FLOPs and seconds."""
     return {
         "params": plan.params,
