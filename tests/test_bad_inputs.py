@@ -275,7 +275,14 @@ CASES = [
         {"WORLD_SIZE": "2"},
         ["parallel.tp = 2", "n_kv_heads (1)"],
     ),  # fmt: skip
-    ("pp vs layers", "train", {"parallel.pp": "8"}, None, {"WORLD_SIZE": "8"}, ["8 pipeline stages", "2 layers"]),
+    (
+        "pp vs layers",
+        "train",
+        {"parallel.pp": "8", "training.local_batch_size": "8"},  # a batch its 8 micro-batches can cut
+        None,
+        {"WORLD_SIZE": "8"},
+        ["8 pipeline stages", "2 layers"],
+    ),  # fmt: skip
     (
         "pp too few micro-batches",
         "train",
