@@ -12,7 +12,8 @@ import pytest
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan
 from helpers import assert_one_line_error
-from titan.config import Config, ConfigError, batch_plan, load_config, read_config, to_dict, to_toml, toml_value
+from titan.config import Config, batch_plan, load_config, read_config, to_dict, to_toml, toml_value
+from titan.errors import ConfigError
 
 MIXTURE = (
     DEBUG_RECIPE.read_text()

@@ -37,7 +37,8 @@ from titan.checkpoint import hf as hf_io  # noqa: E402
 from titan.checkpoint import hf_match  # noqa: E402
 from titan.checkpoint.checkpointer import model_shapes, write_train_state  # noqa: E402
 from titan.checkpoint.format import CheckpointWriter, seal  # noqa: E402
-from titan.config import Config, ConfigError, Model, load_config, to_toml  # noqa: E402
+from titan.config import Config, Model, load_config, to_toml  # noqa: E402
+from titan.errors import ConfigError  # noqa: E402
 from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
 from titan.rng.shards import ShardIndex, global_indices  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402

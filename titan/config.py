@@ -21,10 +21,7 @@ from typing import Any, Literal
 import tomli_w
 
 from titan.balance import micro_batch_sizes, plan_shares
-
-
-class ConfigError(ValueError):
-    """A mistake in the recipe or the command line; the message says what, where and how to fix it."""
+from titan.errors import ConfigError
 
 
 @dataclass

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan.config import ConfigError, Layout
+from titan.config import Layout
+from titan.errors import ConfigError
 
 
 def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:

@@ -11,7 +11,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan.balance import layer_split
-from titan.config import Config, ConfigError, Layout, Parallel, batch_plan
+from titan.config import Config, Layout, Parallel, batch_plan
+from titan.errors import ConfigError
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}

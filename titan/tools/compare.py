@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.config import Layout
+from titan.errors import UserError
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """A run folder is missing or malformed; the message names the folder and what is wrong."""
 
 

@@ -21,11 +21,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan import __version__, models
 from titan.balance import data_shares
 from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, model_shapes
-from titan.config import Config, ConfigError, Layout, math_values, to_toml
+from titan.config import Config, Layout, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
+from titan.errors import ConfigError, UserError
 from titan.files import hold_run_folder, write_error
 from titan.observe.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.observe.profiling import Profiler, StepClock
@@ -818,7 +819,7 @@ class Preempted(Exception):
     """Training stopped early on a signal, after saving a checkpoint."""
 
 
-class NonFinite(ConfigError):
+class NonFinite(UserError):
     """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
     often a learning rate too high for the model)."""
 
