@@ -43,6 +43,7 @@ from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
 from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
 from titan.rng import Dropout
+from titan.rng.shards import full_tensor
 from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
@@ -584,7 +585,7 @@ class Trainer:
             if train:
                 with self.clock.phase("backward"):
                     loss.backward()
-        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        return full_tensor(loss).detach()
 
     def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -597,7 +598,7 @@ class Trainer:
             run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
             return torch.zeros((), device=self.device)
-        return torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
+        return torch.stack([full_tensor(x).detach() for x in losses]).sum()
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum the shares over data-parallel ranks, and take it from the last pipeline stage."""
