@@ -40,7 +40,7 @@ from titan.optim import (
 )
 from titan.parallel import pp
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
-from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
+from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0
 from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
 from titan.rng import Dropout
 from titan.rng.shards import full_tensor
@@ -110,7 +110,7 @@ class Trainer:
         setup_logging(self.rank)
         self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
-        self._on_rank_0(self._claim_run_dir)
+        on_rank_0(self._claim_run_dir, self.control_group)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -247,22 +247,6 @@ class Trainer:
             self.run_dir,
         )
 
-    def _on_rank_0(self, work) -> None:
-        """Run `work` on rank 0; a ConfigError there is raised on every rank, which would otherwise wait for
-        rank 0 at their next collective."""
-        error = None
-        if self.rank == 0:
-            try:
-                work()
-            except ConfigError as e:
-                error = str(e)
-        if self.control_group is not None:
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0, group=self.control_group)
-            error = shared[0]
-        if error is not None:
-            raise ConfigError(error)
-
     def _claim_run_dir(self) -> None:
         """Create the run folder and hold its lock for the run's life: one run per folder."""
         try:
@@ -378,22 +362,15 @@ class Trainer:
         if d.cost_model:
             cost = CostModel(*d.cost_model)
         else:
-            found = []
-
-            def measure():
-                dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
-                n_layers = math.ceil(self.model_args.n_layers / layout.pp)
-                found.append(
-                    cached_cost_model(
-                        self.spec, self.model_args, n_layers, max_len, capacity, self.device, dtype, config.job.seed
-                    )
-                )
-
-            self._on_rank_0(measure)
-            shared = [found[0] if found else None]
-            if self.control_group is not None:
-                dist.broadcast_object_list(shared, src=0, group=self.control_group)
-            cost = shared[0]
+            dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+            n_layers = math.ceil(self.model_args.n_layers / layout.pp)
+            # Measured by rank 0 alone, so that every rank plans with the same costs.
+            cost = on_rank_0(
+                lambda: cached_cost_model(
+                    self.spec, self.model_args, n_layers, max_len, capacity, self.device, dtype, config.job.seed
+                ),
+                self.control_group,
+            )
             if layout.dp > 1:
                 cost = dataclasses.replace(cost, c=cost.c + self._fsdp_seconds_per_micro_batch())
         loader = DocumentBatchLoader(
