@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
+from titan.rng.shards import full_tensor
 from titan.train.trainer import Preempted, Trainer
 
 
@@ -39,13 +39,9 @@ def numbered_documents(n: int, seed: int = 0, min_len: int = 3, max_len: int = 4
     return InMemoryDocuments([[doc * 1000 + i for i in range(length)] for doc, length in enumerate(lengths)])
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def full_weights(trainer) -> dict[str, torch.Tensor]:
     """Every parameter of this rank's model parts as a whole tensor."""
-    return {n: full(p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
+    return {n: full_tensor(p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
 
 
 def assert_one_line_error(result, *words: str) -> None:

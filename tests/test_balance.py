@@ -173,7 +173,8 @@ def test_the_recipe_s_stage_speeds_choose_the_pipeline_split():
 
 
 def test_memory_caps_bound_the_recipe_s_split():
-    from titan.config import ConfigError, Parallel
+    from titan.config import Parallel
+    from titan.errors import ConfigError
     from titan.parallel.pp import stage_layers
 
     fast_but_small = Parallel(pp=2, pp_stage_speeds=[1.0, 3.0], pp_stage_memory_gib=[4.0, 2.0])
@@ -186,7 +187,8 @@ def test_memory_caps_bound_the_recipe_s_split():
 def test_memory_caps_alone_bound_an_even_split_as_brute_force_does(seed):
     """pp_stage_memory_gib without pp_stage_speeds: the fewest layers on the busiest stage among the splits
     within the caps."""
-    from titan.config import ConfigError, Parallel
+    from titan.config import Parallel
+    from titan.errors import ConfigError
     from titan.parallel.pp import stage_layers
 
     rng = random.Random(seed)

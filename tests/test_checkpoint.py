@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
 from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, single_process_quiet
+from titan.rng.shards import full_tensor
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
@@ -146,7 +146,7 @@ def reshard_job(root, layout: dict, batch):
     trainer.model_parts.parts[0].eval()
     with torch.no_grad():
         logits = trainer.model_parts.parts[0](batch)
-    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    logits = full_tensor(logits)
     step = trainer.step
     trainer.config.training.steps = step + 2
     losses = trainer.train()

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan
 from helpers import assert_one_line_error
-from titan.config import Config, ConfigError, load_config, read_config, to_dict, to_toml, toml_value
+from titan.config import Config, load_config, read_config, to_dict, to_toml, toml_value
+from titan.errors import ConfigError
 from titan.run_plan import run_plan
 
 MIXTURE = (

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
-from helpers import GLOBAL_BATCH, LOSS_RTOL, layout_overrides, with_local_batch
+from helpers import GLOBAL_BATCH, LOSS_RTOL, full_weights, layout_overrides, with_local_batch
 from titan.config import load_config
+from titan.rng.shards import full_tensor
 from titan.train.trainer import Trainer, build_model
 
 INIT_LAYOUTS_2 = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
@@ -28,15 +28,11 @@ DROPOUT_LAYOUTS = {
 DROPOUT_STEPS = 10
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def initial_weights(tmp, layouts):
     out = {}
     for name, layout in layouts.items():
         trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, layout)))
-        out[name] = {n: full(p).detach().clone() for n, p in trainer.model_parts.named_parameters()}
+        out[name] = full_weights(trainer)
     return out
 
 
@@ -72,7 +68,7 @@ def train_recording_masks(overrides, steps):
     masks = {}
 
     def record(module, args, output):
-        mask = (full(output) != 0).cpu()
+        mask = (full_tensor(output) != 0).cpu()
         for i, row in enumerate(args[1].tolist()):
             masks[(module.stream, module.step, row)] = mask[i]
 

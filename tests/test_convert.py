@@ -26,6 +26,7 @@ from helpers import (  # noqa: E402
     SMALL,
     TOL,
     assert_one_line_error,
+    full_weights,
     hf_logits,
     max_diff,
     randomize_,
@@ -37,9 +38,10 @@ from titan.checkpoint import hf as hf_io  # noqa: E402
 from titan.checkpoint import hf_match  # noqa: E402
 from titan.checkpoint.checkpointer import model_shapes, write_train_state  # noqa: E402
 from titan.checkpoint.format import CheckpointWriter, seal  # noqa: E402
-from titan.config import Config, ConfigError, Model, load_config, to_toml  # noqa: E402
+from titan.config import Config, Model, load_config, to_toml  # noqa: E402
+from titan.errors import ConfigError  # noqa: E402
 from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
-from titan.rng.shards import ShardIndex, global_indices  # noqa: E402
+from titan.rng.shards import ShardIndex, full_tensor, global_indices  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 VOCAB = 1280  # covers the project tokenizer's 1170 tokens (the Trainer checks), and splits in two for TP
@@ -102,14 +104,7 @@ def logits_of(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         out = model(tokens)
-    return out.full_tensor() if isinstance(out, DTensor) else out
-
-
-def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in trainer.model_parts.named_parameters()
-    }
+    return full_tensor(out)
 
 
 def full_load(hf_dir) -> dict[str, torch.Tensor]:

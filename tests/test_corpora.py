@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data import Tokenizer, corpora
 from titan.data.corpora import resolve_source, resolve_tokenizer_path
+from titan.errors import ConfigError
 from titan.files import cache_root
 
 # What a Project Gutenberg licence, header or small print would leave in the text ("etext" whole: "pretext" is

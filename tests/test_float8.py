@@ -23,7 +23,8 @@ from helpers import (
     straight_and_resumed,
     trainer_for,
 )
-from titan.config import ConfigError, Layout, load_config
+from titan.config import Layout, load_config
+from titan.errors import ConfigError
 from titan.models.llama.hf import from_hf_state_dict, to_hf_state_dict
 from titan.parallel import float8
 from titan.train.trainer import Trainer, build_model

@@ -14,7 +14,8 @@ import torch
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import layout_overrides, trainer_for
-from titan.config import ConfigError, Layout, load_config
+from titan.config import Layout, load_config
+from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
 from titan.parallel.memory_plan import GIB, Option, gib_rounded_up, plan_memory
 from titan.train.trainer import Trainer, resolve_model

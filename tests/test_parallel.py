@@ -18,12 +18,12 @@ from helpers import (
     LOSS_RTOL,
     PARAM_ATOL,
     STEPS,
-    full,
     full_weights,
     layout_overrides,
     with_local_batch,
 )
 from titan.config import load_config
+from titan.rng.shards import full_tensor
 from titan.train.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -159,7 +159,7 @@ def train_through_a_pipeline_resplit(tmp, layout: dict):
     def moved_state():
         named = dict(trainer.model_parts.named_parameters())
         return {
-            (name, key): full(value).clone()
+            (name, key): full_tensor(value).clone()
             for name, p in named.items()
             if name.startswith("layers.2.")
             for key, value in trainer.optimizer.state[p].items()

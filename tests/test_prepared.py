@@ -18,11 +18,12 @@ from typer.testing import CliRunner
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked
 from helpers import assert_one_line_error
 from titan.cli import app
-from titan.config import ConfigError, DataSource
+from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data import prepared
 from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
 from titan.data.tokenizer import Tokenizer
+from titan.errors import ConfigError
 
 TOKENIZER = TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json"))
 TEXTS = [f"Story {i}: " + "the cat sat on the mat and looked at the sun. " * (i % 5) for i in range(40)]

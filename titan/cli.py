@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -11,7 +10,9 @@ from pathlib import Path
 
 import typer
 
-from titan.config import Config, ConfigError, load_config, read_config, to_toml
+from titan.config import Config, load_config, read_config, to_toml
+from titan.errors import UserError
+from titan.files import WRITE_ERRORS, write_error
 from titan.run_plan import run_plan
 
 app = typer.Typer(
@@ -36,18 +37,8 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="The TOML recipe, e.g. recipes/debug.toml.")
 
 
-# Errors writing the run folder that are the machine's state, not a bug: one line, exit 2.
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 # Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
 PREEMPTED_EXIT_CODE = 75
-
-
-def _fail(message: str) -> None:
-    """One line on stderr and exit status 2; under torchrun only rank 0 prints (every rank fails alike)."""
-    if os.environ.get("RANK", "0") == "0":
-        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    _leave_together()
-    raise typer.Exit(code=2)
 
 
 def _preflight(path: Path, overrides: list[str]) -> Config:
@@ -94,27 +85,16 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         except Preempted as e:
             typer.echo(f"titan: {e}", err=True)
             raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
-    except ConfigError as e:
-        _fail(str(e))
-    except OSError as e:
+    except OSError as e:  # a full, read-only or forbidden disk is the machine's state: one line, not a traceback
         if e.errno not in WRITE_ERRORS:
             raise
-        from titan.files import write_error
-
-        _fail(write_error(e))
-    finally:
-        dist = sys.modules.get("torch.distributed")  # not imported when the recipe was refused: a quick exit
-        if dist is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        raise UserError(write_error(e)) from None
 
 
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """Print the fully resolved recipe (defaults and overrides applied) as TOML."""
-    try:
-        typer.echo(to_toml(_preflight(config, ctx.args)), nl=False)
-    except ConfigError as e:
-        _fail(str(e))
+    typer.echo(to_toml(_preflight(config, ctx.args)), nl=False)
 
 
 @config_app.command("keys")
@@ -127,7 +107,7 @@ def config_keys(
     keys = [k for k in recipe_keys() if section is None or k.name.split(".")[0] == section]
     if not keys:
         sections = sorted({k.name.split(".")[0] for k in recipe_keys()})
-        _fail(f"no section {section!r}; sections: {', '.join(sections)}")
+        raise UserError(f"no section {section!r}; sections: {', '.join(sections)}")
     for key in keys:
         typer.echo(f"{key.name}: {key.type} = {key.default}\n    {key.description}")
 
@@ -143,23 +123,20 @@ def data_prepare(
     Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
     already prepared with the same files and tokenizer is skipped.
     """
-    try:
-        overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
-        cfg = load_config(config, overrides)
-        from titan.data import validation_source  # imported late, as in train: titan.data imports torch
-        from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
+    overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
+    cfg = load_config(config, overrides)
+    from titan.data import validation_source  # imported late, as in train: titan.data imports torch
+    from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
-        cache_root = cache_root_for(cfg.data)
-        for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
-            start = time.perf_counter()
-            done = find_prepared(source, cfg.tokenizer, cache_root)
-            path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
-            seconds = time.perf_counter() - start
-            meta = json.loads((path / "meta.json").read_text())
-            speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
-            typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
-    except ConfigError as e:
-        _fail(str(e))
+    cache_root = cache_root_for(cfg.data)
+    for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
+        start = time.perf_counter()
+        done = find_prepared(source, cfg.tokenizer, cache_root)
+        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
+        seconds = time.perf_counter() - start
+        meta = json.loads((path / "meta.json").read_text())
+        speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
+        typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
 
 
 @app.command()
@@ -172,16 +149,13 @@ def compare(
 
     Reads only the run folders (config.toml, metrics.jsonl, run_info.json); works offline.
     """
-    from titan.tools.compare import CompareError, format_report, load_run
+    from titan.tools.compare import format_report, load_run
     from titan.tools.compare import plot as draw
 
-    try:
-        loaded = [load_run(run) for run in runs]
-        typer.echo(format_report(loaded), nl=False)
-        if plot is not None:
-            typer.echo(f"\nplot: {draw(loaded, plot)}")
-    except CompareError as e:
-        _fail(str(e))
+    loaded = [load_run(run) for run in runs]
+    typer.echo(format_report(loaded), nl=False)
+    if plot is not None:
+        typer.echo(f"\nplot: {draw(loaded, plot)}")
 
 
 @convert_app.command("hf-to-dcp")
@@ -198,10 +172,7 @@ def convert_hf_to_dcp(
     """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
     from titan.checkpoint.hf import hf_to_dcp  # imported late: torch takes a while to import
 
-    try:
-        typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
-    except ConfigError as e:
-        _fail(str(e))
+    typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
 
 
 @convert_app.command("dcp-to-hf")
@@ -216,10 +187,7 @@ def convert_dcp_to_hf(
     """Export a titan checkpoint's model as config.json + safetensors, loadable by transformers' from_pretrained."""
     from titan.checkpoint.hf import dcp_to_hf
 
-    try:
-        typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
-    except ConfigError as e:
-        _fail(str(e))
+    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
 
 
 @convert_app.command("upgrade")
@@ -232,11 +200,8 @@ def convert_upgrade(
     from titan.checkpoint.checkpointer import checkpoints_at
     from titan.checkpoint.format import upgrade
 
-    try:
-        for folder in checkpoints_at(path):
-            typer.echo(upgrade(folder))
-    except ConfigError as e:
-        _fail(str(e))
+    for folder in checkpoints_at(path):
+        typer.echo(upgrade(folder))
 
 
 @app.command()
@@ -253,20 +218,17 @@ def generate(
 ) -> None:
     """Continue a prompt with a checkpoint's model, using a KV cache: the text on stdout, the speed on stderr."""
     if not prompt:
-        _fail("--prompt is empty; give the text to continue")
+        raise UserError("--prompt is empty; give the text to continue")
     from titan.tools.generate import continue_text  # imported late: torch takes a while to import
 
-    try:
-        text, generation = continue_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
-        typer.echo(text)
-        typer.echo(
-            f"{len(generation.tokens)} tokens: prefill {generation.prefill_seconds:.3f} s, decode "
-            f"{len(generation.tokens) - 1} tokens in {generation.decode_seconds:.3f} s "
-            f"({generation.decode_tokens_per_second:,.1f} tokens/s)",
-            err=True,
-        )
-    except ConfigError as e:
-        _fail(str(e))
+    text, generation = continue_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
+    typer.echo(text)
+    typer.echo(
+        f"{len(generation.tokens)} tokens: prefill {generation.prefill_seconds:.3f} s, decode "
+        f"{len(generation.tokens) - 1} tokens in {generation.decode_seconds:.3f} s "
+        f"({generation.decode_tokens_per_second:,.1f} tokens/s)",
+        err=True,
+    )
 
 
 @app.command(context_settings=OVERRIDES)
@@ -286,10 +248,7 @@ def verify(
     """
     from titan.tools.verify import verify as run_verify  # imported late: torch takes a while to import
 
-    try:
-        report, equivalent = run_verify(config, ctx.args, steps, out, reuse_reference)
-    except ConfigError as e:
-        _fail(str(e))
+    report, equivalent = run_verify(config, ctx.args, steps, out, reuse_reference)
     typer.echo(report)
     if not equivalent:
         raise typer.Exit(code=1)
@@ -312,29 +271,24 @@ def plan(
     size, and one step of each pipeline rank is traced under fake tensors, so nothing is allocated. Prints a table
     per pipeline rank; exit status 1 when a rank's peak does not fit. The plan.* recipe keys set the device.
     """
-    try:
-        overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
-        if world_size is None:
-            p = read_config(config, overrides).parallel
-            if p.dp_shard == -1:
-                _fail("parallel.dp_shard = -1 takes what the world size leaves: give --world-size")
-            world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
-        cfg = load_config(config, overrides, world_size=world_size)
-        from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
-        from titan.tools.plan.graph import analyse_recipe
-        from titan.tools.plan.report import format_graph, format_plan, plan_json, shortfall
+    overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
+    if world_size is None:
+        p = read_config(config, overrides).parallel
+        if p.dp_shard == -1:
+            raise UserError("parallel.dp_shard = -1 takes what the world size leaves: give --world-size")
+        world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    cfg = load_config(config, overrides, world_size=world_size)
+    from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
+    from titan.tools.plan.graph import analyse_recipe
+    from titan.tools.plan.report import format_graph, format_plan, plan_json, shortfall
 
-        if graph:
-            analysis, what = analyse_recipe(cfg, world_size)
-        else:
-            result = plan_run(cfg, world_size)
-    except ConfigError as e:
-        _fail(str(e))
     if graph:
+        analysis, what = analyse_recipe(cfg, world_size)
         typer.echo(format_graph(analysis, what))
         if json_path is not None:
             json_path.write_text(json.dumps(analysis.as_json(), indent=2) + "\n")
         return
+    result = plan_run(cfg, world_size)
     typer.echo(format_plan(result))
     if json_path is not None:
         json_path.write_text(json.dumps(plan_json(result), indent=2) + "\n")
@@ -361,13 +315,13 @@ def simulate_stragglers(
     from titan.tools.simulate.stragglers import Scenario, compare
 
     if devices % (tp * pp):
-        _fail(f"--devices {devices} is not a multiple of --tp x --pp = {tp * pp}")
+        raise UserError(f"--devices {devices} is not a multiple of --tp x --pp = {tp * pp}")
     s = Scenario(devices, tp, pp, steps, local_batch_size=local_batch_size, slow_factor=slow_factor,
                  slow_start=slow_start, slow_end=slow_end, blip_rate=blip_rate, seed=seed)  # fmt: skip
     try:
         results = compare(s)
     except ValueError as e:
-        _fail(f"no runnable plan: {e}")
+        raise UserError(f"no runnable plan: {e}") from None
     typer.echo(
         f"{s.devices} devices, {s.replicas} data-parallel replicas of tp {tp} x pp {pp}, {steps} steps, "
         f"micro-batches of at most {local_batch_size} rows"
@@ -406,7 +360,19 @@ def simulate_packing(
 
 
 def main() -> None:
-    app(prog_name="titan")
+    """The `titan` command. A UserError ends it with its message as one line on stderr and exit status 2; under
+    torchrun only rank 0 prints (every rank fails alike)."""
+    try:
+        app(prog_name="titan")
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        _leave_together()
+        sys.exit(2)
+    finally:
+        dist = sys.modules.get("torch.distributed")  # not imported when the recipe was refused: a quick exit
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ from typing import Any, Literal
 
 import tomli_w
 
-
-class ConfigError(ValueError):
-    """A mistake in the recipe or the command line; the message says what, where and how to fix it."""
+from titan.errors import ConfigError
 
 
 @dataclass

@@ -100,6 +100,11 @@ def hold_run_folder(folder: Path) -> None:
     _HELD[folder] = lock
 
 
+# Errors writing that are the machine's state (a full, read-only or forbidden disk), not a bug: the run stops
+# with write_error's one line.
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def write_error(e: OSError) -> str:
     """What went wrong writing a file, for a one-line error: the path and the cause in plain words."""
     cause = {

@@ -8,6 +8,7 @@ from collections import deque
 import torch
 
 from titan.config import LRScheduler, Optimizer
+from titan.rng.shards import full_tensor
 
 
 def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.Optimizer:
@@ -118,7 +119,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) 
     squares = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+        squares.append(full_tensor(norm) ** 2)
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
         torch.distributed.all_reduce(total, group=pp_group)

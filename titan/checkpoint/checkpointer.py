@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import json
 import logging
 import math
@@ -41,8 +40,9 @@ from titan.checkpoint.format import (
     sha256_files,
     verify,
 )
-from titan.config import Checkpoint, ConfigError
-from titan.files import fsync, write_error, write_synced
+from titan.config import Checkpoint
+from titan.errors import ConfigError, UserError
+from titan.files import WRITE_ERRORS, fsync, write_error, write_synced
 from titan.optim import ensure_adamw_state
 
 log = logging.getLogger("titan")
@@ -160,7 +160,7 @@ def _cause(e: BaseException) -> OSError | None:
     return None
 
 
-class SaveError(ConfigError):
+class SaveError(UserError):
     """A checkpoint could not be written (full disk, read-only folder): the run stops, the saved ones are intact."""
 
 
@@ -299,7 +299,7 @@ class Checkpointer:
 
     def _save_error(self, e: BaseException, step: int) -> BaseException:
         cause = _cause(e)
-        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+        if cause is None or cause.errno not in WRITE_ERRORS:
             return e
         good = complete_checkpoints(self.folder)
         return SaveError(

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from titan.config import ConfigError
+from titan.errors import ConfigError
 from titan.files import fsync, write_synced
 
 MARKER = "COMPLETE"

@@ -50,7 +50,8 @@ from titan.checkpoint.checkpointer import (
 )
 from titan.checkpoint.format import CheckpointReader, CheckpointWriter, dcp_error, seal, verify
 from titan.checkpoint.hf_match import check_model_matches, describe_match, model_toml
-from titan.config import Config, ConfigError, Model, to_toml, toml_value
+from titan.config import Config, Model, to_toml, toml_value
+from titan.errors import ConfigError
 
 log = logging.getLogger("titan")
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from titan import models
 from titan.checkpoint.checkpointer import model_shapes
-from titan.config import ConfigError, toml_value
+from titan.config import toml_value
+from titan.errors import ConfigError
 
 # Model args that are training choices rather than properties of the weights: the RoPE table's length (titan
 # sizes it by training.seq_len) and dropout. They may differ between an HF model and the recipe that uses it.

@@ -6,10 +6,11 @@ import logging
 
 import numpy as np
 
-from titan.config import Config, ConfigError, DataSource
+from titan.config import Config, DataSource
 from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
 from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens, held_out
 from titan.data.tokenizer import Tokenizer
+from titan.errors import ConfigError
 
 __all__ = [
     "IGNORE",

@@ -30,8 +30,8 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from titan.config import ConfigError
 from titan.data.bpe import train_bpe
+from titan.errors import ConfigError
 from titan.files import build_once, cache_root, write_synced
 
 KNOWN = ("titan:shakespeare",)  # the names resolve_source and resolve_tokenizer_path accept

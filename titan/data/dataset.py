@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.config import ConfigError, Data, DataSource
+from titan.config import Data, DataSource
+from titan.errors import ConfigError
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

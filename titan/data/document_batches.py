@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from titan.config import ConfigError
 from titan.data.loader import IGNORE, Batch, epoch_order
 from titan.data.packing import Assignment, CostModel, Target, balance_by_cost, balance_by_tokens
+from titan.errors import ConfigError
 
 # Padding carries no loss and is cut into "documents" of PAD_BLOCK tokens with ids -1, -2, ...: its attention
 # then costs little, its positions stay within the RoPE table, and every weight still gets a gradient on every

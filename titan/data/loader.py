@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from titan.config import ConfigError, blend_period
+from titan.config import blend_period
+from titan.errors import ConfigError
 
 IGNORE = -100  # label of a token that carries no loss (F.cross_entropy's default ignore_index)
 

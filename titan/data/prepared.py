@@ -39,10 +39,11 @@ from typing import NoReturn
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from titan.config import ConfigError, Data, DataSource
+from titan.config import Data, DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.dataset import Documents, iter_texts, open_documents
 from titan.data.tokenizer import Tokenizer
+from titan.errors import ConfigError
 from titan.files import build_once, cache_root, fsync, write_synced
 
 FORMAT_VERSION = 1

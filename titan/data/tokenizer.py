@@ -6,9 +6,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import resolve_tokenizer_path
+from titan.errors import ConfigError
 
 
 def looks_like_hub_name(name: str) -> bool:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from titan.config import Config, Layout
+from titan.config import Config, Layout, to_dict
+from titan.observe.runs import duration, flatten, read_json
 
 log = logging.getLogger("titan")
 
@@ -98,7 +99,10 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
         names = run_names(config, extra_info)
-        previous = _read_json(run_dir / "tracking.json")
+        try:
+            previous = read_json(run_dir / "tracking.json")
+        except (OSError, ValueError):  # none yet, or torn by a crash: the run starts its tracking afresh
+            previous = {}
         tracking = {
             **names,
             "command": ["titan", *sys.argv[1:]] if sys.argv[0].endswith(("titan", "__main__.py")) else sys.argv,
@@ -131,7 +135,7 @@ class MetricsLogger:
                 resume="allow" if mode == "online" else None,
                 dir=str(run_dir),
                 mode=mode,
-                config={**_flatten(config), **extra_info, "recipe": names["recipe"]},
+                config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
             )
             tracking["wandb"] = {
                 "project": config.metrics.wandb_project,
@@ -213,33 +217,14 @@ def _run_markdown(config: Config, names: dict, extra_info: dict) -> str:
     return f"| | |\n|---|---|\n{table}\n\n{config_block}"
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _flatten(config: Config) -> dict:
-    from titan.config import to_dict
-
-    return {f"{section}.{key}": value for section, values in to_dict(config).items() for key, value in values.items()}
-
-
 def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
     mfu = f"mfu {100 * metrics['mfu']:.2f}%" if "mfu" in metrics else "mfu -"
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
         f"| lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | {mfu} "
         f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta "
-        f"{_duration(eta_s)}"
+        f"{duration(eta_s)}"
     )
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def setup_logging(rank: int) -> None:

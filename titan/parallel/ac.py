@@ -20,7 +20,6 @@ from functools import partial
 from time import perf_counter
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, plan_memory
+from titan.parallel.mesh import on_rank_0
 from titan.run_plan import run_plan
 
 log = logging.getLogger("titan")
@@ -54,7 +54,8 @@ def block_choices(
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the one plan fits
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
     rows, micro_batches = run_plan(config, layout.world_size).largest_micro_batch
-    options = _on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device)
+    # Rank 0's measurement on every rank: all agree on the plan (and a budget too small fails alike everywhere).
+    options = on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device=device)
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
         rows,
@@ -105,16 +106,6 @@ def _offload(block: nn.Module) -> None:
 
     block.register_forward_pre_hook(enter)
     block.register_forward_hook(leave, always_call=True)
-
-
-def _on_rank_0(measure, device: torch.device):
-    """Rank 0's measurement on every rank: each then plans from the same numbers, so all agree on the plan (and a
-    budget too small fails alike everywhere)."""
-    if not dist.is_initialized():
-        return measure()
-    shared = [measure() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0, device=device)
-    return shared[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan.config import Config, ConfigError, Layout
+from titan.config import Config, Layout
+from titan.errors import ConfigError
 
 log = logging.getLogger("titan")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.config import ConfigError
+from titan.errors import ConfigError
 
 GIB = 2**30
 

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan.config import ConfigError, Layout
+from titan.config import Layout
+from titan.errors import ConfigError, UserError
+
+T = TypeVar("T")
 
 
 def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
@@ -57,3 +62,24 @@ def new_gloo_group():
     """A gloo group over every rank (None for one process): for work that must not share a group with
     training's collectives, such as checkpoint barriers, stop votes and DCP's background saves."""
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+def on_rank_0(work: Callable[[], T], group=None, device: torch.device | None = None) -> T:
+    """`work()` done by rank 0 alone and its result given to every rank of `group` (the default group when None),
+    so that they all decide from the same numbers; without a process group, just `work()`. A UserError on rank 0
+    is raised on every rank, which would otherwise wait for rank 0 at their next collective. `device`: where the
+    group's backend sends objects from (a GPU for NCCL)."""
+    if not dist.is_initialized():
+        return work()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except UserError as e:
+            error = e
+    shared = [(result, error)]
+    dist.broadcast_object_list(shared, src=0, group=group, device=device)
+    result, error = shared[0]
+    if error is not None:
+        raise error
+    return result

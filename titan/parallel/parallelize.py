@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.config import Config, ConfigError, Layout
+from titan.config import Config, Layout
+from titan.errors import ConfigError
 from titan.models import ModelSpec
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices

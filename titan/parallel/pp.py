@@ -11,7 +11,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from titan.balance import layer_split
-from titan.config import ConfigError, Parallel
+from titan.config import Parallel
+from titan.errors import ConfigError
 from titan.run_plan import stages_per_rank
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).

@@ -5,6 +5,8 @@ For each tensor dim, start from ``arange(global_size)``. For each mesh dim in or
 trailing chunks possibly empty), and FSDP2-over-TP's ``_StridedShard(d, split_factor=k)`` splits it into k pieces
 and keeps this rank's chunk of each; ``Replicate`` and ``Partial`` leave the vectors alone. The per-dim vectors
 combined with the global row-major strides give the flat indices.
+
+And the other way: :func:`full_tensor`, the whole tensor of a shard.
 """
 
 from __future__ import annotations
@@ -153,6 +155,14 @@ def global_indices(
     """Flat row-major global index (int64, shaped like the local shard) of every element of the shard that the
     rank at ``mesh_coord`` of a ``mesh_shape`` mesh holds under ``placements`` (one per mesh dim)."""
     return ShardIndex(global_shape, mesh_shape, mesh_coord, placements, device).full()
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor gathered whole on every rank (a collective: every rank of its mesh calls it); any other tensor
+    as it is."""
+    from torch.distributed.tensor import DTensor  # imported on use, as in _placement_types
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def dtensor_global_indices(tensor, device: torch.device | str | None = None) -> Tensor:

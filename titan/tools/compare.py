@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.config import Layout
+from titan.errors import UserError
+from titan.observe.runs import duration, flatten, read_json
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """A run folder is missing or malformed; the message names the folder and what is wrong."""
 
 
@@ -58,19 +60,12 @@ def load_run(path: str | Path) -> Run:
         config = flatten(tomllib.loads((path / "config.toml").read_text()))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise CompareError(f"{path / 'config.toml'} is not valid TOML: {e}") from None
-    info = _read_json(path / "run_info.json")
-    tracking = _read_json(path / "tracking.json") if (path / "tracking.json").is_file() else {}
-    return Run(path, config, info, _read_metrics(path / "metrics.jsonl"), tracking)
-
-
-def _read_json(file: Path) -> dict:
     try:
-        value = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CompareError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise CompareError(f"{file} is not a JSON object")
-    return value
+        info = read_json(path / "run_info.json")
+        tracking = read_json(path / "tracking.json") if (path / "tracking.json").is_file() else {}
+    except ValueError as e:
+        raise CompareError(str(e)) from None
+    return Run(path, config, info, _read_metrics(path / "metrics.jsonl"), tracking)
 
 
 def _read_metrics(file: Path) -> list[dict]:
@@ -92,17 +87,6 @@ def _read_metrics(file: Path) -> list[dict]:
     if not any("loss" in r for r in records):
         raise CompareError(f"{file} has no logged steps (did the run reach its first step?)")
     return records
-
-
-def flatten(table: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1, "c": {"d": 2}}} -> {"a.b": 1, "a.c.d": 2}"""
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +208,7 @@ def format_report(runs: list[Run]) -> str:
                 _num(s["tokens_per_s"], "{:,.0f}"),
                 _num(s["mfu"] and 100 * s["mfu"], "{:.2f}%"),
                 _num(s["peak_memory_gib"], "{:.2f} GiB"),
-                _duration(s["wall_time_s"]),
+                duration(s["wall_time_s"]),
             ]
         )
     lines = _table(header, rows)
@@ -266,17 +250,6 @@ def _value(value) -> str:
     if value is None:
         return "(unset)"
     return json.dumps(value) if isinstance(value, (str, list, dict, bool)) else str(value)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    seconds = int(round(seconds))
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
 
 
 def plot(runs: list[Run], out: str | Path) -> Path:

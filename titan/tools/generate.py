@@ -18,9 +18,9 @@ from torch import nn
 
 from titan.checkpoint.checkpointer import read_train_state
 from titan.checkpoint.hf import read_model_checkpoint
-from titan.config import ConfigError
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.tokenizer import Tokenizer
+from titan.errors import ConfigError
 from titan.models.llama.model import KVCache
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from titan.config import Config, ConfigError, Layout, load_config, read_config, to_toml, validate
+from titan.config import Config, Layout, load_config, read_config, to_toml, validate
+from titan.errors import ConfigError, UserError
 from titan.run_plan import run_plan
 
 # The smallest tolerance per compute dtype, relative to a tensor's largest magnitude. fp32: the layouts' tests
@@ -487,7 +488,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         record(load_config(args.config), args.steps)
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -21,11 +21,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan import __version__, models
 from titan.balance import data_shares
 from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, model_shapes
-from titan.config import Config, ConfigError, Layout, math_values, to_toml
+from titan.config import Config, Layout, math_values, to_toml
 from titan.data import IGNORE, Batch, DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
+from titan.errors import ConfigError, UserError
 from titan.files import hold_run_folder, write_error
 from titan.observe.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
 from titan.observe.profiling import Profiler, StepClock
@@ -39,9 +40,10 @@ from titan.optim import (
 )
 from titan.parallel import pp
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
-from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group
+from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0
 from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
 from titan.rng import Dropout
+from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan, run_plan
 from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
@@ -109,7 +111,7 @@ class Trainer:
         setup_logging(self.rank)
         self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
-        self._on_rank_0(self._claim_run_dir)
+        on_rank_0(self._claim_run_dir, self.control_group)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -247,22 +249,6 @@ class Trainer:
             self.run_dir,
         )
 
-    def _on_rank_0(self, work) -> None:
-        """Run `work` on rank 0; a ConfigError there is raised on every rank, which would otherwise wait for
-        rank 0 at their next collective."""
-        error = None
-        if self.rank == 0:
-            try:
-                work()
-            except ConfigError as e:
-                error = str(e)
-        if self.control_group is not None:
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0, group=self.control_group)
-            error = shared[0]
-        if error is not None:
-            raise ConfigError(error)
-
     def _claim_run_dir(self) -> None:
         """Create the run folder and hold its lock for the run's life: one run per folder."""
         try:
@@ -378,22 +364,15 @@ class Trainer:
         if d.cost_model:
             cost = CostModel(*d.cost_model)
         else:
-            found = []
-
-            def measure():
-                dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
-                n_layers = math.ceil(self.model_args.n_layers / layout.pp)
-                found.append(
-                    cached_cost_model(
-                        self.spec, self.model_args, n_layers, max_len, capacity, self.device, dtype, config.job.seed
-                    )
-                )
-
-            self._on_rank_0(measure)
-            shared = [found[0] if found else None]
-            if self.control_group is not None:
-                dist.broadcast_object_list(shared, src=0, group=self.control_group)
-            cost = shared[0]
+            dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+            n_layers = math.ceil(self.model_args.n_layers / layout.pp)
+            # Measured by rank 0 alone, so that every rank plans with the same costs.
+            cost = on_rank_0(
+                lambda: cached_cost_model(
+                    self.spec, self.model_args, n_layers, max_len, capacity, self.device, dtype, config.job.seed
+                ),
+                self.control_group,
+            )
             if layout.dp > 1:
                 cost = dataclasses.replace(cost, c=cost.c + self._fsdp_seconds_per_micro_batch())
         loader = DocumentBatchLoader(
@@ -582,7 +561,7 @@ class Trainer:
             if train:
                 with self.clock.phase("backward"):
                     loss.backward()
-        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        return full_tensor(loss).detach()
 
     def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -595,7 +574,7 @@ class Trainer:
             run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
             return torch.zeros((), device=self.device)
-        return torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
+        return torch.stack([full_tensor(x).detach() for x in losses]).sum()
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum the shares over data-parallel ranks, and take it from the last pipeline stage."""
@@ -817,7 +796,7 @@ class Preempted(Exception):
     """Training stopped early on a signal, after saving a checkpoint."""
 
 
-class NonFinite(ConfigError):
+class NonFinite(UserError):
     """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
     often a learning rate too high for the model)."""
 
