@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
 from titan.rng.shards import full_tensor
-from titan.train.trainer import Preempted, Trainer
+from titan.train.stop import Preempted
+from titan.train.trainer import Trainer
 
 
 class InMemoryDocuments:
@@ -188,8 +189,8 @@ def losses_until_preempted(trainer, stop_after):
         local, norm = step(batches)
         losses.append(trainer.global_loss(local.clone()).item())
         if trainer.step == stop_after:
-            trainer.stop_signal = "SIGUSR1"  # what the signal handler sets
-            trainer.next_stop_vote = trainer.step  # ranks vote about once a second; these steps are far shorter
+            trainer.stop.request("SIGUSR1")  # what the signal handler does
+            trainer.stop.next_vote = trainer.step  # ranks vote about once a second; these steps are far shorter
         return local, norm
 
     trainer.step_without_loss_reduction = recording_step

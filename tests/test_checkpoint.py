@@ -39,26 +39,26 @@ def _stop_signalled_on_rank_1(root):
     """Train with rank 1 alone receiving a stop signal after step 3; returns (stop step, signal, votes)."""
     import torch.distributed as dist
 
-    from titan.train.trainer import Preempted
+    from titan.train.stop import Preempted
 
     trainer = trainer_for(root, **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "60"})
-    step, vote, votes = trainer.step_without_loss_reduction, trainer._stop_requested, []
+    step, vote, votes = trainer.step_without_loss_reduction, trainer.stop.agreed, []
 
     def signalled_step(batches):
         if trainer.step == 3 and dist.get_rank() == 1:
-            trainer.stop_signal = "SIGTERM"
+            trainer.stop.request("SIGTERM")
         return step(batches)
 
-    def counted_vote(seconds):
-        before = trainer.next_stop_vote
-        stop = vote(seconds)
-        votes.extend([trainer.step] * (trainer.next_stop_vote != before))
+    def counted_vote(at_step, seconds):
+        before = trainer.stop.next_vote
+        stop = vote(at_step, seconds)
+        votes.extend([at_step] * (trainer.stop.next_vote != before))
         return stop
 
-    trainer.step_without_loss_reduction, trainer._stop_requested = signalled_step, counted_vote
+    trainer.step_without_loss_reduction, trainer.stop.agreed = signalled_step, counted_vote
     with pytest.raises(Preempted) as stopped:
         trainer.train()
-    return trainer.step, trainer.stop_signal, votes, str(stopped.value)
+    return trainer.step, trainer.stop.reason, votes, str(stopped.value)
 
 
 @pytest.mark.distributed

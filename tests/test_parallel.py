@@ -81,7 +81,7 @@ def train_through_a_replan(tmp):
     """FSDP2 on even shares for 2 steps, then live on shares [1, 3] (what a straggler re-plan applies)."""
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"parallel.dp_shard": "2"})))
     losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(2)]
-    plan = trainer.apply_plan([1.0, 3.0])
+    plan = [list(sizes) for sizes in trainer.apply_plan([1.0, 3.0]).micro_batches]
     losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 2)]
     return plan, [*losses, trainer.evaluate()], full_weights(trainer)
 
@@ -130,7 +130,7 @@ def train_with_a_slow_rank(tmp, layout: dict, steps: int = STEPS):
     overrides = {**layout, "straggler.enable": "true", "straggler.window": "2", "metrics.log_freq": "1"}
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, overrides)))
     slowdown = 3.0 if trainer.rank == 1 else 1.0
-    trainer.probe.seconds = lambda: 0.01 * slowdown
+    trainer.replanner.probe.seconds = lambda: 0.01 * slowdown
     losses = trainer.train(until=steps)
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     return losses, records, trainer.loader.rows

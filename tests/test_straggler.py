@@ -146,12 +146,17 @@ def train_with_a_probe(tmp, name: str, layout: dict, until: int, slow_rank: int 
     logging.getLogger("titan").addHandler(lines)
     try:
         trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, overrides)))
-        if trainer.straggler is not None:
-            trainer.probe.seconds = lambda: 0.01 * (3.0 if trainer.rank == slow_rank else 1.0)
+        if trainer.replanner.detector is not None:
+            trainer.replanner.probe.seconds = lambda: 0.01 * (3.0 if trainer.rank == slow_rank else 1.0)
         losses = trainer.train(until=until)
     finally:
         logging.getLogger("titan").removeHandler(lines)
-    return losses, dict(trainer.plan), trainer.loader.rows, [line for line in lines.lines if "re-plan is" in line]
+    return (
+        losses,
+        trainer.replanner.state_dict(),
+        trainer.loader.rows,
+        [line for line in lines.lines if "re-plan is" in line],
+    )
 
 
 @pytest.mark.distributed

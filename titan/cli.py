@@ -78,7 +78,8 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """
     try:
         cfg = _preflight(config, ctx.args)
-        from titan.train.trainer import Preempted, Trainer  # imported late: torch and friends take a while to import
+        from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
+        from titan.train.trainer import Trainer
 
         try:
             Trainer(cfg).train()

@@ -182,11 +182,11 @@ class Checkpointer:
         rank: int,
         save_group,
         control_group,
-        plan: dict | None = None,
+        replan=None,
         math_values: dict | None = None,
     ):
         """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML;
-        plan: the re-planned shares and splits in force (a dict the trainer updates), restored in place;
+        replan: the re-plan in force (state_dict/load_state_dict), saved in train_state.json as `plan`;
         math_values: the recipe's math-changing values (config.math_values), compared on resume.
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
@@ -196,7 +196,7 @@ class Checkpointer:
         self.model, self.recipe, self.rank = model, recipe, rank
         self.save_group, self.control_group = save_group, control_group
         self.world = dist.get_world_size(control_group) if control_group is not None else 1
-        self.plan = {} if plan is None else plan
+        self.replan = replan
         self.math_values = math_values or {}
         self.resumed_from: Path | None = None
         self.resumed_state: dict = {}  # the loaded train_state.json
@@ -273,7 +273,7 @@ class Checkpointer:
                     model=self.model,
                     math=self.math_values,
                     recipe=self.recipe,
-                    plan=self.plan,
+                    plan=self.replan.state_dict() if self.replan else {},
                 )
             state = self._tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
@@ -423,8 +423,8 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
         step = train_state["step"] if "train_state" in parts else 0
         if "train_state" in parts:
-            self.plan.clear()
-            self.plan.update(train_state.get("plan", {}))
+            if self.replan:
+                self.replan.load_state_dict(train_state.get("plan", {}))
             self.resumed_state = train_state
         if "lr_scheduler" in parts:
             self.restore_lr_scheduler(train_state["lr_scheduler"])

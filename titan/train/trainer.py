@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import platform
-import signal
 import time
 
 import torch
@@ -45,12 +44,11 @@ from titan.parallel.parallelize import build_model_parts, check_layout, layer_gi
 from titan.rng import Dropout
 from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan, run_plan
-from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
+from titan.train.replan import Replanner
+from titan.train.stop import Preempted, StopVote
+from titan.train.straggler import gather_times
 
 log = logging.getLogger("titan")
-
-# How often the ranks agree on whether to stop after a signal: bounds how late a stop starts.
-STOP_VOTE_SECONDS = 1.0
 
 
 def pick_device(name: str) -> torch.device:
@@ -163,7 +161,7 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
-        self.plan: dict = {}  # re-planned data shares and pipeline split in force, saved with checkpoints
+        self.replanner = Replanner(config, self.layout, self._rank_devices(), self.device)
         self.checkpointer = Checkpointer(
             config.checkpoint,
             self.run_dir / "checkpoints",
@@ -180,7 +178,7 @@ class Trainer:
             },
             save_group=new_gloo_group(),
             control_group=self.control_group,
-            plan=self.plan,
+            replan=self.replanner,
             math_values=math_values(config, self.global_batch),
         )
         self.step = self.checkpointer.resume()
@@ -188,30 +186,12 @@ class Trainer:
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
-        # A re-planned run resumes with the plan in force when it stopped, if it runs on the layout and devices
-        # that plan was measured on; else it starts from the recipe's plan and measures again.
-        self.measured_on = {"layout": dataclasses.asdict(self.layout), "devices": self._rank_devices()}
-        foreign = foreign_plan(self.plan.get("measured_on"), self.measured_on) if self.plan else None
-        if foreign:
-            log.info("the checkpoint's re-plan is dropped (%s): starting from the recipe's plan", foreign)
-            self.plan.clear()
-        if self.plan.get("dp_weights"):
-            self.apply_plan(self.plan["dp_weights"])
-        if (
-            self.plan.get("pp_layers_per_stage", config.parallel.pp_layers_per_stage)
-            != config.parallel.pp_layers_per_stage
-        ):
-            self.resplit_pipeline(self.plan["pp_layers_per_stage"])
-        g = config.straggler
-        self.straggler = None
-        if g.enable and (self.layout.dp > 1 or self.layout.pp > 1):
-            # One weight per data-parallel rank, or, in a pipeline, per pipeline rank.
-            ranks = self.layout.pp if self.layout.pp > 1 else self.layout.dp
-            self.straggler = StragglerDetector(ranks, g.threshold, g.hysteresis, g.window)
-            if self.layout.pp == 1:
-                weights = self.plan.get("dp_weights") or config.parallel.dp_weights or [1.0] * ranks
-                self.straggler.weights = [w / max(weights) for w in weights]  # speeds relative to the fastest
-            self.probe = Probe(self.device)
+        # A re-planned run resumes with the plan in force when it stopped (the replanner dropped a plan measured
+        # on another layout or other devices).
+        if self.replanner.dp_weights:
+            self.apply_plan(self.replanner.dp_weights)
+        if self.replanner.pp_layers_per_stage not in ([], config.parallel.pp_layers_per_stage):
+            self.resplit_pipeline(self.replanner.pp_layers_per_stage)
         if config.checkpoint.init_from_hf:
             if self.checkpointer.resumed_from is None:  # HF weights start a fresh run; a resumed run has its own
                 from titan.checkpoint.hf import init_from_hf
@@ -225,8 +205,7 @@ class Trainer:
                 )
             else:
                 log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
-        self.stop_signal: str | None = None
-        self.next_stop_vote = 0  # the step at which the ranks next vote on stopping
+        self.stop = StopVote(self.control_group)
         if self.documents:
             batching = (
                 f"documents up to {self.tokens_per_step} tokens/step, placed by {config.data.balance} in "
@@ -311,8 +290,7 @@ class Trainer:
         else:
             folder = self.checkpointer.folder / f".resplit-step-{self.step}"
             self.checkpointer.save_tensors(folder)
-        self.config.parallel.pp_layers_per_stage = self.plan["pp_layers_per_stage"] = list(layers_per_stage)
-        self.plan["measured_on"] = self.measured_on
+        self.config.parallel.pp_layers_per_stage = self.replanner.pp_layers_per_stage = list(layers_per_stage)
         self._build_model()
         self.checkpointer.rebind(self.model_parts, self.optimizer, self.lr_scheduler)
         if point_to_point:
@@ -415,7 +393,7 @@ class Trainer:
                 loader.speeds = list(weights)  # the next step's documents are dispatched by these speeds
             elif loader is not None:
                 loader.assign(plan.rows(self.dp_rank), sizes)
-        self.plan["dp_weights"], self.plan["measured_on"] = list(weights), self.measured_on
+        self.replanner.dp_weights = list(weights)
         self.grad_accum, self.micro_batch_size = len(sizes), sizes[0]
         return plan
 
@@ -424,9 +402,7 @@ class Trainer:
         the data shares."""
         pipeline = self.layout.pp > 1
         index = self.mesh["pp" if pipeline else "dp"].get_local_rank()
-        times = gather_times(self.probe.seconds(), index, len(self.straggler.weights), self.device)
-        self.metrics.log(self.step, {"probe_s_min": min(times), "probe_s_max": max(times)})
-        weights = self.straggler.update(times)
+        weights = self.replanner.measure(index, self.step, self.metrics)
         if weights is None:
             return
         if pipeline:
@@ -624,7 +600,7 @@ class Trainer:
             )
         self.model_parts.train()
         first_step, window_start, window_steps, window_tokens = self.step, time.perf_counter(), 0, 0
-        with _stop_on_signals(self), self.profiler:
+        with self.stop.on_signals(), self.profiler:
             while self.step < total:
                 if finite_flags.nonfinite_due():
                     settle()  # stops the run, or logs the skipped step
@@ -643,7 +619,7 @@ class Trainer:
                 window_steps, window_tokens = window_steps + 1, window_tokens + step_tokens
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
                 logged = self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1)
-                checked = self.straggler is not None and self.step % self.config.straggler.interval == 0
+                checked = self.replanner.due(self.step)
                 interval = self.config.validation.interval
                 validated = bool(interval) and (self.step % interval == 0 or self.step == total)
                 saving = self.checkpointer.due(self.step, final=self.step == total)
@@ -668,7 +644,7 @@ class Trainer:
                     self._log_checkpoint(
                         self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=self.step == total)
                     )
-                if self._stop_requested(time.perf_counter() - step_start):
+                if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
                         settle()
@@ -676,7 +652,7 @@ class Trainer:
                             self.checkpointer.save(self.step, self.tokens_seen, saved_loss(), wait=True)
                         )
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
-                    raise Preempted(f"stopped by {self.stop_signal} at step {self.step}; {saved}")
+                    raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}")
                 self.step_times.append(time.perf_counter() - step_start)
                 profiler_start = time.perf_counter()
                 if self.profiler.step():  # writing the trace is not step time
@@ -775,40 +751,7 @@ class Trainer:
         if metrics:
             self.metrics.log(self.step, metrics)
 
-    def _stop_requested(self, step_seconds: float) -> bool:
-        """Whether any rank received a stop signal; all ranks agree, so they stop at the same step.
-
-        The ranks vote about once a second rather than every step: each vote also agrees on the slowest rank's
-        step time, from which all ranks compute the same step for the next one."""
-        if self.control_group is None:
-            return self.stop_signal is not None
-        if self.step < self.next_stop_vote:
-            return False
-        vote = torch.tensor([float(self.stop_signal is not None), step_seconds], dtype=torch.float64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control_group)
-        self.next_stop_vote = self.step + max(1, int(STOP_VOTE_SECONDS / max(float(vote[1]), 1e-9)))
-        if vote[0] and self.stop_signal is None:
-            self.stop_signal = "another rank's signal"
-        return bool(vote[0])
-
-
-class Preempted(Exception):
-    """Training stopped early on a signal, after saving a checkpoint."""
-
 
 class NonFinite(UserError):
     """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
     often a learning rate too high for the model)."""
-
-
-@contextlib.contextmanager
-def _stop_on_signals(trainer: Trainer):
-    def request_stop(signum, _frame):
-        trainer.stop_signal = signal.Signals(signum).name
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

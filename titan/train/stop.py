@@ -1,0 +1,58 @@
+"""Stopping early: SIGTERM or SIGUSR1 (a SLURM preemption notice) on any rank stops every rank at the same step,
+after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import torch
+import torch.distributed as dist
+
+# How often the ranks agree on whether to stop: bounds how late a stop starts.
+STOP_VOTE_SECONDS = 1.0
+
+
+class Preempted(Exception):
+    """Training stopped early on a signal, after saving a checkpoint."""
+
+
+class StopVote:
+    """Whether the run stops at this step. A stop is requested on one rank (`request`: what the signal handlers
+    call, and what a test or a step hook may call); the ranks then agree, so that all stop at the same step.
+    They vote about once a second rather than every step: each vote also agrees on the slowest rank's step time,
+    from which every rank computes the same step for the next vote."""
+
+    def __init__(self, control_group, vote_seconds: float = STOP_VOTE_SECONDS):
+        self.group, self.vote_seconds = control_group, vote_seconds
+        self.reason: str | None = None  # why this rank asked to stop, e.g. "SIGTERM"
+        self.next_vote = 0  # the step at which the ranks next vote
+
+    def request(self, reason: str) -> None:
+        self.reason = reason
+
+    @contextlib.contextmanager
+    def on_signals(self):
+        """SIGTERM and SIGUSR1 request a stop while the block runs; the previous handlers come back after it."""
+        previous = {
+            sig: signal.signal(sig, lambda signum, _frame: self.request(signal.Signals(signum).name))
+            for sig in (signal.SIGTERM, signal.SIGUSR1)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def agreed(self, step: int, step_seconds: float) -> bool:
+        """Whether every rank stops after `step` (the last step took `step_seconds` on this rank)."""
+        if self.group is None:
+            return self.reason is not None
+        if step < self.next_vote:
+            return False
+        vote = torch.tensor([float(self.reason is not None), step_seconds], dtype=torch.float64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+        self.next_vote = step + max(1, int(self.vote_seconds / max(float(vote[1]), 1e-9)))
+        if vote[0] and self.reason is None:
+            self.reason = "another rank's signal"
+        return bool(vote[0])
