@@ -38,6 +38,28 @@ def pipeline_microbatches(p: Parallel) -> int:
 
 
 @dataclass(frozen=True)
+class Precision:
+    """How a layout runs training.mixed_precision = "bf16" (the rule every part follows): with FSDP (dp > 1), its
+    mixed-precision policy gathers the parameters in bf16, so every activation, the residual stream and what
+    pipeline stages exchange included, is bf16; without FSDP, autocast runs the matmuls in bf16 on fp32
+    parameters and the residual stream stays fp32. Gradients are always reduced, and weights kept, in fp32."""
+
+    bf16: bool  # the matmuls run in bf16
+    fsdp_params: bool  # FSDP gathers the parameters in bf16 (its param_dtype)
+    autocast: bool  # autocast runs the matmuls in bf16
+
+    @property
+    def stream_bf16(self) -> bool:
+        """The hidden states between blocks and stages are bf16."""
+        return self.fsdp_params
+
+
+def precision(config: Config, layout: Layout) -> Precision:
+    bf16 = config.training.mixed_precision == "bf16"
+    return Precision(bf16, bf16 and layout.dp > 1, bf16 and layout.dp == 1)  # FSDP is applied when dp > 1
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The step of every data-parallel rank (a pipeline or tensor-parallel group reads the same rows)."""
 
@@ -45,6 +67,7 @@ class RunPlan:
     seq_len: int
     micro_batches: tuple[tuple[int, ...], ...]  # rows of each micro-batch, per data-parallel rank in rank order
     pipeline_microbatches: int  # the schedule's micro-batches per micro-batch; 0 without a pipeline
+    precision: Precision
 
     @property
     def global_rows(self) -> int:
@@ -91,4 +114,4 @@ def run_plan(config: Config, world_size: int, weights: list[float] | None = None
             f"ranks{' weighted ' + str(p.dp_weights) if p.dp_weights else ''}: {e}; raise global_batch_size or "
             "local_batch_size"
         ) from None
-    return RunPlan(layout, t.seq_len, tuple(map(tuple, sizes)), pipeline)
+    return RunPlan(layout, t.seq_len, tuple(map(tuple, sizes)), pipeline, precision(config, layout))

@@ -31,7 +31,7 @@ from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, plan_memory
 from titan.parallel.mesh import on_rank_0
-from titan.run_plan import run_plan
+from titan.run_plan import precision, run_plan
 
 log = logging.getLogger("titan")
 
@@ -156,22 +156,22 @@ def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layo
     stage = spec.pipeline_stage(model, [0], True, False)  # the embedding and the first block
     stage.to_empty(device=device)
     stage.init_weights(config.job.seed)
-    bf16 = config.training.mixed_precision == "bf16"
-    if bf16 and layout.dp > 1:  # FSDP's param_dtype: bf16 weights, so bf16 hidden states
+    rule = precision(config, layout)
+    if rule.fsdp_params:  # bf16 weights, so bf16 hidden states
         for p in stage.parameters():
             p.data = p.data.to(torch.bfloat16)
-    precision = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and layout.dp == 1 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rule.autocast else nullcontext()
     seq = config.training.seq_len
     tokens = torch.zeros(rows, seq, dtype=torch.long, device=device)
     document_ids = tokens if config.data.document_mask else None
     block = spec.blocks(stage)[0]
     inputs = []
     hook = block.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
-    with torch.no_grad(), precision:
+    with torch.no_grad(), autocast:
         stage(tokens, torch.arange(rows, device=device), document_ids)
     hook.remove()
     (x, *args), kwargs = inputs[0]
-    return block, x.detach().requires_grad_(), args, kwargs, precision
+    return block, x.detach().requires_grad_(), args, kwargs, autocast
 
 
 def _added_seconds(variants: dict[str, nn.Module], run, device: torch.device) -> dict[str, float]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
+from titan.run_plan import precision
 
 log = logging.getLogger("titan")
 
@@ -76,12 +77,7 @@ def check_float8(
         raise ConfigError(
             f"float8.enable runs on CUDA GPUs (compute capability 8.9+) and the CPU, not on {device.type}"
         )
-    if (
-        device.type == "cpu"
-        and f8.recipe == "rowwise_with_gw_hp"
-        and config.training.mixed_precision == "bf16"
-        and layout.dp == 1
-    ):
+    if device.type == "cpu" and f8.recipe == "rowwise_with_gw_hp" and precision(config, layout).autocast:
         # Without FSDP, bf16 is autocast; torchao 0.18's Float8Linear follows CUDA autocast only, so on the CPU its
         # high-precision weight-gradient matmul meets an fp32 input and a bf16 gradient and fails.
         raise ConfigError(

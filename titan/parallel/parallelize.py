@@ -19,7 +19,7 @@ from titan.models import ModelSpec
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
-from titan.run_plan import run_plan, stages_per_rank
+from titan.run_plan import precision, run_plan, stages_per_rank
 
 
 @dataclass
@@ -106,9 +106,9 @@ def stage_activations(config: Config, layout: Layout) -> tuple[torch.dtype, int]
     into. FSDP with bf16 casts a stage's inputs to bf16 (its mixed-precision policy) and the residual stream
     stays in it; autocast alone keeps the residual stream in fp32. Sequence parallel splits the sequence
     over the TP ranks."""
-    bf16_stream = layout.dp > 1 and config.training.mixed_precision == "bf16"  # FSDP is applied when dp > 1
     sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
-    return torch.bfloat16 if bf16_stream else torch.float32, layout.tp if sequence_parallel else 1
+    stream = torch.bfloat16 if precision(config, layout).stream_bf16 else torch.float32
+    return stream, layout.tp if sequence_parallel else 1
 
 
 def layer_gib(model: nn.Module, spec: ModelSpec) -> float:
@@ -160,5 +160,5 @@ def parallelize(
             block.compile()
     if layout.dp > 1:
         reshard = {"always": True, "never": False, "default": layout.pp == 1}[p.fsdp_reshard_after_forward]
-        param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else None
+        param_dtype = torch.bfloat16 if precision(config, layout).fsdp_params else None
         apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload)

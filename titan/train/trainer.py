@@ -147,11 +147,11 @@ class Trainer:
         # FSDP's MixedPrecisionPolicy casts parameters itself; autocast covers the layouts without FSDP.
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if t.mixed_precision == "bf16" and self.layout.dp == 1
+            if self.run_plan.precision.autocast
             else contextlib.nullcontext()
         )
         self.flops_per_token = spec.flops_per_token(self.model_args, t.seq_len)
-        run_dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+        run_dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
         self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops, run_dtype)
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
@@ -342,7 +342,7 @@ class Trainer:
         if d.cost_model:
             cost = CostModel(*d.cost_model)
         else:
-            dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+            dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
             n_layers = math.ceil(self.model_args.n_layers / layout.pp)
             # Measured by rank 0 alone, so that every rank plans with the same costs.
             cost = on_rank_0(
@@ -366,7 +366,7 @@ class Trainer:
         that every rank plans with the same cost model."""
         with torch.device("meta"):
             n_params = sum(p.numel() for p in self.spec.build(self.model_args).parameters())
-        dtype = torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
         share = n_params // (self.layout.pp * self.layout.tp)
         seconds = torch.tensor(collective_seconds(share, self.mesh["dp"].get_group(), self.device, dtype))
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.control_group)

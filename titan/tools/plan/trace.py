@@ -32,6 +32,7 @@ from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, sk
 from titan.parallel import pp
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import layer_gib, parallelize
+from titan.run_plan import precision
 from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
 from titan.tools.plan.devices import Device
 
@@ -202,8 +203,8 @@ class _RankStep:
 
     def _forward(self) -> dict[int, torch.Tensor]:
         """The stages' forwards in pipeline order, the last one's loss included: what each backward starts from."""
-        t, inputs = self.config.training, self.inputs
-        autocast = t.mixed_precision == "bf16" and self.layout.dp == 1  # the trainer's: bf16 without FSDP
+        inputs = self.inputs
+        autocast = precision(self.config, self.layout).autocast
         self.trace.block_held.clear()
         outputs = {}
         for stage, part in self.stages.items():
@@ -276,8 +277,7 @@ def _inputs(config: Config, args, layout: Layout, rows: int) -> dict[str, torch.
     row), and the hidden states the other stages receive."""
     t = config.training
     sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
-    # FSDP casts the parameters to bf16, so activations are bf16; autocast (without FSDP) keeps the residual fp32.
-    bf16 = t.mixed_precision == "bf16" and layout.dp > 1
+    bf16 = precision(config, layout).stream_bf16
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len))
     return {
         "tokens": tokens,
