@@ -7,6 +7,7 @@ from conftest import DEBUG_RECIPE
 from distributed import run_distributed
 from helpers import GLOBAL_BATCH, LOSS_RTOL, full_weights, layout_overrides, with_local_batch
 from titan.config import load_config
+from titan.rng import Dropout
 from titan.rng.shards import full_tensor
 from titan.train.trainer import Trainer, build_model
 
@@ -70,9 +71,9 @@ def train_recording_masks(overrides, steps):
     def record(module, args, output):
         mask = (full_tensor(output) != 0).cpu()
         for i, row in enumerate(args[1].tolist()):
-            masks[(module.stream, module.step, row)] = mask[i]
+            masks[(module.stream, trainer.step, row)] = mask[i]
 
-    for module in trainer.dropouts:
+    for module in (m for part in trainer.model_parts.parts for m in part.modules() if isinstance(m, Dropout)):
         module.register_forward_hook(record, prepend=True)  # before TP's hook turns the output local
     losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(steps)]
     return losses, masks

@@ -13,7 +13,6 @@ import torch
 from conftest import ROOT, run_titan
 from helpers import TOL, assert_one_line_error, max_diff, trainer_for
 from titan.checkpoint import hf as hf_io
-from titan.models.llama.model import KVCache
 from titan.tools.generate import continue_text, generate, load_model, load_tokenizer
 
 PROMPT = "The dog ran"
@@ -58,7 +57,7 @@ def uncached_logits(model, tokens: list[int]) -> torch.Tensor:
 def cached_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """(len(tokens), vocab): the logits that gave each of `tokens`, from the prompt's forward and then one
     forward of each token but the last, through a KV cache."""
-    cache = [KVCache(model.args, 1, len(prompt) + len(tokens), torch.device("cpu")) for _ in model.layers]
+    cache = model.kv_cache(1, len(prompt) + len(tokens))
     with torch.no_grad():
         logits = [model(torch.tensor([prompt]), cache=cache)[0, -1]]
         logits += [model(torch.tensor([[t]]), cache=cache)[0, -1] for t in tokens[:-1]]

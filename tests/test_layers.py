@@ -125,3 +125,67 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     mutual = import_graph(ROOT)
     mutual["titan.data.corpora"] |= {"titan.data.tokenizer"}  # the tokenizer imports the corpora
     assert cycles(mutual) == [["titan.data.corpora", "titan.data.tokenizer"]]
+
+
+# The model contract: outside titan/models, a model is reached only through titan/models/contract.py.
+
+# Llama's names that other objects titan reads also have: (name, the expression before the dot).
+NOT_THE_MODEL = {
+    ("dim", "p"),  # a DTensor placement's sharded dim
+    ("dim", "want"),  # Tensor.dim()
+    ("dim", "got"),
+    ("layers", "rank"),  # titan plan's layer ids per rank
+    ("layers", "r"),
+}
+
+
+def llama_names() -> set[str]:
+    """The attributes of Llama's modules (children, parameters, buffers, the rest) and of its args that the
+    contract's Args and Model do not declare."""
+    import torch
+    from torch import nn
+
+    from titan.models import Args, Model
+    from titan.models.llama import FLAVORS, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["debug"])
+    own = [m for m in model.modules() if type(m).__module__.startswith("titan.models")]  # not nn.Linear, rng.Dropout
+    names = set(dir(FLAVORS["debug"])).union(*(dir(m) for m in own)) - set(dir(nn.Module()))
+    declared = {n for protocol in (Args, Model) for n in (*vars(protocol), *protocol.__annotations__)}
+    return {n for n in names - declared if not n.startswith("_")}
+
+
+def model_attribute_reads(sources: dict[str, str], names: set[str]) -> list[str]:
+    """`file:line: expression` of every read of one of `names` as an attribute, but those in NOT_THE_MODEL."""
+    found = []
+    for path, source in sorted(sources.items()):
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in names
+                and (node.attr, ast.unparse(node.value)) not in NOT_THE_MODEL
+            ):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def outside_the_models() -> dict[str, str]:
+    files = (ROOT / "titan").rglob("*.py")
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files if "models" not in p.relative_to(ROOT).parts[:2]}
+
+
+def test_nothing_outside_the_models_names_a_llama_attribute():
+    """The trainer, titan/parallel, the tools and the rest use a model only as the contract declares (a name in
+    NOT_THE_MODEL is another object's)."""
+    names = llama_names()
+    assert {"tok_embeddings", "layers", "output", "feed_forward", "dim", "attn_dropout"} <= names
+    assert model_attribute_reads(outside_the_models(), names) == []
+
+
+def test_the_contract_check_catches_a_llama_attribute():
+    source = "def first(stage):\n    return stage.tok_embeddings is not None and stage.args.dim > 0\n"
+    assert model_attribute_reads({"titan/x.py": source}, llama_names()) == [
+        "titan/x.py:2: stage.tok_embeddings",
+        "titan/x.py:2: stage.args.dim",
+    ]

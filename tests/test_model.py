@@ -91,14 +91,14 @@ def test_unknown_override_is_rejected():
         models.model_args(spec, "debug", {"n_layers": "two"})
 
 
-def _small_model(**overrides):
+def _small_model(traceable=False, **overrides):
     import dataclasses
 
     args = dataclasses.replace(
         FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides
     )
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, traceable)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model
@@ -116,8 +116,8 @@ def _packed(lengths: list[int], vocab=128, seed=0):
 @pytest.mark.parametrize("path", ["per_document", "dense", "explicit"])
 def test_document_masking_gives_each_document_the_loss_it_has_alone(path):
     explicit_attention = path == "explicit"
-    model = _small_model(attn_dropout=0.1 if explicit_attention else 0.0)
-    model.attention_per_document = path == "per_document"  # dense: SDPA with a boolean mask (compiled blocks)
+    # traceable (compiled blocks): SDPA with a dense boolean mask rather than attention per document.
+    model = _small_model(traceable=path != "per_document", attn_dropout=0.1 if explicit_attention else 0.0)
     model.train(explicit_attention)  # attention dropout in training takes the explicit path instead of SDPA ...
     for layer in model.layers.values():
         layer.attention.dropout.forward = lambda x, rows: x  # ... here without dropping, to compare with SDPA

@@ -168,9 +168,9 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     }
     config = load_config(DEBUG_RECIPE, [], world_size=1)
     rows, seq, n_layers = plans["true"].rows, config.training.seq_len, plans["true"].ranks[0].trace.blocks[0]
-    _, args = resolve_model(config)
-    saving = saved_by_block(args, rows, seq, False, compiled=False) - saved_by_block(
-        args, rows, seq, False, compiled=True
+    spec, args = resolve_model(config)
+    saving = saved_by_block(spec, args, rows, seq, False, compiled=False) - saved_by_block(
+        spec, args, rows, seq, False, compiled=True
     )
     assert plans["true"].compiled_saving == saving > 0
     eager, compiled = plans["false"].ranks[0], plans["true"].ranks[0]

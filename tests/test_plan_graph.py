@@ -9,6 +9,7 @@ import torch
 from torch import fx
 
 from conftest import DEBUG_RECIPE, run_titan
+from titan import models
 from titan.models.llama.flavors import FLAVORS
 from titan.models.llama.model import TransformerBlock, rope_table
 from titan.tools.plan.graph import (
@@ -24,19 +25,21 @@ from titan.tools.plan.graph import (
 )
 
 ROWS, SEQ = 2, 32
+SPEC = models.get_model_spec("llama3")
 ARGS = dataclasses.replace(FLAVORS["debug"], n_layers=1, resid_dropout=0.1)
 
 
 @pytest.fixture(scope="module")
 def block_graph():
-    return trace_block(ARGS, ROWS, SEQ)
+    return trace_block(SPEC, ARGS, ROWS, SEQ)
 
 
 def _eager_block_step():
     """One block's output and gradients in eager mode (the C dropout kernels, not the traced torch ops)."""
     torch.manual_seed(0)
     block = TransformerBlock(0, ARGS)
-    block.attention_dropout.stream, block.ffn_dropout.stream = "attention_dropout", "ffn_dropout"
+    # Named as the traced block is: the first of a model.
+    block.attention_dropout.stream, block.ffn_dropout.stream = "layers.0.attention_dropout", "layers.0.ffn_dropout"
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.05)
@@ -145,7 +148,7 @@ def test_titan_plan_graph_prints_the_table(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "one llama3 debug block's forward and backward as one graph, on 8 x 256 tokens in fp32" in result.stdout
     figures = json.loads((tmp_path / "graph.json").read_text())
-    assert figures["traced"]["peak"] == analyse(trace_block(FLAVORS["debug"], 8, 256)).traced.peak
+    assert figures["traced"]["peak"] == analyse(trace_block(SPEC, FLAVORS["debug"], 8, 256)).traced.peak
     assert set(figures["traced"]["arenas"]) == set(PLACEMENTS)
     lowers = figures["memory_aware"]["peak"] < figures["traced"]["peak"]
     assert ("the best reordering lowers the peak" in result.stdout) == lowers
@@ -184,7 +187,7 @@ def test_the_plan_knows_what_a_compiled_block_keeps_for_backward(bf16, dropout):
     from titan.tools.plan.graph import saved_by_block
 
     args = dataclasses.replace(ARGS, attn_dropout=dropout, resid_dropout=dropout)
-    planned = {c: saved_by_block(args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}
+    planned = {c: saved_by_block(SPEC, args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}
     measured = {c: _measured_saved_bytes(args, bf16, compiled=c) for c in (False, True)}
     assert planned == measured
     assert planned[True] < planned[False]

@@ -256,13 +256,15 @@ def test_fill_of_plain_tensors():
 def test_dropout_of_plain_tensors():
     """Dropout keeps where the mask of (module name, step, global row and position) is True and scales by 1/(1-p)."""
     drop = rng.Dropout(0.25)
-    drop.stream, drop.seed, drop.step = "layers.1.ffn_dropout", 42, 5
+    drop.stream, drop.seed = "layers.1.ffn_dropout", 42
     x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
     rows = torch.tensor([7, 2, 9, 4])
     mask = bernoulli_mask(rows.view(-1, 1, 1) * 48 + torch.arange(48).view(6, 8), 42, drop.stream, 5, p_keep=0.75)
-    assert torch.equal(drop(x, rows), x * mask.float() / 0.75)
-    # a row's mask does not depend on which other rows are in the batch
-    assert torch.equal(drop(x[1:3], rows[1:3]), drop(x, rows)[1:3])
+    with rng.dropout_step(5):
+        assert torch.equal(drop(x, rows), x * mask.float() / 0.75)
+        # a row's mask does not depend on which other rows are in the batch
+        assert torch.equal(drop(x[1:3], rows[1:3]), drop(x, rows)[1:3])
+    assert not torch.equal(drop(x, rows), x * mask.float() / 0.75)  # outside, the step is 0
     drop.eval()
     assert drop(x, rows) is x
 
@@ -562,16 +564,21 @@ def local_dtensor(shape, mesh, placements, dtype=torch.float32, fill=0.0):
     )
 
 
+DROP_STEP = 4
+
+
 def one_process(shape):
     """What one process draws for the whole tensor: the fills, and dropout of ones at global rows 3, 5, ..."""
     drop = rng.Dropout(0.3)
-    drop.stream, drop.seed, drop.step = "layers.0.attention.dropout", 9, 4
+    drop.stream, drop.seed = "layers.0.attention.dropout", 9
+    with rng.dropout_step(DROP_STEP):
+        dropped = drop(torch.ones(shape), 3 + 2 * torch.arange(shape[0]))
     return {
         "normal": rng.normal_(torch.empty(shape), 0.1, 0.02, seed=SEED, stream="w"),
         "trunc_normal": rng.trunc_normal_(
             torch.empty(shape, dtype=torch.bfloat16), 0.0, 1.0, -0.5, 1.5, seed=SEED, stream="w"
         ),
-        "dropout": drop(torch.ones(shape), 3 + 2 * torch.arange(shape[0])),
+        "dropout": dropped,
     }, drop
 
 
@@ -602,7 +609,8 @@ def test_dtensor_fills_and_dropout_are_slices_of_one_process(mesh_shape):
                         continue  # a sharded batch dim arrives as plain local rows, not as a DTensor
                     # Partial too: every rank drops the same elements of its partial value
                     x = local_dtensor(shape, mesh, placements, fill=1.0)
-                    out = drop(x, 3 + 2 * torch.arange(shape[0]))
+                    with rng.dropout_step(DROP_STEP):
+                        out = drop(x, 3 + 2 * torch.arange(shape[0]))
                     assert torch.equal(out.to_local(), ref_split(full["dropout"], mesh_shape, coord, placements))
 
 

@@ -11,10 +11,6 @@ from titan.checkpoint.checkpointer import model_shapes
 from titan.config import toml_value
 from titan.errors import ConfigError
 
-# Model args that are training choices rather than properties of the weights: the RoPE table's length (titan
-# sizes it by training.seq_len) and dropout. They may differ between an HF model and the recipe that uses it.
-_TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
-
 
 def _same_model(spec: models.ModelSpec, a, b) -> bool:
     """Whether two args describe the same network: HF's description of them is equal."""
@@ -91,7 +87,7 @@ def check_model_matches(spec: models.ModelSpec, recipe_args, hf_args, source: st
     if extra:
         raise ConfigError(f"{source} has parameter {extra[0]}, which this recipe's {recipe_name} model lacks{hint}")
     # Same shapes; what else changes the computation (RoPE, norm eps, head split, tying)?
-    present = {k: getattr(recipe_args, k) for k in _TRAINING_CHOICES if hasattr(recipe_args, k)}
+    present = {k: getattr(recipe_args, k) for k in spec.hf.training_choices}
     theirs = dataclasses.replace(hf_args, **present)
     if not _same_model(spec, recipe_args, theirs):
         for f in dataclasses.fields(recipe_args):
@@ -115,7 +111,7 @@ class _Hint:
     def __str__(self) -> str:
         flavor, overrides = recipe_model(self.spec, self.hf_args)
         # Leave out the training choices: the recipe keeps its own sequence length and dropout.
-        overrides = {k: v for k, v in overrides.items() if k not in _TRAINING_CHOICES}
+        overrides = {k: v for k, v in overrides.items() if k not in self.spec.hf.training_choices}
         text = f"; to use it, set model.flavor = {toml_value(flavor)}"
         if overrides:
             text += f" and model.overrides = {toml_value(overrides)}"

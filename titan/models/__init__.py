@@ -1,4 +1,5 @@
-"""The model registry: a name maps to everything titan needs to train that family.
+"""The model registry: a name maps to everything titan needs to train that family (its ModelSpec, the contract in
+titan/models/contract.py).
 
 Adding a family means adding a package under titan/models/ and one entry here; the trainer is untouched.
 """
@@ -7,42 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from titan.models.contract import Args, HFAdapter, Model, ModelSpec, StageBatch, StageIO
 
-
-@dataclass(frozen=True, kw_only=True)
-class HFAdapter:
-    """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
-
-    Pure functions; titan/checkpoint/hf.py reads and writes the files. Weights are mapped tensor by tensor, so a reader
-    can fetch only the part of an HF tensor that one shard needs: titan row r of a parameter is row rows[r] of
-    its HF tensor (rows None: the same rows).
-    """
-
-    args_from_config: Callable[[dict], Any]  # config.json dict -> model args; ValueError names an unsupported field
-    config_from_args: Callable[..., dict]  # (args, dtype="float32") -> config.json dict
-    sources: Callable[[Any], dict]  # args -> {titan parameter name: (HF tensor name, rows or None)}
-    check_names: Callable[[Any, Any], dict]  # (HF tensor names, args) -> {tied copy: HF tensor it must equal}
-    to_hf_tensor: Callable[[Any, Any], Any]  # (titan tensor, its rows) -> the tensor as HF stores it
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    name: str
-    flavors: dict[str, Any]  # flavor name -> model args dataclass
-    build: Callable[[Any], nn.Module]  # args -> model (call under torch.device("meta"))
-    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
-    # Parallelism, applied from outside by titan/parallel:
-    check_parallelism: Callable[[Any, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
-    tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
-    blocks: Callable[[nn.Module], list[nn.Module]]  # units for checkpointing, compile and FSDP
-    pipeline_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layer ids, first, last)
-    # (args, rows, seq_len, hidden dtype, sequence shards, document ids?, first, last) -> (inputs, outputs) on meta
-    pipeline_io: Callable[..., tuple]
-    hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
+__all__ = ["Args", "HFAdapter", "Model", "ModelSpec", "StageBatch", "StageIO", "get_model_spec", "model_args"]
 
 
 def _llama3() -> ModelSpec:
@@ -59,12 +29,14 @@ def _llama3() -> ModelSpec:
         blocks=parallelize.blocks,
         pipeline_stage=parallelize.pipeline_stage,
         pipeline_io=parallelize.pipeline_io,
+        block_inputs=parallelize.block_inputs,
         hf=HFAdapter(
             args_from_config=hf.args_from_hf_config,
             config_from_args=hf.hf_config_from_args,
             sources=hf.hf_sources,
             check_names=hf.check_hf_names,
             to_hf_tensor=hf.to_hf_tensor,
+            training_choices=hf.TRAINING_CHOICES,
         ),
     )
 
@@ -78,7 +50,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]()
 
 
-def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Any:
+def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
     """The flavor's args with the recipe's overrides; unknown names and wrong types raise ValueError."""
     if flavor not in spec.flavors:
         raise ValueError(f"unknown model.flavor {flavor!r} for {spec.name}; flavors: {', '.join(spec.flavors)}")

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
-from titan.models import ModelSpec
+from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
@@ -101,14 +101,20 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     float8.check_float8(config, layout, device, spec, args)
 
 
-def stage_activations(config: Config, layout: Layout) -> tuple[torch.dtype, int]:
-    """The dtype of the hidden states that pipeline stages pass, and how many shards their sequence is cut
-    into. FSDP with bf16 casts a stage's inputs to bf16 (its mixed-precision policy) and the residual stream
-    stays in it; autocast alone keeps the residual stream in fp32. Sequence parallel splits the sequence
-    over the TP ranks."""
+def stage_batch(config: Config, layout: Layout, rows: int, seq_len: int, stage: int, n_stages: int) -> StageBatch:
+    """What pipeline stage `stage` exchanges for a micro-batch of rows x seq_len tokens. FSDP with bf16 casts a
+    stage's inputs to bf16 (its mixed-precision policy) and the residual stream stays in it; autocast alone keeps
+    the residual stream in fp32. Sequence parallel splits the sequence over the TP ranks."""
     sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
-    stream = torch.bfloat16 if precision(config, layout).stream_bf16 else torch.float32
-    return stream, layout.tp if sequence_parallel else 1
+    return StageBatch(
+        rows=rows,
+        seq_len=seq_len,
+        dtype=torch.bfloat16 if precision(config, layout).stream_bf16 else torch.float32,
+        seq_shards=layout.tp if sequence_parallel else 1,
+        documents=config.data.document_mask,
+        first=stage == 0,
+        last=stage == n_stages - 1,
+    )
 
 
 def layer_gib(model: nn.Module, spec: ModelSpec) -> float:
@@ -120,7 +126,7 @@ def build_model_parts(
     config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh], device: torch.device
 ) -> ModelParts:
     with torch.device("meta"):
-        model = spec.build(args)
+        model = spec.build(args, traceable=config.compile.enable)  # compiled blocks must not branch on the data
     if layout.pp > 1:
         layers = pp.stage_layers(args.n_layers, config.parallel, layer_gib(model, spec))
         n_stages = len(layers)
@@ -155,7 +161,6 @@ def parallelize(
         import torch._inductor.config as inductor  # a process-wide setting: every compiled block follows the recipe
 
         inductor.reorder_for_peak_memory = config.compile.reorder_for_peak_memory
-        model.attention_per_document = False
         for block in blocks:
             block.compile()
     if layout.dp > 1:

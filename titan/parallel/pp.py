@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from titan.balance import layer_split
 from titan.config import Parallel
 from titan.errors import ConfigError
+from titan.models import StageIO
 from titan.run_plan import stages_per_rank
 
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
@@ -78,18 +79,27 @@ def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
 def build_schedule(
     cfg: Parallel,
     stage_modules: list[tuple[int, nn.Module]],
-    stage_io: list[tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]],
+    stage_io: list[StageIO | None],
     n_stages: int,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     pp_group,
 ):
-    """stage_io: each stage's (inputs, outputs) for one micro-batch, as meta tensors. Given them, torch skips
-    the forward and backward it otherwise runs at the first step to learn the shapes the stages exchange."""
+    """stage_io: each stage's tensors for one micro-batch (the model's pipeline_io). Given them, torch skips the
+    forward and backward it otherwise runs at the first step to learn the shapes the stages exchange; None: it
+    runs them."""
     stages = [
-        PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=pp_group)
-        for (index, module), (inputs, outputs) in zip(stage_modules, stage_io)
+        PipelineStage(
+            module,
+            index,
+            n_stages,
+            device,
+            input_args=io.inputs if io else None,
+            output_args=io.outputs if io else None,
+            group=pp_group,
+        )
+        for (index, module), io in zip(stage_modules, stage_io)
     ]
     cls = schedule_class(cfg.pp_schedule)
     multi = issubclass(cls, PipelineScheduleMulti)

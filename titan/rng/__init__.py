@@ -15,10 +15,11 @@ Modules, by concern:
             dropout's keep mask);
     native  the same words and exact steps in C for CPU tensors (compiled on first use; bitwise the same values);
     shards  the global index of every element of a local shard (DTensor placements, uneven and strided shards);
-    fills   in-place weight init (:func:`normal_`, :func:`trunc_normal_`) and :class:`Dropout`.
+    fills   in-place weight init (:func:`normal_`, :func:`trunc_normal_`), :class:`Dropout` and the step its masks
+            are keyed by (:func:`dropout_step`).
 """
 
-from titan.rng.fills import Dropout, normal_, trunc_normal_
+from titan.rng.fills import Dropout, dropout_step, normal_, trunc_normal_
 from titan.rng.shards import dtensor_global_indices
 
-__all__ = ["Dropout", "dtensor_global_indices", "normal_", "trunc_normal_"]
+__all__ = ["Dropout", "dropout_step", "dtensor_global_indices", "normal_", "trunc_normal_"]

@@ -8,6 +8,9 @@ step's global batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -64,6 +67,24 @@ def trunc_normal_(
     return _fill(tensor, "trunc_normal", seed, stream, {"mean": mean, "std": std, "a": a, "b": b})
 
 
+# The optimizer step that dropout masks are keyed by, given by `dropout_step`. A module global rather than a forward
+# argument: pipeline stages pass only tensors between them, and activation checkpointing recomputes a block inside
+# backward, on CUDA in autograd's device thread, where a ContextVar would read its default.
+_step = 0
+
+
+@contextmanager
+def dropout_step(step: int) -> Iterator[None]:
+    """Key the masks of every Dropout that runs inside by `step`: the trainer enters it around each step's forward
+    and backward (recomputation included). Outside it the step is 0."""
+    global _step
+    outer, _step = _step, step
+    try:
+        yield
+    finally:
+        _step = outer
+
+
 class Dropout(torch.nn.Module):
     """Inverted dropout whose mask is a pure function of (seed, this module's name, optimizer step, and
     the element's position in the step's global batch).
@@ -71,20 +92,27 @@ class Dropout(torch.nn.Module):
     So every layout drops exactly what one device would: a data-parallel rank or micro-batch passes the
     global batch rows it holds (`rows`), a tensor-parallel shard arrives as a DTensor (the TP plan says
     how the local tensor is sharded), and activation-checkpoint recomputation redraws the same mask.
-    The owner sets `stream` (the module's name) and `seed` at init; the trainer sets `step`.
+    The owner sets `stream` (the module's name) and `seed` at init; the step comes from `dropout_step`.
     """
 
     def __init__(self, p: float):
         super().__init__()
-        self.p, self.stream, self.seed, self.step = p, "", 0, 0
+        self.p, self.stream, self.seed = p, "", 0
 
     def forward(self, x: Tensor, rows: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        return dropout(x, self.p, rows, seed=self.seed, stream=self.stream, step=self.step)
+        return _drop(self, x, rows)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+# The step, seed and stream are read here, in eager code: a compiled block reading them would guard on their values
+# and recompile for every step (and every module).
+@torch.compiler.disable
+def _drop(module: Dropout, x: Tensor, rows: Tensor) -> Tensor:
+    return dropout(x, module.p, rows, seed=module.seed, stream=module.stream, step=_step)
 
 
 # Compiled blocks call dropout eagerly (a graph break): dynamo cannot trace the C kernels (a ctypes call on the

@@ -21,7 +21,6 @@ from titan.checkpoint.hf import read_model_checkpoint
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
-from titan.models.llama.model import KVCache
 
 
 def load_model(checkpoint: Path, device: torch.device) -> tuple[Path, nn.Module]:
@@ -112,11 +111,11 @@ def generate(
             f"the prompt ({len(prompt)} tokens) and --max-new-tokens {max_new_tokens} need {length} positions, "
             f"more than the model's max_seq_len {args.max_seq_len}"
         )
-    weight = model.output.weight
-    generator = torch.Generator(weight.device).manual_seed(seed)
-    cache = [KVCache(args, 1, length, weight.device, weight.dtype) for _ in model.layers]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    cache = model.kv_cache(1, length)
     start = time.perf_counter()
-    logits = model(torch.tensor([prompt], device=weight.device), cache=cache)
+    logits = model(torch.tensor([prompt], device=device), cache=cache)
     token = next_token(logits[:, -1], temperature, top_k, generator)
     tokens = [token.item()]  # .item() waits for the device, so the clock reads finished work
     decode_start = time.perf_counter()

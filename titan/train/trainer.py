@@ -40,8 +40,8 @@ from titan.optim import (
 from titan.parallel import pp
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0
-from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_activations
-from titan.rng import Dropout
+from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_batch
+from titan.rng import dropout_step
 from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan, run_plan
 from titan.train.replan import Replanner
@@ -246,7 +246,6 @@ class Trainer:
         pipeline schedule; initialised from the seed."""
         config = self.config
         self.model_parts = build_model_parts(config, self.spec, self.model_args, self.layout, self.mesh, self.device)
-        self.dropouts = [m for part in self.model_parts.parts for m in part.modules() if isinstance(m, Dropout)]
         self.optimizer = build_optimizer(list(self.model_parts.parameters()), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.schedule = None
@@ -256,13 +255,13 @@ class Trainer:
             # Packed documents come as one row of as many tokens, but evaluation reads rows: with both, torch
             # finds the shapes of each itself.
             rows, seq = self.micro_batch_size // n_microbatches, config.training.seq_len
-            micro_batch = (1, rows * seq) if self.documents else (rows, seq)
-            activations = (*stage_activations(config, self.layout), config.data.document_mask)
-            last = self.model_parts.n_stages - 1
+            if self.documents:
+                rows, seq = 1, rows * seq
+            n_stages = self.model_parts.n_stages
             io = [
-                self.spec.pipeline_io(self.model_args, *micro_batch, *activations, stage == 0, stage == last)
+                self.spec.pipeline_io(self.model_args, stage_batch(config, self.layout, rows, seq, stage, n_stages))
                 if not (self.documents and config.validation.interval)
-                else (None, None)
+                else None
                 for stage in self.model_parts.stage_ids
             ]
             self.schedule = pp.build_schedule(
@@ -320,7 +319,7 @@ class Trainer:
         micro-batch's rows."""
         config, layout = self.config, self.layout
         d, t, p = config.data, config.training, config.parallel
-        if self.model_args.attn_dropout or self.model_args.resid_dropout:
+        if self.model_args.has_dropout:
             raise ConfigError(
                 "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
                 "position, and packing places a document differently on every layout; set the model's "
@@ -501,12 +500,11 @@ class Trainer:
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate the step's gradients; returns this rank's share of the step's loss."""
-        for module in self.dropouts:
-            module.step = self.step
         self.loss_scale = 1.0 / micro_batches[0].step_loss_tokens
-        return sum(
-            (self._micro_batch_loss(batch, train=True) for batch in micro_batches), torch.zeros((), device=self.device)
-        )
+        with dropout_step(self.step):
+            return sum(
+                (self._micro_batch_loss(b, train=True) for b in micro_batches), torch.zeros((), device=self.device)
+            )
 
     @torch.no_grad()
     def evaluate(self) -> float:

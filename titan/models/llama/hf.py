@@ -26,6 +26,9 @@ from titan.models.llama.model import ModelArgs
 # HF's default when a config names no rope_theta (transformers' LlamaConfig).
 _HF_DEFAULT_ROPE_THETA = 10000.0
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Args that are training choices rather than properties of the weights: the RoPE table's length (titan sizes it by
+# training.seq_len) and dropout.
+TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,10 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def has_dropout(self) -> bool:
+        return self.attn_dropout > 0 or self.resid_dropout > 0
+
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -257,7 +261,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         rows: torch.Tensor,
-        mask: torch.Tensor | BlockMask | list | None,
+        mask: torch.Tensor | BlockMask | list | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         # cache by keyword: tensor parallelism's input plan for the attention lists its positional inputs.
@@ -266,14 +270,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    # Attend one document at a time on the CPU (see document_mask). Compiled blocks set this False: the spans
-    # are Python lists, which would recompile a block for every batch, so they take a boolean mask instead.
-    attention_per_document = True
-
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, traceable: bool = False):
+        """traceable: for compiled blocks and fake tensors. Documents then take a boolean mask rather than attention
+        one document at a time on the CPU (see document_mask), whose spans are Python lists read from the data:
+        compiled blocks would recompile for every batch."""
         super().__init__()
         args.validate()
-        self.args = args
+        self.args, self.traceable = args, traceable
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer number keeps parameter names stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
@@ -307,8 +310,8 @@ class Transformer(nn.Module):
         attending only to itself, with positions from 0 (default: one causal sequence). Pipeline stages
         other than the first take hidden states for `tokens`, and stages other than the last return their
         hidden states and the other arguments given, for the next stage. cache: a KVCache per layer, for
-        decoding (one causal sequence, no document_ids): `tokens` follow the cached ones, which they attend to,
-        and are added to the cache.
+        decoding (one causal sequence, no document_ids; see kv_cache): `tokens` follow the cached ones, which they
+        attend to, and are added to the cache.
         """
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
@@ -327,13 +330,18 @@ class Transformer(nn.Module):
             rope = self.rope[document_positions(document_ids)]
             explicit = self.training and self.args.attn_dropout > 0  # dropout on the probabilities needs them all
             flex = tokens.is_cuda and not explicit
-            mask = document_mask(document_ids, flex, dense=explicit or not self.attention_per_document)
+            mask = document_mask(document_ids, flex, dense=explicit or self.traceable)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, rope, rows, mask, None if cache is None else cache[i])
         if self.output is None:
             return (h, rows) if document_ids is None else (h, rows, document_ids)
         return self.output(self.norm(h))
+
+    def kv_cache(self, batch: int, max_len: int) -> list[KVCache]:
+        """A KVCache per layer for decoding up to max_len tokens, on the model's device and in its dtype."""
+        weight = self.output.weight
+        return [KVCache(self.args, batch, max_len, weight.device, weight.dtype) for _ in self.layers]
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,4 +1,5 @@
-"""How Llama is parallelised: its tensor-parallel plan, its blocks, and how it splits into pipeline stages.
+"""How Llama is parallelised: its tensor-parallel plan, its blocks, and how it splits into pipeline stages (with
+the tensors the stages exchange, and a block's own inputs for titan plan).
 
 titan's generic appliers (titan/parallel/) read these; the model itself stays plain PyTorch.
 """
@@ -18,7 +19,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titan.models.llama.model import ModelArgs, Transformer
+from titan.models.contract import StageBatch, StageIO
+from titan.models.llama.model import ModelArgs, Transformer, rope_table
 
 
 def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
@@ -120,18 +122,23 @@ def pipeline_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
     return stage
 
 
-def pipeline_io(
-    args, rows: int, seq_len: int, hidden: torch.dtype, seq_shards: int, documents: bool, first: bool, last: bool
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Meta tensors of one stage's inputs and outputs for a micro-batch of `rows` sequences, as forward takes
-    and returns them: the pipeline schedule then allocates its buffers without running a forward to find
-    them. Stages pass hidden states (sequence-sharded under sequence parallel) with the rows and, with
-    document masking, the document ids. The last stage's logits go to the loss, not to a stage, so only
-    their presence counts."""
+def pipeline_io(args: ModelArgs, batch: StageBatch) -> StageIO:
+    """Meta tensors of one stage's inputs and outputs for a micro-batch, as forward takes and returns them. Stages
+    pass hidden states (sequence-sharded under sequence parallel) with the rows and, with document masking, the
+    document ids."""
     meta = dict(device="meta")
-    ids = torch.empty(rows, seq_len, dtype=torch.long, **meta)
-    states = torch.empty(rows, seq_len // seq_shards, args.dim, dtype=hidden, **meta).requires_grad_()
-    passed = (torch.empty(rows, dtype=torch.long, **meta),) + ((ids,) if documents else ())
-    inputs = ((ids,) if first else (states,)) + passed
-    outputs = (torch.empty(rows, seq_len, args.vocab_size, **meta),) if last else (states,) + passed
-    return inputs, outputs
+    ids = torch.empty(batch.rows, batch.seq_len, dtype=torch.long, **meta)
+    states = torch.empty(batch.rows, batch.seq_len // batch.seq_shards, args.dim, dtype=batch.dtype, **meta)
+    states.requires_grad_()
+    passed = (torch.empty(batch.rows, dtype=torch.long, **meta),) + ((ids,) if batch.documents else ())
+    inputs = ((ids,) if batch.first else (states,)) + passed
+    if batch.last:
+        return StageIO(inputs, (torch.empty(batch.rows, batch.seq_len, args.vocab_size, **meta),))
+    return StageIO(inputs, (states,) + passed)
+
+
+def block_inputs(args: ModelArgs, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A block's positional inputs, one causal sequence per row: hidden states, the RoPE table's first seq_len
+    positions and the rows."""
+    x = torch.empty(rows, seq_len, args.dim, dtype=dtype, requires_grad=True)
+    return x, rope_table(args)[:seq_len].unsqueeze(0), torch.arange(rows)

@@ -20,6 +20,7 @@ import copy
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
+from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, Plan, plan_memory
 from titan.parallel.parallelize import check_layout
 from titan.run_plan import run_plan
@@ -106,7 +107,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 plan.block_activations[mode] = one_block[mode].block_held[0]
     if compiled:
-        plan.compiled_saving = _compiled_saving(config, args, layout, rows)
+        plan.compiled_saving = _compiled_saving(config, spec, args, layout, rows)
         for rank in plan.ranks:
             ways = _ways(plan, rank, config.activation_checkpoint.mode)
             rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
@@ -120,13 +121,13 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     return plan
 
 
-def _compiled_saving(config: Config, args, layout: Layout, rows: int) -> int:
+def _compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> int:
     """What compiling a block that keeps everything saves of its activations on a rank: the partitioner keeps less
     than eager autograd (titan/plan_graph.saved_by_block, one whole block on one device); tensor parallelism
     splits those activations over its ranks (by heads, or by sequence under sequence parallel). Recomputing
     blocks keep their input either way."""
     bf16, seq = config.training.mixed_precision == "bf16", config.training.seq_len
-    eager, compiled = (saved_by_block(args, rows, seq, bf16, compiled=c) for c in (False, True))
+    eager, compiled = (saved_by_block(spec, args, rows, seq, bf16, compiled=c) for c in (False, True))
     return max(0, eager - compiled) // layout.tp
 
 

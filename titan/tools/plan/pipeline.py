@@ -20,7 +20,7 @@ def schedule_actions(config: Config, layout: Layout, mesh, n_stages: int, microb
     """Every pipeline rank's actions in order (forward, backward, ... of a stage and micro-batch), from the schedule
     class the trainer builds."""
     stages = [(s, nn.Identity()) for s in stage_ids(config, layout, n_stages, 0)]
-    no_io = [(None, None)] * len(stages)  # the table needs no shapes
+    no_io = [None] * len(stages)  # the table needs no shapes
     schedule = pp.build_schedule(
         config.parallel, stages, no_io, n_stages, microbatches, lambda *_: None, CPU, mesh["pp"].get_group()
     )

@@ -31,7 +31,7 @@ from titan.models import ModelSpec
 from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
 from titan.parallel import pp
 from titan.parallel.mesh import build_mesh
-from titan.parallel.parallelize import layer_gib, parallelize
+from titan.parallel.parallelize import layer_gib, parallelize, stage_batch
 from titan.run_plan import precision
 from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
 from titan.tools.plan.devices import Device
@@ -124,9 +124,11 @@ def trace_rank(
 
 def _stage(spec: ModelSpec, args, blocks: int, first: bool, last: bool) -> nn.Module:
     """A pipeline stage of `blocks` blocks on the meta device, built as a model of that many layers: blocks are
-    alike, and building only these is much quicker than cutting them from the whole model."""
+    alike, and building only these is much quicker than cutting them from the whole model. Traceable: documents
+    get one attention call with a mask, as the GPU's flex attention takes them (the CPU's call per document needs
+    the data, which fake tensors do not have)."""
     with torch.device("meta"):
-        model = spec.build(dataclasses.replace(args, n_layers=blocks))
+        model = spec.build(dataclasses.replace(args, n_layers=blocks), traceable=True)
     return spec.pipeline_stage(model, list(range(blocks)), first, last)
 
 
@@ -151,14 +153,11 @@ class _RankStep:
         )  # fmt: skip
         for part in stages.values():
             part.to_empty(device=CPU)  # values do not matter: no init_weights
-            # Documents get one attention call with a mask, as the GPU's flex attention takes them (the CPU's call
-            # per document needs the data).
-            part.attention_per_document = False
         self.params = [p for part in stages.values() for p in part.parameters()]
         self.optimizer = build_optimizer(self.params, config.optimizer)
         ensure_adamw_state(self.optimizer, self.params)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
-        self.inputs = _inputs(config, args, layout, rows)
+        self.inputs = _inputs(config, spec, args, layout, rows)
         self.trace: RankTrace
 
     def sizes(self) -> dict[str, int]:
@@ -206,14 +205,14 @@ class _RankStep:
         inputs = self.inputs
         autocast = precision(self.config, self.layout).autocast
         self.trace.block_held.clear()
-        outputs = {}
+        outputs, last = {}, self.trace.n_stages - 1
         for stage, part in self.stages.items():
             before = self._activations()
             self.trace.forward[stage] = Cost()
             with self.counter.phase(self.trace.forward[stage]), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                x = inputs["tokens"] if part.tok_embeddings is not None else inputs["hidden"].clone()
+                x = inputs["tokens"] if stage == 0 else inputs["hidden"].clone()
                 out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
-                outputs[stage] = _loss(out, inputs["tokens"]) if part.output is not None else out[0]
+                outputs[stage] = _loss(out, inputs["tokens"]) if stage == last else out[0]
             self.trace.held[stage] = self._activations() - before
         return outputs
 
@@ -272,23 +271,18 @@ class _RankStep:
             )
 
 
-def _inputs(config: Config, args, layout: Layout, rows: int) -> dict[str, torch.Tensor | None]:
+def _inputs(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> dict[str, torch.Tensor | None]:
     """A micro-batch as the trainer hands it to the first stage (tokens, row ids, document ids: one document per
     row), and the hidden states the other stages receive."""
     t = config.training
-    sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
-    bf16 = precision(config, layout).stream_bf16
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len))
+    later_stage = stage_batch(config, layout, rows, t.seq_len, stage=1, n_stages=3)
+    hidden = spec.pipeline_io(args, later_stage).inputs[0]
     return {
         "tokens": tokens,
         "rows": torch.arange(rows),
         "document_ids": torch.zeros_like(tokens) if config.data.document_mask else None,
-        "hidden": torch.empty(
-            rows,
-            t.seq_len // layout.tp if sequence_parallel else t.seq_len,
-            args.dim,
-            dtype=torch.bfloat16 if bf16 else torch.float32,
-        ),
+        "hidden": torch.empty(hidden.shape, dtype=hidden.dtype),
     }
 
 

@@ -2,7 +2,7 @@
 
 Each step draws documents with long-tailed lengths (lognormal, clipped) up to a token budget, and both
 balancers of titan/data/packing.py place them on the data-parallel replicas; a step takes as long as the
-slowest replica's predicted time. The cost model comes from a Llama flavor's FLOPs at a fixed rate: b from
+slowest replica's predicted time. The cost model comes from a model flavor's FLOPs at a fixed rate: b from
 the weight matmuls per token (6 x weights), a from causal attention (6 x layers x dim per pair of tokens), c
 a fixed cost per micro-batch. Under a pipeline each micro-batch is padded to its capacity and one replica's
 cost is one stage's share of the layers.
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from titan.data.packing import CostModel, Target, balance_by_cost, balance_by_tokens
-from titan.models.llama import FLAVORS, flops_per_token
+from titan.models import get_model_spec
 
 
 @dataclass
@@ -25,6 +25,7 @@ class PackingScenario:
     replicas: int = 64
     pp: int = 1
     flavor: str = "8B"
+    model: str = "llama3"
     flops_per_s: float = 4e14  # sustained per device (an H100 at about 40% of its bf16 peak)
     micro_batch_s: float = 0.005  # fixed cost per micro-batch (launches, FSDP's collectives)
     capacity: int = 32768  # tokens per micro-batch
@@ -37,9 +38,10 @@ class PackingScenario:
     seed: int = 0
 
     def cost_model(self) -> CostModel:
-        args = FLAVORS[self.flavor]
-        per_token = flops_per_token(args, 0)
-        per_pair = (flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
+        spec = get_model_spec(self.model)
+        args = spec.flavors[self.flavor]
+        per_token = spec.flops_per_token(args, 0)
+        per_pair = (spec.flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
         share = 1 / self.pp  # one stage's layers
         return CostModel(per_pair * share / self.flops_per_s, per_token * share / self.flops_per_s, self.micro_batch_s)
 

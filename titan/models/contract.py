@@ -1,0 +1,126 @@
+"""What titan may use of a model family: the trainer, titan/parallel, the checkpoints, `titan plan`, `titan generate`
+and the simulators reach a model only through these. A family provides a ModelSpec; its args and the modules its
+`build` returns offer what `Args` and `Model` declare, and nothing else of them is read from outside the family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class Args(Protocol):
+    """A family's model args: a dataclass (flavors, recipe overrides and checkpoints hold them), of whose fields
+    titan reads and replaces only these."""
+
+    # Blocks: pipeline stages split them, and `dataclasses.replace(args, n_layers=k)` describes a model of k blocks
+    # (titan plan and the cost model time a stage's share).
+    n_layers: int
+    vocab_size: int  # tokens the embedding holds: the tokenizer must fit in it
+    max_seq_len: int  # positions the model takes: the trainer checks sequences against it and sizes it to them
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether training draws dropout masks (token batching cannot key them yet)."""
+        ...
+
+    def validate(self) -> None:
+        """ValueError naming what makes these args impossible."""
+        ...
+
+
+class Model(Protocol):
+    """What ModelSpec.build returns, and pipeline_stage cuts: an nn.Module (parameters, to_empty, train, ... as torch
+    has them) with these besides."""
+
+    args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: Any = None,
+    ) -> Any:
+        """tokens (batch, seq) -> logits (batch, seq, vocab). rows: each sample's row in the step's global batch,
+        which dropout masks are keyed by (default 0..batch-1). document_ids (batch, seq): packed documents, each
+        attending only to itself. A pipeline stage other than the first takes hidden states for `tokens`; one other
+        than the last returns what the next stage takes (see StageIO). cache: from kv_cache, when decoding."""
+        ...
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter and buffer from the seed alone, on any layout (after `to_empty`)."""
+        ...
+
+    def kv_cache(self, batch: int, max_len: int) -> Any:
+        """A cache for decoding up to max_len tokens of `batch` sequences: forward with it takes the tokens after
+        the cached ones and adds them to it."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageBatch:
+    """What one pipeline stage's tensors for a micro-batch depend on: ModelSpec.pipeline_io's question."""
+
+    rows: int  # sequences in the micro-batch
+    seq_len: int  # tokens of each
+    dtype: torch.dtype  # of the hidden states stages pass (bf16 under FSDP's mixed precision)
+    seq_shards: int = 1  # sequence parallel: the passed hidden states hold 1/seq_shards of the sequence
+    documents: bool = False  # document ids travel with the rows (document masking)
+    first: bool  # the stage takes token ids
+    last: bool  # the stage returns logits
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """One pipeline stage's inputs and outputs for a micro-batch, as meta tensors in the order forward takes and
+    returns them: the pipeline schedule allocates its buffers from them without running a forward to find them.
+    The last stage's logits go to the loss, not to another stage, so only their presence counts."""
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFAdapter:
+    """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
+
+    Pure functions; titan/checkpoint/hf.py reads and writes the files. Weights are mapped tensor by tensor, so a reader
+    can fetch only the part of an HF tensor that one shard needs: titan row r of a parameter is row rows[r] of
+    its HF tensor (rows None: the same rows).
+    """
+
+    args_from_config: Callable[[dict], Args]  # config.json dict -> model args; ValueError names an unsupported field
+    config_from_args: Callable[..., dict]  # (args, dtype="float32") -> config.json dict
+    sources: Callable[[Args], dict]  # args -> {titan parameter name: (HF tensor name, rows or None)}
+    check_names: Callable[[Any, Args], dict]  # (HF tensor names, args) -> {tied copy: HF tensor it must equal}
+    to_hf_tensor: Callable[[Any, Any], Any]  # (titan tensor, its rows) -> the tensor as HF stores it
+    # Args fields that are training choices rather than properties of the weights: an HF model and the recipe
+    # that uses it may differ in them.
+    training_choices: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model family, as titan uses it; each member says who does."""
+
+    name: str
+    flavors: dict[str, Args]  # flavor name -> args; recipes pick one and override fields
+    # (args, traceable=False) -> model, called under torch.device("meta"). traceable: its forward takes no Python
+    # branch on input values, as compiled blocks and titan plan's fake tensors need (document masks as tensors).
+    build: Callable[..., Model]
+    flops_per_token: Callable[[Args, int], float]  # (args, seq_len) -> training FLOPs per token: MFU, titan plan
+    # Parallelism, applied from outside by titan/parallel:
+    check_parallelism: Callable[[Args, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
+    tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
+    blocks: Callable[[Model], list[nn.Module]]  # units for checkpointing, compile, FSDP and titan plan's block graph
+    pipeline_stage: Callable[[Model, list[int], bool, bool], Model]  # (model, layer ids, first, last) -> stage
+    pipeline_io: Callable[[Args, StageBatch], StageIO]  # a stage's tensors for the pipeline schedule and titan plan
+    # (args, rows, seq_len, dtype) -> a block's positional inputs for rows x seq_len tokens, made on the current
+    # device (or fake tensor mode), the hidden states first, in dtype and requiring grad: titan plan traces a block.
+    block_inputs: Callable[[Args, int, int, torch.dtype], tuple[torch.Tensor, ...]]
+    hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
