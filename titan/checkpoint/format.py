@@ -120,8 +120,7 @@ def folder_problems(folder: Path, files: dict[str, dict]) -> list[str]:
 def verify(folder: Path, rank: int = 0, world: int = 1, group=None) -> str | None:
     """None if the folder holds exactly its manifest's files, each matching its size and SHA-256, else the first
     problem. With several ranks (and `group`), each hashes its share of the files and all learn the verdict."""
-    files = read_manifest(folder)
-    problems = [files] if isinstance(files, str) else folder_problems(folder, files)
+    files, problems = _listing(folder)
     if not problems:
         names = sorted(files)[rank::world]
         problems = [
@@ -136,10 +135,15 @@ def verify(folder: Path, rank: int = 0, world: int = 1, group=None) -> str | Non
     return f"{folder}: {problems[0]}" if problems else None
 
 
+def _listing(folder: Path) -> tuple[dict[str, dict], list[str]]:
+    """(the manifest's entries, what is wrong with the folder against them), reading no file but the manifest."""
+    files = read_manifest(folder)
+    return ({}, [files]) if isinstance(files, str) else (files, folder_problems(folder, files))
+
+
 def _sealed_sizes(folder: Path) -> dict[str, int]:
     """{file: size} of a sealed checkpoint's files after the checks that read none (the hashes are verify's)."""
-    files = read_manifest(folder)
-    problems = [files] if isinstance(files, str) else folder_problems(folder, files)
+    files, problems = _listing(folder)
     if problems:
         raise ConfigError(f"checkpoint {folder} is corrupt: {problems[0]}")
     return {name: entry["size"] for name, entry in files.items()}

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.config import Config, Layout
+from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
@@ -74,8 +74,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:
-        with torch.device("meta"):
-            pp.stage_layers(args.n_layers, p, layer_gib(spec.build(args), spec))
+        split_layers(p, spec, args)
         run_plan(config, layout.world_size)  # micro-batches the schedule can cut
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
@@ -117,9 +116,13 @@ def stage_batch(config: Config, layout: Layout, rows: int, seq_len: int, stage: 
     )
 
 
-def layer_gib(model: nn.Module, spec: ModelSpec) -> float:
-    """One block's fp32 weights, gradients and two Adam moments (16 bytes per parameter), in GiB."""
-    return 16 * sum(p.numel() for p in spec.blocks(model)[0].parameters()) / 2**30
+def split_layers(parallel: Parallel, spec: ModelSpec, args) -> list[list[int]]:
+    """Each pipeline stage's layer ids under `parallel` (pp.stage_layers), with the memory a block takes: its fp32
+    weights, gradients and two Adam moments (16 bytes per parameter)."""
+    with torch.device("meta"):
+        block = spec.blocks(spec.build(args))[0]
+    block_gib = 16 * sum(p.numel() for p in block.parameters()) / 2**30
+    return pp.stage_layers(args.n_layers, parallel, block_gib)
 
 
 def build_model_parts(
@@ -128,7 +131,7 @@ def build_model_parts(
     with torch.device("meta"):
         model = spec.build(args, traceable=config.compile.enable)  # compiled blocks must not branch on the data
     if layout.pp > 1:
-        layers = pp.stage_layers(args.n_layers, config.parallel, layer_gib(model, spec))
+        layers = split_layers(config.parallel, spec, args)
         n_stages = len(layers)
         ids = pp.stage_ids(mesh["pp"].get_local_rank(), layout.pp, n_stages, config.parallel.pp_schedule)
         parts = [spec.pipeline_stage(model, layers[s], s == 0, s == n_stages - 1) for s in ids]

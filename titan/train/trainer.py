@@ -40,7 +40,7 @@ from titan.optim import (
 from titan.parallel import pp
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0
-from titan.parallel.parallelize import build_model_parts, check_layout, layer_gib, stage_batch
+from titan.parallel.parallelize import build_model_parts, check_layout, split_layers, stage_batch
 from titan.rng import dropout_step
 from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan, run_plan
@@ -413,10 +413,8 @@ class Trainer:
             }
             speeds = [weights[rank_of_stage[stage]] for stage in range(self.model_parts.n_stages)]
             # The recipe's split rule with the measured speeds, so the stages' memory caps still hold.
-            with torch.device("meta"):
-                block_gib = layer_gib(self.spec.build(self.model_args), self.spec)
             resplit = dataclasses.replace(p, pp_stage_speeds=speeds, pp_layers_per_stage=[])
-            counts = [len(layers) for layers in pp.stage_layers(self.model_args.n_layers, resplit, block_gib)]
+            counts = [len(layers) for layers in split_layers(resplit, self.spec, self.model_args)]
             self.resplit_pipeline(counts)
             log.info("step %d: pipeline ranks' speeds %s", self.step, " ".join(f"{w:.2f}" for w in weights))
             self.metrics.log(

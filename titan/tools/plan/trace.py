@@ -31,7 +31,7 @@ from titan.models import ModelSpec
 from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
 from titan.parallel import pp
 from titan.parallel.mesh import build_mesh
-from titan.parallel.parallelize import layer_gib, parallelize, stage_batch
+from titan.parallel.parallelize import parallelize, split_layers, stage_batch
 from titan.run_plan import precision
 from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
 from titan.tools.plan.devices import Device
@@ -79,9 +79,7 @@ def stage_layers(config: Config, spec: ModelSpec, args, layout: Layout) -> list[
     """Each pipeline stage's layer ids, as the trainer splits them."""
     if layout.pp == 1:
         return [list(range(args.n_layers))]
-    with torch.device("meta"):
-        model = spec.build(args)
-    return pp.stage_layers(args.n_layers, config.parallel, layer_gib(model, spec))
+    return split_layers(config.parallel, spec, args)
 
 
 def trace_rank(
