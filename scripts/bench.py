@@ -99,7 +99,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.data import build_loaders
     from titan.observe.metrics import peak_flops, peak_memory_bytes
     from titan.run_plan import run_plan
-    from titan.train.trainer import Trainer, build_model, pick_device, resolve_model
+    from titan.train.build import build_model, pick_device, resolve_model
+    from titan.train.trainer import Trainer
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
     overrides = [
@@ -125,7 +126,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         trainer = Trainer(config)
         trainer.train()
         times, device, world = trainer.step_times, trainer.device, trainer.world_size
-        tokens_per_step = trainer.tokens_per_step
+        tokens_per_step = trainer.run_plan.tokens_per_step
         metrics = config.run_dir / "metrics.jsonl"
         if trainer.rank == 0 and metrics.exists():
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -209,7 +210,7 @@ def init_times(flavors: list[str], recipe: str) -> None:
     import torch
 
     from titan.config import load_config
-    from titan.train.trainer import build_model
+    from titan.train.build import build_model
 
     print(f"{'flavor':<8}{'parameters':>16}{'init s':>10}")
     for flavor in flavors:
@@ -267,7 +268,7 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     from titan.checkpoint.checkpointer import model_shapes
     from titan.checkpoint.format import seal, sha256_files, verify
     from titan.config import load_config
-    from titan.train.trainer import resolve_model
+    from titan.train.build import resolve_model
 
     spec, args = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
     params = sum(math.prod(s) for s in model_shapes(spec, args).values())

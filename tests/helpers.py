@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
 from titan.rng.shards import full_tensor
+from titan.train.step import StepHook
 from titan.train.stop import Preempted
 from titan.train.trainer import Trainer
 
@@ -82,7 +83,7 @@ def start_long_run(tmp_path) -> subprocess.Popen:
 
 def train_steps(trainer, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `steps` steps on the trainer's own global batches; returns the losses and the full weights."""
-    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(steps)]
+    losses = trainer.train(until=trainer.step + steps)
     return losses, full_weights(trainer)
 
 
@@ -104,8 +105,8 @@ def rows_of(batch, rows: slice):
 
 def micro_batches_of_rank(trainer, global_batch) -> list:
     """The trainer's data-parallel rank's micro-batches of a global batch given whole."""
-    dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh else 0
-    share, local = len(global_batch.rows) // trainer.layout.dp, trainer.micro_batch_size
+    dp_rank = trainer.rank_plan.dp_rank
+    share, local = len(global_batch.rows) // trainer.layout.dp, trainer.rank_plan.micro_batches[0]
     return [rows_of(global_batch, slice(s, s + local)) for s in range(dp_rank * share, (dp_rank + 1) * share, local)]
 
 
@@ -165,38 +166,43 @@ SMALL = {
 }
 
 
-def trainer_for(run_root, **extra) -> Trainer:
-    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(run_root, **{**SMALL, **extra})))
+def trainer_for(run_root, hook: StepHook | None = None, **extra) -> Trainer:
+    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(run_root, **{**SMALL, **extra})), hook)
 
 
 def straight_and_resumed(root, extra: dict | None = None):
     extra = extra or {}
     straight = trainer_for(root / "straight", **extra)
     straight_losses = straight.train()
-    first = trainer_for(root / "resumed", **extra)
-    first_losses = losses_until_preempted(first, 5)
+    first_losses = losses_until_preempted(root / "resumed", 5, **extra)
     second = trainer_for(root / "resumed", **extra)
     assert second.step == 5
     second_losses = second.train()
     return straight_losses, first_losses + second_losses, full_weights(straight), full_weights(second)
 
 
-def losses_until_preempted(trainer, stop_after):
-    losses = []
-    step = trainer.step_without_loss_reduction
+class StopAfter(StepHook):
+    """Records each step's global loss, and requests a stop (as a SIGUSR1 would) after step `stop_after`."""
 
-    def recording_step(batches):
-        local, norm = step(batches)
-        losses.append(trainer.global_loss(local.clone()).item())
-        if trainer.step == stop_after:
+    def __init__(self, stop_after: int):
+        self.stop_after, self.losses, self.trainer = stop_after, [], None
+
+    def step(self, step, batches, run):
+        local, norm = run(batches)
+        trainer = self.trainer
+        self.losses.append(trainer.stepper.global_loss(local.clone()).item())
+        if step + 1 == self.stop_after:
             trainer.stop.request("SIGUSR1")  # what the signal handler does
-            trainer.stop.next_vote = trainer.step  # ranks vote about once a second; these steps are far shorter
+            trainer.stop.next_vote = step + 1  # ranks vote about once a second; these steps are far shorter
         return local, norm
 
-    trainer.step_without_loss_reduction = recording_step
+
+def losses_until_preempted(root, stop_after, **extra):
+    hook = StopAfter(stop_after)
+    hook.trainer = trainer_for(root, hook, **extra)
     with pytest.raises(Preempted, match=f"at step {stop_after}"):
-        trainer.train()
-    return losses
+        hook.trainer.train()
+    return hook.losses
 
 
 # -- a tiny random HF Llama (transformers is imported where it is used: most tests never need it)

@@ -112,9 +112,9 @@ def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
             run_plan(config, world)
         except ValueError:  # the recipe is refused before training; so is every other plan
             with pytest.raises(ValueError):
-                run_plan(config, world, weights)
+                run_plan(config, world, dp_weights=weights)
             continue
-        plan = run_plan(config, world, weights).micro_batches
+        plan = run_plan(config, world, dp_weights=weights).micro_batches
         checked += 1
         assert sum(map(sum, plan)) == t.global_batch_size and len(plan) == dp
         assert len({len(sizes) for sizes in plan}) == 1  # FSDP's collectives in step on every rank
@@ -161,7 +161,7 @@ def test_layer_split_minimises_the_slowest_stage_as_brute_force_does(seed):
 
 def test_the_recipe_s_stage_speeds_choose_the_pipeline_split():
     from titan.config import Parallel
-    from titan.parallel.pp import stage_layers
+    from titan.run_plan import stage_layers
 
     assert stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 3.0])) == [[0], [1, 2, 3]]
     assert stage_layers(8, Parallel(pp=2, pp_schedule="Interleaved1F1B", pp_stage_speeds=[1, 1, 3, 3])) == [
@@ -175,7 +175,7 @@ def test_the_recipe_s_stage_speeds_choose_the_pipeline_split():
 def test_memory_caps_bound_the_recipe_s_split():
     from titan.config import Parallel
     from titan.errors import ConfigError
-    from titan.parallel.pp import stage_layers
+    from titan.run_plan import stage_layers
 
     fast_but_small = Parallel(pp=2, pp_stage_speeds=[1.0, 3.0], pp_stage_memory_gib=[4.0, 2.0])
     assert stage_layers(4, fast_but_small, layer_gib=1.0) == [[0, 1], [2, 3]]  # the fast stage holds only 2
@@ -189,7 +189,7 @@ def test_memory_caps_alone_bound_an_even_split_as_brute_force_does(seed):
     within the caps."""
     from titan.config import Parallel
     from titan.errors import ConfigError
-    from titan.parallel.pp import stage_layers
+    from titan.run_plan import stage_layers
 
     rng = random.Random(seed)
     stages = rng.randint(2, 4)

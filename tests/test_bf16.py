@@ -6,7 +6,7 @@ import torch
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
-from helpers import STEPS, layout_overrides, micro_batches_of_rank, train_steps
+from helpers import STEPS, GivenBatches, full_weights, layout_overrides, train_on_batches
 from titan.config import load_config
 from titan.train.trainer import Trainer
 
@@ -15,8 +15,7 @@ MODES = ("none", "selective", "full")
 
 
 def _train(trainer: Trainer, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses = [trainer.train_step(micro_batches_of_rank(trainer, batch))[0].item() for batch in batches]
-    return losses, train_steps(trainer, 0)[1]
+    return train_on_batches(trainer, batches), full_weights(trainer)
 
 
 def _fsdp_each_mode(tmp, batches):
@@ -24,7 +23,8 @@ def _fsdp_each_mode(tmp, batches):
     for mode in MODES:
         layout = {**BF16, "parallel.dp_shard": "2", "training.local_batch_size": "4"}
         layout["activation_checkpoint.mode"] = mode
-        results[mode] = _train(Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / mode, layout))), batches)
+        trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / mode, layout)), GivenBatches())
+        results[mode] = _train(trainer, batches)
     return results
 
 
@@ -32,7 +32,8 @@ def _fsdp_each_mode(tmp, batches):
 @pytest.mark.slow
 def test_bf16_fsdp2_checkpointing_changes_no_number_and_follows_one_process(tmp_path):
     single = Trainer(
-        load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {**BF16, "training.local_batch_size": "8"}))
+        load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {**BF16, "training.local_batch_size": "8"})),
+        GivenBatches(),
     )
     batches = [next(single.loader)[0] for _ in range(STEPS)]
     ref_losses, _ = _train(single, batches)

@@ -39,23 +39,29 @@ def _stop_signalled_on_rank_1(root):
     """Train with rank 1 alone receiving a stop signal after step 3; returns (stop step, signal, votes)."""
     import torch.distributed as dist
 
-    from titan.train.stop import Preempted
+    from titan.config import load_config
+    from titan.train.step import StepHook
+    from titan.train.stop import Preempted, StopVote
+    from titan.train.trainer import Trainer
 
-    trainer = trainer_for(root, **{"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "60"})
-    step, vote, votes = trainer.step_without_loss_reduction, trainer.stop.agreed, []
+    votes = []
 
-    def signalled_step(batches):
-        if trainer.step == 3 and dist.get_rank() == 1:
-            trainer.stop.request("SIGTERM")
-        return step(batches)
+    class SignalOnRank1(StepHook):
+        def step(self, step, batches, run):
+            if step == 3 and dist.get_rank() == 1:
+                trainer.stop.request("SIGTERM")
+            return run(batches)
 
-    def counted_vote(at_step, seconds):
-        before = trainer.stop.next_vote
-        stop = vote(at_step, seconds)
-        votes.extend([at_step] * (trainer.stop.next_vote != before))
-        return stop
+    class CountedVote(StopVote):
+        def agreed(self, at_step, seconds):
+            before = self.next_vote
+            stop = super().agreed(at_step, seconds)
+            votes.extend([at_step] * (self.next_vote != before))
+            return stop
 
-    trainer.step_without_loss_reduction, trainer.stop.agreed = signalled_step, counted_vote
+    overrides = {"parallel.dp_shard": "2", "training.local_batch_size": "2", "training.steps": "60"}
+    trainer = Trainer(load_config(DEBUG_RECIPE, tiny_overrides(root, **{**SMALL, **overrides})), SignalOnRank1(),
+                      CountedVote)  # fmt: skip
     with pytest.raises(Preempted) as stopped:
         trainer.train()
     return trainer.step, trainer.stop.reason, votes, str(stopped.value)

@@ -9,7 +9,8 @@ from helpers import GLOBAL_BATCH, LOSS_RTOL, full_weights, layout_overrides, wit
 from titan.config import load_config
 from titan.rng import Dropout
 from titan.rng.shards import full_tensor
-from titan.train.trainer import Trainer, build_model
+from titan.train.build import build_model
+from titan.train.trainer import Trainer
 
 INIT_LAYOUTS_2 = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
 INIT_LAYOUTS_4 = {
@@ -75,7 +76,7 @@ def train_recording_masks(overrides, steps):
 
     for module in (m for part in trainer.model_parts.parts for m in part.modules() if isinstance(m, Dropout)):
         module.register_forward_hook(record, prepend=True)  # before TP's hook turns the output local
-    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(steps)]
+    losses = trainer.train(until=trainer.step + steps)
     return losses, masks
 
 
@@ -132,7 +133,7 @@ def test_activation_checkpointing_redraws_the_same_dropout_masks(tmp_path, mode)
         for m in ("none", mode)
     ]
     batches = next(trainers[0].loader)
-    losses = [t.forward_backward(batches) for t in trainers]
+    losses = [t.stepper.forward_backward(batches, t.step) for t in trainers]
     assert torch.equal(losses[0], losses[1])
     for (name, a), (_, b) in zip(
         trainers[0].model_parts.named_parameters(), trainers[1].model_parts.named_parameters()
@@ -150,7 +151,7 @@ def test_compiled_blocks_draw_the_eager_dropout_masks(tmp_path):
         for c in ("false", "true")
     ]
     batches = next(trainers[0].loader)
-    eager, compiled = (t.forward_backward(batches) for t in trainers)
+    eager, compiled = (t.stepper.forward_backward(batches, t.step) for t in trainers)
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-6)
     for (name, a), (_, b) in zip(
         trainers[0].model_parts.named_parameters(), trainers[1].model_parts.named_parameters()

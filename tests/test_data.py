@@ -13,7 +13,8 @@ from helpers import assert_one_line_error
 from titan.config import load_config
 from titan.data import IGNORE, build_loaders
 from titan.tools.compare import load_run
-from titan.train.trainer import Trainer, build_model
+from titan.train.build import build_model
+from titan.train.trainer import Trainer
 
 
 def records(run_dir) -> list[dict]:

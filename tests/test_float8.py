@@ -15,19 +15,21 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import STEPS as PARALLEL_STEPS
 from helpers import (
+    GivenBatches,
     assert_one_line_error,
     full_weights,
     layout_overrides,
-    micro_batches_of_rank,
     rows_of,
     straight_and_resumed,
+    train_on_batches,
     trainer_for,
 )
 from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.models.llama.hf import from_hf_state_dict, to_hf_state_dict
 from titan.parallel import float8
-from titan.train.trainer import Trainer, build_model
+from titan.train.build import build_model
+from titan.train.trainer import Trainer
 
 SMALL = {
     "model.overrides.dim": "64",
@@ -124,8 +126,8 @@ def test_activation_checkpointing_gives_bitwise_identical_float8_gradients(tmp_p
     plain = Trainer(config(tmp_path / "plain", **F8))
     checkpointed = Trainer(config(tmp_path / mode, **F8, **{"activation_checkpoint.mode": mode}))
     batches = next(plain.loader)
-    plain.forward_backward(batches)
-    checkpointed.forward_backward(batches)
+    plain.stepper.forward_backward(batches, plain.step)
+    checkpointed.stepper.forward_backward(batches, checkpointed.step)
     for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), checkpointed.model_parts.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
 
@@ -257,8 +259,7 @@ def _twice(batch):
 def train_on(trainer: Trainer, batches):
     """Train on the given global batches, each data-parallel rank taking its rows; returns the losses and the
     full weights."""
-    losses = [trainer.train_step(micro_batches_of_rank(trainer, batch))[0].item() for batch in batches]
-    return losses, full_weights(trainer)
+    return train_on_batches(trainer, batches), full_weights(trainer)
 
 
 def _train_layouts(tmp, layouts, batches):
@@ -286,7 +287,7 @@ def _train_layouts(tmp, layouts, batches):
     try:
         for name, layout in layouts.items():
             gathered.clear(), styles.clear()
-            trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, layout)))
+            trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, layout)), GivenBatches())
             losses, params = train_on(trainer, batches)
             weight = trainer.model_parts.parts[0].layers["0"].attention.wq.weight
             local = weight._local_tensor if isinstance(weight, DTensor) else weight
@@ -308,7 +309,8 @@ def _train_layouts(tmp, layouts, batches):
 @pytest.mark.slow
 def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
     single = Trainer(
-        load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {"training.local_batch_size": "8", **F8}))
+        load_config(DEBUG_RECIPE, layout_overrides(tmp_path / "single", {"training.local_batch_size": "8", **F8})),
+        GivenBatches(),
     )
     # Both ranks get the same four rows, so each rank's float8 activation scales (amax of its own rows) equal
     # the single process's (amax of the same rows twice).

@@ -18,7 +18,8 @@ from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
 from titan.parallel.memory_plan import GIB, Option, gib_rounded_up, plan_memory
-from titan.train.trainer import Trainer, resolve_model
+from titan.train.build import resolve_model
+from titan.train.trainer import Trainer
 
 # The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
 FOUR_BLOCKS = {"model.overrides.n_layers": "4", "model.overrides.attn_dropout": "0.1", "checkpoint.enable": "false"}
@@ -184,7 +185,9 @@ def test_any_mix_of_ways_gives_bitwise_the_losses_and_gradients_of_no_checkpoint
     assert wrapped == [c != "keep" for c in choices]
     batches = next(plain.loader)
     for step in range(2):  # dropout masks change with the step
-        assert torch.equal(plain.forward_backward(batches), mixed.forward_backward(batches)), step
+        assert torch.equal(
+            plain.stepper.forward_backward(batches, plain.step), mixed.stepper.forward_backward(batches, mixed.step)
+        ), step
         for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), mixed.model_parts.named_parameters()):
             assert torch.equal(a.grad, b.grad), (step, name)
         plain.step = mixed.step = step + 1
@@ -229,13 +232,15 @@ def planned_run(tmp_path, monkeypatch, steps: int):
         (plan,) = plans
         assert plan.saved_bytes <= budget and "keep" in plan.choices and set(plan.choices) != {"keep"}
         assert kept_by_blocks(auto, batches[0]) == plan.saved_bytes  # measured on the real blocks and batch
-        assert torch.equal(plain.forward_backward(batches), auto.forward_backward(batches))  # the math is the same
+        assert torch.equal(
+            plain.stepper.forward_backward(batches, plain.step), auto.stepper.forward_backward(batches, auto.step)
+        )  # the math is the same
         slowdowns = []
         for _ in range(steps):  # steps in pairs, so that both sides of a difference meet the same machine
             start = time.process_time()
-            plain.train_step(batches)
+            plain.stepper(batches, plain.step)
             middle = time.process_time()
-            auto.train_step(batches)
+            auto.stepper(batches, auto.step)
             slowdowns.append((time.process_time() - middle) - (middle - start))
     finally:
         torch.set_num_threads(threads)
@@ -259,7 +264,7 @@ def test_a_planned_run_slows_down_as_predicted(tmp_path, monkeypatch):
 def fsdp_losses(tmp, extra: dict) -> list[float]:
     overrides = layout_overrides(tmp, {"parallel.dp_shard": "2", "training.local_batch_size": "4", **extra})
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
-    return [trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)]
+    return trainer.train(until=trainer.step + 3)
 
 
 def planned_and_plain_fsdp(tmp, budget_gib: float):
@@ -317,7 +322,7 @@ def planned_and_plain_pipeline(tmp, budget_gib: float):
     losses = []
     for name, extra in (("auto", planned), ("plain", {})):
         trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, {**layout, **extra})))
-        losses.append([trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)])
+        losses.append(trainer.train(until=trainer.step + 3))
     return plans, measured, *losses
 
 

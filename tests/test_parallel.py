@@ -24,6 +24,7 @@ from helpers import (
 )
 from titan.config import load_config
 from titan.rng.shards import full_tensor
+from titan.run_plan import run_plan
 from titan.train.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -68,7 +69,7 @@ def train_on(overrides: list[str]):
     """Train STEPS steps on the recipe's own global batches (each rank reads its rows), then evaluate on the
     validation batches. Returns the losses (the validation loss last) and the full weights."""
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
-    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS)]
+    losses = trainer.train(until=trainer.step + STEPS)
     validation = [trainer.evaluate()] if trainer.validation_loader else []
     return [*losses, *validation], full_weights(trainer)
 
@@ -80,9 +81,11 @@ def train_layouts(tmp, layouts: dict) -> dict:
 def train_through_a_replan(tmp):
     """FSDP2 on even shares for 2 steps, then live on shares [1, 3] (what a straggler re-plan applies)."""
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, {"parallel.dp_shard": "2"})))
-    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(2)]
-    plan = [list(sizes) for sizes in trainer.apply_plan([1.0, 3.0]).micro_batches]
-    losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 2)]
+    losses = trainer.train(until=trainer.step + 2)
+    shares = run_plan(trainer.config, trainer.world_size, trainer.blocks, dp_weights=[1.0, 3.0])
+    trainer.follow(shares)
+    plan = [list(sizes) for sizes in shares.micro_batches]
+    losses += trainer.train(until=trainer.step + STEPS - 2)
     return plan, [*losses, trainer.evaluate()], full_weights(trainer)
 
 
@@ -154,7 +157,7 @@ def test_a_slow_rank_is_detected_and_given_fewer_rows_with_the_same_losses(refer
 def train_through_a_pipeline_resplit(tmp, layout: dict):
     """A pipeline on layers [2, 2] for 3 steps, then [3, 1]: layer 2 moves from pipeline rank 1 to rank 0."""
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, layout)))
-    losses = [trainer.train_step(next(trainer.loader))[0].item() for _ in range(3)]
+    losses = trainer.train(until=trainer.step + 3)
 
     def moved_state():
         named = dict(trainer.model_parts.named_parameters())
@@ -166,9 +169,9 @@ def train_through_a_pipeline_resplit(tmp, layout: dict):
         }
 
     before = moved_state()
-    how = trainer.resplit_pipeline([3, 1])
+    how = trainer.follow(run_plan(trainer.config, trainer.world_size, trainer.blocks, layers_per_stage=[3, 1]))
     after = moved_state()
-    losses += [trainer.train_step(next(trainer.loader))[0].item() for _ in range(STEPS - 3)]
+    losses += trainer.train(until=trainer.step + STEPS - 3)
     return trainer.mesh["pp"].get_local_rank(), before, after, how, [*losses, trainer.evaluate()], full_weights(trainer)
 
 
@@ -181,7 +184,7 @@ def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
     forwards = []
     for part in trainer.model_parts.parts:
         part.register_forward_pre_hook(lambda *_: forwards.append(1))
-    loss = trainer.train_step(next(trainer.loader))[0].item()
+    (loss,) = trainer.train(until=1)
     needed = len(trainer.model_parts.parts) * trainer.run_plan.pipeline_microbatches
     return len(forwards), needed, loss
 
@@ -205,7 +208,7 @@ def test_pipeline_stages_know_their_shapes_without_a_shape_inference_pass(tmp_pa
     (spread,) = with_local_batch({"spread": {**layout, **data}}, 4).values()
     single = layout_overrides(tmp_path / "single", {"training.local_batch_size": str(GLOBAL_BATCH), **data})
     trainer = Trainer(load_config(DEBUG_RECIPE, single))
-    expected = trainer.train_step(next(trainer.loader))[0].item()
+    (expected,) = trainer.train(until=1)
     for forwards, needed, loss in run_distributed(first_pipeline_step, 4, tmp_path, spread):
         assert forwards == needed
         if "training.mixed_precision" not in data:
@@ -214,7 +217,7 @@ def test_pipeline_stages_know_their_shapes_without_a_shape_inference_pass(tmp_pa
 
 def packed_steps_then_validation(tmp, layout: dict) -> tuple[list[float], float]:
     trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp, layout)))
-    return [trainer.train_step(next(trainer.loader))[0].item() for _ in range(2)], trainer.evaluate()
+    return trainer.train(until=trainer.step + 2), trainer.evaluate()
 
 
 @pytest.mark.distributed

@@ -16,7 +16,7 @@ from titan.tools.plan.counters import StepPeak, total_bytes
 from titan.tools.plan.devices import DEVICES
 from titan.tools.plan.estimate import plan_run
 from titan.tools.plan.pipeline import replay
-from titan.train.trainer import resolve_model
+from titan.train.build import resolve_model
 
 # The debug recipe on every kind of layout: (world size, overrides).
 LAYOUTS = {
@@ -47,12 +47,12 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
     from titan.train.trainer import Trainer
 
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
-    trainer.train_step(next(trainer.loader))
+    trainer.train(until=1)
     batches = next(trainer.loader)
     tracker = StepPeak()
     tracker.track_external(*trainer.model_parts.parts, trainer.optimizer)
     with tracker:
-        trainer.train_step(batches)
+        trainer.stepper(batches, trainer.step)
     peak = total_bytes(tracker, "peak")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in trainer.model_parts.parameters())
     return peak, local, trainer.n_params()

@@ -16,6 +16,7 @@ from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, 
 from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints
 from titan.checkpoint.format import verify
 from titan.optim import FiniteFlags
+from titan.train.step import StepHook
 from titan.train.trainer import NonFinite
 
 
@@ -57,17 +58,38 @@ def test_a_nan_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_path):
     assert f"resumed from {last_good}" in resumed.stderr
 
 
+class NanLoss(StepHook):
+    """The loss of step `at_step` turns NaN, as an overflow in it would make it: the loss and its gradients."""
+
+    def __init__(self, at_step: int):
+        self.at_step, self.steps_run = at_step, []
+
+    def loss(self, step, loss):
+        self.steps_run.append(step + 1)
+        return loss * float("nan") if step + 1 == self.at_step else loss
+
+
+class NanGradient(StepHook):
+    """The gradients of step `at_step` turn NaN (its loss stays finite), as an overflow in backward would make
+    them; keeps each step's gradient norm."""
+
+    def __init__(self, at_step: int):
+        self.at_step, self.norm = at_step, None
+
+    def loss(self, step, loss):
+        if step + 1 == self.at_step:
+            loss.register_hook(lambda grad: grad * float("nan"))
+        return loss
+
+    def step(self, step, batches, run):
+        local, self.norm = run(batches)
+        return local, self.norm
+
+
 def test_after_a_nan_stop_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
     schedule = {"checkpoint.interval": "2", "checkpoint.keep_latest_k": "2"}
     straight = trainer_for(tmp_path / "straight", **schedule).train()
-    poisoned = trainer_for(tmp_path / "run", **schedule)
-    real = poisoned.loss_fn
-
-    def nan_at_step_6(logits, labels):  # as an overflow in step 6 would: the loss and its gradients
-        loss = real(logits, labels)
-        return loss * float("nan") if poisoned.step == 5 else loss
-
-    poisoned.loss_fn = nan_at_step_6
+    poisoned = trainer_for(tmp_path / "run", NanLoss(at_step=6), **schedule)
     with pytest.raises(NonFinite, match=r"step 6: loss nan.*last good checkpoint is .*step-4"):
         poisoned.train()
     assert sorted(checkpoints(tmp_path / "run")) == [2, 4]
@@ -78,18 +100,13 @@ def test_after_a_nan_stop_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_a_nan_stops_the_run_before_the_next_step_between_logs(tmp_path):
     """The loop brings losses to the host only where it logs; a NaN still stops it before the step after it."""
-    trainer = trainer_for(tmp_path, **{"metrics.log_freq": "10", "training.steps": "10", "checkpoint.interval": "100"})
-    real, steps_run = trainer.loss_fn, []
-
-    def nan_at_step_3(logits, labels):
-        steps_run.append(trainer.step + 1)
-        loss = real(logits, labels)
-        return loss * float("nan") if trainer.step == 2 else loss
-
-    trainer.loss_fn = nan_at_step_3
+    nan = NanLoss(at_step=3)
+    trainer = trainer_for(
+        tmp_path, nan, **{"metrics.log_freq": "10", "training.steps": "10", "checkpoint.interval": "100"}
+    )
     with pytest.raises(NonFinite, match=r"step 3: loss nan"):
         trainer.train()
-    assert trainer.step == 3 and max(steps_run) == 3  # step 4 never ran
+    assert trainer.step == 3 and max(nan.steps_run) == 3  # step 4 never ran
 
 
 def test_finite_flags_are_read_lag_steps_late_and_once():
@@ -110,29 +127,22 @@ def test_finite_flags_are_read_lag_steps_late_and_once():
 
 
 def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_finite_checkpoint(tmp_path):
-    trainer = trainer_for(tmp_path, **{"training.on_nonfinite": "skip", "training.max_skipped_steps": "3"})
-    for _ in range(2):
-        trainer.train_step(next(trainer.loader))
+    nan_gradient = NanGradient(at_step=3)
+    trainer = trainer_for(
+        tmp_path, nan_gradient, **{"training.on_nonfinite": "skip", "training.max_skipped_steps": "3"}
+    )
+    trainer.train(until=2)
     before = full_weights(trainer)
     moments = {n: trainer.optimizer.state[p]["exp_avg"].clone() for n, p in trainer.model_parts.named_parameters()}
-    real = trainer.forward_backward
-
-    def poisoned(batches):  # one gradient turns NaN, as an overflow would make it
-        loss = real(batches)
-        next(trainer.model_parts.parameters()).grad[0] = float("nan")
-        return loss
-
-    trainer.forward_backward = poisoned
-    loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(trainer.step, loss.item(), norm.item())  # counted, not raised
+    trainer.train(until=3)  # counted, not raised
+    norm = nan_gradient.norm
     assert trainer.step == 3 and trainer.skipped_in_a_row == 1 and not torch.isfinite(norm)
     for name, value in full_weights(trainer).items():
         assert torch.equal(value, before[name]), name
     for name, p in trainer.model_parts.named_parameters():
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], moments[name]), name
-    trainer.forward_backward = real
-    loss, norm = trainer.train_step(next(trainer.loader))
-    trainer._check_finite(trainer.step, loss.item(), norm.item())
+    trainer.train(until=4)
+    norm = nan_gradient.norm
     assert trainer.skipped_in_a_row == 0 and torch.isfinite(norm)
 
 

@@ -74,11 +74,11 @@ def test_same_seed_gives_bitwise_identical_losses(tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     big = tiny_trainer(tmp_path / "big", **{"training.local_batch_size": "8"})
     small = tiny_trainer(tmp_path / "small", **{"training.local_batch_size": "2", "training.global_batch_size": "8"})
-    assert small.grad_accum == 4
-    loss_big = big.forward_backward(next(big.loader))
+    assert len(small.rank_plan.micro_batches) == 4
+    loss_big = big.stepper.forward_backward(next(big.loader), big.step)
     micro = next(small.loader)
     assert len(micro) == 4
-    loss_small = small.forward_backward(micro)
+    loss_small = small.stepper.forward_backward(micro, small.step)
     # fp32 sums of the same terms in another order. Measured: loss differs by 1 ulp (9.5e-7 of 8.0), and the
     # worst gradient element by 4e-7 of its tensor's largest element; the bounds leave ~25x headroom.
     torch.testing.assert_close(loss_small, loss_big, rtol=1e-6, atol=0)
@@ -103,7 +103,10 @@ def test_activation_checkpointing_gives_bitwise_identical_gradients(tmp_path, mo
     plain = tiny_trainer(tmp_path / "plain")
     checkpointed = tiny_trainer(tmp_path / mode, **{"activation_checkpoint.mode": mode})
     batches = next(plain.loader)
-    assert torch.equal(plain.forward_backward(batches), checkpointed.forward_backward(batches))
+    assert torch.equal(
+        plain.stepper.forward_backward(batches, plain.step),
+        checkpointed.stepper.forward_backward(batches, checkpointed.step),
+    )
     for (name, a), (_, b) in zip(plain.model_parts.named_parameters(), checkpointed.model_parts.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
 
@@ -115,7 +118,12 @@ def test_compiled_blocks_match_eager(tmp_path):
     batches = next(eager.loader)
     # Inductor fuses and reorders fp32 arithmetic. Measured: loss 6e-8 relative, gradients 5.2e-7 of their
     # tensor's largest element; bounds ~5x that.
-    torch.testing.assert_close(compiled.forward_backward(batches), eager.forward_backward(batches), rtol=5e-7, atol=0)
+    torch.testing.assert_close(
+        compiled.stepper.forward_backward(batches, compiled.step),
+        eager.stepper.forward_backward(batches, eager.step),
+        rtol=5e-7,
+        atol=0,
+    )
     for (name, a), (_, b) in zip(eager.model_parts.named_parameters(), compiled.model_parts.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=3e-6 * a.grad.abs().max().item(), msg=name)
 

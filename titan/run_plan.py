@@ -7,18 +7,24 @@ rank runs the same number of micro-batches (FSDP's collectives run once per micr
 pipeline each micro-batch is cut again into the schedule's micro-batches. The trainer, the loaders, activation
 checkpointing, the pipeline and `titan plan` read the plan; a re-plan makes a new one through this function.
 Torch-free, so `titan config show` and the planners import it without torch.
+
+A plan answers for every rank (RunPlan.rank): its coordinates on the mesh, the global rows it reads, its
+micro-batches, its pipeline stages and their layers, the precision rule and how tensor parallelism shards the
+sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.balance import micro_batch_sizes, plan_shares
+from titan.balance import layer_split, micro_batch_sizes, plan_shares
 from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
 
 # torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/test_run_plan.py checks it).
 MULTI_STAGE_SCHEDULES = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
+# Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
+V_SHAPED = {"zbvzerobubble", "dualpipev"}
 
 
 def stages_per_rank(p: Parallel) -> int:
@@ -35,6 +41,65 @@ def pipeline_microbatches(p: Parallel) -> int:
     if n < p.pp:
         raise ConfigError(f"parallel.pp_microbatches ({n}) must be at least parallel.pp ({p.pp}) to fill the pipeline")
     return n
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The model's blocks as the layer split sees them: how many, and the memory one takes in training (fp32
+    weights, gradients and two Adam moments: 16 bytes per parameter)."""
+
+    count: int
+    gib: float = 0.0
+
+
+def stage_layers(n_layers: int, p: Parallel, layer_gib: float = 0.0, counts: list[int] | None = None):
+    """Layer ids of every stage, for `n_layers` layers of `layer_gib` each: `counts` (a re-split's) or the recipe's
+    explicit counts, a split by stage speeds and memory caps, or an even split (earlier stages take the remainder,
+    since the last stage also carries the output head)."""
+    n_stages = p.pp * stages_per_rank(p)
+    if p.pp_schedule.lower() in V_SHAPED and stages_per_rank(p) != 2:
+        raise ConfigError(f"parallel.pp_schedule {p.pp_schedule} needs parallel.pp_stages_per_rank = 2")
+    counts = list(counts or p.pp_layers_per_stage)
+    if not counts and n_stages > n_layers:
+        raise ConfigError(
+            f"parallel.pp = {p.pp} with {stages_per_rank(p)} stages per rank needs {n_stages} layers; the "
+            f"model has {n_layers}"
+        )
+    if not counts and (p.pp_stage_speeds or p.pp_stage_memory_gib):
+        speeds = p.pp_stage_speeds or [1.0] * n_stages  # memory caps alone bound a split of even speeds
+        if len(speeds) != n_stages or min(speeds) <= 0:
+            raise ConfigError(
+                f"parallel.pp_stage_speeds {speeds} must list {n_stages} positive speeds (pp x stages per rank)"
+            )
+        caps = p.pp_stage_memory_gib or None
+        if caps is not None and len(caps) != n_stages:
+            raise ConfigError(f"parallel.pp_stage_memory_gib {caps} must list {n_stages} caps, one per stage")
+        try:
+            counts = layer_split([1.0] * n_layers, speeds, [layer_gib] * n_layers, caps)
+        except ValueError:
+            raise ConfigError(
+                f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({layer_gib:.3g} GiB of "
+                "weights, gradients and Adam moments each) fits; raise the caps or use more stages"
+            ) from None
+    if counts:
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
+            raise ConfigError(
+                f"parallel.pp_layers_per_stage {counts} must list {n_stages} non-negative counts (pp x stages per "
+                f"rank) summing to the model's {n_layers} layers"
+            )
+    else:
+        counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    """The pipeline stages pipeline rank `pp_rank` runs."""
+    if pp == 1:
+        return [0]
+    if schedule.lower() in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
 
 
 @dataclass(frozen=True)
@@ -60,14 +125,33 @@ def precision(config: Config, layout: Layout) -> Precision:
 
 
 @dataclass(frozen=True)
+class RankPlan:
+    """What one rank computes in every step."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int  # in the flattened data-parallel group (dp_replicate x dp_shard)
+    tp_rank: int
+    rows: range  # the rows of every global batch it reads (its data-parallel rank's contiguous share)
+    micro_batches: tuple[int, ...]  # rows of each micro-batch
+    stage_ids: tuple[int, ...]  # the pipeline stages it runs ((0,) without a pipeline)
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    """The step of every data-parallel rank (a pipeline or tensor-parallel group reads the same rows)."""
+    """The step of every rank (a pipeline or tensor-parallel group reads the same rows)."""
 
     layout: Layout
     seq_len: int
     micro_batches: tuple[tuple[int, ...], ...]  # rows of each micro-batch, per data-parallel rank in rank order
+    dp_weights: tuple[float, ...]  # the data-parallel ranks' relative speeds the shares follow
     pipeline_microbatches: int  # the schedule's micro-batches per micro-batch; 0 without a pipeline
     precision: Precision
+    # Layer ids of each pipeline stage; empty when the plan was made without the model's blocks (a check of the
+    # batch alone, before torch is imported).
+    stage_layers: tuple[tuple[int, ...], ...]
+    schedule: str  # parallel.pp_schedule, lower case
+    sequence_shards: int  # sequence parallelism cuts the sequence between blocks into this many pieces
 
     @property
     def global_rows(self) -> int:
@@ -77,10 +161,27 @@ class RunPlan:
     def tokens_per_step(self) -> int:
         return self.global_rows * self.seq_len
 
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_layers)
+
     def rows(self, dp_rank: int) -> range:
         """The rows of every global batch that data-parallel rank `dp_rank` reads: a contiguous share."""
         start = sum(map(sum, self.micro_batches[:dp_rank]))
         return range(start, start + sum(self.micro_batches[dp_rank]))
+
+    def stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The pipeline stages pipeline rank `pp_rank` runs."""
+        return tuple(stage_ids(pp_rank, self.layout.pp, self.n_stages, self.schedule))
+
+    def rank(self, rank: int) -> RankPlan:
+        """Rank `rank`'s work; its coordinates follow the device mesh (pp, dp_replicate, dp_shard, tp), tp
+        innermost."""
+        layout = self.layout
+        tp_rank, dp_rank, pp_rank = rank % layout.tp, rank // layout.tp % layout.dp, rank // (layout.tp * layout.dp)
+        return RankPlan(
+            rank, pp_rank, dp_rank, tp_rank, self.rows(dp_rank), self.micro_batches[dp_rank], self.stages(pp_rank)
+        )
 
     @property
     def largest_micro_batch(self) -> tuple[int, int]:
@@ -92,14 +193,23 @@ class RunPlan:
         return rows, count
 
 
-def run_plan(config: Config, world_size: int, weights: list[float] | None = None) -> RunPlan:
-    """The plan of `config` on `world_size` ranks, the data shares following `weights` (default:
-    parallel.dp_weights, else even); ConfigError, naming the keys, when the batch cannot be cut so."""
+def run_plan(
+    config: Config,
+    world_size: int,
+    blocks: Blocks | None = None,
+    *,
+    dp_weights: list[float] | None = None,
+    layers_per_stage: list[int] | None = None,
+) -> RunPlan:
+    """The plan of `config` on `world_size` ranks for a model of `blocks` (None: the batch alone), the data shares
+    following `dp_weights` (default: parallel.dp_weights, else even) and the pipeline's layers
+    `layers_per_stage` (default: the recipe's rule). A re-plan calls it again with the measured values.
+    ConfigError, naming the keys, when the recipe cannot be cut so."""
     t, p = config.training, config.parallel
     layout = Layout.from_config(p, world_size)
     pipeline = pipeline_microbatches(p)
     rows = t.global_batch_size or t.local_batch_size * layout.dp
-    weights = weights or p.dp_weights or [1.0] * layout.dp
+    weights = dp_weights or p.dp_weights or [1.0] * layout.dp
     try:
         shares = plan_shares(rows, weights, t.local_batch_size, pipeline)
         sizes = micro_batch_sizes(shares, t.local_batch_size, pipeline)
@@ -114,4 +224,19 @@ def run_plan(config: Config, world_size: int, weights: list[float] | None = None
             f"ranks{' weighted ' + str(p.dp_weights) if p.dp_weights else ''}: {e}; raise global_batch_size or "
             "local_batch_size"
         ) from None
-    return RunPlan(layout, t.seq_len, tuple(map(tuple, sizes)), pipeline, precision(config, layout))
+    layers: list[list[int]] = []
+    if blocks is not None and layout.pp > 1:
+        layers = stage_layers(blocks.count, p, blocks.gib, layers_per_stage)
+    elif blocks is not None:
+        layers = [list(range(blocks.count))]
+    return RunPlan(
+        layout,
+        t.seq_len,
+        tuple(map(tuple, sizes)),
+        tuple(weights),
+        pipeline,
+        precision(config, layout),
+        tuple(map(tuple, layers)),
+        p.pp_schedule.lower(),
+        layout.tp if layout.tp > 1 and p.sequence_parallel else 1,
+    )

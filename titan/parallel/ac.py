@@ -31,7 +31,7 @@ from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, plan_memory
 from titan.parallel.mesh import on_rank_0
-from titan.run_plan import precision, run_plan
+from titan.run_plan import RunPlan, precision
 
 log = logging.getLogger("titan")
 
@@ -39,7 +39,7 @@ KEEP, SELECTIVE, FULL, OFFLOAD = "keep", "selective", "full", "offload"
 
 
 def block_choices(
-    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, device: torch.device | None
+    model: nn.Module, spec: ModelSpec, config: Config, plan: RunPlan, device: torch.device | None
 ) -> list[str]:
     """How each block of `model` runs: the recipe's mode on every Nth block, or with mode = "auto" the plan for
     the budget. Call it before the blocks are wrapped: "auto" measures a plain copy of the first one. Under tensor
@@ -53,9 +53,9 @@ def block_choices(
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the one plan fits
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
-    rows, micro_batches = run_plan(config, layout.world_size).largest_micro_batch
+    rows, micro_batches = plan.largest_micro_batch
     # Rank 0's measurement on every rank: all agree on the plan (and a budget too small fails alike everywhere).
-    options = on_rank_0(lambda: measure_options(model, spec, config, layout, rows, device), device=device)
+    options = on_rank_0(lambda: measure_options(model, spec, config, plan.layout, rows, device), device=device)
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
         rows,

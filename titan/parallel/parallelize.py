@@ -13,13 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.config import Config, Layout, Parallel
+from titan.config import Config
 from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
-from titan.run_plan import precision, run_plan, stages_per_rank
+from titan.run_plan import V_SHAPED, Blocks, RunPlan
 
 
 @dataclass
@@ -64,18 +64,16 @@ class ModelParts:
             part.train(mode)
 
 
-def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device) -> None:
-    """Every combination that cannot work, refused with its reason before any work starts."""
-    p = config.parallel
+def check_layout(config: Config, spec: ModelSpec, args, plan: RunPlan, device: torch.device) -> None:
+    """Every combination that cannot work with this model and device, refused with its reason before any work
+    starts (run_plan has checked the batch and the layer split)."""
+    p, layout = config.parallel, plan.layout
     pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
-    n_stages = layout.pp * stages_per_rank(p) if layout.pp > 1 else 1
     try:
-        spec.check_parallelism(args, layout.tp, n_stages)
+        spec.check_parallelism(args, layout.tp, plan.n_stages)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:
-        split_layers(p, spec, args)
-        run_plan(config, layout.world_size)  # micro-batches the schedule can cut
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.
@@ -84,7 +82,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
                 "gives wrong "
                 "gradients in torch 2.13; use 'default' or 'never'"
             )
-        if config.validation.interval and p.pp_schedule.lower() in pp.V_SHAPED:
+        if config.validation.interval and p.pp_schedule.lower() in V_SHAPED:
             # torch 2.13: a V-shaped schedule's eval() still runs its backward actions and fails at the first
             # pair of adjacent stages on one rank ("can't steal_bwd_input").
             raise ConfigError(
@@ -100,62 +98,61 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     float8.check_float8(config, layout, device, spec, args)
 
 
-def stage_batch(config: Config, layout: Layout, rows: int, seq_len: int, stage: int, n_stages: int) -> StageBatch:
+def stage_batch(plan: RunPlan, documents: bool, rows: int, seq_len: int, stage: int) -> StageBatch:
     """What pipeline stage `stage` exchanges for a micro-batch of rows x seq_len tokens. FSDP with bf16 casts a
     stage's inputs to bf16 (its mixed-precision policy) and the residual stream stays in it; autocast alone keeps
     the residual stream in fp32. Sequence parallel splits the sequence over the TP ranks."""
-    sequence_parallel = layout.tp > 1 and config.parallel.sequence_parallel
     return StageBatch(
         rows=rows,
         seq_len=seq_len,
-        dtype=torch.bfloat16 if precision(config, layout).stream_bf16 else torch.float32,
-        seq_shards=layout.tp if sequence_parallel else 1,
-        documents=config.data.document_mask,
+        dtype=torch.bfloat16 if plan.precision.stream_bf16 else torch.float32,
+        seq_shards=plan.sequence_shards,
+        documents=documents,
         first=stage == 0,
-        last=stage == n_stages - 1,
+        last=stage == plan.n_stages - 1,
     )
 
 
-def split_layers(parallel: Parallel, spec: ModelSpec, args) -> list[list[int]]:
-    """Each pipeline stage's layer ids under `parallel` (pp.stage_layers), with the memory a block takes: its fp32
-    weights, gradients and two Adam moments (16 bytes per parameter)."""
+def model_blocks(spec: ModelSpec, args) -> Blocks:
+    """The model's blocks for the layer split, with the memory one takes in training: its fp32 weights, gradients
+    and two Adam moments (16 bytes per parameter)."""
     with torch.device("meta"):
         block = spec.blocks(spec.build(args))[0]
-    block_gib = 16 * sum(p.numel() for p in block.parameters()) / 2**30
-    return pp.stage_layers(args.n_layers, parallel, block_gib)
+    return Blocks(args.n_layers, 16 * sum(p.numel() for p in block.parameters()) / 2**30)
 
 
 def build_model_parts(
-    config: Config, spec: ModelSpec, args, layout: Layout, mesh: dict[str, DeviceMesh], device: torch.device
+    config: Config, spec: ModelSpec, args, plan: RunPlan, rank: int, mesh: dict[str, DeviceMesh], device: torch.device
 ) -> ModelParts:
+    """Global rank `rank`'s stages of the model (the whole model without a pipeline), parallelised and
+    initialised from the seed."""
     with torch.device("meta"):
         model = spec.build(args, traceable=config.compile.enable)  # compiled blocks must not branch on the data
-    if layout.pp > 1:
-        layers = split_layers(config.parallel, spec, args)
-        n_stages = len(layers)
-        ids = pp.stage_ids(mesh["pp"].get_local_rank(), layout.pp, n_stages, config.parallel.pp_schedule)
-        parts = [spec.pipeline_stage(model, layers[s], s == 0, s == n_stages - 1) for s in ids]
+    ids = list(plan.rank(rank).stage_ids)
+    if plan.layout.pp > 1:
+        last = plan.n_stages - 1
+        parts = [spec.pipeline_stage(model, list(plan.stage_layers[s]), s == 0, s == last) for s in ids]
     else:
-        n_stages, ids, parts = 1, [0], [model]
+        parts = [model]
     for part in parts:
-        parallelize(part, spec, config, layout, mesh, device)
+        parallelize(part, spec, config, plan, mesh, device)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
-    return ModelParts(parts, ids, n_stages)
+    return ModelParts(parts, ids, plan.n_stages)
 
 
 def parallelize(
     model: nn.Module,
     spec: ModelSpec,
     config: Config,
-    layout: Layout,
+    plan: RunPlan,
     mesh: dict[str, DeviceMesh],
     device: torch.device | None = None,  # where activation_checkpoint.mode = "auto" measures a block
 ) -> None:
-    p = config.parallel
+    p, layout = config.parallel, plan.layout
     blocks = spec.blocks(model)
     float8.convert(model, blocks, config, layout)
-    checkpointing = block_choices(model, spec, config, layout, device)  # measures plain blocks: before TP
+    checkpointing = block_choices(model, spec, config, plan, device)  # measures plain blocks: before TP
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
@@ -168,5 +165,5 @@ def parallelize(
             block.compile()
     if layout.dp > 1:
         reshard = {"always": True, "never": False, "default": layout.pp == 1}[p.fsdp_reshard_after_forward]
-        param_dtype = torch.bfloat16 if precision(config, layout).fsdp_params else None
+        param_dtype = torch.bfloat16 if plan.precision.fsdp_params else None
         apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload)

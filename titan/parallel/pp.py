@@ -10,14 +10,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-from titan.balance import layer_split
 from titan.config import Parallel
 from titan.errors import ConfigError
 from titan.models import StageIO
-from titan.run_plan import stages_per_rank
 
-# Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
-V_SHAPED = {"zbvzerobubble", "dualpipev"}
 # Schedules that split backward into input- and weight-gradient passes.
 ZERO_BUBBLE = {"interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
@@ -27,53 +23,6 @@ def schedule_class(name: str):
         return get_schedule_class(name)
     except ValueError as e:
         raise ConfigError(f"parallel.pp_schedule: {e}") from None
-
-
-def stage_layers(n_layers: int, cfg: Parallel, layer_gib: float = 0.0) -> list[list[int]]:
-    """Layer ids of every stage: the recipe's explicit counts, a split by stage speeds and memory caps, or an
-    even split (earlier stages take the remainder, since the last stage also carries the output head)."""
-    n_stages = cfg.pp * stages_per_rank(cfg)
-    if cfg.pp_schedule.lower() in V_SHAPED and stages_per_rank(cfg) != 2:
-        raise ConfigError(f"parallel.pp_schedule {cfg.pp_schedule} needs parallel.pp_stages_per_rank = 2")
-    counts = cfg.pp_layers_per_stage
-    if not counts and n_stages > n_layers:
-        raise ConfigError(
-            f"parallel.pp = {cfg.pp} with {stages_per_rank(cfg)} stages per rank needs {n_stages} layers; the "
-            f"model has {n_layers}"
-        )
-    if not counts and (cfg.pp_stage_speeds or cfg.pp_stage_memory_gib):
-        speeds = cfg.pp_stage_speeds or [1.0] * n_stages  # memory caps alone bound a split of even speeds
-        if len(speeds) != n_stages or min(speeds) <= 0:
-            raise ConfigError(
-                f"parallel.pp_stage_speeds {speeds} must list {n_stages} positive speeds (pp x stages per rank)"
-            )
-        caps = cfg.pp_stage_memory_gib or None
-        if caps is not None and len(caps) != n_stages:
-            raise ConfigError(f"parallel.pp_stage_memory_gib {caps} must list {n_stages} caps, one per stage")
-        try:
-            counts = layer_split([1.0] * n_layers, speeds, [layer_gib] * n_layers, caps)
-        except ValueError:
-            raise ConfigError(
-                f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({layer_gib:.3g} GiB of "
-                "weights, gradients and Adam moments each) fits; raise the caps or use more stages"
-            ) from None
-    if counts:
-        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
-            raise ConfigError(
-                f"parallel.pp_layers_per_stage {counts} must list {n_stages} non-negative counts (pp x stages per "
-                "rank) "
-                f"summing to the model's {n_layers} layers"
-            )
-    else:
-        counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
-    starts = [sum(counts[:s]) for s in range(n_stages)]
-    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
-
-
-def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
-    if schedule.lower() in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return list(range(pp_rank, n_stages, pp))  # looped: rank r holds stages r, r + pp, ...
 
 
 def build_schedule(

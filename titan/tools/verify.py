@@ -166,7 +166,7 @@ def record(config: Config, steps: int) -> None:
     from titan.train.trainer import Trainer
 
     trainer = Trainer(config)
-    schedule = trainer.schedule
+    schedule = trainer.stepper.schedule
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)] if schedule else []
     recorder = Recorder(trainer.model_parts, trainer.optimizer, [s for s in stages if s is not None])
     trainer.train(until=steps)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, Plan, plan_memory
-from titan.parallel.parallelize import check_layout
-from titan.run_plan import run_plan
+from titan.parallel.parallelize import check_layout, model_blocks
+from titan.run_plan import RunPlan, run_plan
 from titan.tools.plan.devices import Device, Links, planned_device
 from titan.tools.plan.graph import saved_by_block
-from titan.tools.plan.pipeline import replay, schedule_actions, schedule_peak, sends, stage_ids
-from titan.tools.plan.trace import CPU, Cost, RankTrace, fake_world, stage_layers, trace_rank, with_checkpointing
-from titan.train.trainer import resolve_model
+from titan.tools.plan.pipeline import replay, schedule_actions, schedule_peak, sends
+from titan.tools.plan.trace import CPU, Cost, RankTrace, fake_world, trace_rank, with_checkpointing
+from titan.train.build import resolve_model
 
 MODES = ("none", "full", "selective")
 # Each way a block can run (the trainer's names) and the checkpointing mode whose one-block trace shows it; offload
@@ -62,6 +62,7 @@ class RankEstimate:
 class StepEstimate:
     config: Config
     device: Device
+    run: RunPlan  # what each rank computes
     layout: Layout
     rows: int  # sequences per micro-batch
     microbatches: int  # per rank and step
@@ -85,21 +86,19 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
-    layout = Layout.from_config(config.parallel, world_size)
     spec, args = resolve_model(config)
-    check_layout(config, spec, args, layout, CPU)
-    rows, microbatches = run_plan(config, world_size).largest_micro_batch
-    plan = StepEstimate(config, planned_device(config.plan), layout, rows, microbatches)
-    layers = stage_layers(config, spec, args, layout)
+    run = run_plan(config, world_size, model_blocks(spec, args))
+    layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
+    check_layout(config, spec, args, run, CPU)
+    rows, microbatches = run.largest_micro_batch
+    plan = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches)
     with fake_world(layout) as mesh:
 
         def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
             runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
-            return trace_rank(
-                traced, spec, args, layout, mesh, layers, pp_rank, depth, rows, runs, plan.device, **options
-            )
+            return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, plan.device, **options)
 
-        order = schedule_actions(config, layout, mesh, len(layers), microbatches) if layout.pp > 1 else None
+        order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
         _trace_ranks(plan, trace, layers, order)
         one_block = {}  # what one block holds under each mode, from one block's forward (and backward, for auto)
         for mode in MODES:
@@ -193,7 +192,7 @@ def _trace_ranks(plan: StepEstimate, trace, layers: list[list[int]], order) -> N
     trace."""
     config, layout = plan.config, plan.layout
     every = config.activation_checkpoint.every if config.activation_checkpoint.mode != "none" else 1
-    ids = [stage_ids(config, layout, len(layers), r) for r in range(layout.pp)]
+    ids = [list(plan.run.stages(r)) for r in range(layout.pp)]
     longest = max(range(layout.pp), key=lambda r: max(len(layers[s]) for s in ids[r]))
     rate = (trace(longest, TRACED_DEPTH), trace(longest, TRACED_DEPTH, deeper=every))
     grows = rate[1].param_bytes > rate[0].param_bytes  # not when no stage is deeper: all are traced whole
@@ -329,5 +328,5 @@ def _step_time(plan: StepEstimate, flops_per_token: float, order) -> None:
         plan.step_seconds = replay(order, forward, backward, hop) + optimizer
     else:
         plan.step_seconds = plan.ranks[0].seconds
-    tokens = run_plan(plan.config, layout.world_size).tokens_per_step
+    tokens = plan.run.tokens_per_step
     plan.mfu = flops_per_token * tokens / (plan.step_seconds * plan.device.peak_flops * layout.world_size)

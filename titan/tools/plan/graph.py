@@ -325,7 +325,7 @@ def analyse(gm: fx.GraphModule) -> GraphAnalysis:
 
 def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]:
     """The analysis of one block of the recipe's model at its micro-batch and dtype, and what was traced."""
-    from titan.train.trainer import resolve_model
+    from titan.train.build import resolve_model
 
     spec, args = resolve_model(config)
     rows, _ = run_plan(config, world_size).largest_micro_batch

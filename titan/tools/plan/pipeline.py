@@ -6,23 +6,19 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from titan.config import Config, Layout
+from titan.config import Config
 from titan.parallel import pp
+from titan.run_plan import RunPlan
 from titan.tools.plan.trace import CPU
 
 
-def stage_ids(config: Config, layout: Layout, n_stages: int, pp_rank: int) -> list[int]:
-    """The stages a pipeline rank holds (stage 0 without a pipeline)."""
-    return pp.stage_ids(pp_rank, layout.pp, n_stages, config.parallel.pp_schedule) if layout.pp > 1 else [0]
-
-
-def schedule_actions(config: Config, layout: Layout, mesh, n_stages: int, microbatches: int) -> dict[int, list]:
+def schedule_actions(config: Config, plan: RunPlan, mesh, microbatches: int) -> dict[int, list]:
     """Every pipeline rank's actions in order (forward, backward, ... of a stage and micro-batch), from the schedule
     class the trainer builds."""
-    stages = [(s, nn.Identity()) for s in stage_ids(config, layout, n_stages, 0)]
+    stages = [(s, nn.Identity()) for s in plan.stages(0)]
     no_io = [None] * len(stages)  # the table needs no shapes
     schedule = pp.build_schedule(
-        config.parallel, stages, no_io, n_stages, microbatches, lambda *_: None, CPU, mesh["pp"].get_group()
+        config.parallel, stages, no_io, plan.n_stages, microbatches, lambda *_: None, CPU, mesh["pp"].get_group()
     )
     # Overlapped pairs (DualPipeV's forward of one micro-batch with a backward of another) count as their parts.
     order = {

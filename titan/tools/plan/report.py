@@ -3,7 +3,6 @@ not fit."""
 
 from __future__ import annotations
 
-from titan.run_plan import run_plan
 from titan.tools.plan.estimate import GIB, RankEstimate, StepEstimate
 from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
 
@@ -32,7 +31,7 @@ def format_plan(plan: StepEstimate) -> str:
     """The plan as text: what is planned, a table per pipeline rank, then the step time."""
     c, layout, device = plan.config, plan.layout, plan.device
     degrees = " x ".join(f"{k} {v}" for k, v in vars(layout).items() if v > 1) or "one device"
-    global_batch = run_plan(c, layout.world_size).global_rows
+    global_batch = plan.run.global_rows
     schedule = f", {c.parallel.pp_schedule}" if layout.pp > 1 else ""
     lines = [
         f"{c.model.name} {c.model.flavor}, {_params(plan.params)} parameters, on {layout.world_size} x {device.name} "

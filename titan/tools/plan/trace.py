@@ -10,14 +10,12 @@ AdamW. titan/tools/plan/counters.py measures.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
@@ -28,13 +26,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.optim import build_optimizer, clip_grad_norm_, ensure_adamw_state, skip_if_nonfinite
-from titan.parallel import pp
+from titan.optim import build_optimizer, ensure_adamw_state
 from titan.parallel.mesh import build_mesh
-from titan.parallel.parallelize import parallelize, split_layers, stage_batch
-from titan.run_plan import precision
+from titan.parallel.parallelize import parallelize, stage_batch
+from titan.run_plan import RunPlan
 from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
 from titan.tools.plan.devices import Device
+from titan.train.step import compute_precision, token_loss, update
 
 CPU = torch.device("cpu")
 
@@ -75,20 +73,12 @@ def fake_world(layout: Layout):
         dist.destroy_process_group()
 
 
-def stage_layers(config: Config, spec: ModelSpec, args, layout: Layout) -> list[list[int]]:
-    """Each pipeline stage's layer ids, as the trainer splits them."""
-    if layout.pp == 1:
-        return [list(range(args.n_layers))]
-    return split_layers(config.parallel, spec, args)
-
-
 def trace_rank(
     config: Config,
     spec: ModelSpec,
     args,
-    layout: Layout,
+    plan: RunPlan,
     mesh: dict,
-    layers: list[list[int]],
     pp_rank: int,
     depth: int,
     rows: int,
@@ -102,16 +92,15 @@ def trace_rank(
     `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on `mesh` of the fake world.
     The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
     first is the largest)."""
-    n_stages = len(layers)
-    ids = pp.stage_ids(pp_rank, layout.pp, n_stages, config.parallel.pp_schedule) if layout.pp > 1 else [0]
+    layers, n_stages, ids = plan.stage_layers, plan.n_stages, list(plan.stages(pp_rank))
     longest = max(ids, key=lambda s: len(layers[s]))
     blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
     stages = {s: _stage(spec, args, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
     for part in stages.values():
-        parallelize(part, spec, config, layout, mesh)
+        parallelize(part, spec, config, plan, mesh)
     counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh))
     with FakeTensorMode(allow_non_fake_inputs=True), unobserved_shape_propagation():
-        step = _RankStep(config, spec, args, layout, mesh, stages, counter, rows)
+        step = _RankStep(config, spec, args, plan, mesh, stages, counter, rows)
         step.trace = RankTrace(ids, n_stages, blocks, **step.sizes(), groups=counter.groups)
         step.micro_batches(micro_batches)
         if micro_batches and optimizer:
@@ -145,9 +134,9 @@ class _RankStep:
     """The rank's stages as fake tensors, with AdamW in the state of a steady step (its moments exist), and the
     parts of a training step, run as the trainer runs them."""
 
-    def __init__(self, config: Config, spec: ModelSpec, args, layout: Layout, mesh, stages: dict, counter, rows: int):
-        self.config, self.spec, self.layout, self.mesh, self.stages, self.counter = (
-            config, spec, layout, mesh, stages, counter,
+    def __init__(self, config: Config, spec: ModelSpec, args, plan: RunPlan, mesh, stages: dict, counter, rows: int):
+        self.config, self.spec, self.plan, self.layout, self.mesh, self.stages, self.counter = (
+            config, spec, plan, plan.layout, mesh, stages, counter,
         )  # fmt: skip
         for part in stages.values():
             part.to_empty(device=CPU)  # values do not matter: no init_weights
@@ -155,7 +144,7 @@ class _RankStep:
         self.optimizer = build_optimizer(self.params, config.optimizer)
         ensure_adamw_state(self.optimizer, self.params)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
-        self.inputs = _inputs(config, spec, args, layout, rows)
+        self.inputs = _inputs(config, spec, args, plan, rows)
         self.trace: RankTrace
 
     def sizes(self) -> dict[str, int]:
@@ -201,16 +190,15 @@ class _RankStep:
     def _forward(self) -> dict[int, torch.Tensor]:
         """The stages' forwards in pipeline order, the last one's loss included: what each backward starts from."""
         inputs = self.inputs
-        autocast = precision(self.config, self.layout).autocast
         self.trace.block_held.clear()
         outputs, last = {}, self.trace.n_stages - 1
         for stage, part in self.stages.items():
             before = self._activations()
             self.trace.forward[stage] = Cost()
-            with self.counter.phase(self.trace.forward[stage]), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            with self.counter.phase(self.trace.forward[stage]), compute_precision(self.plan.precision, "cpu"):
                 x = inputs["tokens"] if stage == 0 else inputs["hidden"].clone()
                 out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
-                outputs[stage] = _loss(out, inputs["tokens"]) if stage == last else out[0]
+                outputs[stage] = token_loss(out, inputs["tokens"]) if stage == last else out[0]
             self.trace.held[stage] = self._activations() - before
         return outputs
 
@@ -243,10 +231,7 @@ class _RankStep:
         tracker.track_external(*self.stages.values(), self.optimizer)
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         with tracker, self.counter, self.counter.phase(trace.optimizer):
-            grad_norm = clip_grad_norm_(self.params, self.config.training.max_grad_norm or float("inf"), pp_group)
-            skip_if_nonfinite(self.optimizer, grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            update(self.params, self.optimizer, self.config.training.max_grad_norm, pp_group)
         trace.optimizer_peak = total_bytes(tracker, "peak")
 
     def _activations(self) -> int:
@@ -269,12 +254,12 @@ class _RankStep:
             )
 
 
-def _inputs(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> dict[str, torch.Tensor | None]:
+def _inputs(config: Config, spec: ModelSpec, args, plan: RunPlan, rows: int) -> dict[str, torch.Tensor | None]:
     """A micro-batch as the trainer hands it to the first stage (tokens, row ids, document ids: one document per
     row), and the hidden states the other stages receive."""
     t = config.training
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len))
-    later_stage = stage_batch(config, layout, rows, t.seq_len, stage=1, n_stages=3)
+    later_stage = stage_batch(plan, config.data.document_mask, rows, t.seq_len, stage=1)
     hidden = spec.pipeline_io(args, later_stage).inputs[0]
     return {
         "tokens": tokens,
@@ -284,18 +269,11 @@ def _inputs(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) ->
     }
 
 
-def _loss(logits, tokens) -> torch.Tensor:
-    """The trainer's loss (Trainer.loss_fn): summed token cross-entropy in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
-
-
 def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(), an autograd op: slow here
 
 
 def with_checkpointing(config: Config, mode: str) -> Config:
     """The recipe with another activation checkpointing mode (every block)."""
-    changed = copy.deepcopy(config)
-    changed.activation_checkpoint.mode = mode
-    changed.activation_checkpoint.every = 1
-    return changed
+    checkpointing = dataclasses.replace(config.activation_checkpoint, mode=mode, every=1)
+    return dataclasses.replace(config, activation_checkpoint=checkpointing)

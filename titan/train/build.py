@@ -1,0 +1,190 @@
+"""The parts of a run, built from the recipe and its run plan: the device, the model (checked), the data plane and
+the training step. The trainer holds them; a pipeline re-split builds the step again for a new plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from titan import models
+from titan.config import Config
+from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
+from titan.data.cost_fit import cached_cost_model, collective_seconds
+from titan.data.document_batches import Placement
+from titan.data.packing import CostModel, Target
+from titan.errors import ConfigError
+from titan.observe.profiling import StepClock
+from titan.optim import build_lr_scheduler, build_optimizer
+from titan.parallel import pp
+from titan.parallel.mesh import on_rank_0
+from titan.parallel.parallelize import build_model_parts, stage_batch
+from titan.run_plan import Blocks, RunPlan, run_plan
+from titan.train.step import StepHook, TrainStep
+
+log = logging.getLogger("titan")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def resolve_model(config: Config):
+    """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
+    cannot be built is a recipe error, found before any work."""
+    try:
+        spec = models.get_model_spec(config.model.name)
+        args = models.model_args(spec, config.model.flavor, config.model.overrides)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model {config.model.flavor} with model.overrides {config.model.overrides}: {e}") from None
+    seq_len = config.training.seq_len
+    if seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len {seq_len} exceeds the {config.model.flavor} model's max_seq_len {args.max_seq_len}; "
+            "lower training.seq_len, or raise model.overrides.max_seq_len if the model is meant for longer sequences"
+        )
+    longest = max(seq_len, config.data.max_document_len if config.data.batching == "tokens" else 0)
+    if longest > args.max_seq_len:
+        raise ConfigError(
+            f"data.max_document_len {longest} exceeds the {config.model.flavor} model's max_seq_len "
+            f"{args.max_seq_len}; lower it (0 = training.seq_len)"
+        )
+    # The RoPE table only needs to cover the longest sequence trained on.
+    return spec, dataclasses.replace(args, max_seq_len=longest)
+
+
+def build_model(config: Config, device: torch.device) -> torch.nn.Module:
+    """The plain single-device model, initialised from the seed: the reference every layout must equal."""
+    spec, args = resolve_model(config)
+    plan = run_plan(config, 1, Blocks(args.n_layers))  # one process: no layer split, so no block memory either
+    return build_model_parts(config, spec, args, plan, 0, {}, device).parts[0]
+
+
+def check_tokenizer(tokenizer: Tokenizer, args, config: Config) -> None:
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {args.vocab_size}; "
+            "use a matching tokenizer.path or set model.overrides.vocab_size"
+        )
+
+
+def build_step(
+    config: Config, spec, args, plan: RunPlan, rank: int, mesh, device: torch.device, clock: StepClock, hook: StepHook
+) -> TrainStep:
+    """Rank `rank`'s model parts for the plan's layout and layer split, initialised from the seed, with their
+    optimizer, lr schedule and (under a pipeline) the schedule that runs them."""
+    parts = build_model_parts(config, spec, args, plan, rank, mesh, device)
+    optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
+    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    step = TrainStep(parts, optimizer, lr_scheduler, plan, config, mesh, device, clock, hook)
+    if plan.layout.pp > 1:
+        step.schedule = _pipeline_schedule(config, spec, args, plan, rank, step, mesh, device)
+    return step
+
+
+def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, step: TrainStep, mesh, device):
+    parts, n_microbatches = step.parts, plan.pipeline_microbatches
+    documents = config.data.batching == "tokens"
+    # What the stages exchange for one micro-batch, so that the schedule need not run one to find out. Packed
+    # documents come as one row of as many tokens, but evaluation reads rows: with both, torch finds the shapes of
+    # each itself.
+    rows, seq = plan.rank(rank).micro_batches[0] // n_microbatches, config.training.seq_len
+    if documents:
+        rows, seq = 1, rows * seq
+    io = [
+        spec.pipeline_io(args, stage_batch(plan, config.data.document_mask, rows, seq, stage))
+        if not (documents and config.validation.interval)
+        else None
+        for stage in parts.stage_ids
+    ]
+    return pp.build_schedule(
+        config.parallel,
+        list(zip(parts.stage_ids, parts.parts)),
+        io,
+        plan.n_stages,
+        n_microbatches,
+        step.loss,
+        device,
+        mesh["pp"].get_group(),
+    )
+
+
+def build_data(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device: torch.device, control_group):
+    """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
+    (None without validation) of data-parallel rank `dp_rank`."""
+    sizes = list(plan.micro_batches[dp_rank])
+    documents = config.data.batching == "tokens"
+    loader, validation = build_loaders(config, plan.global_rows, plan.rows(dp_rank), sizes, log_rows=not documents)
+    if documents:
+        loader = _document_loader(config, plan, dp_rank, spec, args, mesh, device, control_group)
+    return loader, validation
+
+
+def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device, control_group):
+    """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance. A micro-batch
+    holds as many tokens as the rows recipe's: local_batch_size x seq_len, or under a pipeline one schedule
+    micro-batch's rows."""
+    d, t, layout = config.data, config.training, plan.layout
+    if args.has_dropout:
+        raise ConfigError(
+            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
+            "position, and packing places a document differently on every layout; set the model's "
+            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
+        )
+    pipeline_rows = plan.pipeline_microbatches
+    rows = plan.micro_batches[dp_rank][0] // pipeline_rows if pipeline_rows else t.local_batch_size
+    capacity = rows * t.seq_len
+    max_len = d.max_document_len or t.seq_len
+    if max_len > capacity:
+        raise ConfigError(
+            f"data.max_document_len {max_len}: a document piece that long fits no micro-batch, which holds "
+            f"{capacity} tokens ({rows} x training.seq_len {t.seq_len}); lower data.max_document_len or raise "
+            "training.local_batch_size"
+        )
+    target = Target((capacity,) * layout.dp, layout.pp, pipeline_rows or 1, padded=layout.pp > 1)
+    placement = Placement(capacity, pipeline_rows, plan.sequence_shards)
+    if d.cost_model:
+        cost = CostModel(*d.cost_model)
+    else:
+        dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
+        n_layers = math.ceil(args.n_layers / layout.pp)
+        # Measured by rank 0 alone, so that every rank plans with the same costs.
+        cost = on_rank_0(
+            lambda: cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, config.job.seed),
+            control_group,
+        )
+        if layout.dp > 1:
+            seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
+            cost = dataclasses.replace(cost, c=cost.c + seconds)
+    loader = DocumentBatchLoader(
+        document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, dp_rank
+    )
+    loader.speeds = list(plan.dp_weights)
+    return loader
+
+
+def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch.device, control_group) -> float:
+    """FSDP's collectives per micro-batch, timed on the data-parallel group; the slowest rank's time, so that every
+    rank plans with the same cost model."""
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in spec.build(args).parameters())
+    dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
+    share = n_params // (plan.layout.pp * plan.layout.tp)
+    seconds = torch.tensor(collective_seconds(share, mesh["dp"].get_group(), device, dtype))
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
+    log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
+    return float(seconds)
