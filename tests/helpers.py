@@ -87,6 +87,22 @@ def train_steps(trainer, steps: int) -> tuple[list[float], dict[str, torch.Tenso
     return losses, full_weights(trainer)
 
 
+class GivenBatches(StepHook):
+    """Steps on given global batches (each rank takes its micro-batches of them) instead of the loader's: see
+    train_on_batches."""
+
+    def step(self, step, batches, run):
+        return run(micro_batches_of_rank(self.trainer, self.global_batches[step - self.first_step]))
+
+
+def train_on_batches(trainer, global_batches: list) -> list[float]:
+    """Train one step on each of the global batches (the trainer made with a GivenBatches hook); returns the
+    losses."""
+    hook = trainer.hook
+    hook.trainer, hook.global_batches, hook.first_step = trainer, global_batches, trainer.step
+    return trainer.train(until=trainer.step + len(global_batches))
+
+
 def rows_of(batch, rows: slice):
     """Some rows of a batch, still counting the loss tokens of its whole step."""
     from titan.data import IGNORE, Batch
