@@ -184,7 +184,8 @@ def first_pipeline_step(tmp, layout: dict) -> tuple[int, int, float]:
     forwards = []
     for part in trainer.model_parts.parts:
         part.register_forward_pre_hook(lambda *_: forwards.append(1))
-    (loss,) = trainer.train(until=1)
+    step = trainer.stepper  # the step alone: the loop would also evaluate and save at its last step
+    loss = step.global_loss(step(next(trainer.loader), trainer.step)[0]).item()
     needed = len(trainer.model_parts.parts) * trainer.run_plan.pipeline_microbatches
     return len(forwards), needed, loss
 
