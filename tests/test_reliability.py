@@ -17,7 +17,7 @@ from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints
 from titan.checkpoint.format import verify
 from titan.optim import FiniteFlags
 from titan.train.step import StepHook
-from titan.train.trainer import NonFinite
+from titan.train.stop import NonFinite
 
 
 def train(tmp_path, **extra):
@@ -136,14 +136,14 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched_and_keep_the_last_f
     moments = {n: trainer.optimizer.state[p]["exp_avg"].clone() for n, p in trainer.model_parts.named_parameters()}
     trainer.train(until=3)  # counted, not raised
     norm = nan_gradient.norm
-    assert trainer.step == 3 and trainer.skipped_in_a_row == 1 and not torch.isfinite(norm)
+    assert trainer.step == 3 and trainer.nonfinite.skipped_in_a_row == 1 and not torch.isfinite(norm)
     for name, value in full_weights(trainer).items():
         assert torch.equal(value, before[name]), name
     for name, p in trainer.model_parts.named_parameters():
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], moments[name]), name
     trainer.train(until=4)
     norm = nan_gradient.norm
-    assert trainer.skipped_in_a_row == 0 and torch.isfinite(norm)
+    assert trainer.nonfinite.skipped_in_a_row == 0 and torch.isfinite(norm)
 
 
 def test_skip_mode_stops_after_max_skipped_steps_and_pruning_spares_the_last_finite_checkpoint(tmp_path):

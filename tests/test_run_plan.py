@@ -3,7 +3,7 @@
 import pytest
 
 from titan.config import Config
-from titan.run_plan import MULTI_STAGE_SCHEDULES, run_plan, stages_per_rank
+from titan.run_plan import MULTI_STAGE_SCHEDULES, Blocks, run_plan, stages_per_rank
 
 
 def test_the_multi_stage_schedules_are_torchs():
@@ -25,3 +25,49 @@ def test_a_pipeline_step_is_cut_into_the_schedules_micro_batches(schedule, stage
     assert plan.micro_batches == ((8, 8), (8, 8)) and plan.global_rows == 32 and plan.tokens_per_step == 512
     assert plan.rows(1) == range(16, 32)
     assert plan.largest_micro_batch == (8 // (2 * stages), 2 * stages)  # rows the model sees at once, and how many
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [{"pp": 2, "dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"pp": 2, "dp_replicate": 2,
+     "dp_shard": 2}, {"dp_shard": 8}],
+    ids=["pp2_fsdp2_tp2", "hsdp2x2_tp2", "pp2_hsdp2x2", "fsdp8"],
+)  # fmt: skip
+def test_each_ranks_plan_has_the_coordinates_the_device_mesh_gives_it(degrees):
+    """RankPlan's coordinates, worked out without torch, are the mesh's, rank by rank (a fake process group of 8)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan.parallel.mesh import build_mesh
+
+    config = Config()
+    for key, value in degrees.items():
+        setattr(config.parallel, key, value)
+    config.training.global_batch_size, config.training.local_batch_size = 32, 2
+    plan = run_plan(config, 8, Blocks(8))
+    covered = set()
+    for rank in range(8):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            mesh = build_mesh(plan.layout, torch.device("cpu"))
+            me = plan.rank(rank)
+            assert (me.pp_rank, me.dp_rank, me.tp_rank) == tuple(mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
+        finally:
+            dist.destroy_process_group()
+        assert me.rows == plan.rows(me.dp_rank) and sum(me.micro_batches) == len(me.rows)
+        covered.update((row, me.tp_rank, me.pp_rank) for row in me.rows)
+    # Every row of the global batch is read once by each tensor- and pipeline-parallel position.
+    assert len(covered) == 32 * plan.layout.tp * plan.layout.pp
+
+
+def test_a_pipelines_stages_and_layers_are_in_the_plan():
+    config = Config()
+    config.parallel.pp, config.parallel.pp_schedule = 2, "Interleaved1F1B"
+    config.training.global_batch_size, config.training.local_batch_size = 8, 4
+    plan = run_plan(config, 2, Blocks(8))
+    assert plan.stage_layers == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert [plan.rank(r).stage_ids for r in range(2)] == [(0, 2), (1, 3)]  # looped: rank r runs r, r + pp
+    resplit = run_plan(config, 2, Blocks(8), layers_per_stage=[3, 1, 3, 1])
+    assert resplit.stage_layers == ((0, 1, 2), (3,), (4, 5, 6), (7,)) and resplit.micro_batches == plan.micro_batches
+    assert run_plan(config, 2).stage_layers == ()  # the batch alone: no model, no split

@@ -5,10 +5,12 @@ metrics.jsonl in the run folder is the source of truth; the trackers are views o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
 import os
+import platform
 import re
 import resource
 import secrets
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from titan import __version__
 from titan.config import Config, Layout, to_dict
 from titan.observe.runs import duration, flatten, read_json
 
@@ -236,3 +239,35 @@ def setup_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+class ThroughputWindow:
+    """The steps since the last log line, for throughput: evaluation, traces and checkpoints restart it."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, tokens: int) -> None:
+        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self.start) / self.steps
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / (time.perf_counter() - self.start)
+
+
+def run_info(device: torch.device, world_size: int, layout: Layout) -> dict:
+    """What a run ran on: versions, device, world and layout (run_info.json and the trackers)."""
+    return {
+        "titan_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "world_size": world_size,
+        "layout": dataclasses.asdict(layout),
+        "hostname": platform.node(),
+    }

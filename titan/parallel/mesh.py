@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -83,3 +84,13 @@ def on_rank_0(work: Callable[[], T], group=None, device: torch.device | None = N
     if error is not None:
         raise error
     return result
+
+
+def rank_devices(group) -> list[str]:
+    """Each rank's device, in rank order: its host and local rank (under torchrun, the node and its GPU)."""
+    mine = f"{platform.node()}:{os.environ.get('LOCAL_RANK', '0')}"
+    if group is None:
+        return [mine]
+    devices = [""] * dist.get_world_size()
+    dist.all_gather_object(devices, mine, group=group)
+    return devices

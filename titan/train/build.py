@@ -18,6 +18,7 @@ from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
+from titan.files import hold_run_folder, write_error
 from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
@@ -188,3 +189,17 @@ def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
     return float(seconds)
+
+
+def claim_run_folder(folder) -> None:
+    """Create the run folder and hold its lock for the run's life: one run per folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        hold_run_folder(folder)
+    except BlockingIOError as e:
+        raise ConfigError(
+            f"run folder {folder} is in use by another titan run ({e.args[0]}); wait for it to end, or "
+            "set job.name or job.output_dir to another folder"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"job.output_dir: {write_error(e)}; choose another job.output_dir") from None

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan.config import Config
 from titan.data import IGNORE, Batch
 from titan.observe.profiling import StepClock
-from titan.optim import clip_grad_norm_, skip_if_nonfinite
+from titan.optim import FiniteFlags, clip_grad_norm_, skip_if_nonfinite
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.parallelize import ModelParts
 from titan.rng import dropout_step
@@ -159,3 +159,36 @@ class TrainStep:
         if not last:
             return torch.zeros((), device=self.device)
         return torch.stack([full_tensor(x).detach() for x in losses]).sum()
+
+
+class UnsettledSteps:
+    """The steps whose loss and gradient norm are still on the device. Settling brings them to the host in one
+    collective and one device sync and acts on any non-finite one. Every rank settles at the same steps: before
+    anything is logged or saved, so a skipped step is known and logged in order."""
+
+    def __init__(self, global_loss: Callable, check_finite: Callable, device: torch.device):
+        self.global_loss, self.check_finite = global_loss, check_finite
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss share, gradient norm)
+        # Each step's finiteness, read at most one step later: a NaN stops the run then, not at the next log.
+        self.finite_flags = FiniteFlags(device)
+        self.losses: list[float] = []  # every settled step's global loss
+
+    def add(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append((step, local_loss, grad_norm))
+        self.finite_flags.add(grad_norm)
+
+    def settle_if_nonfinite(self) -> None:
+        if self.finite_flags.nonfinite_due():
+            self.settle()
+
+    def settle(self) -> float | None:
+        """Settle the pending steps; returns the last step's global loss."""
+        if self.pending:
+            steps, shares, norms = zip(*self.pending)
+            self.pending.clear()
+            self.finite_flags.clear()
+            step_losses = self.global_loss(torch.stack(shares)).tolist()
+            for step, loss, norm in zip(steps, step_losses, torch.stack(norms).tolist()):
+                self.losses.append(loss)
+                self.check_finite(step, loss, norm)
+        return self.losses[-1] if self.losses else None

@@ -1,13 +1,23 @@
-"""Stopping early: SIGTERM or SIGUSR1 (a SLURM preemption notice) on any rank stops every rank at the same step,
-after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it."""
+"""Stopping early. SIGTERM or SIGUSR1 (a SLURM preemption notice) on any rank stops every rank at the same step,
+after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it. A NaN or inf gradient
+norm stops the run without saving (or skips the step, as the recipe says)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import signal
 
 import torch
 import torch.distributed as dist
+
+from titan.checkpoint.checkpointer import complete_checkpoints
+from titan.config import Config
+from titan.errors import UserError
+from titan.observe.metrics import MetricsLogger
+
+log = logging.getLogger("titan")
 
 # How often the ranks agree on whether to stop: bounds how late a stop starts.
 STOP_VOTE_SECONDS = 1.0
@@ -56,3 +66,43 @@ class StopVote:
         if vote[0] and self.reason is None:
             self.reason = "another rank's signal"
         return bool(vote[0])
+
+
+class NonFinite(UserError):
+    """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
+    often a learning rate too high for the model)."""
+
+
+class NonFiniteSteps:
+    """Stop at a NaN or inf gradient norm (nothing is saved after the last good step), or count the step as skipped
+    (training.on_nonfinite = "skip"). The norm is global, so every rank decides alike."""
+
+    def __init__(self, config: Config, checkpointer, metrics: MetricsLogger):
+        self.config, self.checkpointer, self.metrics = config, checkpointer, metrics
+        self.skipped_in_a_row = 0
+
+    def check(self, step: int, loss: float, grad_norm: float) -> None:
+        if math.isfinite(grad_norm):
+            self.skipped_in_a_row = 0
+            return
+        t = self.config.training
+        self.skipped_in_a_row += 1
+        self.metrics.log(step, {"skipped_step": 1})
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+        if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
+            log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
+            return
+        self.checkpointer.finish_pending()  # a save in flight holds an earlier state
+        if t.on_nonfinite == "skip":
+            what += f" ({self.skipped_in_a_row} steps in a row skipped, training.max_skipped_steps)"
+        lr = f"--optimizer.lr {self.config.optimizer.lr / 2:.3g}"
+        good = self.checkpointer.last_good()
+        if good is None:
+            raise NonFinite(f"{what}; no checkpoint was saved before: start again with a lower learning rate ({lr})")
+        newest = max(complete_checkpoints(self.checkpointer.folder))
+        good_step = int(good.name.removeprefix("step-"))
+        rewind = f" --checkpoint.load_step {good_step}" if good_step != newest else ""
+        raise NonFinite(
+            f"{what}; nothing was saved from this step on. The last good checkpoint is {good}: resume from it with "
+            f"a lower learning rate, adding {lr}{rewind} --checkpoint.allow_changes optimizer.lr to the command"
+        )

@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from titan import __version__
-from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, model_shapes
+from titan.checkpoint.checkpointer import Checkpointer, model_shapes
 from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer
-from titan.errors import ConfigError, UserError
-from titan.files import hold_run_folder, write_error
-from titan.observe.metrics import MetricsLogger, format_line, peak_flops, peak_memory_bytes, setup_logging
+from titan.observe.metrics import (
+    MetricsLogger,
+    ThroughputWindow,
+    format_line,
+    peak_flops,
+    peak_memory_bytes,
+    run_info,
+    setup_logging,
+)
 from titan.observe.profiling import Profiler, StepClock
-from titan.optim import FiniteFlags
-from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0
+from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import RunPlan, run_plan
-from titan.train.build import build_data, build_step, check_tokenizer, pick_device, resolve_model
+from titan.train.build import build_data, build_step, check_tokenizer, claim_run_folder, pick_device, resolve_model
 from titan.train.replan import Replanner, resplit
-from titan.train.step import StepHook, TrainStep
-from titan.train.stop import Preempted, StopVote
+from titan.train.step import StepHook, TrainStep, UnsettledSteps
+from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
 
 log = logging.getLogger("titan")
@@ -51,7 +53,7 @@ class Trainer:
         setup_logging(self.rank)
         self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
-        on_rank_0(self._claim_run_dir, self.control_group)
+        on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -72,11 +74,12 @@ class Trainer:
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
-        self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=self.run_info())
+        info = run_info(self.device, self.world_size, self.layout)
+        self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=info)
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
-            (self.run_dir / "run_info.json").write_text(json.dumps(self.run_info(), indent=2) + "\n")
-        self.replanner = Replanner(config, self.run_plan, self.blocks, self._rank_devices(), self.device)
+            (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
         model = {"name": config.model.name, "flavor": config.model.flavor,
                  "shapes": model_shapes(self.spec, self.model_args)}  # fmt: skip
         self.checkpointer = Checkpointer(
@@ -89,7 +92,7 @@ class Trainer:
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
-        self.skipped_in_a_row = 0  # steps skipped for a non-finite loss (training.on_nonfinite = "skip")
+        self.nonfinite = NonFiniteSteps(config, self.checkpointer, self.metrics)
         # A re-planned run resumes on the plan in force when it stopped (the replanner dropped a plan measured
         # on another layout or other devices).
         self.follow(self.replanner.plan())
@@ -144,9 +147,9 @@ class Trainer:
                 self.step,
                 total,
             )
-        unsettled = UnsettledSteps(self.stepper.global_loss, self._check_finite, self.device)
+        unsettled = UnsettledSteps(self.stepper.global_loss, self.nonfinite.check, self.device)
         self.stepper.parts.train()
-        first_step, window = self.step, Window()
+        first_step, window = self.step, ThroughputWindow()
         with self.stop.on_signals(), self.profiler:
             while self.step < total:
                 unsettled.settle_if_nonfinite()  # stops the run, or logs the skipped step
@@ -182,7 +185,7 @@ class Trainer:
                     self._log_validation()
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
-                saved_loss = lambda: float("nan") if self.skipped_in_a_row else unsettled.settle()  # noqa: E731
+                saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if saving:
                     self._save(saved_loss(), wait=self.step == total)
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
@@ -223,7 +226,7 @@ class Trainer:
         if metrics:
             self.metrics.log(self.step, metrics)
 
-    def _log_step(self, loss, grad_norm, lr, window: Window, phases: dict) -> None:
+    def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
         total = self.config.training.steps
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -280,34 +283,6 @@ class Trainer:
             metrics["val_time_s"],
         )
 
-    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
-        """Stop at a NaN or inf gradient norm (nothing is saved after the last good step), or count the step as
-        skipped. The norm is global, so every rank decides alike."""
-        if math.isfinite(grad_norm):
-            self.skipped_in_a_row = 0
-            return
-        t = self.config.training
-        self.skipped_in_a_row += 1
-        self.metrics.log(step, {"skipped_step": 1})
-        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
-        if t.on_nonfinite == "skip" and self.skipped_in_a_row < t.max_skipped_steps:
-            log.warning("%s: update skipped (%d in a row)", what, self.skipped_in_a_row)
-            return
-        self.checkpointer.finish_pending()  # a save in flight holds an earlier state
-        if t.on_nonfinite == "skip":
-            what += f" ({self.skipped_in_a_row} steps in a row skipped, training.max_skipped_steps)"
-        lr = f"--optimizer.lr {self.config.optimizer.lr / 2:.3g}"
-        good = self.checkpointer.last_good()
-        if good is None:
-            raise NonFinite(f"{what}; no checkpoint was saved before: start again with a lower learning rate ({lr})")
-        newest = max(complete_checkpoints(self.checkpointer.folder))
-        good_step = int(good.name.removeprefix("step-"))
-        rewind = f" --checkpoint.load_step {good_step}" if good_step != newest else ""
-        raise NonFinite(
-            f"{what}; nothing was saved from this step on. The last good checkpoint is {good}: resume from it with "
-            f"a lower learning rate, adding {lr}{rewind} --checkpoint.allow_changes optimizer.lr to the command"
-        )
-
     def _init_from_hf(self) -> None:
         if self.checkpointer.resumed_from is not None:  # HF weights start a fresh run; a resumed run has its own
             log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
@@ -342,28 +317,6 @@ class Trainer:
             self.run_dir,
         )
 
-    def _claim_run_dir(self) -> None:
-        """Create the run folder and hold its lock for the run's life: one run per folder."""
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            hold_run_folder(self.run_dir)
-        except BlockingIOError as e:
-            raise ConfigError(
-                f"run folder {self.run_dir} is in use by another titan run ({e.args[0]}); wait for it to end, or "
-                "set job.name or job.output_dir to another folder"
-            ) from None
-        except OSError as e:
-            raise ConfigError(f"job.output_dir: {write_error(e)}; choose another job.output_dir") from None
-
-    def _rank_devices(self) -> list[str]:
-        """Each rank's device, in rank order: its host and local rank (under torchrun, the node and its GPU)."""
-        mine = f"{platform.node()}:{os.environ.get('LOCAL_RANK', '0')}"
-        if self.control_group is None:
-            return [mine]
-        devices = [""] * self.world_size
-        dist.all_gather_object(devices, mine, group=self.control_group)
-        return devices
-
     def n_params(self) -> int:
         """Parameters of the whole model (not this rank's shard)."""
         local = sum(p.numel() for _, p in self.model_parts.named_parameters())
@@ -372,71 +325,3 @@ class Trainer:
         total = torch.tensor(local if self.rank_plan.tp_rank == 0 and self.rank_plan.dp_rank == 0 else 0)
         dist.all_reduce(total)
         return int(total)
-
-    def run_info(self) -> dict:
-        return {
-            "titan_version": __version__,
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
-            "device": str(self.device) if self.device.type == "cpu" else torch.cuda.get_device_name(self.device),
-            "world_size": self.world_size,
-            "layout": dataclasses.asdict(self.layout),
-            "hostname": platform.node(),
-        }
-
-
-class Window:
-    """The steps since the last log line, for throughput: evaluation, traces and checkpoints restart it."""
-
-    def __init__(self):
-        self.restart()
-
-    def restart(self) -> None:
-        self.start, self.steps, self.tokens = time.perf_counter(), 0, 0
-
-    def add(self, tokens: int) -> None:
-        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
-
-    def seconds_per_step(self) -> float:
-        return (time.perf_counter() - self.start) / self.steps
-
-    def tokens_per_s(self) -> float:
-        return self.tokens / (time.perf_counter() - self.start)
-
-
-class UnsettledSteps:
-    """The steps whose loss and gradient norm are still on the device. Settling brings them to the host in one
-    collective and one device sync and acts on any non-finite one. Every rank settles at the same steps: before
-    anything is logged or saved, so a skipped step is known and logged in order."""
-
-    def __init__(self, global_loss: Callable, check_finite: Callable, device: torch.device):
-        self.global_loss, self.check_finite = global_loss, check_finite
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss share, gradient norm)
-        # Each step's finiteness, read at most one step later: a NaN stops the run then, not at the next log.
-        self.finite_flags = FiniteFlags(device)
-        self.losses: list[float] = []  # every settled step's global loss
-
-    def add(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.pending.append((step, local_loss, grad_norm))
-        self.finite_flags.add(grad_norm)
-
-    def settle_if_nonfinite(self) -> None:
-        if self.finite_flags.nonfinite_due():
-            self.settle()
-
-    def settle(self) -> float | None:
-        """Settle the pending steps; returns the last step's global loss."""
-        if self.pending:
-            steps, shares, norms = zip(*self.pending)
-            self.pending.clear()
-            self.finite_flags.clear()
-            step_losses = self.global_loss(torch.stack(shares)).tolist()
-            for step, loss, norm in zip(steps, step_losses, torch.stack(norms).tolist()):
-                self.losses.append(loss)
-                self.check_finite(step, loss, norm)
-        return self.losses[-1] if self.losses else None
-
-
-class NonFinite(UserError):
-    """The loss or gradient norm became NaN or inf: training stopped without saving (a recipe problem, most
-    often a learning rate too high for the model)."""
