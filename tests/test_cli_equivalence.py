@@ -136,8 +136,8 @@ def test_cost_balanced_documents_train_the_single_process_losses(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert tokens_seen(tmp_path / name) == seen, name
         assert_close_losses(losses(tmp_path / name), reference, name)
-        plans = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        assert sum("predicted_imbalance" in p and "measured_step_s" in p for p in plans) == STEPS  # logged every step
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert sum("predicted_imbalance" in r and "measured_step_s" in r for r in records) == STEPS  # logged every step
 
 
 def tokens_seen(run_dir) -> dict[int, int]:

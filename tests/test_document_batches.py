@@ -111,9 +111,9 @@ def test_speeds_move_work_to_the_faster_rank():
     for loader in (fast, slow):
         loader.speeds = [1.0, 0.25]
     next(fast)
-    plan = fast.last_plan
+    assignment = fast.last_assignment
     tokens = [sum(int(b.loss_tokens) for b in next(loader)) for loader in (fast, slow)]
-    assert plan.times[0] == pytest.approx(plan.times[1], rel=0.5)
+    assert assignment.times[0] == pytest.approx(assignment.times[1], rel=0.5)
     assert tokens[0] > 2 * tokens[1]
 
 

@@ -79,69 +79,69 @@ def instances(seed: int, count: int):
 @pytest.mark.parametrize("seed", range(4))
 def test_cost_balanced_is_within_10_percent_of_brute_force_and_never_worse_than_tokens(seed):
     for lengths, cost, target, speeds in instances(seed, 6):
-        plan = balance_by_cost(lengths, cost, target, speeds)
+        assignment = balance_by_cost(lengths, cost, target, speeds)
         baseline = balance_by_tokens(lengths, cost, target, speeds)
-        check_valid(plan, lengths, target)
+        check_valid(assignment, lengths, target)
         check_valid(baseline, lengths, target)
         optimum = brute_force(lengths, cost, target, speeds)
-        assert optimum <= plan.step_time * (1 + 1e-12)
+        assert optimum <= assignment.step_time * (1 + 1e-12)
         if speeds == [1.0] * target.ranks:  # the simulation's bound holds for equal ranks
             assert lower_bound(lengths, cost, target) <= optimum * (1 + 1e-12)
-        assert plan.step_time <= 1.10 * optimum, (lengths, cost, target, speeds)
-        assert plan.step_time <= baseline.step_time
+        assert assignment.step_time <= 1.10 * optimum, (lengths, cost, target, speeds)
+        assert assignment.step_time <= baseline.step_time
 
 
 def test_predicted_times_are_the_cost_model_by_hand():
     """Two ranks, no pipeline, 1000 tokens per micro-batch: the 900-token document alone, the three short ones
     together (any other split needs two micro-batches on every rank)."""
     cost = CostModel(a=1e-6, b=1e-3, c=0.01)
-    plan = balance_by_cost([900, 300, 300, 300], cost, Target((1000, 1000)))
-    assert sorted(plan.micro_batches) == [[[0]], [[1, 2, 3]]]
-    assert sorted(plan.times) == pytest.approx([0.01 + 3 * (0.09 + 0.3), 0.01 + 0.81 + 0.9])
-    assert plan.imbalance == pytest.approx(1.72 / ((1.72 + 1.18) / 2))
+    assignment = balance_by_cost([900, 300, 300, 300], cost, Target((1000, 1000)))
+    assert sorted(assignment.micro_batches) == [[[0]], [[1, 2, 3]]]
+    assert sorted(assignment.times) == pytest.approx([0.01 + 3 * (0.09 + 0.3), 0.01 + 0.81 + 0.9])
+    assert assignment.imbalance == pytest.approx(1.72 / ((1.72 + 1.18) / 2))
 
 
 def test_long_tailed_step_is_faster_than_token_balanced():
     """A long document's attention dominates: token balance piles short documents on the other ranks but
-    leaves the long one's rank slowest; the cost plan gives that rank less."""
+    leaves the long one's rank slowest; the cost assignment gives that rank less."""
     rng = random.Random(0)
     lengths = [min(4096, int(rng.lognormvariate(math.log(300), 1.2)) + 1) for _ in range(200)]
     cost = CostModel(a=2e-7, b=1e-4, c=2e-3)
     target = Target((4096,) * 4)
-    plan, baseline = balance_by_cost(lengths, cost, target), balance_by_tokens(lengths, cost, target)
-    check_valid(plan, lengths, target)
-    assert plan.imbalance < 1.02
-    assert baseline.step_time > plan.step_time
+    assignment, baseline = balance_by_cost(lengths, cost, target), balance_by_tokens(lengths, cost, target)
+    check_valid(assignment, lengths, target)
+    assert assignment.imbalance < 1.02
+    assert baseline.step_time > assignment.step_time
 
 
 def test_a_rank_never_gets_a_document_it_cannot_hold():
     target = Target((2048, 512, 512))
     lengths = [1500, 1800, 400, 300, 200, 100, 500]
     for balance in (balance_by_cost, balance_by_tokens):
-        plan = balance(lengths, CostModel(1e-6, 1e-4, 0.0), target)
-        check_valid(plan, lengths, target)
+        assignment = balance(lengths, CostModel(1e-6, 1e-4, 0.0), target)
+        check_valid(assignment, lengths, target)
     with pytest.raises(ValueError, match="a document of 3000 tokens fits no rank"):
         balance_by_cost([3000, 10], CostModel(1e-6, 1e-4, 0.0), target)
 
 
 def test_pipeline_packing_balances_micro_batches():
-    """With a pipeline, warm-up and cool-down wait for the slowest micro-batch: the plan spreads the long
+    """With a pipeline, warm-up and cool-down wait for the slowest micro-batch: the assignment spreads the long
     documents over the micro-batches where first-fit decreasing stacks them."""
     lengths = [1000, 1000, 1000, 1000, 100, 100, 100, 100]
     cost = CostModel(a=1e-6, b=1e-4, c=0.0)
     target = Target((2048,), pipeline_stages=4, group=4, padded=True)
-    plan = balance_by_cost(lengths, cost, target)
-    check_valid(plan, lengths, target)
-    longest = [sum(lengths[i] >= 1000 for i in b) for b in plan.micro_batches[0]]
+    assignment = balance_by_cost(lengths, cost, target)
+    check_valid(assignment, lengths, target)
+    longest = [sum(lengths[i] >= 1000 for i in b) for b in assignment.micro_batches[0]]
     assert longest == [1, 1, 1, 1]
-    assert plan.step_time < balance_by_tokens(lengths, cost, target).step_time
+    assert assignment.step_time < balance_by_tokens(lengths, cost, target).step_time
 
 
 @pytest.mark.parametrize("pp", [1, 4])
-def test_simulated_at_scale_the_cost_plan_reaches_the_lower_bound(pp):
+def test_simulated_at_scale_the_cost_assignment_reaches_the_lower_bound(pp):
     """64 replicas, lognormal lengths (median 1k) clipped at 32k, the 8B flavor's FLOPs. Balancing tokens leaves
     the replicas with the longest documents ~11% (pp 1) or ~2% (pp 4, padded micro-batches) slower than no
-    placement can avoid; the cost plan reaches that lower bound."""
+    placement can avoid; the cost assignment reaches that lower bound."""
     from titan.tools.simulate.packing import PackingScenario, simulate
 
     result = simulate(PackingScenario(replicas=64, pp=pp, flavor="8B", micro_batches=8 if pp > 1 else 2, steps=2))

@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
-from titan.config import Plan, load_config
+from titan.config import PlanTarget, load_config
 from titan.parallel.memory_plan import GIB
 from titan.tools.plan.counters import StepPeak, total_bytes
 from titan.tools.plan.devices import DEVICES
@@ -67,17 +67,19 @@ def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
     overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **SIZES[size], **extra})
     measured = [measure_step(overrides)] if world == 1 else run_distributed(measure_step, world, overrides)
     config = load_config(DEBUG_RECIPE, overrides, world_size=world)
-    plan = plan_run(config, world)
-    assert plan.params == measured[0][2]  # the whole model's parameters, exactly
-    per_stage = world // plan.layout.pp
+    estimate = plan_run(config, world)
+    assert estimate.params == measured[0][2]  # the whole model's parameters, exactly
+    per_stage = world // estimate.layout.pp
     # The FLOPs all ranks trace make the model's per-token formula (no recomputation here; the traced attention
     # backward counts a little more than the formula's).
     spec, args = resolve_model(config)
-    tokens = config.training.local_batch_size * world // (plan.layout.tp * plan.layout.pp) * config.training.seq_len
-    traced = sum(plan.ranks[rank // per_stage].flops for rank in range(world))
+    tokens = (
+        config.training.local_batch_size * world // (estimate.layout.tp * estimate.layout.pp) * config.training.seq_len
+    )
+    traced = sum(estimate.ranks[rank // per_stage].flops for rank in range(world))
     assert traced == pytest.approx(spec.flops_per_token(args, config.training.seq_len) * tokens, rel=0.02)
     for rank, (peak, local, _) in enumerate(measured):
-        planned = plan.ranks[rank // per_stage]
+        planned = estimate.ranks[rank // per_stage]
         assert planned.trace.params == local  # this rank's shards, exactly
         with capsys.disabled():
             print(f"\n{size} {layout} rank {rank}: planned peak {planned.peak:,} bytes, measured {peak:,}")
@@ -124,9 +126,9 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
     result = run_titan("plan", "--config", f"recipes/{recipe}.toml", "--json", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr
     assert time.perf_counter() - start < 60
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["world_size"] == world and plan["params"] == pytest.approx(published, abs=0.005e9)
-    ranks = plan["ranks"]
+    estimate = json.loads((tmp_path / "plan.json").read_text())
+    assert estimate["world_size"] == world and estimate["params"] == pytest.approx(published, abs=0.005e9)
+    ranks = estimate["ranks"]
     assert [r["params"] for r in ranks] == hand_params(recipe)
     for r in ranks:  # fp32 weights and gradients, AdamW's two fp32 moments
         assert (r["param_bytes"], r["grad_bytes"], r["optimizer_bytes"]) == (
@@ -134,7 +136,7 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
             4 * r["params"],
             8 * r["params"],
         )
-        assert r["peak_bytes"] <= plan["usable_bytes"]
+        assert r["peak_bytes"] <= estimate["usable_bytes"]
     assert "fits" in result.stdout and "short" not in result.stdout
 
 
@@ -145,35 +147,35 @@ def test_each_checkpointing_mode_s_peak_follows_from_any_mode_s_trace():
     derived peak is the peak of that mode traced, for the 8B recipe (at 2 x 8192 tokens per rank, a block keeps
     3.7 GiB; full recomputation keeps 0.1 GiB)."""
     modes = ("none", "selective", "full")
-    plans = {}
+    estimates = {}
     for mode in modes:
         config = load_config("recipes/llama3_8b.toml", ["--activation_checkpoint.mode", mode], world_size=8)
-        plans[mode] = plan_run(config, 8).ranks[0]
+        estimates[mode] = plan_run(config, 8).ranks[0]
     for traced in modes:
         for mode in modes:
             # Measured: within 3.6% (the selective trace's estimate of full); counting no re-held activations in
             # backward, the none trace's estimate of full was 10.5% low.
-            assert plans[traced].peak_by_mode[mode] == pytest.approx(plans[mode].peak, rel=0.05), (traced, mode)
+            assert estimates[traced].peak_by_mode[mode] == pytest.approx(estimates[mode].peak, rel=0.05), (traced, mode)
 
 
 @pytest.mark.slow
 def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     """With compile.enable, every block that keeps its activations keeps less by what torch.compile's partitioner
-    recomputes instead (plan_graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
+    recomputes instead (graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
     the peak drops with it."""
     from titan.tools.plan.graph import saved_by_block
 
-    plans = {
+    estimates = {
         c: plan_run(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
     }
     config = load_config(DEBUG_RECIPE, [], world_size=1)
-    rows, seq, n_layers = plans["true"].rows, config.training.seq_len, plans["true"].ranks[0].trace.blocks[0]
+    rows, seq, n_layers = estimates["true"].rows, config.training.seq_len, estimates["true"].ranks[0].trace.blocks[0]
     spec, args = resolve_model(config)
     saving = saved_by_block(spec, args, rows, seq, False, compiled=False) - saved_by_block(
         spec, args, rows, seq, False, compiled=True
     )
-    assert plans["true"].compiled_saving == saving > 0
-    eager, compiled = plans["false"].ranks[0], plans["true"].ranks[0]
+    assert estimates["true"].compiled_saving == saving > 0
+    eager, compiled = estimates["false"].ranks[0], estimates["true"].ranks[0]
     assert compiled.activations == eager.activations - n_layers * saving
     assert compiled.peak < eager.peak
 
@@ -258,7 +260,7 @@ def test_wrong_inputs_are_one_line_errors():
 
 
 def test_every_plannable_device_has_figures():
-    assert set(DEVICES) == set(typing.get_args(typing.get_type_hints(Plan)["device"]))
+    assert set(DEVICES) == set(typing.get_args(typing.get_type_hints(PlanTarget)["device"]))
 
 
 def test_a_pipeline_replay_waits_for_the_other_stages():

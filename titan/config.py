@@ -290,9 +290,9 @@ class Checkpoint:
 
 
 @dataclass
-class Plan:
-    """`titan plan`: the accelerator a run is planned for (titan/tools/plan/devices.py); a figure set here replaces the
-    device's own."""
+class PlanTarget:
+    """The recipe's [plan] section: the accelerator `titan plan` plans a run for (titan/tools/plan/devices.py); a
+    figure set here replaces the device's own."""
 
     device: Literal["h100", "h200", "a100", "mi300x"] = "h100"  # the accelerator; its figures unless set below
     # Share of the device's memory left free at the peak: the CUDA context, NCCL buffers, allocator fragmentation.
@@ -324,7 +324,7 @@ class Config:
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    plan: Plan = field(default_factory=Plan)
+    plan: PlanTarget = field(default_factory=PlanTarget)
 
     @property
     def run_dir(self) -> Path:
@@ -632,10 +632,12 @@ def validate(config: Config, world_size: int) -> None:
         all(s.strip() for s in f8.skip),
         f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}",
     )
-    n = config.plan
-    require(0 <= n.headroom_fraction < 1, f"plan.headroom_fraction must be in [0, 1), got {n.headroom_fraction}")
+    target = config.plan
+    require(
+        0 <= target.headroom_fraction < 1, f"plan.headroom_fraction must be in [0, 1), got {target.headroom_fraction}"
+    )
     for name in ("peak_flops", "memory_gib", "hbm_gbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node"):
-        require(getattr(n, name) >= 0, f"plan.{name} must be >= 0 (0: the device's), got {getattr(n, name)}")
+        require(getattr(target, name) >= 0, f"plan.{name} must be >= 0 (0: the device's), got {getattr(target, name)}")
     a = config.activation_checkpoint
     require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
     require(

@@ -101,18 +101,21 @@ def hold_run_folder(folder: Path) -> None:
 
 
 # Errors writing that are the machine's state (a full, read-only or forbidden disk), not a bug: the run stops
-# with write_error's one line.
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# with write_error's one line, which says each cause in these words.
+_MACHINE_STATE = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+WRITE_ERRORS = tuple(_MACHINE_STATE)
 
 
 def write_error(e: OSError) -> str:
     """What went wrong writing a file, for a one-line error: the path and the cause in plain words."""
     cause = {
-        errno.ENOSPC: "no space left on device",
-        errno.EDQUOT: "disk quota exceeded",
-        errno.EROFS: "read-only file system",
-        errno.EACCES: "permission denied",
-        errno.EPERM: "permission denied",
+        **_MACHINE_STATE,
         errno.ENOTDIR: "a file stands where a folder is needed",
         errno.EEXIST: "a file stands where a folder is needed",
     }.get(e.errno, e.strerror or str(e))

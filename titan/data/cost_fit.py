@@ -2,7 +2,7 @@
 micro-batches with known document lengths and fit c + a·Σs² + b·Σs by least squares.
 
 What is timed is one pipeline stage's share of the layers on one device, with the model's full width: tensor
-parallelism divides every term by about the same factor, which leaves the plan unchanged and only scales the
+parallelism divides every term by about the same factor, which leaves the assignment unchanged and only scales the
 predicted seconds. Results are cached per model shape, stage depth, device, dtype and thread count.
 """
 

@@ -4,7 +4,7 @@ Each step takes whole documents from the shuffled stream until the next would pa
 balancer (titan/data/packing.py) decides which data-parallel rank trains each one and in which micro-batch.
 The documents of a step depend on (seed, step) only; where they go may differ between layouts, which
 document masking makes irrelevant to the math (each document attends only to itself, the loss is divided
-by the step's token count). Every rank computes the whole plan from the step's lengths, so they agree
+by the step's token count). Every rank computes the whole assignment from the step's lengths, so they agree
 without a collective; a worker thread builds the next step's micro-batches while this one trains.
 """
 
@@ -100,8 +100,8 @@ class DocumentBatchLoader:
         self.placement, self.dp_rank = placement, dp_rank
         self.speeds = [1.0] * target.ranks  # data-parallel ranks' relative speeds (a straggler re-plan sets them)
         self.next_piece = 0
-        self.last_plan: Assignment | None = None  # the plan of the step last returned, and its cost in seconds
-        self.plan_seconds = 0.0
+        self.last_assignment: Assignment | None = None  # that of the step last returned, and the seconds it took
+        self.assign_seconds = 0.0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="titan-batches")
         self._ahead = None  # (first piece, speeds, future of the step starting there)
 
@@ -120,7 +120,7 @@ class DocumentBatchLoader:
         key = (self.next_piece, tuple(self.speeds))
         if self._ahead is None or self._ahead[0] != key:
             self._ahead = (key, self._worker.submit(self._step, *key))
-        batches, self.next_piece, self.last_plan, self.plan_seconds = self._ahead[1].result()
+        batches, self.next_piece, self.last_assignment, self.assign_seconds = self._ahead[1].result()
         key = (self.next_piece, tuple(self.speeds))
         self._ahead = (key, self._worker.submit(self._step, *key))
         return batches
@@ -129,13 +129,13 @@ class DocumentBatchLoader:
         pieces, following = self.pieces.step(first, self.budget)
         lengths = [length for _, _, length in pieces]
         start = time.perf_counter()
-        plan = self.balance(lengths, self.cost, self.target, list(speeds))
+        assignment = self.balance(lengths, self.cost, self.target, list(speeds))
         seconds = time.perf_counter() - start
         total = sum(lengths)
-        mine = plan.micro_batches[self.dp_rank]
+        mine = assignment.micro_batches[self.dp_rank]
         rows = self.placement.pipeline_rows or 1
         batches = [self._batch(mine[g : g + rows], pieces, total) for g in range(0, len(mine), rows)]
-        return batches, following, plan, seconds
+        return batches, following, assignment, seconds
 
     def _batch(self, micro_batches: list[list[int]], pieces: list[tuple[int, int, int]], step_tokens: int) -> Batch:
         """One Batch: a row per micro-batch, its pieces one after another, then padding."""

@@ -14,8 +14,8 @@ with the longest documents the most attention work; balancing predicted time tak
    lowest predicted step wins.
 
 The token-balanced baseline (`balance_by_tokens`: equal tokens per rank, first-fit-decreasing packing) is also
-a candidate, so the cost-balanced plan is never predicted slower than it. All functions are pure and
-deterministic: every rank computes the same plan from the same lengths.
+a candidate, so the cost-balanced assignment is never predicted slower than it. All functions are pure and
+deterministic: every rank computes the same assignment from the same lengths.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.parallel.memory_plan import GIB, Option, plan_memory
+from titan.parallel.memory_plan import GIB, Option, fastest_choices
 from titan.parallel.mesh import on_rank_0
 from titan.run_plan import RunPlan, precision
 
@@ -41,20 +41,20 @@ KEEP, SELECTIVE, FULL, OFFLOAD = "keep", "selective", "full", "offload"
 def block_choices(
     model: nn.Module, spec: ModelSpec, config: Config, plan: RunPlan, device: torch.device | None
 ) -> list[str]:
-    """How each block of `model` runs: the recipe's mode on every Nth block, or with mode = "auto" the plan for
-    the budget. Call it before the blocks are wrapped: "auto" measures a plain copy of the first one. Under tensor
-    parallelism that copy is the whole block, which keeps more than a rank's shard of it: the plan errs on the safe
-    side."""
+    """How each block of `model` runs: the recipe's mode on every Nth block, or with mode = "auto" the fastest
+    choices within the budget. Call it before the blocks are wrapped: "auto" measures a plain copy of the first one.
+    Under tensor parallelism that copy is the whole block, which keeps more than a rank's shard of it: the choices
+    err on the safe side."""
     cfg = config.activation_checkpoint
     n_blocks = len(spec.blocks(model))
     if cfg.mode != "auto":
         return [cfg.mode if cfg.mode != "none" and i % cfg.every == 0 else KEEP for i in range(n_blocks)]
     if device is None:
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
-    # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the one plan fits
+    # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
     rows, micro_batches = plan.largest_micro_batch
-    # Rank 0's measurement on every rank: all agree on the plan (and a budget too small fails alike everywhere).
+    # Rank 0's measurement on every rank: all agree on the choices (and a budget too small fails alike everywhere).
     options = on_rank_0(lambda: measure_options(model, spec, config, plan.layout, rows, device), device=device)
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
@@ -62,15 +62,15 @@ def block_choices(
         config.training.seq_len,
         ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
     )
-    plan = plan_memory([options] * n_blocks, int(cfg.budget_gib * GIB))
+    chosen = fastest_choices([options] * n_blocks, int(cfg.budget_gib * GIB))
     log.info(
         "activation_checkpoint auto: %s; the blocks keep %.4g of %.4g GiB, +%.3g s per step (predicted)",
-        ", ".join(f"{plan.choices.count(o.name)} {o.name}" for o in options if o.name in plan.choices),
-        plan.saved_bytes / GIB,
+        ", ".join(f"{chosen.choices.count(o.name)} {o.name}" for o in options if o.name in chosen.choices),
+        chosen.saved_bytes / GIB,
         cfg.budget_gib,
-        plan.added_seconds * micro_batches,
+        chosen.added_seconds * micro_batches,
     )
-    return list(plan.choices)
+    return list(chosen.choices)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], choices: list[str], save_ops: list[str]) -> None:

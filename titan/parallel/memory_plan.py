@@ -26,21 +26,23 @@ class Option:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BlockChoices:
+    """The option each block takes, and what they keep and add together."""
+
     choices: tuple[str, ...]  # the option of each block, in block order
     saved_bytes: int  # all blocks together, per micro-batch
     added_seconds: float  # all blocks together, per micro-batch
 
 
-def plan_memory(blocks: list[list[Option]], budget_bytes: int) -> Plan:
-    """The plan of least added seconds whose saved bytes fit `budget_bytes` (among equally fast plans, the one
-    that saves the fewest bytes). `blocks` holds each block's options.
+def fastest_choices(blocks: list[list[Option]], budget_bytes: int) -> BlockChoices:
+    """The choices of least added seconds whose saved bytes fit `budget_bytes` (among equally fast choices, the
+    ones that save the fewest bytes). `blocks` holds each block's options.
 
     Dynamic programming over the blocks on exact byte counts, so nothing is rounded and the budget is never
-    exceeded: after each block it keeps the partial plans that no other partial plan beats on both bytes and
-    seconds (any completion of a beaten plan is beaten by the same completion of the better one), and drops those
+    exceeded: after each block it keeps the partial choices that no other partial choices beat on both bytes and
+    seconds (any completion of beaten choices is beaten by the same completion of the better ones), and drops those
     that would overflow even if every later block took its smallest option. For blocks that are alike, as a
-    Llama's are, the kept plans differ only in how many blocks take each option, so there are few of them.
+    Llama's are, the kept choices differ only in how many blocks take each option, so there are few of them.
     """
     smallest = [min(o.saved_bytes for o in options) for options in blocks]
     if sum(smallest) > budget_bytes:
@@ -51,7 +53,7 @@ def plan_memory(blocks: list[list[Option]], budget_bytes: int) -> Plan:
             "training.local_batch_size"
         )
     frontier: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]  # (bytes, seconds, choices) so far
-    later = sum(smallest)  # the least the blocks not planned yet will add
+    later = sum(smallest)  # the least the blocks still to choose for will add
     for options, least in zip(blocks, smallest):
         later -= least
         grown = [
@@ -62,16 +64,16 @@ def plan_memory(blocks: list[list[Option]], budget_bytes: int) -> Plan:
         ]
         frontier = _unbeaten(grown)
     saved, seconds, choices = frontier[-1]  # the fastest; the frontier trades bytes for seconds
-    return Plan(choices, saved, seconds)
+    return BlockChoices(choices, saved, seconds)
 
 
-def _unbeaten(plans: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:
-    """The plans no other beats on both bytes and seconds, from the fewest bytes (and most seconds) to the most
-    bytes (and fewest seconds); of plans with equal seconds, the one with the fewest bytes."""
+def _unbeaten(partial: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:
+    """The partial choices no others beat on both bytes and seconds, from the fewest bytes (and most seconds) to
+    the most bytes (and fewest seconds); of those with equal seconds, the ones with the fewest bytes."""
     kept: list[tuple[int, float, tuple[str, ...]]] = []
-    for plan in sorted(plans, key=lambda p: (p[0], p[1])):
-        if not kept or plan[1] < kept[-1][1]:
-            kept.append(plan)
+    for candidate in sorted(partial, key=lambda p: (p[0], p[1])):
+        if not kept or candidate[1] < kept[-1][1]:
+            kept.append(candidate)
     return kept
 
 

@@ -251,7 +251,7 @@ class Trainer:
         """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
         slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
         included, so under FSDP every rank reads about the slowest's time)."""
-        plan = self.loader.last_plan
+        plan = self.loader.last_assignment
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         mean = sum(measured) / len(measured)
         self.metrics.log(
@@ -262,7 +262,7 @@ class Trainer:
                 "predicted_imbalance": plan.imbalance,
                 "measured_step_s": max(measured),
                 "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
-                "plan_ms": self.loader.plan_seconds * 1e3,
+                "plan_ms": self.loader.assign_seconds * 1e3,
             },
         )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titan.config import Plan
+from titan.config import PlanTarget
 from titan.tools.plan.counters import Cost
 
 # Collectives that FSDP overlaps with compute (prefetched all-gathers, reduce-scatters behind the backward).
@@ -33,10 +33,10 @@ DEVICES = {
 }
 
 
-def planned_device(plan: Plan) -> Device:
+def planned_device(target: PlanTarget) -> Device:
     """The recipe's device, with the figures its [plan] section sets (0 keeps the table's)."""
-    device = DEVICES[plan.device]
-    overrides = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Device) if f.name != "name"}
+    device = DEVICES[target.device]
+    overrides = {f.name: getattr(target, f.name) for f in dataclasses.fields(Device) if f.name != "name"}
     return dataclasses.replace(device, **{key: value for key, value in overrides.items() if value})
 
 

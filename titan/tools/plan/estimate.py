@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.parallel.memory_plan import GIB, Option, Plan, plan_memory
+from titan.parallel.memory_plan import GIB, BlockChoices, Option, fastest_choices
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import RunPlan, run_plan
 from titan.tools.plan.devices import Device, Links, planned_device
@@ -55,7 +55,7 @@ class RankEstimate:
     flops: float  # per step, recomputation included
     traffic: dict[tuple[str, str], float]  # bytes per step, by (collective, mesh dimension)
     seconds: float = 0.0  # the rank's forwards, backwards and optimizer step, without waiting
-    checkpointing: Plan | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
+    checkpointing: BlockChoices | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
 
 
 @dataclass
@@ -91,38 +91,38 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     check_layout(config, spec, args, run, CPU)
     rows, microbatches = run.largest_micro_batch
-    plan = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches)
+    estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches)
     with fake_world(layout) as mesh:
 
         def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
             runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
-            return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, plan.device, **options)
+            return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, estimate.device, **options)
 
         order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
-        _trace_ranks(plan, trace, layers, order)
+        _trace_ranks(estimate, trace, layers, order)
         one_block = {}  # what one block holds under each mode, from one block's forward (and backward, for auto)
         for mode in MODES:
             if auto or mode != config.activation_checkpoint.mode:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
-                plan.block_activations[mode] = one_block[mode].block_held[0]
+                estimate.block_activations[mode] = one_block[mode].block_held[0]
     if compiled:
-        plan.compiled_saving = _compiled_saving(config, spec, args, layout, rows)
-        for rank in plan.ranks:
-            ways = _ways(plan, rank, config.activation_checkpoint.mode)
-            rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
-    for rank in plan.ranks:
-        rank.peak_by_mode = {m: _peak_with(plan, rank, order, _ways(plan, rank, m))[0] for m in MODES}
+        estimate.compiled_saving = _compiled_saving(config, spec, args, layout, rows)
+        for rank in estimate.ranks:
+            ways = _ways(estimate, rank, config.activation_checkpoint.mode)
+            rank.peak, rank.activations, rank.in_flight = _peak_with(estimate, rank, order, ways)
+    for rank in estimate.ranks:
+        rank.peak_by_mode = {m: _peak_with(estimate, rank, order, _ways(estimate, rank, m))[0] for m in MODES}
     if auto:
-        plan.block_options, block_flops = _block_ways(plan, one_block)
-        for rank in plan.ranks:
-            _plan_checkpointing(plan, rank, order, block_flops)
-    _step_time(plan, spec.flops_per_token(args, config.training.seq_len), order)
-    return plan
+        estimate.block_options, block_flops = _block_ways(estimate, one_block)
+        for rank in estimate.ranks:
+            _plan_checkpointing(estimate, rank, order, block_flops)
+    _step_time(estimate, spec.flops_per_token(args, config.training.seq_len), order)
+    return estimate
 
 
 def _compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> int:
     """What compiling a block that keeps everything saves of its activations on a rank: the partitioner keeps less
-    than eager autograd (titan/plan_graph.saved_by_block, one whole block on one device); tensor parallelism
+    than eager autograd (titan/tools/plan/graph.py's saved_by_block, one whole block on one device); tensor parallelism
     splits those activations over its ranks (by heads, or by sequence under sequence parallel). Recomputing
     blocks keep their input either way."""
     bf16, seq = config.training.mixed_precision == "bf16", config.training.seq_len
@@ -130,43 +130,43 @@ def _compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows
     return max(0, eager - compiled) // layout.tp
 
 
-def _block_ways(plan: StepEstimate, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
+def _block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
     """The ways to run a block, as ac.measure_options gives them on the training device, here from traces of one
     block: the bytes it keeps and the roofline seconds its forward and backward add over keeping everything; and
     the FLOPs of its forward and backward each way. On an accelerator offload keeps nothing on the device and
     copies what keep keeps out and back over the host link."""
-    links = Links(plan.device, plan.layout.world_size)
+    links = Links(estimate.device, estimate.layout.world_size)
     costs = {mode: [*t.forward.values(), *t.backward.values()] for mode, t in one_block.items()}
     seconds = {mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) for mode, cs in costs.items()}
     flops = {way: sum(c.flops for c in costs[mode]) for way, mode in TRACED_AS.items()}
-    keep_bytes = plan.block_activations["none"]
+    keep_bytes = estimate.block_activations["none"]
     options = [
-        Option(way, plan.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
+        Option(way, estimate.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
         for way, mode in TRACED_AS.items()
         if way != "offload"
     ]
-    return [*options, Option("offload", 0, 2 * keep_bytes / (plan.device.host_gbs * 1e9))], flops
+    return [*options, Option("offload", 0, 2 * keep_bytes / (estimate.device.host_gbs * 1e9))], flops
 
 
-def _plan_checkpointing(plan: StepEstimate, rank: RankEstimate, order, block_flops: dict[str, float]) -> None:
+def _plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_flops: dict[str, float]) -> None:
     """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs and time follow
     (`block_flops`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))
-    choice = plan_memory([plan.block_options] * n_blocks, int(plan.config.activation_checkpoint.budget_gib * GIB))
-    rank.checkpointing = choice
+    budget = int(estimate.config.activation_checkpoint.budget_gib * GIB)
+    rank.checkpointing = chosen = fastest_choices([estimate.block_options] * n_blocks, budget)
     ways, first = [], 0
     for layers in rank.layers:  # the trainer gives each model part's blocks their choices in this order
-        ways.append(list(choice.choices[first : first + len(layers)]))
+        ways.append(list(chosen.choices[first : first + len(layers)]))
         first += len(layers)
-    rank.peak, rank.activations, rank.in_flight = _peak_with(plan, rank, order, ways)
+    rank.peak, rank.activations, rank.in_flight = _peak_with(estimate, rank, order, ways)
     # The trace ran every block with full recomputation (see _as_traced): each block's way replaces that in
     # backward, where recomputation and copies happen.
-    added = {o.name: o.added_seconds for o in plan.block_options}
+    added = {o.name: o.added_seconds for o in estimate.block_options}
     for stage, stage_ways in zip(rank.stage_ids, ways):
         flops = sum(block_flops[w] - block_flops["full"] for w in stage_ways)
         rank.trace.backward[stage].seconds += sum(added[w] - added["full"] for w in stage_ways)
         rank.trace.backward[stage].flops += flops
-        rank.flops += flops * plan.microbatches
+        rank.flops += flops * estimate.microbatches
 
 
 def _as_traced(config: Config) -> Config:
@@ -185,14 +185,14 @@ def _as_traced(config: Config) -> Config:
     return config
 
 
-def _trace_ranks(plan: StepEstimate, trace, layers: list[list[int]], order) -> None:
+def _trace_ranks(estimate: StepEstimate, trace, layers: list[list[int]], order) -> None:
     """Each pipeline rank's step at its real depth. The rate per block comes from the rank with the longest stage,
     traced with TRACED_DEPTH blocks per stage and again with `every` more in that stage; every rank's trace with
     TRACED_DEPTH per stage grows from there. Ranks whose stages have the same ends (embedding, head) share a
     trace."""
-    config, layout = plan.config, plan.layout
+    config, layout = estimate.config, estimate.layout
     every = config.activation_checkpoint.every if config.activation_checkpoint.mode != "none" else 1
-    ids = [list(plan.run.stages(r)) for r in range(layout.pp)]
+    ids = [list(estimate.run.stages(r)) for r in range(layout.pp)]
     longest = max(range(layout.pp), key=lambda r: max(len(layers[s]) for s in ids[r]))
     rate = (trace(longest, TRACED_DEPTH), trace(longest, TRACED_DEPTH, deeper=every))
     grows = rate[1].param_bytes > rate[0].param_bytes  # not when no stage is deeper: all are traced whole
@@ -204,10 +204,10 @@ def _trace_ranks(plan: StepEstimate, trace, layers: list[list[int]], order) -> N
             if grows:
                 _optimizer_from_rate(traces[ends[pp_rank]], *rate)
         grown = _grow(traces[ends[pp_rank]], *rate, [len(layers[s]) for s in stages], stages)
-        plan.ranks.append(_rank_plan(plan, pp_rank, [layers[s] for s in stages], grown, order))
-    plan.params = sum(rank.trace.total_params for rank in plan.ranks)
+        estimate.ranks.append(_rank_estimate(estimate, pp_rank, [layers[s] for s in stages], grown, order))
+    estimate.params = sum(rank.trace.total_params for rank in estimate.ranks)
     # One block's activations under the recipe's checkpointing: the first of each period runs its way.
-    plan.block_activations[config.activation_checkpoint.mode] = rate[1].block_held[0]
+    estimate.block_activations[config.activation_checkpoint.mode] = rate[1].block_held[0]
 
 
 def _optimizer_from_rate(trace: RankTrace, shallow: RankTrace, deep: RankTrace) -> None:
@@ -248,13 +248,15 @@ def _grow(start: RankTrace, shallow: RankTrace, deep: RankTrace, counts: list[in
     return grown
 
 
-def _rank_plan(plan: StepEstimate, pp_rank: int, layers: list[list[int]], trace: RankTrace, order) -> RankEstimate:
+def _rank_estimate(
+    estimate: StepEstimate, pp_rank: int, layers: list[list[int]], trace: RankTrace, order
+) -> RankEstimate:
     """The rank's step: the trace held one micro-batch in each stage; a pipeline holds more."""
     peak, activations, in_flight = _peak(trace, trace.held, order[pp_rank] if order else None)
     step = Cost()
     for stage in trace.stage_ids:
-        step.add(trace.forward[stage], plan.microbatches)
-        step.add(trace.backward[stage], plan.microbatches)
+        step.add(trace.forward[stage], estimate.microbatches)
+        step.add(trace.backward[stage], estimate.microbatches)
     step.add(trace.once)
     step.add(trace.optimizer)
     if order:
@@ -276,9 +278,9 @@ def _peak(trace: RankTrace, held: dict[int, int], actions: list | None, recomput
     return max(peak, trace.optimizer_peak), activations, in_flight
 
 
-def _ways(plan: StepEstimate, rank: RankEstimate, mode: str) -> list[list[str]]:
+def _ways(estimate: StepEstimate, rank: RankEstimate, mode: str) -> list[list[str]]:
     """Per stage of the rank, how each block runs under `mode` with the recipe's period (every Nth block)."""
-    ac = plan.config.activation_checkpoint
+    ac = estimate.config.activation_checkpoint
     way = {m: w for w, m in TRACED_AS.items() if w != "offload"}[mode]
     return [[way if i % ac.every == 0 else "keep" for i in range(len(layers))] for layers in rank.layers]
 
@@ -296,37 +298,39 @@ def _recomputed(keep: int, kept: list[list[int]]) -> int:
     return extra
 
 
-def _peak_with(plan: StepEstimate, rank: RankEstimate, order, ways: list[list[str]]) -> tuple[int, int, int]:
+def _peak_with(estimate: StepEstimate, rank: RankEstimate, order, ways: list[list[str]]) -> tuple[int, int, int]:
     """The rank's (peak, activations then held, micro-batches then held) if its blocks ran `ways` (per stage and
     block: keep, selective, full or offload) instead of the recipe's."""
-    a = plan.block_activations
+    a = estimate.block_activations
     traced_by_way = {way: 0 if way == "offload" else a[mode] for way, mode in TRACED_AS.items()}
-    kept_by_way = {**traced_by_way, "keep": traced_by_way["keep"] - plan.compiled_saving}  # traced eagerly
+    kept_by_way = {**traced_by_way, "keep": traced_by_way["keep"] - estimate.compiled_saving}  # traced eagerly
     kept = [[kept_by_way[w] for w in stage] for stage in ways]
-    traced = [[traced_by_way[w] for w in stage] for stage in _ways(plan, rank, plan.config.activation_checkpoint.mode)]
+    traced = [
+        [traced_by_way[w] for w in stage] for stage in _ways(estimate, rank, estimate.config.activation_checkpoint.mode)
+    ]
     held = {s: rank.trace.held[s] + sum(k) - sum(t) for s, k, t in zip(rank.stage_ids, kept, traced)}
     recomputed = _recomputed(a["none"], kept) - _recomputed(a["none"], traced)
     return _peak(rank.trace, held, order[rank.pp_rank] if order else None, recomputed)
 
 
-def _step_time(plan: StepEstimate, flops_per_token: float, order) -> None:
+def _step_time(estimate: StepEstimate, flops_per_token: float, order) -> None:
     """The step's time: the pipeline replayed with each stage's times (or the micro-batches one after another),
     then the optimizer step; and the MFU that gives."""
-    layout = plan.layout
-    links = Links(plan.device, layout.world_size)
+    layout = estimate.layout
+    links = Links(estimate.device, layout.world_size)
     forward, backward, optimizer = {}, {}, 0.0
-    for rank in plan.ranks:
+    for rank in estimate.ranks:
         t = rank.trace
         for stage in rank.stage_ids:
             forward[stage] = links.seconds(t.forward[stage], t.groups)
             backward[stage] = links.seconds(t.backward[stage], t.groups)
         step = links.seconds(t.once, t.groups) + links.seconds(t.optimizer, t.groups)
-        rank.seconds = plan.microbatches * sum(forward[s] + backward[s] for s in rank.stage_ids) + step
+        rank.seconds = estimate.microbatches * sum(forward[s] + backward[s] for s in rank.stage_ids) + step
         optimizer = max(optimizer, step)  # with the once-a-step costs, which the replay leaves out
     if order:
-        hop = links.transfer(plan.ranks[0].trace.boundary_bytes, (0, layout.world_size // layout.pp))
-        plan.step_seconds = replay(order, forward, backward, hop) + optimizer
+        hop = links.transfer(estimate.ranks[0].trace.boundary_bytes, (0, layout.world_size // layout.pp))
+        estimate.step_seconds = replay(order, forward, backward, hop) + optimizer
     else:
-        plan.step_seconds = plan.ranks[0].seconds
-    tokens = plan.run.tokens_per_step
-    plan.mfu = flops_per_token * tokens / (plan.step_seconds * plan.device.peak_flops * layout.world_size)
+        estimate.step_seconds = estimate.ranks[0].seconds
+    tokens = estimate.run.tokens_per_step
+    estimate.mfu = flops_per_token * tokens / (estimate.step_seconds * estimate.device.peak_flops * layout.world_size)

@@ -7,69 +7,70 @@ from titan.tools.plan.estimate import GIB, RankEstimate, StepEstimate
 from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
 
 
-def shortfall(plan: StepEstimate) -> str | None:
+def shortfall(estimate: StepEstimate) -> str | None:
     """One line naming the first pipeline rank whose peak does not fit, or None when all fit."""
-    for rank in plan.ranks:
-        if rank.peak > plan.usable_bytes:
+    for rank in estimate.ranks:
+        if rank.peak > estimate.usable_bytes:
             return (
-                f"{_rank_name(plan, rank)} needs {rank.peak / GIB:.1f} GiB at its peak, {plan.device.name} has "
-                f"{plan.usable_bytes / GIB:.1f} GiB usable ({plan.device.memory_gib:g} GiB less "
-                f"plan.headroom_fraction {plan.config.plan.headroom_fraction:g}): "
-                f"{(rank.peak - plan.usable_bytes) / GIB:.1f} GiB short"
+                f"{_rank_name(estimate, rank)} needs {rank.peak / GIB:.1f} GiB at its peak, {estimate.device.name} has "
+                f"{estimate.usable_bytes / GIB:.1f} GiB usable ({estimate.device.memory_gib:g} GiB less "
+                f"plan.headroom_fraction {estimate.config.plan.headroom_fraction:g}): "
+                f"{(rank.peak - estimate.usable_bytes) / GIB:.1f} GiB short"
             )
     return None
 
 
-def _rank_name(plan: StepEstimate, rank: RankEstimate) -> str:
-    if plan.layout.pp == 1:
+def _rank_name(estimate: StepEstimate, rank: RankEstimate) -> str:
+    if estimate.layout.pp == 1:
         return "every rank"
     stages = ", ".join(map(str, rank.stage_ids))
     return f"pipeline rank {rank.pp_rank} (stage{'s' * (len(rank.stage_ids) > 1)} {stages})"
 
 
-def format_plan(plan: StepEstimate) -> str:
-    """The plan as text: what is planned, a table per pipeline rank, then the step time."""
-    c, layout, device = plan.config, plan.layout, plan.device
+def format_plan(estimate: StepEstimate) -> str:
+    """The estimate as text: what is planned, a table per pipeline rank, then the step time."""
+    c, layout, device = estimate.config, estimate.layout, estimate.device
     degrees = " x ".join(f"{k} {v}" for k, v in vars(layout).items() if v > 1) or "one device"
-    global_batch = plan.run.global_rows
+    global_batch = estimate.run.global_rows
     schedule = f", {c.parallel.pp_schedule}" if layout.pp > 1 else ""
     lines = [
-        f"{c.model.name} {c.model.flavor}, {_params(plan.params)} parameters, on {layout.world_size} x {device.name} "
-        f"({degrees})",
-        f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(plan.microbatches)} of "
-        f"{plan.rows} per rank{schedule}; {_size(plan.usable_bytes)} of {device.memory_gib:g} GiB usable "
+        f"{c.model.name} {c.model.flavor}, {_params(estimate.params)} parameters, on {layout.world_size} x "
+        f"{device.name} ({degrees})",
+        f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(estimate.microbatches)} of "
+        f"{estimate.rows} per rank{schedule}; {_size(estimate.usable_bytes)} of {device.memory_gib:g} GiB usable "
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
-        f"activations one block keeps for backward, per micro-batch: {_by_mode(plan, plan.block_activations)}",
+        f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, estimate.block_activations)}",
     ]
-    if plan.compiled_saving:
-        keep = plan.block_activations["none"]
+    if estimate.compiled_saving:
+        keep = estimate.block_activations["none"]
         lines.append(
-            f"compiled (compile.enable), a block that keeps everything keeps {_size(keep - plan.compiled_saving)}: "
+            f"compiled (compile.enable), a block that keeps everything keeps {_size(keep - estimate.compiled_saving)}: "
             "torch.compile's partitioner recomputes cheap ops in backward rather than keep their results"
         )
-    if plan.block_options:
+    if estimate.block_options:
         lines.append(
             f"activation_checkpoint auto, within {c.activation_checkpoint.budget_gib:g} GiB per rank and micro-batch, "
             "chose from (bytes kept, seconds added per block and micro-batch): "
-            + ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in plan.block_options)
+            + ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in estimate.block_options)
         )
-    for rank in plan.ranks:
-        lines += ["", _rank_name(plan, rank) + (f": layers {_spans(rank.layers)}" if layout.pp > 1 else "")]
-        lines += [f"  {label:<24}{value}" for label, value in _rows(plan, rank)]
+    for rank in estimate.ranks:
+        lines += ["", _rank_name(estimate, rank) + (f": layers {_spans(rank.layers)}" if layout.pp > 1 else "")]
+        lines += [f"  {label:<24}{value}" for label, value in _rows(estimate, rank)]
     lines += [
         "",
-        f"step {plan.step_seconds:.3g} s, {global_batch * c.training.seq_len / plan.step_seconds:,.0f} tokens/s, "
-        f"MFU {plan.mfu:.1%}: a lower bound on the step time, each op at the slower of",
+        f"step {estimate.step_seconds:.3g} s, "
+        f"{global_batch * c.training.seq_len / estimate.step_seconds:,.0f} tokens/s, "
+        f"MFU {estimate.mfu:.1%}: a lower bound on the step time, each op at the slower of",
         f"{device.peak_flops / 1e12:g} TFLOP/s and {device.hbm_gbs:g} GB/s of HBM, links at {device.intra_node_gbs:g} "
         f"GB/s within a node of {device.gpus_per_node} and {device.inter_node_gbs:g} GB/s between nodes",
     ]
     return "\n".join(lines)
 
 
-def _rows(plan: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
+def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
     """The rank's table: what it holds, its peak, and what its step does."""
     t = rank.trace
-    fits = "fits" if rank.peak <= plan.usable_bytes else f"{_size(rank.peak - plan.usable_bytes)} short"
+    fits = "fits" if rank.peak <= estimate.usable_bytes else f"{_size(rank.peak - estimate.usable_bytes)} short"
     return [
         (
             "parameters",
@@ -79,41 +80,41 @@ def _rows(plan: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
         ("activations at the peak", f"{_size(rank.activations)}, {_micro_batches(rank.in_flight)} in flight"),
         ("largest temporary", f"{_size(t.largest[0])} ({t.largest[1]})"),
         ("peak", f"{_size(rank.peak)}: {fits}"),
-        *([("checkpointing (auto)", _checkpointing(plan, rank))] if rank.checkpointing else []),
-        ("peak by checkpointing", _by_mode(plan, rank.peak_by_mode)),
+        *([("checkpointing (auto)", _checkpointing(estimate, rank))] if rank.checkpointing else []),
+        ("peak by checkpointing", _by_mode(estimate, rank.peak_by_mode)),
         ("FLOPs per step", f"{rank.flops:.3g}, recomputation included"),
         ("traffic per step", _traffic(rank.traffic)),
         ("busy per step", f"{rank.seconds:.3g} s"),
     ]
 
 
-def _checkpointing(plan: StepEstimate, rank: RankEstimate) -> str:
-    """The auto plan of the rank's blocks: how many take each way, what they keep, the time it adds per step."""
-    choices, names = rank.checkpointing.choices, [o.name for o in plan.block_options]
+def _checkpointing(estimate: StepEstimate, rank: RankEstimate) -> str:
+    """Auto checkpointing of the rank's blocks: how many take each way, what they keep, the time it adds per step."""
+    choices, names = rank.checkpointing.choices, [o.name for o in estimate.block_options]
     counts = ", ".join(f"{choices.count(name)} {name}" for name in names if name in choices)
     return (
         f"{counts}: {_size(rank.checkpointing.saved_bytes)} kept per micro-batch, "
-        f"+{rank.checkpointing.added_seconds * plan.microbatches:.3g} s per step"
+        f"+{rank.checkpointing.added_seconds * estimate.microbatches:.3g} s per step"
     )
 
 
-def _by_mode(plan: StepEstimate, values: dict[str, int]) -> str:
+def _by_mode(estimate: StepEstimate, values: dict[str, int]) -> str:
     """Figures per activation checkpointing mode, the recipe's marked (auto: none is)."""
-    mode = plan.config.activation_checkpoint.mode if not plan.block_options else None
+    mode = estimate.config.activation_checkpoint.mode if not estimate.block_options else None
     return " | ".join(f"{m} {_size(b)}{' (recipe)' * (m == mode)}" for m, b in values.items())
 
 
-def plan_json(plan: StepEstimate) -> dict:
-    """The plan's figures for programs (`titan plan --json`): bytes, FLOPs and seconds."""
+def plan_json(estimate: StepEstimate) -> dict:
+    """The estimate's figures for programs (`titan plan --json`): bytes, FLOPs and seconds."""
     return {
-        "params": plan.params,
-        "world_size": plan.layout.world_size,
-        "device": plan.device.name,
-        "usable_bytes": int(plan.usable_bytes),
-        "step_seconds": plan.step_seconds,
-        "mfu": plan.mfu,
-        "block_activation_bytes": plan.block_activations,
-        "block_options": [vars(o) for o in plan.block_options],
+        "params": estimate.params,
+        "world_size": estimate.layout.world_size,
+        "device": estimate.device.name,
+        "usable_bytes": int(estimate.usable_bytes),
+        "step_seconds": estimate.step_seconds,
+        "mfu": estimate.mfu,
+        "block_activation_bytes": estimate.block_activations,
+        "block_options": [vars(o) for o in estimate.block_options],
         "ranks": [
             {
                 "pp_rank": r.pp_rank,
@@ -132,7 +133,7 @@ def plan_json(plan: StepEstimate) -> dict:
                 "traffic_bytes": {f"{role} {kind}": nbytes for (kind, role), nbytes in r.traffic.items()},
                 "busy_seconds": r.seconds,
             }
-            for r in plan.ranks
+            for r in estimate.ranks
         ],
     }
 
