@@ -17,7 +17,7 @@ from titan.balance import micro_batch_sizes, plan_shares
 from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
 
-# torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/test_run_plan.py checks it).
+# torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/core/test_run_plan.py checks it).
 MULTI_STAGE_SCHEDULES = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
 
