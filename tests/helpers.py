@@ -1,5 +1,6 @@
-"""What several test files need: documents in memory, the layout tests' tiny model and tolerances, full
-weights of a sharded model, runs stopped and resumed, a tiny HF Llama, and the one-line-error check."""
+"""What the test folders share: documents in memory, the tiny model, the layout tests' tolerances and their
+comparison with one process, full weights of a sharded model, runs stopped and resumed, a tiny HF Llama, and the
+one-line-error check."""
 
 from __future__ import annotations
 
@@ -126,15 +127,23 @@ def micro_batches_of_rank(trainer, global_batch) -> list:
     return [rows_of(global_batch, slice(s, s + local)) for s in range(dp_rank * share, (dp_rank + 1) * share, local)]
 
 
+# -- the tests' tiny model (the debug flavor shrunk: dim 64, 4 heads, 2 KV heads, 2 blocks), as recipe overrides
+
+TINY_MODEL = {
+    "model.overrides.dim": "64",
+    "model.overrides.n_heads": "4",
+    "model.overrides.n_kv_heads": "2",
+    "model.overrides.n_layers": "2",
+    "model.overrides.multiple_of": "32",
+}
+
+
 # -- the layout tests: each layout trains on its rows of the recipe's global batches
 
 GLOBAL_BATCH, STEPS = 8, 5
 MODEL = {
-    "model.overrides.dim": "64",
-    "model.overrides.n_heads": "4",
-    "model.overrides.n_kv_heads": "2",
+    **TINY_MODEL,
     "model.overrides.n_layers": "4",
-    "model.overrides.multiple_of": "32",
     "training.seq_len": "32",
     "lr_scheduler.warmup_steps": "2",
     "optimizer.lr": "3e-3",
@@ -149,6 +158,26 @@ MODEL = {
 # rounding in near-zero gradients). Bounds: ~5x the measurement. A real bug is far outside: dropping FSDP's
 # gradient-sum setting (gradients halved) moves the loss by 3.6e-6 and the weights by 6.8e-4.
 LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-5
+
+
+def assert_matches_one_process(
+    losses,
+    reference,
+    weights: dict | None = None,
+    reference_weights: dict | None = None,
+    *,
+    loss_rtol: float = LOSS_RTOL,
+    param_atol: float = PARAM_ATOL,
+    name: str | None = None,
+) -> None:
+    """A layout's losses against one process's, each within `loss_rtol` relative; with `weights`, its full weights
+    too: the same parameter names, each element within `param_atol` absolute. `name` labels a failure."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=loss_rtol, atol=0, msg=name)
+    if weights is None:
+        return
+    assert set(weights) == set(reference_weights), name
+    for key, value in reference_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=param_atol, msg=f"{name}: {key}")
 
 
 def layout_overrides(tmp, layout: dict) -> list[str]:
@@ -169,17 +198,17 @@ def with_local_batch(layouts: dict, world: int) -> dict:
 # -- runs stopped and resumed
 
 SMALL = {
-    "model.overrides.n_layers": "2",
-    "model.overrides.dim": "64",
-    "model.overrides.n_heads": "4",
-    "model.overrides.n_kv_heads": "2",
-    "model.overrides.multiple_of": "32",
+    **TINY_MODEL,
     "training.seq_len": "32",
     "training.steps": "10",
     "lr_scheduler.warmup_steps": "3",
     "optimizer.lr": "3e-3",
     "model.overrides.resid_dropout": "0.1",
 }
+
+
+# A run of 2 steps that saves its checkpoint at the end (the recipe's warmup would outlast it).
+SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
 
 
 def trainer_for(run_root, hook: StepHook | None = None, **extra) -> Trainer:

@@ -769,7 +769,7 @@ def to_dict(config: Config) -> dict:
 
 
 def to_toml(config: Config) -> str:
-    """The resolved recipe as TOML, loadable again by load_config to the same Config (tests/test_config.py)."""
+    """The resolved recipe as TOML, loadable again by load_config to the same Config (tests/core/test_config.py)."""
     return tomli_w.dumps(to_dict(config))
 
 

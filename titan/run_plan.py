@@ -21,7 +21,7 @@ from titan.balance import layer_split, micro_batch_sizes, plan_shares
 from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
 
-# torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/test_run_plan.py checks it).
+# torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/core/test_run_plan.py checks it).
 MULTI_STAGE_SCHEDULES = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}

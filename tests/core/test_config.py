@@ -1,4 +1,4 @@
-"""The recipe schema: overrides, round trips, the batch arithmetic. (Bad recipes: tests/test_bad_inputs.py.)"""
+"""The recipe schema: overrides, round trips, the batch arithmetic. (Bad recipes: tests/core/test_bad_inputs.py.)"""
 
 import dataclasses
 import math

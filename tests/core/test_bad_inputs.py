@@ -17,10 +17,8 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
-from helpers import SMALL, assert_one_line_error, torchrun, trainer_for
+from helpers import SAVED, SMALL, assert_one_line_error, torchrun, trainer_for
 from titan.checkpoint.format import INDEX, MANIFEST, MARKER, CheckpointReader, sha256_files
-
-SAVED = {"training.steps": "2", "lr_scheduler.warmup_steps": "1"}
 
 
 def recipe_file(text: str | bytes):

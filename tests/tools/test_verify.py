@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from helpers import TINY_MODEL
 from titan.tools.verify import PHASES, Records, assemble, compare
 
 
@@ -110,11 +111,7 @@ def test_sharded_pieces_assemble_into_the_full_tensor_and_a_gap_is_an_error():
 
 # Dropout on residuals and attention probabilities: its masks are compared on every layout too.
 RECIPE = {
-    "model.overrides.dim": "64",
-    "model.overrides.n_heads": "4",
-    "model.overrides.n_kv_heads": "2",
-    "model.overrides.n_layers": "2",
-    "model.overrides.multiple_of": "32",
+    **TINY_MODEL,
     "model.overrides.resid_dropout": "0.1",
     "model.overrides.attn_dropout": "0.1",
     "training.seq_len": "32",

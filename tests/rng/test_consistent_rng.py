@@ -5,7 +5,7 @@ import torch
 
 from conftest import DEBUG_RECIPE
 from distributed import run_distributed
-from helpers import GLOBAL_BATCH, LOSS_RTOL, full_weights, layout_overrides, with_local_batch
+from helpers import GLOBAL_BATCH, assert_matches_one_process, full_weights, layout_overrides, with_local_batch
 from titan.config import load_config
 from titan.rng import Dropout
 from titan.rng.shards import full_tensor
@@ -104,9 +104,7 @@ def test_dropout_masks_and_losses_match_single_process(tmp_path):
         assert masks.keys() == ref_masks.keys(), name
         for key, mask in ref_masks.items():
             assert torch.equal(masks[key], mask), f"{name}: dropout mask of {key} differs"
-        torch.testing.assert_close(
-            torch.tensor(per_rank[0][name][0]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0, msg=name
-        )
+        assert_matches_one_process(per_rank[0][name][0], ref_losses, name=name)
 
 
 def test_dropout_is_really_on_and_differs_by_step_and_row(tmp_path):
