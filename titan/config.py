@@ -23,7 +23,7 @@ import tomli_w
 from titan.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
     name: str = "titan"  # the run's folder under output_dir, and its name in trackers
     output_dir: str = "outputs"  # the run writes to <output_dir>/<name>
@@ -32,7 +32,7 @@ class Job:
     recipe: str = ""  # the recipe file the run came from (filled in by load_config); trackers group runs by it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Model:
     name: str = "llama3"  # the model family (titan/models registry)
     flavor: str = "debug"  # its size: debug, 1B, 3B, 8B, 70B, 405B
@@ -40,14 +40,14 @@ class Model:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tokenizer:
     path: str = "data/tokenizer.json"  # a HF tokenizers `tokenizer.json`
     bos_token: str = "<|begin_of_text|>"  # starts every document
     eos_token: str = "<|end_of_text|>"  # ends every document
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSource:
     """One source of documents, prepared once into token shards (see titan/data/prepared.py)."""
 
@@ -78,7 +78,7 @@ def blend_period(weights: list[float]) -> int:
     return period
 
 
-@dataclass
+@dataclass(frozen=True)
 class Data:
     # One source (the keys mean what they mean in DataSource) ...
     source: str = "data/stories.jsonl"  # a local file or folder, a HF hub dataset, or "titan:shakespeare"
@@ -112,7 +112,7 @@ class Data:
         return [DataSource(self.source, self.format, self.text_field, self.split, self.subset, 1.0)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Validation:
     interval: int = 0  # evaluate every N steps (and at the end); 0 disables validation
     steps: int = 4  # global batches per evaluation (the same batches every time)
@@ -125,7 +125,7 @@ class Validation:
     split: str = "validation"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Training:
     local_batch_size: int = 8  # most sequences per micro-batch on each data-parallel rank (a memory cap)
     global_batch_size: int = (
@@ -142,7 +142,7 @@ class Training:
     max_skipped_steps: int = 10  # on_nonfinite = "skip": stop after this many skipped steps in a row
 
 
-@dataclass
+@dataclass(frozen=True)
 class Optimizer:
     name: Literal["adamw"] = "adamw"  # the optimizer
     lr: float = 3e-4  # the peak learning rate, reached after warmup
@@ -152,7 +152,7 @@ class Optimizer:
     weight_decay: float = 0.1  # decoupled, on every parameter
 
 
-@dataclass
+@dataclass(frozen=True)
 class LRScheduler:
     warmup_steps: int = 10  # linear warmup from 0 to optimizer.lr
     # After warmup: cosine/linear decay to min_lr_ratio*lr, constant, or warmup-stable-decay (wsd).
@@ -161,7 +161,7 @@ class LRScheduler:
     wsd_decay_ratio: float = 0.2  # wsd: the last fraction of steps decays linearly
 
 
-@dataclass
+@dataclass(frozen=True)
 class Metrics:
     log_freq: int = 10  # log every N steps (and the first and last)
     tensorboard: bool = True  # write TensorBoard event files into the run folder
@@ -175,7 +175,7 @@ class Metrics:
     peak_flops: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parallel:
     dp_replicate: int = 1  # HSDP: replicas of the sharded model
     dp_shard: int = -1  # FSDP shards; -1: whatever the world size leaves after the other degrees
@@ -206,7 +206,7 @@ class Parallel:
     dp_weights: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Straggler:
     """Re-plan the data shares when a data-parallel rank slows down (titan/train/straggler.py)."""
 
@@ -217,7 +217,7 @@ class Straggler:
     window: int = 7  # each rank's speed is the median of its last N probes
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActivationCheckpoint:
     # Recompute activations in backward: all (full), all but save_ops' outputs (selective), or per block as measured
     # and planned to fit budget_gib (auto: keep, selective, full, or on a GPU offload to host memory).
@@ -234,7 +234,7 @@ class ActivationCheckpoint:
     budget_gib: float = 0.0  # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0 = not set
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profiling:
     """Traces, memory snapshots and a per-step time breakdown, into <run>/profiling/ (titan/observe/profiling.py)."""
 
@@ -246,14 +246,14 @@ class Profiling:
     step_breakdown: bool = False  # log each step's data, forward, backward and optimizer seconds to metrics
 
 
-@dataclass
+@dataclass(frozen=True)
 class Compile:
     enable: bool = False  # torch.compile each transformer block
     # Inductor orders each compiled graph's kernels to lower its peak memory (titan plan --graph shows the gain).
     reorder_for_peak_memory: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Float8:
     """Float8 matmuls for the transformer blocks' linear layers, through torchao (see titan/parallel/float8.py)."""
 
@@ -270,7 +270,7 @@ class Float8:
     skip: list[str] = field(default_factory=lambda: ["output"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checkpoint:
     enable: bool = True  # save checkpoints into <run>/checkpoints
     interval: int = 500  # save every N steps (and at the end of training)
@@ -289,7 +289,7 @@ class Checkpoint:
     init_from_hf: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanTarget:
     """The recipe's [plan] section: the accelerator `titan plan` plans a run for (titan/tools/plan/devices.py); a
     figure set here replaces the device's own."""
@@ -306,7 +306,7 @@ class PlanTarget:
     host_gbs: float = 0.0  # one device's link to host memory (PCIe), GB/s each way; 0: the device's
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -359,10 +359,9 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"cannot read the recipe {path}: {e.strerror}") from None
     for key, value in parse_overrides(overrides):
         _set_dotted(raw, key, value)
-    config = _build(Config, raw, "")
-    if path is not None and not config.job.recipe:
-        config.job.recipe = str(path)
-    return config
+    if path is not None and not raw.get("job", {}).get("recipe"):
+        raw.setdefault("job", {})["recipe"] = str(path)
+    return _build(Config, raw, "")
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

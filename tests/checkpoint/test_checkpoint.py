@@ -154,8 +154,7 @@ def reshard_job(root, layout: dict, batch):
         logits = trainer.model_parts.parts[0](batch)
     logits = full_tensor(logits)
     step = trainer.step
-    trainer.config.training.steps = step + 2
-    losses = trainer.train()
+    losses = trainer.train(until=step + 2)
     return step, logits, losses
 
 

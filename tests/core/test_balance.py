@@ -8,7 +8,7 @@ import random
 import pytest
 
 from titan.balance import data_shares, layer_split, micro_batch_sizes, plan_shares, runnable_counts
-from titan.config import Config
+from titan.config import Config, Parallel, Training
 from titan.run_plan import run_plan
 
 
@@ -95,15 +95,13 @@ def test_every_replan_runs_at_any_scale_micro_batch_and_speeds():
     rng = random.Random(0)
     checked = 0
     for _ in range(1500):
-        config = Config()
-        t, p = config.training, config.parallel
         dp, pipeline = round(2 ** rng.uniform(1, 7)), rng.choice([0, 0, 2, 4])
-        t.local_batch_size = rng.randint(max(1, pipeline), 8)
-        t.global_batch_size = rng.randint(8, 4096)
+        local, global_batch = rng.randint(max(1, pipeline), 8), rng.randint(8, 4096)
         if pipeline:
-            p.pp, p.pp_microbatches = 2, pipeline
-            t.global_batch_size = max(8, t.global_batch_size // (pipeline * dp) * pipeline * dp)
-        p.dp_shard, world = dp, dp * p.pp
+            global_batch = max(8, global_batch // (pipeline * dp) * pipeline * dp)
+        p = Parallel(dp_shard=dp, pp=2 if pipeline else 1, pp_microbatches=pipeline)
+        t = Training(local_batch_size=local, global_batch_size=global_batch)
+        config, world = Config(training=t, parallel=p), dp * p.pp
         slow = rng.choice(["one", "some", "all"])
         weights = [1.0] * dp
         for i in rng.sample(range(dp), {"one": 1, "some": max(1, dp // 4), "all": dp}[slow]):

@@ -110,7 +110,10 @@ def test_every_config_loads_back_from_its_toml_as_written(tmp_path, seed):
     path = tmp_path / "config.toml"
     for _ in range(100):
         config = random_value(rng, Config)
-        config.job.recipe = config.job.recipe or "recipe.toml"  # an empty one is filled in with the file's path
+        # An empty recipe path is filled in with the file's path.
+        config = dataclasses.replace(
+            config, job=dataclasses.replace(config.job, recipe=config.job.recipe or "recipe.toml")
+        )
         path.write_text(to_toml(config), encoding="utf-8")
         loaded = read_config(path)
         assert loaded == config and to_toml(loaded) == to_toml(config)  # the same values, of the same types

@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan.config import Config
+from titan.config import Config, Parallel, Training
 from titan.run_plan import MULTI_STAGE_SCHEDULES, Blocks, run_plan, stages_per_rank
 
 
@@ -16,9 +16,10 @@ def test_the_multi_stage_schedules_are_torchs():
 
 @pytest.mark.parametrize("schedule,stages", [("1F1B", 1), ("Interleaved1F1B", 2), ("DualPipeV", 2)])
 def test_a_pipeline_step_is_cut_into_the_schedules_micro_batches(schedule, stages):
-    config = Config()
-    config.parallel.pp, config.parallel.pp_schedule, config.parallel.dp_shard = 2, schedule, 2
-    config.training.global_batch_size, config.training.local_batch_size, config.training.seq_len = 32, 8, 16
+    config = Config(
+        parallel=Parallel(pp=2, pp_schedule=schedule, dp_shard=2),
+        training=Training(global_batch_size=32, local_batch_size=8, seq_len=16),
+    )
     plan = run_plan(config, 4)
     assert stages_per_rank(config.parallel) == stages
     assert plan.pipeline_microbatches == 2 * stages  # pp x stages per rank, by default
@@ -41,10 +42,7 @@ def test_each_ranks_plan_has_the_coordinates_the_device_mesh_gives_it(degrees):
 
     from titan.parallel.mesh import build_mesh
 
-    config = Config()
-    for key, value in degrees.items():
-        setattr(config.parallel, key, value)
-    config.training.global_batch_size, config.training.local_batch_size = 32, 2
+    config = Config(parallel=Parallel(**degrees), training=Training(global_batch_size=32, local_batch_size=2))
     plan = run_plan(config, 8, Blocks(8))
     covered = set()
     for rank in range(8):
@@ -62,9 +60,10 @@ def test_each_ranks_plan_has_the_coordinates_the_device_mesh_gives_it(degrees):
 
 
 def test_a_pipelines_stages_and_layers_are_in_the_plan():
-    config = Config()
-    config.parallel.pp, config.parallel.pp_schedule = 2, "Interleaved1F1B"
-    config.training.global_batch_size, config.training.local_batch_size = 8, 4
+    config = Config(
+        parallel=Parallel(pp=2, pp_schedule="Interleaved1F1B"),
+        training=Training(global_batch_size=8, local_batch_size=4),
+    )
     plan = run_plan(config, 2, Blocks(8))
     assert plan.stage_layers == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert [plan.rank(r).stage_ids for r in range(2)] == [(0, 2), (1, 3)]  # looped: rank r runs r, r + pp

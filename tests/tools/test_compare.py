@@ -1,5 +1,6 @@
 """`titan compare` on real runs, the run folder's tracking files, and clear errors for broken folders."""
 
+import dataclasses
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -220,6 +221,6 @@ def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeyp
     assert tracking["wandb"]["id"] == captured["id"]
 
     # A requeued run continues the same wandb run; an explicit group wins over the recipe's name.
-    config.metrics.wandb_group = "lr-sweep"
+    config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, wandb_group="lr-sweep"))
     metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info).close()
     assert captured["id"] == tracking["wandb"]["id"] and captured["group"] == "lr-sweep"

@@ -459,7 +459,9 @@ def verify(
     folder = Path(folder or Path(config.job.output_dir) / "verify" / config.job.name)
     folder.mkdir(parents=True, exist_ok=True)
     runs = run_configs(config, folder)
-    runs["layout"].job.name = f"layout-{layout.name}"
+    runs["layout"] = dataclasses.replace(
+        runs["layout"], job=dataclasses.replace(runs["layout"].job, name=f"layout-{layout.name}")
+    )
     reused = reuse_reference and all(
         (folder / f"{name}.toml").is_file()
         and (folder / f"{name}.toml").read_text() == to_toml(runs[name])

@@ -17,6 +17,7 @@ per block to the stages' real depths: parameters, activations, peaks, FLOPs, tra
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
@@ -175,14 +176,16 @@ def _as_traced(config: Config) -> Config:
     full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
     and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
     everything gave a 405B pipeline rank's all-full peak 13% low)."""
-    config = copy.deepcopy(config)
-    config.compile.enable = False
-    if config.activation_checkpoint.mode == "auto":
-        config.activation_checkpoint.mode = "full"
-    save_ops = config.activation_checkpoint.save_ops
+    ac = config.activation_checkpoint
+    save_ops = list(ac.save_ops)
     if "aten._scaled_dot_product_flash_attention" in save_ops:
         save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")
-    return config
+    mode = "full" if ac.mode == "auto" else ac.mode
+    return dataclasses.replace(
+        config,
+        compile=dataclasses.replace(config.compile, enable=False),
+        activation_checkpoint=dataclasses.replace(ac, mode=mode, save_ops=save_ops),
+    )
 
 
 def _trace_ranks(estimate: StepEstimate, trace, layers: list[list[int]], order) -> None:
