@@ -152,6 +152,7 @@ class RunPlan:
     stage_layers: tuple[tuple[int, ...], ...]
     schedule: str  # parallel.pp_schedule, lower case
     sequence_shards: int  # sequence parallelism cuts the sequence between blocks into this many pieces
+    document_capacity: int  # tokens a micro-batch holds under data.batching = "tokens" (0 with rows)
 
     @property
     def global_rows(self) -> int:
@@ -224,6 +225,19 @@ def run_plan(
             f"ranks{' weighted ' + str(p.dp_weights) if p.dp_weights else ''}: {e}; raise global_batch_size or "
             "local_batch_size"
         ) from None
+    capacity = 0
+    if config.data.batching == "tokens":
+        # As many tokens as the rows recipe's micro-batch: local_batch_size x seq_len, or under a pipeline one
+        # schedule micro-batch's rows; the same on every rank, so that every rank places documents alike.
+        rows_each = max(s[0] for s in sizes) // pipeline if pipeline else t.local_batch_size
+        capacity = rows_each * t.seq_len
+        longest = config.data.max_document_len or t.seq_len
+        if longest > capacity:
+            raise ConfigError(
+                f"data.max_document_len {longest}: a document piece that long fits no micro-batch, which holds "
+                f"{capacity} tokens ({rows_each} x training.seq_len {t.seq_len}); lower data.max_document_len or "
+                "raise training.local_batch_size"
+            )
     layers: list[list[int]] = []
     if blocks is not None and layout.pp > 1:
         layers = stage_layers(blocks.count, p, blocks.gib, layers_per_stage)
@@ -239,4 +253,5 @@ def run_plan(
         tuple(map(tuple, layers)),
         p.pp_schedule.lower(),
         layout.tp if layout.tp > 1 and p.sequence_parallel else 1,
+        capacity,
     )

@@ -1,7 +1,11 @@
 """The run plan: what each rank computes, decided in one torch-free place."""
 
+import subprocess
+import sys
+
 import pytest
 
+from conftest import ROOT
 from titan.config import Config, Parallel, Training
 from titan.run_plan import MULTI_STAGE_SCHEDULES, Blocks, run_plan, stages_per_rank
 
@@ -70,3 +74,21 @@ def test_a_pipelines_stages_and_layers_are_in_the_plan():
     resplit = run_plan(config, 2, Blocks(8), layers_per_stage=[3, 1, 3, 1])
     assert resplit.stage_layers == ((0, 1, 2), (3,), (4, 5, 6), (7,)) and resplit.micro_batches == plan.micro_batches
     assert run_plan(config, 2).stage_layers == ()  # the batch alone: no model, no split
+
+
+def test_the_run_plan_is_made_without_torch_at_64_data_parallel_ranks():
+    """titan config show and the planners decide every rank's work before torch is imported."""
+    code = """
+import sys
+sys.modules["torch"] = None  # importing torch now fails
+from titan.config import load_config
+from titan.run_plan import run_plan
+overrides = ["--parallel.tp", "2", "--training.global_batch_size", "256", "--training.local_batch_size", "2"]
+plan = run_plan(load_config("recipes/debug.toml", overrides, world_size=128), 128)
+ranks = [plan.rank(r) for r in range(128)]
+assert plan.layout.dp == 64 and sorted(row for r in ranks if r.tp_rank == 0 for row in r.rows) == list(range(256))
+print(plan.tokens_per_step)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(256 * 256)]

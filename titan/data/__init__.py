@@ -47,31 +47,36 @@ def held_out_documents(config: Config, documents) -> np.ndarray:
 
 
 def build_loaders(
-    config: Config, global_batch: int, rows: range, micro_batches: list[int], log_rows: bool = True
-) -> tuple[GlobalBatchLoader, GlobalBatchLoader | None]:
-    """The training loader and, when validation is on, the validation loader: global batches of
-    `global_batch` rows, of which this rank reads `rows` in micro-batches of `micro_batches` rows."""
+    config: Config, global_batch: int, rows: range, micro_batches: list[int]
+) -> tuple[GlobalBatchLoader | None, GlobalBatchLoader | None]:
+    """The training loader of rows (None under data.batching = "tokens", which trains on document_pieces) and, when
+    validation is on, the validation loader: global batches of `global_batch` rows, of which this rank reads `rows`
+    in micro-batches of `micro_batches` rows."""
     d, v, t = config.data, config.validation, config.training
     sources = d.source_list()
+    train_rows = d.batching == "rows"
     train, held = [], []
     for stream, source in enumerate(sources):
         documents = open_prepared(config, source)
         in_validation = held_out_documents(config, documents)
-        train.append(
-            PackedSamples(documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream)
-        )
-        what = f"data source {source.source}" + (
-            f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else ""
-        )
-        check_enough_tokens(train[-1], what)
+        if train_rows:
+            samples = PackedSamples(
+                documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream
+            )
+            what = f"data source {source.source}" + (
+                f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else ""
+            )
+            check_enough_tokens(samples, what)
+            train.append(samples)
         if in_validation.any():
             held.append(
                 (source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream))
             )
-    blend = Blend([s.weight for s in sources])
-    if log_rows:
+    loader = None
+    if train_rows:
+        blend = Blend([s.weight for s in sources])
         _log_mixture(sources, train, blend, t.steps * global_batch)
-    loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batches, d.document_mask)
+        loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batches, d.document_mask)
     if not v.interval:
         return loader, None
     if v.source:

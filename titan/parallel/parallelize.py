@@ -13,13 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.config import Config
+from titan.config import Config, Layout
 from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.fsdp import apply_fsdp
-from titan.run_plan import V_SHAPED, Blocks, RunPlan
+from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
 
 
 @dataclass
@@ -64,13 +64,13 @@ class ModelParts:
             part.train(mode)
 
 
-def check_layout(config: Config, spec: ModelSpec, args, plan: RunPlan, device: torch.device) -> None:
+def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device) -> None:
     """Every combination that cannot work with this model and device, refused with its reason before any work
-    starts (run_plan has checked the batch and the layer split)."""
-    p, layout = config.parallel, plan.layout
+    starts (run_plan then checks the batch and the layer split)."""
+    p = config.parallel
     pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
     try:
-        spec.check_parallelism(args, layout.tp, plan.n_stages)
+        spec.check_parallelism(args, layout.tp, layout.pp * stages_per_rank(p) if layout.pp > 1 else 1)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:

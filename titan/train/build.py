@@ -127,18 +127,15 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, ste
 def build_data(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device: torch.device, control_group):
     """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
     (None without validation) of data-parallel rank `dp_rank`."""
-    sizes = list(plan.micro_batches[dp_rank])
-    documents = config.data.batching == "tokens"
-    loader, validation = build_loaders(config, plan.global_rows, plan.rows(dp_rank), sizes, log_rows=not documents)
-    if documents:
+    loader, validation = build_loaders(config, plan.global_rows, plan.rows(dp_rank), list(plan.micro_batches[dp_rank]))
+    if config.data.batching == "tokens":  # whole documents, not rows
         loader = _document_loader(config, plan, dp_rank, spec, args, mesh, device, control_group)
     return loader, validation
 
 
 def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device, control_group):
-    """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance. A micro-batch
-    holds as many tokens as the rows recipe's: local_batch_size x seq_len, or under a pipeline one schedule
-    micro-batch's rows."""
+    """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance into micro-batches of
+    the plan's document capacity."""
     d, t, layout = config.data, config.training, plan.layout
     if args.has_dropout:
         raise ConfigError(
@@ -146,16 +143,8 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             "position, and packing places a document differently on every layout; set the model's "
             "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
         )
-    pipeline_rows = plan.pipeline_microbatches
-    rows = plan.micro_batches[dp_rank][0] // pipeline_rows if pipeline_rows else t.local_batch_size
-    capacity = rows * t.seq_len
+    pipeline_rows, capacity = plan.pipeline_microbatches, plan.document_capacity
     max_len = d.max_document_len or t.seq_len
-    if max_len > capacity:
-        raise ConfigError(
-            f"data.max_document_len {max_len}: a document piece that long fits no micro-batch, which holds "
-            f"{capacity} tokens ({rows} x training.seq_len {t.seq_len}); lower data.max_document_len or raise "
-            "training.local_batch_size"
-        )
     target = Target((capacity,) * layout.dp, layout.pp, pipeline_rows or 1, padded=layout.pp > 1)
     placement = Placement(capacity, pipeline_rows, plan.sequence_shards)
     if d.cost_model:

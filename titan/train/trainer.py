@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from titan.checkpoint.checkpointer import Checkpointer, model_shapes
-from titan.config import Config, math_values, to_toml
+from titan.config import Config, Layout, math_values, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer
 from titan.observe.metrics import (
     MetricsLogger,
@@ -44,10 +44,10 @@ class Trainer:
         self.device = pick_device(t.device)
         # Everything that can be wrong with the recipe is checked before joining the other processes.
         self.spec, self.model_args = resolve_model(config)
+        self.layout = Layout.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        check_layout(config, self.spec, self.model_args, self.layout, self.device)
         self.blocks = model_blocks(self.spec, self.model_args)
-        self.run_plan = run_plan(config, int(os.environ.get("WORLD_SIZE", "1")), self.blocks)
-        self.layout = self.run_plan.layout
-        check_layout(config, self.spec, self.model_args, self.run_plan, self.device)
+        self.run_plan = run_plan(config, self.layout.world_size, self.blocks)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)

@@ -88,9 +88,9 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
     spec, args = resolve_model(config)
+    check_layout(config, spec, args, Layout.from_config(config.parallel, world_size), CPU)
     run = run_plan(config, world_size, model_blocks(spec, args))
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
-    check_layout(config, spec, args, run, CPU)
     rows, microbatches = run.largest_micro_batch
     estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches)
     with fake_world(layout) as mesh:
