@@ -8,6 +8,7 @@ decode), attending to the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import tomllib
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ def load_tokenizer(checkpoint: Path, vocab_size: int, path: Path | None = None) 
     except TypeError as e:
         raise ConfigError(f"checkpoint {checkpoint}: its recipe's [tokenizer] is not titan's: {e}") from None
     if path is not None:
-        cfg.path = str(path)
+        cfg = dataclasses.replace(cfg, path=str(path))
     try:
         tokenizer = Tokenizer(cfg)
     except ConfigError as e:

@@ -214,9 +214,7 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
         ),
         "layout": base,
     }
-    for name, run in runs.items():
-        run.job = dataclasses.replace(run.job, name=name)
-    return runs
+    return {name: dataclasses.replace(run, job=dataclasses.replace(run.job, name=name)) for name, run in runs.items()}
 
 
 def launch(run: Config, processes: int, steps: int, folder: Path) -> None:
