@@ -192,3 +192,14 @@ def claim_run_folder(folder) -> None:
         ) from None
     except OSError as e:
         raise ConfigError(f"job.output_dir: {write_error(e)}; choose another job.output_dir") from None
+
+
+def init_from_hf(config: Config, spec, args, parts, resumed: bool) -> None:
+    """checkpoint.init_from_hf: the HF checkpoint's weights start a fresh run; a resumed run has its own."""
+    if resumed:
+        log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
+        return
+    from titan.checkpoint import hf
+
+    name = f"{config.model.name} {config.model.flavor}"
+    hf.init_from_hf(parts.named_parameters(), spec, args, config.checkpoint.init_from_hf, name)

@@ -28,7 +28,15 @@ from titan.observe.profiling import Profiler, StepClock
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import RunPlan, run_plan
-from titan.train.build import build_data, build_step, check_tokenizer, claim_run_folder, pick_device, resolve_model
+from titan.train.build import (
+    build_data,
+    build_step,
+    check_tokenizer,
+    claim_run_folder,
+    init_from_hf,
+    pick_device,
+    resolve_model,
+)
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
@@ -97,7 +105,9 @@ class Trainer:
         # on another layout or other devices).
         self.follow(self.replanner.plan())
         if config.checkpoint.init_from_hf:
-            self._init_from_hf()
+            init_from_hf(
+                config, self.spec, self.model_args, self.model_parts, self.checkpointer.resumed_from is not None
+            )
         self.stop = stop(self.control_group)
         self._log_start()
 
@@ -282,16 +292,6 @@ class Trainer:
             metrics["val_perplexity"],
             metrics["val_time_s"],
         )
-
-    def _init_from_hf(self) -> None:
-        if self.checkpointer.resumed_from is not None:  # HF weights start a fresh run; a resumed run has its own
-            log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
-            return
-        from titan.checkpoint.hf import init_from_hf
-
-        c = self.config
-        init_from_hf(self.model_parts.named_parameters(), self.spec, self.model_args, c.checkpoint.init_from_hf,
-                     f"{c.model.name} {c.model.flavor}")  # fmt: skip
 
     def _log_start(self) -> None:
         c, plan = self.config, self.run_plan
