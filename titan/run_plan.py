@@ -136,6 +136,11 @@ class RankPlan:
     micro_batches: tuple[int, ...]  # rows of each micro-batch
     stage_ids: tuple[int, ...]  # the pipeline stages it runs ((0,) without a pipeline)
 
+    @property
+    def first_of_its_stages(self) -> bool:
+        """Whether it is the first of the ranks that hold its pipeline stages (alike or as shards)."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
 
 @dataclass(frozen=True)
 class RunPlan:

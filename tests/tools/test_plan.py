@@ -55,7 +55,7 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
         trainer.stepper(batches, trainer.step)
     peak = total_bytes(tracker, "peak")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in trainer.model_parts.parameters())
-    return peak, local, trainer.n_params()
+    return peak, local, trainer.model_parts.n_params(trainer.rank_plan.first_of_its_stages)
 
 
 @pytest.mark.slow

@@ -51,6 +51,16 @@ class ModelParts:
                 if isinstance(module, FSDPModule):
                     module.reshard()
 
+    def n_params(self, first_of_its_stages: bool) -> int:
+        """Parameters of the whole model, not this rank's shard (a collective under a pipeline: every rank calls it,
+        and the first rank of each pipeline rank's stages counts them)."""
+        here = sum(p.numel() for _, p in self.named_parameters())  # DTensors count their global size
+        if self.n_stages == 1:
+            return here
+        total = torch.tensor(here if first_of_its_stages else 0)
+        torch.distributed.all_reduce(total)
+        return int(total)
+
     def named_parameters(self):
         seen = set()
         for part in self.parts:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from titan.checkpoint.checkpointer import Checkpointer, model_shapes
 from titan.config import Config, Layout, math_values, to_toml
@@ -261,37 +260,22 @@ class Trainer:
         """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
         slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
         included, so under FSDP every rank reads about the slowest's time)."""
-        plan = self.loader.last_assignment
+        assigned = self.loader.last_assignment
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         mean = sum(measured) / len(measured)
-        self.metrics.log(
-            self.step,
-            {
-                "micro_batches": len(plan.micro_batches[0]),
-                "predicted_step_s": plan.step_time,
-                "predicted_imbalance": plan.imbalance,
-                "measured_step_s": max(measured),
-                "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
-                "plan_ms": self.loader.assign_seconds * 1e3,
-            },
-        )
+        self.metrics.log(self.step, {
+            "micro_batches": len(assigned.micro_batches[0]), "predicted_step_s": assigned.step_time,
+            "predicted_imbalance": assigned.imbalance, "measured_step_s": max(measured),
+            "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
+            "plan_ms": self.loader.assign_seconds * 1e3,
+        })  # fmt: skip
 
     def _log_validation(self) -> None:
         start = time.perf_counter()
         loss = self.evaluate()
-        metrics = {
-            "val_loss": loss,
-            "val_perplexity": math.exp(min(loss, 50.0)),
-            "val_time_s": time.perf_counter() - start,
-        }
-        self.metrics.log(self.step, metrics)
-        log.info(
-            "step %d validation: loss %.4f | perplexity %.2f | %.1fs",
-            self.step,
-            loss,
-            metrics["val_perplexity"],
-            metrics["val_time_s"],
-        )
+        perplexity, seconds = math.exp(min(loss, 50.0)), time.perf_counter() - start
+        self.metrics.log(self.step, {"val_loss": loss, "val_perplexity": perplexity, "val_time_s": seconds})
+        log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
 
     def _log_start(self) -> None:
         c, plan = self.config, self.run_plan
@@ -305,23 +289,6 @@ class Trainer:
                 f"{plan.tokens_per_step} tokens/step ({plan.global_rows} x {c.training.seq_len} seq; this rank "
                 f"{' + '.join(map(str, self.rank_plan.micro_batches))} rows)"
             )
-        log.info(
-            "%s %s: %.2fM parameters on %s x %d (%s) | %s | %s",
-            c.model.name,
-            c.model.flavor,
-            self.n_params() / 1e6,
-            self.device.type,
-            self.world_size,
-            self.layout.name,
-            batching,
-            self.run_dir,
-        )
-
-    def n_params(self) -> int:
-        """Parameters of the whole model (not this rank's shard)."""
-        local = sum(p.numel() for _, p in self.model_parts.named_parameters())
-        if self.layout.pp == 1:
-            return local
-        total = torch.tensor(local if self.rank_plan.tp_rank == 0 and self.rank_plan.dp_rank == 0 else 0)
-        dist.all_reduce(total)
-        return int(total)
+        params = self.model_parts.n_params(self.rank_plan.first_of_its_stages)
+        log.info("%s %s: %.2fM parameters on %s x %d (%s) | %s | %s", c.model.name, c.model.flavor, params / 1e6,
+                 self.device.type, self.world_size, self.layout.name, batching, self.run_dir)  # fmt: skip
