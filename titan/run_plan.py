@@ -190,9 +190,16 @@ class RunPlan:
         )
 
     @property
+    def schedule_runs(self) -> int:
+        """How often a step runs the pipeline schedule: once per micro-batch of the data-parallel plan (gradient
+        accumulation under a pipeline); 1 without a pipeline, where largest_micro_batch counts every micro-batch."""
+        return len(self.micro_batches[0]) if self.pipeline_microbatches else 1
+
+    @property
     def largest_micro_batch(self) -> tuple[int, int]:
-        """(rows, count) of the largest micro-batch any rank runs and how many a rank runs per step, counted as
-        the model sees them: a pipeline's own micro-batches under a pipeline."""
+        """(rows, count) of the largest micro-batch any rank runs and how many a rank runs per schedule run, counted
+        as the model sees them: a pipeline's own micro-batches under a pipeline. A step runs count x schedule_runs
+        of them."""
         rows, count = max(map(max, self.micro_batches)), len(self.micro_batches[0])
         if self.pipeline_microbatches:
             return rows // self.pipeline_microbatches, self.pipeline_microbatches

@@ -68,7 +68,7 @@ def block_choices(
         ", ".join(f"{chosen.choices.count(o.name)} {o.name}" for o in options if o.name in chosen.choices),
         chosen.saved_bytes / GIB,
         cfg.budget_gib,
-        chosen.added_seconds * micro_batches,
+        chosen.added_seconds * micro_batches * plan.schedule_runs,
     )
     return list(chosen.choices)
 

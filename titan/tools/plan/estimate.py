@@ -66,7 +66,8 @@ class StepEstimate:
     run: RunPlan  # what each rank computes
     layout: Layout
     rows: int  # sequences per micro-batch
-    microbatches: int  # per rank and step
+    microbatches: int  # per rank and schedule run (the pipeline's, under a pipeline)
+    runs: int  # schedule runs per step: gradient accumulation under a pipeline, else 1
     params: int = 0  # the whole model's
     block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
     block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
@@ -92,7 +93,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     run = run_plan(config, world_size, model_blocks(spec, args))
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     rows, microbatches = run.largest_micro_batch
-    estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches)
+    estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches, run.schedule_runs)
     with fake_world(layout) as mesh:
 
         def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
@@ -167,7 +168,7 @@ def _plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block
         flops = sum(block_flops[w] - block_flops["full"] for w in stage_ways)
         rank.trace.backward[stage].seconds += sum(added[w] - added["full"] for w in stage_ways)
         rank.trace.backward[stage].flops += flops
-        rank.flops += flops * estimate.microbatches
+        rank.flops += flops * estimate.microbatches * estimate.runs
 
 
 def _as_traced(config: Config) -> Config:
@@ -258,12 +259,12 @@ def _rank_estimate(
     peak, activations, in_flight = _peak(trace, trace.held, order[pp_rank] if order else None)
     step = Cost()
     for stage in trace.stage_ids:
-        step.add(trace.forward[stage], estimate.microbatches)
-        step.add(trace.backward[stage], estimate.microbatches)
-    step.add(trace.once)
+        step.add(trace.forward[stage], estimate.microbatches * estimate.runs)
+        step.add(trace.backward[stage], estimate.microbatches * estimate.runs)
+    step.add(trace.once, estimate.runs)  # each schedule run reduces FSDP's gradients once
     step.add(trace.optimizer)
     if order:
-        step.traffic[("send", "pp")] += trace.boundary_bytes * sends(order, pp_rank)
+        step.traffic[("send", "pp")] += trace.boundary_bytes * sends(order, pp_rank) * estimate.runs
     return RankEstimate(
         pp_rank, trace.stage_ids, layers, trace, in_flight, activations, peak, {}, step.flops, dict(step.traffic)
     )
@@ -321,18 +322,20 @@ def _step_time(estimate: StepEstimate, flops_per_token: float, order) -> None:
     then the optimizer step; and the MFU that gives."""
     layout = estimate.layout
     links = Links(estimate.device, layout.world_size)
-    forward, backward, optimizer = {}, {}, 0.0
+    forward, backward, once, optimizer, runs = {}, {}, 0.0, 0.0, estimate.runs
     for rank in estimate.ranks:
         t = rank.trace
         for stage in rank.stage_ids:
             forward[stage] = links.seconds(t.forward[stage], t.groups)
             backward[stage] = links.seconds(t.backward[stage], t.groups)
-        step = links.seconds(t.once, t.groups) + links.seconds(t.optimizer, t.groups)
-        rank.seconds = estimate.microbatches * sum(forward[s] + backward[s] for s in rank.stage_ids) + step
-        optimizer = max(optimizer, step)  # with the once-a-step costs, which the replay leaves out
+        rank_once, rank_optimizer = links.seconds(t.once, t.groups), links.seconds(t.optimizer, t.groups)
+        compute = estimate.microbatches * sum(forward[s] + backward[s] for s in rank.stage_ids)
+        rank.seconds = runs * (compute + rank_once) + rank_optimizer
+        # The once-a-run and once-a-step costs, which the replay leaves out.
+        once, optimizer = max(once, rank_once), max(optimizer, rank_optimizer)
     if order:
         hop = links.transfer(estimate.ranks[0].trace.boundary_bytes, (0, layout.world_size // layout.pp))
-        estimate.step_seconds = replay(order, forward, backward, hop) + optimizer
+        estimate.step_seconds = runs * (replay(order, forward, backward, hop) + once) + optimizer
     else:
         estimate.step_seconds = estimate.ranks[0].seconds
     tokens = estimate.run.tokens_per_step

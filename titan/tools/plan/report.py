@@ -37,7 +37,8 @@ def format_plan(estimate: StepEstimate) -> str:
         f"{c.model.name} {c.model.flavor}, {_params(estimate.params)} parameters, on {layout.world_size} x "
         f"{device.name} ({degrees})",
         f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(estimate.microbatches)} of "
-        f"{estimate.rows} per rank{schedule}; {_size(estimate.usable_bytes)} of {device.memory_gib:g} GiB usable "
+        f"{estimate.rows} per rank{schedule}{_runs(estimate.runs)}; {_size(estimate.usable_bytes)} of "
+        f"{device.memory_gib:g} GiB usable "
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
         f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, estimate.block_activations)}",
     ]
@@ -94,7 +95,7 @@ def _checkpointing(estimate: StepEstimate, rank: RankEstimate) -> str:
     counts = ", ".join(f"{choices.count(name)} {name}" for name in names if name in choices)
     return (
         f"{counts}: {_size(rank.checkpointing.saved_bytes)} kept per micro-batch, "
-        f"+{rank.checkpointing.added_seconds * estimate.microbatches:.3g} s per step"
+        f"+{rank.checkpointing.added_seconds * estimate.microbatches * estimate.runs:.3g} s per step"
     )
 
 
@@ -140,6 +141,10 @@ def plan_json(estimate: StepEstimate) -> dict:
 
 def _micro_batches(n: int) -> str:
     return f"{n} micro-batch{'es' * (n != 1)}"
+
+
+def _runs(runs: int) -> str:
+    return f", run {runs} times a step (gradient accumulation)" if runs > 1 else ""
 
 
 def _size(nbytes: float) -> str:
