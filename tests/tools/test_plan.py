@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
-from titan.config import PlanTarget, load_config
+from titan.config import Layout, PlanTarget, load_config
 from titan.parallel.memory_plan import GIB
 from titan.tools.plan.counters import StepPeak, total_bytes
 from titan.tools.plan.devices import DEVICES
@@ -139,6 +139,33 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
         )
         assert r["peak_bytes"] <= estimate["usable_bytes"]
     assert "fits" in result.stdout and "short" not in result.stdout
+    config = load_config(f"recipes/{recipe}.toml", world_size=world)
+    for r in ranks:
+        expected = megatron_sp_traffic(config, world, r["layers"], r["stages"])
+        planned = {kind: r["traffic_bytes"].get(f"tp {kind}", 0) for kind in expected}
+        for kind, value in expected.items():
+            assert planned[kind] == pytest.approx(value, rel=0.05), (r["pp_rank"], kind, planned, expected)
+
+
+def megatron_sp_traffic(config, world: int, layers: list[list[int]], stages: list[int]) -> dict[str, float]:
+    """Tensor-parallel bytes per step of one rank under Megatron's sequence parallelism, by hand (the README's
+    formula): each block's attention and feed-forward gather their sequence-sharded input once and reduce-scatter
+    their output once, forward, and the mirror backward (4 all-gathers, 4 reduce-scatters of the whole activation);
+    a recomputed block repeats its forward but stops after what backward needs, leaving out the last
+    reduce-scatter (+2, +1); the embedding's output is reduce-scattered and the head's input gathered, each with its
+    mirror backward (+1, +1 for each of them on the rank holding it). Each counts the whole activation: the rank's
+    tokens x dim x bytes."""
+    spec, args = resolve_model(config)
+    layout = Layout.from_config(config.parallel, world)
+    if layout.tp == 1:
+        return {"all-gather": 0, "reduce-scatter": 0}
+    blocks = sum(map(len, layers))
+    recompute = int(config.activation_checkpoint.mode in ("full", "selective"))
+    ends = sum(stage == 0 for stage in stages) + sum(stage == layout.pp * len(stages) - 1 for stage in stages)
+    activation = config.training.global_batch_size // layout.dp * config.training.seq_len * args.dim * 2  # bf16
+    gathers = (4 + 2 * recompute) * blocks + ends
+    scatters = (4 + recompute) * blocks + ends
+    return {"all-gather": gathers * activation, "reduce-scatter": scatters * activation}
 
 
 @pytest.mark.slow

@@ -46,8 +46,9 @@ def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
 def tp_plan(
     model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
 ) -> dict[str, nn.Module]:
-    """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
-    needs one all-reduce (or, with sequence parallel, one all-gather + reduce-scatter) per sub-layer.
+    """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each sub-layer
+    (attention, feed-forward) moves its activations once each way: one all-reduce forward and one backward, or,
+    with sequence parallel, an all-gather and a reduce-scatter forward and their mirror backward.
     With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions.
     styles: (colwise, rowwise, prepare_module_input) classes for the blocks' linears and their inputs, e.g.
     torchao's float8 styles; None: torch's own. The embedding and the output head always use torch's."""
@@ -69,10 +70,14 @@ def tp_plan(
         if sequence_parallel:
             plan[f"{block}.attention_norm"] = SequenceParallel()
             plan[f"{block}.ffn_norm"] = SequenceParallel()
+        # The sub-layer's input stays a DTensor (use_local_output=False): the column-parallel linears that read it
+        # then add their Partial input gradients, and the one redistribution back to `between` reduces them once
+        # (a plain tensor would make each linear all-reduce its own). Rope, attention per document and dropout
+        # still see plain local tensors: the column-parallel linears hand back their local head shards.
         plan[f"{block}.attention"] = prepare_input(
             input_layouts=(between, None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,
+            use_local_output=False,
         )
         # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
         # attention probabilities by head (dim 1), residual branches by sequence (dim 1) under SP.
@@ -81,7 +86,7 @@ def tp_plan(
             plan[f"{block}.attention_dropout"] = _sharded_input(Shard(1))
             plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
         plan[f"{block}.feed_forward"] = prepare_input(
-            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
         for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"{block}.{linear}"] = colwise()
