@@ -349,3 +349,19 @@ def test_the_planned_flops_are_the_formula_times_the_global_tokens_on_every_layo
     # The traced attention backward counts a little more than the formula's (see test_the_planned_step_is_the_real_one).
     assert flops["none"] == pytest.approx(spec.flops_per_token(args, run.seq_len) * run.tokens_per_step, rel=0.02)
     assert flops["none"] < flops["full"] <= flops["none"] * 4 / 3  # forward is a third of forward and backward
+
+
+@pytest.mark.slow
+def test_no_rank_of_a_tp_fsdp_pipeline_materialises_the_whole_vocabulary(tmp_path):
+    """The embedding's gradient is each TP rank's slice of the vocabulary (VocabParallelEmbedding): torch's
+    RowwiseParallel made it whole on every rank, 7.8 GiB in fp32 on a 405B rank. A model whose vocabulary matrix is
+    its largest tensor by far, on pp2 x dp_shard2 x tp2 in bf16: no op of any rank allocates the whole matrix (the
+    largest allocations are TP slices in fp32, with FSDP's buffer for the small parameters beside them)."""
+    vocab, dim, tp = 32768, 256, 2
+    overrides = {"model.overrides.vocab_size": str(vocab), "training.seq_len": "64", "training.local_batch_size": "2",
+                 "training.global_batch_size": "4", "training.mixed_precision": "bf16", "parallel.pp": "2",
+                 "parallel.dp_shard": "2", "parallel.tp": str(tp)}  # fmt: skip
+    estimate = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **overrides), world_size=8), 8)
+    whole = vocab * dim * 4  # in fp32; a TP rank's slice is half of it
+    for rank in estimate.ranks:
+        assert rank.trace.largest[0] < whole, (rank.pp_rank, rank.trace.largest)
