@@ -140,6 +140,10 @@ def unobserved_shape_propagation():
 
 
 def nbytes(t) -> int:
+    """Bytes a tensor holds on this rank: a DTensor's local shard, not its global size (an op that the mode sees on
+    DTensors, such as FSDP casting a TP-sharded gradient, allocates only the shard)."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
