@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from titan import __version__
 from titan.config import Config, load_config, read_config, to_toml
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, write_error
@@ -31,6 +32,22 @@ data_app = typer.Typer(help="Prepare data: tokenize sources once into token shar
 app.add_typer(data_app, name="data")
 simulate_app = typer.Typer(help="Simulate clusters larger than this machine.", no_args_is_help=True)
 app.add_typer(simulate_app, name="simulate")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"titan {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _titan(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print titan's version and exit."
+    ),
+) -> None:
+    """titan: pretrain Llama-family language models from a TOML recipe, on one CPU or thousands of GPUs."""
+
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -275,9 +292,10 @@ def plan(
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:
         p = read_config(config, overrides).parallel
-        if p.dp_shard == -1:
-            raise UserError("parallel.dp_shard = -1 takes what the world size leaves: give --world-size")
-        world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
+        world_size = p.dp_replicate * abs(p.dp_shard) * p.tp * p.pp
+        if p.dp_shard == -1:  # it takes what the world size leaves: plan the smallest world
+            typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
+                       "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
     cfg = load_config(config, overrides, world_size=world_size)
     from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
     from titan.tools.plan.graph import analyse_recipe

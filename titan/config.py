@@ -692,6 +692,12 @@ class Layout:
         """The recipe's degrees with dp_shard = -1 resolved; they must multiply to the world size."""
         others = p.dp_replicate * p.tp * p.pp
         dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
+        if p.dp_shard == -1 and (dp_shard < 1 or others * dp_shard != world_size):
+            raise ConfigError(
+                f"parallel.dp_shard = -1 takes what dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {others} "
+                f"leaves of the world size {world_size}, and {others} does not divide it; launch a multiple of "
+                f"{others} processes (torchrun --nproc-per-node) or lower the degrees"
+            )
         if dp_shard < 1 or others * dp_shard != world_size:
             raise ConfigError(
                 f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "

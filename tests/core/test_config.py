@@ -208,3 +208,16 @@ def test_config_keys_prints_a_section_and_names_the_sections_when_one_is_wrong()
     assert "optimizer.lr" not in listed.stdout
     wrong = run_titan("config", "keys", "trainig")
     assert_one_line_error(wrong, "no section 'trainig'", "training")
+
+
+def test_titan_version_prints_the_package_version():
+    from titan import __version__
+
+    result = run_titan("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"titan {__version__}"
+
+
+def test_a_tensor_parallel_degree_the_world_cannot_hold_names_the_launch():
+    """dp_shard = -1 already: the error says what to launch instead of asking for -1 again."""
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), "--parallel.tp", "3")
+    assert_one_line_error(result, "dp_replicate=1 x tp=3 x pp=1 = 3", "world size 1", "launch a multiple of 3")

@@ -283,8 +283,9 @@ def test_wrong_inputs_are_one_line_errors():
     assert "do not multiply to the world size 8" in wrong_size.stderr
     unknown = run_titan("plan", "--config", "recipes/llama3_8b.toml", "--device", "tpu")
     assert unknown.returncode == 2 and "plan.device must be one of 'h100'" in unknown.stderr.strip()
-    unsized = run_titan("plan", "--config", "recipes/debug.toml")  # dp_shard = -1: the world size is needed
-    assert unsized.returncode == 2 and "give --world-size" in unsized.stderr
+    # dp_shard = -1 without --world-size: the smallest world, and how to plan a bigger one.
+    unsized = run_titan("plan", "--config", "recipes/debug.toml")
+    assert unsized.returncode == 0 and "planned on 1 device" in unsized.stdout and "--world-size" in unsized.stdout
 
 
 def test_every_plannable_device_has_figures():
