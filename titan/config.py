@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -21,6 +22,8 @@ from typing import Any, Literal
 import tomli_w
 
 from titan.errors import ConfigError
+
+log = logging.getLogger("titan")
 
 
 @dataclass(frozen=True)
@@ -513,11 +516,13 @@ def validate(config: Config, world_size: int) -> None:
     require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
     s = config.lr_scheduler
     require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
-    require(
-        s.warmup_steps <= t.steps,
-        f"lr_scheduler.warmup_steps ({s.warmup_steps}) is longer than the run (training.steps {t.steps}): it would "
-        "end before its learning rate reaches optimizer.lr; lower warmup_steps",
-    )
+    if s.warmup_steps > t.steps:
+        log.warning(
+            "lr_scheduler.warmup_steps (%d) is longer than the run (training.steps %d): the learning rate warms up "
+            "over the whole run and never reaches optimizer.lr",
+            s.warmup_steps,
+            t.steps,
+        )
     require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
     require(0 < s.wsd_decay_ratio <= 1, f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
     require(config.metrics.log_freq > 0, f"metrics.log_freq must be positive, got {config.metrics.log_freq}")

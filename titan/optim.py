@@ -78,20 +78,22 @@ def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tens
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
+    """Multiplier of the peak lr for optimizer step `step` (0-based). A warmup longer than the run (a short smoke run
+    of a long recipe) lasts the whole run."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
     floor = cfg.min_lr_ratio
     if cfg.decay == "constant":
         return 1.0
     if cfg.decay == "wsd":
         decay_steps = max(1, round(cfg.wsd_decay_ratio * total_steps))
-        decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
+        decay_start = max(warmup, total_steps - decay_steps)
         if step < decay_start:
             return 1.0
         progress = (step - decay_start + 1) / max(1, total_steps - decay_start)
         return 1.0 - (1.0 - floor) * min(progress, 1.0)
-    progress = min(1.0, (step - cfg.warmup_steps + 1) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
     if cfg.decay == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

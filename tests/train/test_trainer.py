@@ -86,6 +86,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         torch.testing.assert_close(p_small.grad, p_big.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_a_short_run_of_a_long_recipe_warms_up_over_the_whole_run():
+    """A smoke run shorter than the recipe's warmup trains (with a warning) instead of being refused."""
+    long_warmup = LRScheduler(warmup_steps=50, decay="cosine", min_lr_ratio=0.1)
+    assert [lr_factor(s, 4, long_warmup) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]  # as a warmup of 4 would
+    shown = run_titan("config", "show", "--config", str(DEBUG_RECIPE), "--training.steps", "5")
+    assert shown.returncode == 0 and "warmup_steps (20) is longer than the run (training.steps 5)" in shown.stderr
+
+
 def test_lr_schedules_by_hand():
     cosine = LRScheduler(warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
     assert [lr_factor(s, 14, cosine) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
