@@ -168,7 +168,7 @@ class LRScheduler:
 class Metrics:
     log_freq: int = 10  # log every N steps (and the first and last)
     tensorboard: bool = True  # write TensorBoard event files into the run folder
-    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online with credentials, else offline
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: online with credentials, else off
     wandb_project: str = "titan"  # the wandb project runs go to
     # Runs of one comparison share a group ("" = the recipe's file name); tags add to the automatic ones
     # (recipe, model, layout). TensorBoard names its run folder after the group and layout too.

@@ -224,3 +224,29 @@ def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeyp
     config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, wandb_group="lr-sweep"))
     metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info).close()
     assert captured["id"] == tracking["wandb"]["id"] and captured["group"] == "lr-sweep"
+
+
+def test_wandb_auto_logs_online_with_credentials_and_is_off_without(tmp_path, monkeypatch, caplog):
+    """A run nobody configured wandb for creates no wandb run; an API key or a `wandb login` (~/.netrc) turns it on."""
+    import wandb
+
+    from titan.observe import metrics
+
+    started = []
+    monkeypatch.setattr(
+        wandb, "init", lambda **kwargs: started.append(kwargs["mode"]) or type("R", (), {"url": None})()
+    )
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    config = load_config(DEBUG_RECIPE, ["--job.output_dir", str(tmp_path), "--metrics.tensorboard", "false"])
+    with caplog.at_level("INFO", logger="titan"):
+        info = {"world_size": 1, "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}}
+        metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info).close()
+    assert started == [] and "wandb" not in json.loads((config.run_dir / "tracking.json").read_text())
+    assert "wandb: off" in caplog.text
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert metrics._wandb_credentials()
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789")
+    assert metrics._wandb_credentials()

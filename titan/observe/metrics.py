@@ -123,7 +123,9 @@ class MetricsLogger:
             tracking["tensorboard"] = str(tb_dir.relative_to(run_dir))
         mode = config.metrics.wandb
         if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            mode = "online" if _wandb_credentials() else "disabled"
+            if mode == "disabled":
+                log.info("wandb: off (metrics.wandb = auto, no WANDB_API_KEY or `wandb login`; 'offline' logs here)")
         if mode != "disabled":
             import wandb
 
@@ -139,7 +141,9 @@ class MetricsLogger:
                 dir=str(run_dir),
                 mode=mode,
                 config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
+                settings=wandb.Settings(silent=True),  # titan prints the run's address itself, once
             )
+            log.info("wandb: %s run %s", mode, self._wandb.url or run_dir / "wandb")
             tracking["wandb"] = {
                 "project": config.metrics.wandb_project,
                 "id": run_id,
@@ -271,3 +275,17 @@ def run_info(device: torch.device, world_size: int, layout: Layout) -> dict:
         "layout": dataclasses.asdict(layout),
         "hostname": platform.node(),
     }
+
+
+def _wandb_credentials() -> bool:
+    """Whether wandb can log online: an API key in the environment, or one `wandb login` saved in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
