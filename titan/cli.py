@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from titan import __version__
-from titan.config import Config, load_config, read_config, to_toml
+from titan.config import Config, degrees_world_size, load_config, read_config, to_toml
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, write_error
 from titan.run_plan import run_plan
@@ -142,7 +142,8 @@ def data_prepare(
     already prepared with the same files and tokenizer is skipped.
     """
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
-    cfg = load_config(config, overrides)
+    # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
+    cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
     from titan.data import validation_source  # imported late, as in train: titan.data imports torch
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
@@ -292,7 +293,7 @@ def plan(
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:
         p = read_config(config, overrides).parallel
-        world_size = p.dp_replicate * abs(p.dp_shard) * p.tp * p.pp
+        world_size = degrees_world_size(p)
         if p.dp_shard == -1:  # it takes what the world size leaves: plan the smallest world
             typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
                        "--world-size; give --world-size to plan a bigger world)")  # fmt: skip

@@ -682,6 +682,11 @@ def validate(config: Config, world_size: int) -> None:
         )
 
 
+def degrees_world_size(p: Parallel) -> int:
+    """The world the recipe's parallel degrees make by themselves; dp_shard = -1 (whatever is left) counts as 1."""
+    return p.dp_replicate * abs(p.dp_shard) * p.tp * p.pp
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the world is split: the one description of a parallel layout, used by the trainer, the mesh,

@@ -328,3 +328,12 @@ def test_tokenizer_path_may_name_a_hub_model_in_the_local_hf_cache(tmp_path, mon
     assert from_hub.encode("Once upon a time") == local.encode("Once upon a time")
     with pytest.raises(ConfigError, match="nor a hub model whose tokenizer.json is in the local HF cache"):
         Tokenizer(TokenizerConfig(path="acme/not-downloaded"))
+
+
+def test_a_recipe_laid_out_for_many_gpus_prepares_on_one_machine(tmp_path):
+    """`titan data prepare` on a login node: the layout of the run it prepares for does not matter."""
+    train = write_jsonl(tmp_path / "train.jsonl", TEXTS)
+    layout = ["--parallel.dp_shard", "8", "--parallel.tp", "8", "--parallel.pp", "2"]
+    result = CliRunner().invoke(app, prepare_args(train, tmp_path / "cache", *layout))
+    assert result.exit_code == 0, result.output
+    assert "40 documents" in result.output
