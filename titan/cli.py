@@ -21,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain: recipe keys such as [[data.sources]] keep their brackets
 )
 config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")

@@ -337,3 +337,8 @@ def test_a_recipe_laid_out_for_many_gpus_prepares_on_one_machine(tmp_path):
     result = CliRunner().invoke(app, prepare_args(train, tmp_path / "cache", *layout))
     assert result.exit_code == 0, result.output
     assert "40 documents" in result.output
+
+
+def test_help_keeps_the_brackets_of_recipe_keys():
+    result = CliRunner().invoke(app, ["data", "prepare", "--help"])
+    assert result.exit_code == 0 and "[[data.sources]]" in result.output
