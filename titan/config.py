@@ -419,7 +419,13 @@ def _build(cls, raw: dict, prefix: str):
     return cls(**kwargs)
 
 
+# Keys users bring from other frameworks, and what titan calls them.
+ELSEWHERE = {"job.config_file": "the recipe is --config, as in titan train --config recipe.toml"}
+
+
 def _suggest(prefix: str, key: str, cls) -> str:
+    if prefix + key in ELSEWHERE:
+        return f" ({ELSEWHERE[prefix + key]})"
     here = [prefix + f.name for f in dataclasses.fields(cls)]
     everywhere = here + _all_keys()
     match = [k for k in _all_keys() if prefix and k.endswith("." + key)]  # the right key in the wrong section?

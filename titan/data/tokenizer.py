@@ -37,7 +37,7 @@ class Tokenizer:
             if looks_like_hub_name(cfg.path):
                 hub = (
                     f", nor a hub model whose tokenizer.json is in the local HF cache (fetch it where there is "
-                    f"internet: huggingface-cli download {cfg.path} tokenizer.json)"
+                    f"internet: hf download {cfg.path} tokenizer.json)"
                 )
             raise ConfigError(f"tokenizer.path: file not found: {path}{hub}; point it at a tokenizer.json")
         try:
