@@ -278,7 +278,6 @@ def test_a_bad_source_raises_one_line_naming_the_file(tmp_path, case):
     assert not (tmp_path / "cache").exists() or leftovers(tmp_path / "cache") == []
 
 
-@pytest.mark.slow
 def prepare_args(source: Path, cache: Path, *extra: str) -> list[str]:
     """`titan data prepare` of the debug recipe with the tests' tokenizer, one worker."""
     return ["data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path,
