@@ -47,7 +47,7 @@ def _titan(
         False, "--version", callback=_print_version, is_eager=True, help="Print titan's version and exit."
     ),
 ) -> None:
-    """titan: pretrain Llama-family language models from a TOML recipe, on one CPU or thousands of GPUs."""
+    pass  # the options of `titan` itself; its help is the app's
 
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
