@@ -234,7 +234,9 @@ class ActivationCheckpoint:
             "aten._scaled_dot_product_flash_attention",
         ]
     )
-    budget_gib: float = 0.0  # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0 = not set
+    # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0: what the device's memory leaves
+    # (less plan.headroom_fraction) after everything else the step holds, as `titan plan` works it out
+    budget_gib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -652,14 +654,9 @@ def validate(config: Config, world_size: int) -> None:
     require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
     require(
         0 <= a.budget_gib < float("inf"),
-        f"activation_checkpoint.budget_gib must be a number of GiB >= 0 (0 = not set), got {a.budget_gib}",
+        f"activation_checkpoint.budget_gib must be GiB >= 0 (0: what the device leaves), got {a.budget_gib}",
     )
     if a.mode == "auto":
-        require(
-            a.budget_gib > 0,
-            "activation_checkpoint.mode = 'auto' plans to a budget: set activation_checkpoint.budget_gib to the GiB "
-            "of activations each rank's blocks may keep for backward",
-        )
         require(
             not config.compile.enable,
             "activation_checkpoint.mode = 'auto' measures eager blocks, which compiled ones do not match; set "

@@ -40,6 +40,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the rank's device has: a GPU's own, or on a CPU the host's, shared by the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def resolve_model(config: Config):
     """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
     cannot be built is a recipe error, found before any work."""
