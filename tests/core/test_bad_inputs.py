@@ -118,10 +118,10 @@ CASES = [
     ("eps", "show", ["--optimizer.eps", "0"], None, {}, ["optimizer.eps must be > 0"]),
     ("min_lr_ratio", "show", ["--lr_scheduler.min_lr_ratio", "2"], None, {}, ["lr_scheduler.min_lr_ratio", "[0, 1]"]),
     (
-        "a torchtitan key",
+        "a torchtitan key in a recipe",  # on the command line, --job.config_file is --config
         "show",
-        ["--job.config_file", "x.toml"],
-        None,
+        [],
+        recipe_file('[job]\nconfig_file = "x.toml"\n'),
         {},
         ["job.config_file", "the recipe is --config"],
     ),
