@@ -151,7 +151,7 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
 def megatron_sp_traffic(
     config, world: int, layers: list[list[int]], stages: list[int], recomputing: int | None = None
 ) -> dict[str, float]:
-    """Tensor-parallel bytes per step of one rank under Megatron's sequence parallelism, by hand (the README's
+    """Tensor-parallel bytes per step of one rank under Megatron's sequence parallelism, by hand (docs/planning.md's
     formula): each block's attention and feed-forward gather their sequence-sharded input once and reduce-scatter
     their output once, forward, and the mirror backward (4 all-gathers, 4 reduce-scatters of the whole activation);
     a recomputed block repeats its forward but stops after what backward needs, leaving out the last

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan import models
-from titan.config import Config
+from titan.config import Config, Layout
 from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
@@ -23,7 +23,7 @@ from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
-from titan.parallel.parallelize import build_model_parts, stage_batch
+from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
 from titan.run_plan import Blocks, RunPlan, run_plan
 from titan.train.step import StepHook, TrainStep
 
@@ -74,6 +74,17 @@ def resolve_model(config: Config):
         )
     # The RoPE table only needs to cover the longest sequence trained on.
     return spec, dataclasses.replace(args, max_seq_len=longest)
+
+
+def check_run(config: Config, world_size: int, device: torch.device) -> tuple:
+    """What the recipe asks of the model and the device, checked before any process group is joined (the
+    trainer, and `titan config show`): the model, the layout for it, and the run plan with its blocks. Returns
+    (spec, args, layout, blocks, run plan)."""
+    spec, args = resolve_model(config)
+    layout = Layout.from_config(config.parallel, world_size)
+    check_layout(config, spec, args, layout, device)
+    blocks = model_blocks(spec, args)
+    return spec, args, layout, blocks, run_plan(config, layout.world_size, blocks)
 
 
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
