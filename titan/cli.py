@@ -263,11 +263,15 @@ def convert_dcp_to_hf(
     out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    tokenizer: Path = typer.Option(
+        None, "--tokenizer", help="A tokenizer.json to export instead of the one the checkpoint's recipe names."
+    ),
 ) -> None:
-    """Export a titan checkpoint's model as config.json + safetensors, loadable by transformers' from_pretrained."""
+    """Export a titan checkpoint's model and tokenizer as an HF folder (config.json, safetensors, tokenizer and
+    generation config) that transformers' AutoModelForCausalLM and AutoTokenizer load."""
     from titan.checkpoint.hf import dcp_to_hf
 
-    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype))
+    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype, tokenizer))
 
 
 @convert_app.command("upgrade")

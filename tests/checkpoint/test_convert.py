@@ -39,6 +39,7 @@ from titan.checkpoint import hf_match  # noqa: E402
 from titan.checkpoint.checkpointer import model_shapes, write_train_state  # noqa: E402
 from titan.checkpoint.format import CheckpointWriter, seal  # noqa: E402
 from titan.config import Config, Model, load_config, to_toml  # noqa: E402
+from titan.data.tokenizer import Tokenizer  # noqa: E402
 from titan.errors import ConfigError  # noqa: E402
 from titan.models.llama.hf import from_hf_state_dict  # noqa: E402
 from titan.rng.shards import ShardIndex, full_tensor, global_indices  # noqa: E402
@@ -306,6 +307,42 @@ def test_trained_checkpoint_exports_to_hf_with_the_same_logits(tmp_path, tied):
         theirs = model.eval()(tokens).logits
     assert theirs.abs().max() > 1
     assert max_diff(ours, theirs) < TOL  # measured: 1.3e-2 if the export skips the q/k permutation
+    sizes = {name: p.numel() * p.element_size() for name, p in model.state_dict().items()}
+    assert index["metadata"]["total_size"] == sum(sizes[name] for name in index["weight_map"])
+    assert index["metadata"]["total_parameters"] == sum(p.numel() for p in model.parameters())
+
+
+PROMPT = "The dog ran"
+
+
+def test_exported_folder_loads_with_auto_classes_and_continues_as_titan_generate(tmp_path):
+    """`titan convert dcp-to-hf` writes the tokenizer and generation config: transformers' AutoTokenizer encodes
+    a text as titan frames a prompt (BOS + text), and AutoModelForCausalLM's greedy generate continues it with
+    the text `titan generate` prints."""
+    run = {"training.steps": "5", "lr_scheduler.warmup_steps": "0", "optimizer.lr": "1e-2"}
+    make_trainer(tmp_path, {**SMALL, **run, "checkpoint.enable": "true"}).train()
+    out = tmp_path / "hf"
+    result = run_titan("convert", "dcp-to-hf", str(tmp_path / "debug"), str(out))
+    assert result.returncode == 0, result.stderr
+    assert {"config.json", "model.safetensors", *hf_io.TOKENIZER_FILES} <= {p.name for p in out.iterdir()}
+    assert "the tokenizer files" in result.stdout
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = Tokenizer(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path)).tokenizer)
+    for text in (PROMPT, "  two spaces, then\nlines", "é ü 🙂"):
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode(text)[:-1] and ids[0] == ours.bos_id
+        assert tokenizer.decode(ids[1:]) == ours.decode(ids[1:]) == text
+
+    generated = run_titan("generate", "--checkpoint", str(tmp_path / "debug"), "--prompt", PROMPT, "--max-new-tokens",
+                          "24")  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        sequence = model.generate(**inputs, max_new_tokens=24, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert len(set(sequence.tolist())) > 3  # a continuation, not one token repeated
+    assert generated.stdout == tokenizer.decode(sequence, skip_special_tokens=True) + "\n"
 
 
 # -- errors ------------------------------------------------------------------------------------------------------

@@ -277,8 +277,9 @@ class Checkpointer:
                 )
             state = self._tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
-            writer = CheckpointWriter(tmp)
-            if self.cfg.async_save and not wait:
+            background = self.cfg.async_save and not wait
+            writer = CheckpointWriter(tmp, progress=None if background else f"checkpoint step {step}: saving")
+            if background:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
                 self._pending = (future, tmp, final)
             else:
@@ -415,7 +416,7 @@ class Checkpointer:
                 with single_process_quiet():
                     dcp.load(
                         tensors,
-                        storage_reader=CheckpointReader(path),
+                        storage_reader=CheckpointReader(path, progress=f"loading checkpoint {path.name}"),
                         process_group=self.save_group,
                         no_dist=self.save_group is None,
                     )

@@ -26,6 +26,7 @@ import math
 import os
 import pickle
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 
 from titan.errors import ConfigError
 from titan.files import fsync, write_synced
+from titan.observe.progress import Progress
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -237,8 +240,45 @@ def metadata_of(index: Any, sizes: dict[str, int], folder: Path) -> Metadata:
     return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
 
 
+class _Counted:
+    """A DCP planner whose items count as progress when the storage layer takes one to write (resolve_data,
+    called just before its write) or hands one back read (commit_tensor); every other call goes to `planner`."""
+
+    def __init__(self, planner, progress: Progress, size: Callable[[Any], int]):
+        self._planner, self._progress, self._size = planner, progress, size
+
+    def __getattr__(self, name: str):
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item):
+        data = self._planner.resolve_data(item)
+        self._progress.update(self._size(item))
+        return data
+
+    def commit_tensor(self, item, tensor) -> None:
+        self._planner.commit_tensor(item, tensor)
+        self._progress.update(self._size(item))
+
+
+def _write_item_bytes(item: WriteItem) -> int:
+    chunk = item.tensor_data
+    return 0 if chunk is None else math.prod(chunk.chunk.sizes) * chunk.properties.dtype.itemsize
+
+
 class CheckpointWriter(dcp.FileSystemWriter):
-    """DCP's file writer, writing the index as JSON (tensors.json) instead of a pickle."""
+    """DCP's file writer, writing the index as JSON (tensors.json) instead of a pickle. With `progress`, it shows
+    this rank's writing as that: only for a save that blocks, never one in the background."""
+
+    def __init__(self, path: str | os.PathLike, progress: str | None = None):
+        super().__init__(path)
+        self.progress = progress
+
+    def write_data(self, plan: SavePlan, planner):
+        if self.progress is None:
+            return super().write_data(plan, planner)
+        total = sum(map(_write_item_bytes, plan.items))
+        with Progress(self.progress, total, "B") as progress:  # DCP's file writer is done when write_data returns
+            return super().write_data(plan, _Counted(planner, progress, _write_item_bytes))
 
     def finish(self, metadata: Metadata, results: list) -> None:
         storage = {result.index: result.storage_data for rank_results in results for result in rank_results}
@@ -248,11 +288,19 @@ class CheckpointWriter(dcp.FileSystemWriter):
 
 class CheckpointReader(dcp.FileSystemReader):
     """DCP's file reader, reading the JSON index after the folder's checks; no pickle is read. `sealed`: a
-    checkpoint with its manifest (every titan checkpoint); unsealed only for titan's own scratch folders."""
+    checkpoint with its manifest (every titan checkpoint); unsealed only for titan's own scratch folders. With
+    `progress`, it shows this rank's reading as that."""
 
-    def __init__(self, path: str | os.PathLike, sealed: bool = True):
+    def __init__(self, path: str | os.PathLike, sealed: bool = True, progress: str | None = None):
         super().__init__(path)
-        self.sealed = sealed
+        self.sealed, self.progress = sealed, progress
+
+    def read_data(self, plan: LoadPlan, planner):
+        if self.progress is None:
+            return super().read_data(plan, planner)
+        size = lambda item: self.storage_data[item.storage_index].length  # noqa: E731
+        with Progress(self.progress, sum(map(size, plan.items)), "B") as progress:
+            return super().read_data(plan, _Counted(planner, progress, size))
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         folder = Path(self.path)

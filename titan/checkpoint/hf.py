@@ -15,8 +15,9 @@ bf16 files, which read whole by each of a node's 8 ranks would take 1.1 TB; read
   step 0, and the COMPLETE marker, written under a temporary name and renamed. Train from it with
   `checkpoint.resume = <folder>` and `load_only = ["model"]`. (It holds the model, in one process.)
 * dcp-to-hf exports the model part of any titan checkpoint (whatever layout saved it): the output files are
-  planned from the checkpoint's metadata, then each is filled by loading just its tensors from DCP, written,
-  and freed before the next. `config.json` plus safetensors shards, with an index when there are several.
+  planned from the checkpoint's metadata (huggingface_hub's shard split), then each is filled by loading just its
+  tensors from DCP, written, and freed before the next. `config.json` plus safetensors shards, with an index when
+  there are several, and the recipe's tokenizer as transformers' AutoTokenizer and generate read it.
 
 init_from_hf and dcp-to-hf report the peak host memory they added (`PeakMemory`).
 """
@@ -31,7 +32,7 @@ import os
 import re
 import shutil
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from titan.checkpoint.format import CheckpointReader, CheckpointWriter, dcp_erro
 from titan.checkpoint.hf_match import check_model_matches, describe_match, model_toml
 from titan.config import Config, Model, to_toml, toml_value
 from titan.errors import ConfigError
+from titan.observe.progress import Progress
 
 log = logging.getLogger("titan")
 
@@ -286,17 +288,22 @@ def read_part(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int
 
 
 @torch.no_grad()
-def read_into(hf: HFFolder, named_tensors) -> tuple[int, int]:
+def read_into(hf: HFFolder, named_tensors, what: str) -> tuple[int, int]:
     """Fill each (titan name, tensor) with its part of the HF weights, cast to the tensor's dtype: a whole plain
-    tensor, or the local shard of a DTensor of any layout. Returns (tensors written, bytes read from the files)."""
+    tensor, or the local shard of a DTensor of any layout, showing progress as `what`. Returns (tensors written,
+    bytes read from the files)."""
+    named_tensors = list(named_tensors)
+    total = sum(param.numel() * param.element_size() for _, param in named_tensors)  # of the whole model
     count = read = 0
-    for name, param in named_tensors:
-        local, index = _shard_index(name, param)
-        if local.numel():
-            values, n = read_part(hf, name, index)
-            local.copy_(values)
-            read += n
-        count += 1
+    with Progress(what, total, "B") as progress:
+        for name, param in named_tensors:
+            local, index = _shard_index(name, param)
+            if local.numel():
+                values, n = read_part(hf, name, index)
+                local.copy_(values)
+                read += n
+            count += 1
+            progress.update(param.numel() * param.element_size())
     return count, read
 
 
@@ -338,12 +345,13 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     shapes = model_shapes(spec, hf.args)
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
     tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
-    read_into(hf, tensors.items())
+    read_into(hf, tensors.items(), f"reading {hf_dir.name}")
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with _atomic_folder(out_dir) as tmp:
         try:
+            writer = CheckpointWriter(tmp, progress=f"writing {out_dir.name}")
             with single_process_quiet():
-                dcp.save({"model": tensors}, storage_writer=CheckpointWriter(tmp), no_dist=True)
+                dcp.save({"model": tensors}, storage_writer=writer, no_dist=True)
         except CheckpointException as e:  # DCP wraps the writer's error (a full disk) with every rank's traceback
             raise ConfigError(f"cannot write {out_dir}: {dcp_error(e)}") from None
         # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
@@ -455,24 +463,80 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive groups of names whose sizes add up to at most max_bytes (a larger one gets a group of its own)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, n in sizes.items():
-        if groups[-1] and size + n > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
-    return groups
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def checkpoint_tokenizer(path: Path, vocab_size: int, override: Path | None = None):
+    """The tokenizer a checkpoint's recipe names (or the tokenizer.json `override`, with the recipe's BOS/EOS), as
+    titan.data.Tokenizer; ConfigError when it cannot be read or has more tokens than the model."""
+    from titan.config import Tokenizer as TokenizerConfig
+    from titan.data.tokenizer import Tokenizer
+
+    recipe = tomllib.loads(read_train_state(path)["recipe"])
+    try:
+        cfg = TokenizerConfig(**recipe.get("tokenizer", {}))
+    except TypeError as e:
+        raise ConfigError(f"checkpoint {path}: its recipe's [tokenizer] is not titan's: {e}") from None
+    if override is not None:
+        cfg = replace(cfg, path=str(override))
+    tokenizer = Tokenizer(cfg)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model only {vocab_size}: "
+            "not the tokenizer it was trained with"
+        )
+    return tokenizer
+
+
+def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
+    """TOKENIZER_FILES for transformers' AutoTokenizer and generate, from titan's tokenizer.
+
+    titan trains on documents framed BOS + text + EOS and continues a prompt as BOS + text; so the tokenizer.json
+    written prepends BOS to what it encodes (a post-processor, as Llama 3's own tokenizer.json has), unless the
+    source tokenizer does so already. Decoding keeps the text as titan decodes it (no clean-up of spaces).
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    hf = HFTokenizer.from_file(str(tokenizer.path))
+    bos, eos = hf.id_to_token(tokenizer.bos_id), hf.id_to_token(tokenizer.eos_id)
+    if hf.encode("a").ids[:1] != [tokenizer.bos_id]:
+        prepend = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
+        )
+        hf.post_processor = prepend if hf.post_processor is None else processors.Sequence([hf.post_processor, prepend])
+    hf.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": bos, "eos_token": eos}
+    files = {
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # the tokenizer.json as it is, as Llama 3 ships it
+            **special,
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"],
+        },
+        "special_tokens_map.json": special,
+        # Greedy, as `titan generate` by default; no pad token of its own: batches pad with EOS.
+        "generation_config.json": {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": tokenizer.eos_id,
+            "pad_token_id": tokenizer.eos_id,
+        },
+    }
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def dcp_to_hf(
-    checkpoint: Path, out_dir: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, dtype: str = "float32"
+    checkpoint: Path,
+    out_dir: Path,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str = "float32",
+    tokenizer: Path | None = None,
 ) -> str:
-    """Export the model of a titan checkpoint as an HF folder, one output file in memory at a time; returns the
-    report to print."""
+    """Export the model of a titan checkpoint, and the tokenizer its recipe names (or `tokenizer`), as an HF folder,
+    one weights file in memory at a time; returns the report to print."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     if dtype not in _DTYPES:
@@ -480,39 +544,60 @@ def dcp_to_hf(
     max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
     with PeakMemory() as peak:
         path, spec, args, saved = _model_checkpoint(checkpoint)
+        tok, tokenizer_note = _export_tokenizer(path, args.vocab_size, tokenizer)
         sources = spec.hf.sources(args)
-        sizes = {name: math.prod(shape) * out_dtype.itemsize for name, (shape, _) in saved.items()}
-        groups = plan_shards(sizes, max_bytes)
-        files = [SINGLE_FILE]
-        if len(groups) > 1:
-            files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-        with _atomic_folder(Path(out_dir)) as tmp:
-            (tmp / CONFIG_FILE).write_text(json.dumps(spec.hf.config_from_args(args, dtype), indent=2) + "\n")
-            for file, names in zip(files, groups):
-                tensors = _load_parameters(path, {name: saved[name] for name in names})
+        titan_names = {sources[name][0]: name for name in saved}
+        # huggingface_hub plans the files and the index from sizes alone (meta tensors: nothing is allocated). Its
+        # save_torch_state_dict would need every tensor in memory at once, so the files are written here, one
+        # at a time.
+        planned = {
+            hf: torch.empty(saved[titan][0], dtype=out_dtype, device="meta") for hf, titan in titan_names.items()
+        }
+        split = split_torch_state_dict_into_shards(planned, max_shard_size=max_bytes)
+        n_params = sum(math.prod(shape) for shape, _ in saved.values())
+        what = f"exporting {path.name} to {Path(out_dir).name}"
+        with _atomic_folder(Path(out_dir)) as tmp, Progress(what, split.metadata["total_size"], "B") as progress:
+            config = spec.hf.config_from_args(args, dtype)
+            if tok is not None:
+                config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            for file, hf_names in split.filename_to_tensors.items():
+                tensors = _load_parameters(path, {titan_names[hf]: saved[titan_names[hf]] for hf in hf_names})
                 weights = {}
-                for name in names:
-                    hf_name, rows = sources[name]
-                    weights[hf_name] = spec.hf.to_hf_tensor(tensors.pop(name), rows).to(out_dtype).contiguous()
+                for hf in hf_names:
+                    titan = titan_names[hf]
+                    weights[hf] = spec.hf.to_hf_tensor(tensors.pop(titan), sources[titan][1]).to(out_dtype).contiguous()
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
+                progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
                 del weights  # before the next file's tensors are loaded, not after
-            if len(groups) > 1:
+            if split.is_sharded:
                 index = {
-                    "metadata": {
-                        "total_size": sum(sizes.values()),
-                        "total_parameters": sum(math.prod(shape) for shape, _ in saved.values()),
-                    },
-                    "weight_map": {sources[name][0]: file for file, names in zip(files, groups) for name in names},
+                    "metadata": {**split.metadata, "total_parameters": n_params},
+                    "weight_map": split.tensor_to_filename,
                 }
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    n_params = sum(math.prod(shape) for shape, _ in saved.values())
-    several = len(files) > 1
+            if tok is not None:
+                write_tokenizer_files(tmp, tok, args.max_seq_len)
+    files = len(split.filename_to_tensors)
     return (
-        f"wrote {out_dir}: {CONFIG_FILE} and {len(files)} safetensors file{'s' * several}"
-        f"{' with ' + INDEX_FILE if several else ''} ({len(saved)} tensors, {n_params / 1e6:.2f}M parameters, "
-        f"{dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}); no tokenizer files "
-        "are written: copy them from the tokenizer the run used"
+        f"wrote {out_dir}: {CONFIG_FILE}, {files} safetensors file{'s' * (files > 1)}"
+        f"{' with ' + INDEX_FILE if split.is_sharded else ''} ({len(saved)} tensors, {n_params / 1e6:.2f}M "
+        f"parameters, {dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}), and "
+        f"{tokenizer_note}"
     )
+
+
+def _export_tokenizer(path: Path, vocab_size: int, override: Path | None):
+    """(the tokenizer to export with checkpoint `path`, or None; what the report says of it). A recipe's
+    tokenizer that is not here (a checkpoint converted from HF names titan's default) leaves the export without
+    tokenizer files, which the report says; a --tokenizer that fails is an error."""
+    try:
+        tok = checkpoint_tokenizer(path, vocab_size, override)
+    except ConfigError as e:
+        if override is not None:
+            raise ConfigError(f"--tokenizer: {e}") from None
+        return None, f"no tokenizer files ({e}; pass --tokenizer PATH/tokenizer.json)"
+    return tok, f"the tokenizer files ({', '.join(TOKENIZER_FILES)}) from {tok.path}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -533,7 +618,7 @@ def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: s
             raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
         check_model_matches(spec, model_args, hf.args, f"checkpoint.init_from_hf {source}", recipe_model)
         try:
-            count, read = read_into(hf, named_parameters)
+            count, read = read_into(hf, named_parameters, f"checkpoint.init_from_hf: reading {source.name}")
         except ConfigError as e:
             raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
     n_params = sum(math.prod(s) for s in model_shapes(spec, hf.args).values())

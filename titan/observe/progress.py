@@ -1,0 +1,120 @@
+"""Progress of long work (conversions, downloads, checkpoint loads and saves, hub datasets), shown on rank 0 only.
+
+On a terminal it is a tqdm bar (as `titan data prepare` draws); in a log file, where a bar's carriage returns
+would pile up, it is a line every LOG_EVERY_S seconds. Work that ends sooner shows nothing either way. torch is
+not imported here, so that quick commands stay quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("titan")
+
+LOG_EVERY_S = 30.0
+BAR_DELAY_S = 1.0  # a bar appears only for work still going after this long
+
+
+def is_rank_0() -> bool:
+    """Whether this process is rank 0 (or the only one): RANK is set by torchrun and SLURM launches."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Progress:
+    """`with Progress("exporting", total=n_bytes, unit="B") as p: ... p.update(k)`.
+
+    total: the amount of work when known (None: a count without a percentage or time left); unit "B" shows sizes
+    as 1.2GB. enabled=False shows nothing (e.g. work in the background). stream and clock are what the bar
+    writes to and how the log lines tell time; tests give their own.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        total: float | None = None,
+        unit: str = "",
+        *,
+        enabled: bool = True,
+        stream=None,
+        clock: Callable[[], float] = time.monotonic,
+        log_every_s: float = LOG_EVERY_S,
+    ):
+        self.what, self.total, self.unit = what, total or None, unit
+        self.done = 0.0
+        self._stream = stream if stream is not None else sys.stderr
+        self._clock, self._every = clock, log_every_s
+        self._start = self._last = clock()
+        self._logged = False
+        self._lock = threading.Lock()  # DCP may write from several threads
+        self._bar = None
+        self.enabled = enabled and is_rank_0()
+        if self.enabled and _is_terminal(self._stream):
+            from tqdm import tqdm
+
+            bytes_ = unit == "B"
+            self._bar = tqdm(total=self.total, desc=what, unit=unit or "it", unit_scale=bytes_ or unit == "",
+                             unit_divisor=1024 if bytes_ else 1000, file=self._stream, delay=BAR_DELAY_S,
+                             mininterval=0.5, dynamic_ncols=True)  # fmt: skip
+
+    def update(self, amount: float = 1) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self.done += amount
+            if self._bar is not None:
+                self._bar.update(amount)
+                return
+            now = self._clock()
+            if now - self._last >= self._every:
+                self._last, self._logged = now, True
+                self._emit(self.describe(now - self._start))
+
+    def describe(self, seconds: float) -> str:
+        """'exporting: 1.2GB of 2.6GB (46%), 35.0MB/s, about 40s left' (what a log line says)."""
+        from tqdm import tqdm
+
+        from titan.observe.runs import duration
+
+        size = lambda n: tqdm.format_sizeof(n, self.unit, 1024 if self.unit == "B" else 1000)  # noqa: E731
+        rate = self.done / seconds if seconds > 0 else 0.0
+        line = f"{self.what}: {size(self.done)}"
+        if self.total:
+            line += f" of {size(self.total)} ({100 * self.done / self.total:.0f}%)"
+        line += f", {size(rate)}/s"
+        if self.total and rate > 0:
+            line += f", about {duration(max(0.0, self.total - self.done) / rate)} left"
+        return line
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._logged:  # a log that said it was under way says when it is done
+            from titan.observe.runs import duration
+
+            self._emit(f"{self.what}: done, {duration(self._clock() - self._start)}")
+        self.enabled = False
+
+    def _emit(self, line: str) -> None:
+        # The trainer's logging when it is set up; commands that set up none get the line as it would print it.
+        if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+            log.info(line)
+        else:
+            print(f"{time.strftime('%H:%M:%S')} {line}", file=self._stream, flush=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
