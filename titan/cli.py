@@ -1,4 +1,4 @@
-"""The `titan` command line: train, config show, data prepare, compare, convert, generate."""
+"""The `titan` command line: train, config show, data prepare, compare, convert, download, generate."""
 
 from __future__ import annotations
 
@@ -286,6 +286,22 @@ def convert_upgrade(
 
     for folder in checkpoints_at(path):
         typer.echo(upgrade(folder))
+
+
+@app.command()
+def download(
+    name: str = typer.Argument(..., help="A Hugging Face hub model, e.g. meta-llama/Llama-3.2-1B."),
+    weights: bool = typer.Option(False, "--weights", help="Also fetch its safetensors weights."),
+    revision: str = typer.Option(None, "--revision", help="A branch, tag or commit; default: main."),
+) -> None:
+    """Fetch a hub model's config and tokenizer (and with --weights its safetensors) into the local HF cache,
+    where titan finds them offline: tokenizer.path = NAME, checkpoint.init_from_hf, titan convert hf-to-dcp.
+
+    A gated model needs its terms accepted on the hub and a login (hf auth login, or HF_TOKEN).
+    """
+    from titan.tools.download import download as fetch
+
+    typer.echo(fetch(name, weights, revision))
 
 
 @app.command()

@@ -30,7 +30,7 @@ class Progress:
 
     total: the amount of work when known (None: a count without a percentage or time left); unit "B" shows sizes
     as 1.2GB. enabled=False shows nothing (e.g. work in the background). stream and clock are what the bar
-    writes to and how the log lines tell time; tests give their own.
+    writes to and how the log lines tell time, log_every_s how often they come (default LOG_EVERY_S).
     """
 
     def __init__(
@@ -42,12 +42,12 @@ class Progress:
         enabled: bool = True,
         stream=None,
         clock: Callable[[], float] = time.monotonic,
-        log_every_s: float = LOG_EVERY_S,
+        log_every_s: float | None = None,
     ):
         self.what, self.total, self.unit = what, total or None, unit
         self.done = 0.0
         self._stream = stream if stream is not None else sys.stderr
-        self._clock, self._every = clock, log_every_s
+        self._clock, self._every = clock, LOG_EVERY_S if log_every_s is None else log_every_s
         self._start = self._last = clock()
         self._logged = False
         self._lock = threading.Lock()  # DCP may write from several threads
