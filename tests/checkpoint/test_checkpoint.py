@@ -317,3 +317,33 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     assert [g["lr"] for g in fresh_optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
     assert fresh_loader.next_sample == loader.next_sample == 12
+
+
+def test_a_blocking_save_and_a_load_report_their_bytes(tmp_path, monkeypatch, capsys):
+    """Where stderr is a log file, a save that blocks and a load log their progress (here at every tensor): the
+    save counts every tensor it writes, the load every byte range of the checkpoint's files it reads."""
+    import json
+
+    from tqdm import tqdm
+
+    from titan.checkpoint.format import INDEX
+    from titan.observe import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    size = lambda n: tqdm.format_sizeof(n, "B", 1024)  # noqa: E731
+    trainer = trainer_for(tmp_path, **SAVED)
+    trainer.train()
+    optimizer_state = [v for state in trainer.optimizer.state.values() for v in state.values()]
+    saved = sum(t.numel() * t.element_size() for t in [*trainer.model_parts.parameters(), *optimizer_state])
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    saving = [line for line in lines if line.startswith("checkpoint step 2: saving: ")]
+    assert saving[-2].startswith(f"checkpoint step 2: saving: {size(saved)} of {size(saved)} (100%)"), saving
+    assert saving[-1].startswith("checkpoint step 2: saving: done")
+
+    assert trainer_for(tmp_path, **SAVED).step == 2
+    folder = tmp_path / "debug" / "checkpoints" / "step-2"
+    index = json.loads((folder / INDEX).read_text())["tensors"]
+    read = sum(chunk["length"] for entry in index.values() for chunk in entry["chunks"])
+    loading = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines() if "loading checkpoint" in line]
+    assert loading[-2].startswith(f"loading checkpoint step-2: {size(read)} of {size(read)} (100%)"), loading
+    assert loading[-1].startswith("loading checkpoint step-2: done")

@@ -56,10 +56,16 @@ class Progress:
         if self.enabled and _is_terminal(self._stream):
             from tqdm import tqdm
 
-            bytes_ = unit == "B"
-            self._bar = tqdm(total=self.total, desc=what, unit=unit or "it", unit_scale=bytes_ or unit == "",
-                             unit_divisor=1024 if bytes_ else 1000, file=self._stream, delay=BAR_DELAY_S,
-                             mininterval=0.5, dynamic_ncols=True)  # fmt: skip
+            self._bar = tqdm(
+                total=self.total,
+                desc=what,
+                unit=unit or "it",
+                unit_scale=True,
+                unit_divisor=1024 if unit == "B" else 1000,
+                file=self._stream,
+                delay=BAR_DELAY_S,
+                mininterval=0.5,
+            )
 
     def update(self, amount: float = 1) -> None:
         if not self.enabled:
