@@ -10,7 +10,7 @@ import pytest
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from titan.config import load_config
-from titan.tools.compare import CompareError, load_run, wall_time_s
+from titan.tools.compare import CompareError, figure, load_run, short_number, wall_time_s
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -89,6 +89,63 @@ def test_compare_lists_both_runs_and_exactly_the_keys_that_differ(runs, tmp_path
     image = matplotlib.image.imread(plot)
     assert image.shape[0] >= 300 and image.shape[1] >= 900
     assert image[..., :3].std() > 0.05  # not a blank canvas: curves, axes and labels
+
+
+def metrics_of(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_plot_has_a_panel_per_metric_against_steps_or_tokens(runs):
+    a, b = runs
+    loaded = [load_run(a), load_run(b)]
+    for x, key in (("steps", "step"), ("tokens", "tokens_seen")):
+        fig = figure(loaded, x)
+        panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+        assert list(panels) == ["loss", "learning rate", "grad norm", "tokens/s", "MFU"]
+        assert fig.axes[-1].get_legend().get_title().get_text() == "runs"  # in the grid's spare slot
+        for metric, title in (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
+                              ("tokens_per_s", "tokens/s"), ("mfu", "MFU")):  # fmt: skip
+            lines = {line.get_label(): line for line in panels[title].lines}
+            for run in runs:
+                logged = [m for m in metrics_of(run) if "loss" in m]
+                assert list(lines[run.name].get_xdata()) == [m[key] for m in logged], (x, title)
+                assert list(lines[run.name].get_ydata()) == [m[metric] for m in logged], (x, title)
+        # Run a validated at steps 2 and 3: dashed, at those steps or the tokens seen by them.
+        validation = lines_of(panels["loss"])["a (validation)"]
+        at = {m["step"]: m[key] for m in metrics_of(a) if "loss" in m}
+        assert validation.get_linestyle() == "--" and list(validation.get_xdata()) == [at[2], at[3]]
+        assert list(validation.get_ydata()) == [m["val_loss"] for m in metrics_of(a) if "val_loss" in m]
+        fig.canvas.draw()
+        for ax in panels.values():
+            for tick in ax.get_xticklabels():
+                assert tick.get_text() == short_number(tick.get_position()[0]), (x, tick)
+
+
+def lines_of(ax) -> dict:
+    return {line.get_label(): line for line in ax.lines}
+
+
+def test_tick_labels_are_short_numbers():
+    assert [short_number(v) for v in (0, 0.5, 950, 1000, 12_000, 1_200_000, 1_250_000, 3e9, -2500)] == [
+        "0", "0.5", "950", "1k", "12k", "1.2M", "1.25M", "3B", "-2.5k"
+    ]  # fmt: skip
+
+
+def test_the_plot_format_follows_the_suffix_and_mfu_only_when_logged(runs, tmp_path):
+    a, b = runs
+    for suffix, magic in ((".svg", b"<?xml"), (".pdf", b"%PDF")):
+        result = run_titan("compare", str(a), str(b), "--plot", str(tmp_path / f"curves{suffix}"))
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / f"curves{suffix}").read_bytes().startswith(magic)
+    result = run_titan("compare", str(a), str(b), "--plot", str(tmp_path / "curves.jpg"))
+    assert result.returncode == 2 and result.stdout == "" and ".png, .svg or .pdf" in result.stderr
+    no_mfu = tmp_path / "no-mfu"
+    shutil.copytree(b, no_mfu)
+    records = [{k: v for k, v in m.items() if k != "mfu"} for m in metrics_of(b)]
+    (no_mfu / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
+    fig = figure([load_run(no_mfu)])
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "learning rate", "grad norm", "tokens/s"]
+    assert fig.axes[0].get_legend() is not None  # no spare slot: the legend sits on the loss panel
 
 
 def test_run_folder_describes_the_run(runs):

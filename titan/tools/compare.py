@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from titan.config import Layout
 from titan.errors import UserError
 from titan.observe.runs import duration, flatten, read_json
@@ -252,47 +254,95 @@ def _value(value) -> str:
     return json.dumps(value) if isinstance(value, (str, list, dict, bool)) else str(value)
 
 
-def plot(runs: list[Run], out: str | Path) -> Path:
-    """Loss against steps and against tokens seen, and throughput against steps, one line per run, as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+PLOT_FORMATS = ("png", "svg", "pdf")
+X_AXES = {"steps": "step", "tokens": "tokens seen"}
 
+
+def plot(runs: list[Run], out: str | Path, x: str = "steps") -> Path:
+    """Draw the runs' curves (see `figure`) into `out`, as its suffix says: PNG, SVG or PDF."""
     out = Path(out)
-    if not out.parent.is_dir():
-        raise CompareError(f"cannot write the plot to {out}: folder {out.parent} does not exist")
-    fig = Figure(figsize=(16, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    loss_step, loss_tokens, throughput = fig.subplots(1, 3)
-    for label, run in zip(run_labels(runs), runs):
-        curve = run.curve
-        steps = [r["step"] for r in curve]
-        style = {"label": label, "marker": "o" if len(curve) <= 30 else None, "markersize": 3}
-        (line,) = loss_step.plot(steps, [r["loss"] for r in curve], **style)
-        if run.validation:  # validation loss: dashed, in the run's colour
-            loss_step.plot(
-                [r["step"] for r in run.validation],
-                [r["val_loss"] for r in run.validation],
-                linestyle="--",
-                color=line.get_color(),
-                label=f"{label} (validation)",
-            )
-        if all("tokens_seen" in r for r in curve):
-            loss_tokens.plot([r["tokens_seen"] for r in curve], [r["loss"] for r in curve], **style)
-        if all("tokens_per_s" in r for r in curve):
-            throughput.plot(steps, [r["tokens_per_s"] for r in curve], **style)
-    for ax, xlabel, ylabel, title in (
-        (loss_step, "step", "loss", "loss vs step"),
-        (loss_tokens, "tokens seen", "loss", "loss vs tokens"),
-        (throughput, "step", "tokens/s", "throughput"),
-    ):
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize="small")
+    fmt = plot_format(out)
     try:
-        fig.savefig(out, format="png", dpi=100)
+        figure(runs, x).savefig(out, format=fmt, dpi=100)
     except OSError as e:
         raise CompareError(f"cannot write the plot to {out}: {e.strerror or e}") from None
     return out
+
+
+def plot_format(out: Path) -> str:
+    """The format `out` names by its suffix, once its folder is known to exist: CompareError otherwise."""
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in PLOT_FORMATS:
+        raise CompareError(f"--plot {out}: name a .png, .svg or .pdf file (the format follows the suffix)")
+    if not out.parent.is_dir():
+        raise CompareError(f"cannot write the plot to {out}: folder {out.parent} does not exist")
+    return fmt
+
+
+def figure(runs: list[Run], x: str = "steps"):
+    """One panel per metric, one colour per run, against steps or tokens seen (`x`): loss (validation dashed),
+    learning rate, grad norm, tokens/s, and MFU when a run logged it. A run that did not log a metric is left
+    out of its panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    panels = ["loss", "lr", "grad_norm", "tokens_per_s"]
+    if any("mfu" in r for run in runs for r in run.curve):
+        panels.append("mfu")
+    titles = {"loss": "loss", "lr": "learning rate", "grad_norm": "grad norm", "tokens_per_s": "tokens/s",
+              "mfu": "MFU"}  # fmt: skip
+    columns = 2 if len(panels) == 4 else 3
+    rows = math.ceil(len(panels) / columns)
+    fig = Figure(figsize=(5 * columns, 3.6 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = list(fig.subplots(rows, columns).flat)
+    axes, spare = dict(zip(panels, grid)), grid[len(panels) :]
+    readable = FuncFormatter(lambda value, _: short_number(value))
+    for i, (label, run) in enumerate(zip(run_labels(runs), runs)):
+        curve, colour = run.curve, f"C{i}"
+        at = _x_of(curve, x)
+        style = {"color": colour, "marker": "o" if len(curve) <= 30 else None, "markersize": 3, "linewidth": 1.5}
+        for key, ax in axes.items():
+            points = [(at(r["step"]), r[key]) for r in curve if _finite(r.get(key)) and at(r["step"]) is not None]
+            if points:
+                ax.plot(*zip(*points), label=label, **style)
+        validation = [(at(r["step"]), r["val_loss"]) for r in run.validation if at(r["step"]) is not None]
+        if validation:
+            axes["loss"].plot(*zip(*validation), color=colour, linestyle="--", marker="s", markersize=3,
+                              label=f"{label} (validation)")  # fmt: skip
+    for key, ax in axes.items():
+        ax.set(title=titles[key], xlabel=X_AXES[x])
+        ax.xaxis.set_major_formatter(readable)
+        ax.grid(alpha=0.3)
+    axes["tokens_per_s"].yaxis.set_major_formatter(readable)
+    if "mfu" in axes:
+        axes["mfu"].yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    if spare:  # the runs' legend in the grid's first empty slot, else over the loss panel
+        spare[0].axis("off")
+        spare[0].legend(*axes["loss"].get_legend_handles_labels(), loc="center", title="runs")
+    else:
+        axes["loss"].legend(fontsize="small")
+    for ax in spare[1:]:
+        ax.remove()
+    return fig
+
+
+def _x_of(curve: list[dict], x: str):
+    """step -> its x value: the step itself, or the tokens seen by then (interpolated between logged steps, as
+    validation records carry no count of their own); None where a run logged no token counts."""
+    if x == "steps":
+        return lambda step: step
+    known = [(r["step"], r["tokens_seen"]) for r in curve if _finite(r.get("tokens_seen"))]
+    if not known:
+        return lambda step: None
+    steps, tokens = zip(*known)
+    return lambda step: float(np.interp(step, steps, tokens))
+
+
+def short_number(value: float) -> str:
+    """A tick label people read: 950, 12k, 1.2M, 1.25M, 3B (at most two decimals, no trailing zeros)."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}".rstrip("0").rstrip(".") + suffix
+    return f"{value:.4g}"
