@@ -8,7 +8,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from titan.config import LRScheduler, load_config
-from titan.observe.metrics import format_line, peak_flops
+from titan.observe.metrics import RemainingTime, due_after, format_line, peak_flops
 from titan.optim import lr_factor
 from titan.train.trainer import Trainer
 
@@ -62,6 +62,37 @@ def test_mfu_peaks_name_their_source_and_gpus_match_exactly(monkeypatch):
 def tiny_trainer(tmp_path, **extra):
     overrides = tiny_overrides(tmp_path, **{"model.overrides.n_layers": "2", **extra})
     return Trainer(load_config(DEBUG_RECIPE, overrides))
+
+
+def test_the_eta_counts_the_evaluations_and_saves_still_to_come():
+    # 10 steps; validation at 4, 8 and 10 (the last step); checkpoints at 5 and 10.
+    remaining = RemainingTime(total=10, validation_interval=4, validation_steps=6, checkpoint_interval=5)
+    assert remaining.eta(3, step_time=1.0) == 7 + 3 * (6 / 3)  # an evaluation not yet timed: 6 batch forwards
+    remaining.record("validation", 2.0)
+    remaining.record("validation", 4.0)
+    remaining.record("checkpoint", 3.0)
+    assert remaining.eta(3, step_time=1.0) == 7 + 3 * 3.0 + 2 * 3.0
+    assert remaining.eta(8, step_time=0.5) == 1 + 3.0 + 3.0
+    assert remaining.eta(10, step_time=0.5) == 0
+    assert RemainingTime(10, 0, 6, 0).eta(3, step_time=1.0) == 7  # no validation, no checkpoints
+    for total in range(1, 30):  # against the trainer's own test of each step
+        for interval in range(1, 12):
+            for step in range(total + 1):
+                due = sum(s % interval == 0 or s == total for s in range(step + 1, total + 1))
+                assert due_after(step, total, interval) == due, (step, total, interval)
+
+
+def test_the_trainer_times_each_evaluation_and_save_for_its_eta(tmp_path):
+    extra = {"training.steps": "4", "validation.interval": "2", "validation.fraction": "0.1", "validation.steps": "1",
+             "checkpoint.interval": "3"}  # fmt: skip
+    trainer = Trainer(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra)))
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()]
+    assert trainer.remaining.seconds == {
+        "validation": [r["val_time_s"] for r in records if "val_time_s" in r],  # steps 2 and 4
+        "checkpoint": [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r],  # steps 3 and 4
+    }
+    assert [len(v) for v in trainer.remaining.seconds.values()] == [2, 2]
 
 
 def test_same_seed_gives_bitwise_identical_losses(tmp_path):

@@ -250,7 +250,7 @@ class Checkpointer:
         """Whether a checkpoint is to be saved at this step."""
         return self.cfg.enable and (final or step % self.cfg.interval == 0)
 
-    def save(self, step: int, tokens_seen: int, loss: float, wait: bool = False) -> dict | None:
+    def save(self, step: int, tokens_seen: int, loss: float, wait: bool = False) -> dict:
         """Save (in the background with async_save, unless `wait`); returns the metrics to log. An existing
         checkpoint of the same step is replaced once the new one is complete."""
         self.finish_pending()  # one save in flight at a time

@@ -234,6 +234,43 @@ def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
     )
 
 
+class RemainingTime:
+    """A run's ETA: the steps left at the measured seconds per step, plus the evaluations and checkpoint saves
+    still to come (validation.interval and checkpoint.interval steps apart, and one of each at the last step) at
+    the mean time each has taken. Before the first evaluation one is estimated at a third of a training step per
+    validation batch (a forward of the batch, without the backward); a save counts once one has been timed."""
+
+    def __init__(self, total: int, validation_interval: int, validation_steps: int, checkpoint_interval: int):
+        self.total, self.validation_steps = total, validation_steps
+        self.intervals = {"validation": validation_interval, "checkpoint": checkpoint_interval}  # 0: none
+        self.seconds: dict[str, list[float]] = {"validation": [], "checkpoint": []}
+
+    def record(self, kind: str, seconds: float) -> None:
+        """One evaluation ("validation") or one save's blocking time ("checkpoint")."""
+        self.seconds[kind].append(seconds)
+
+    def eta(self, step: int, step_time: float) -> float:
+        """Seconds from `step` to the end of the run, at `step_time` seconds per training step."""
+        left = step_time * (self.total - step)
+        for kind, interval in self.intervals.items():
+            times = self.seconds[kind]
+            if not interval:
+                continue
+            if times:
+                each = sum(times) / len(times)
+            else:
+                each = step_time * self.validation_steps / 3 if kind == "validation" else 0.0
+            left += each * due_after(step, self.total, interval)
+        return left
+
+
+def due_after(step: int, total: int, interval: int) -> int:
+    """How many of the steps after `step`, up to `total`, are multiples of `interval` or `total` itself."""
+    if step >= total:
+        return 0
+    return total // interval - step // interval + (total % interval != 0)
+
+
 def setup_logging(rank: int) -> None:
     """Rank 0 logs INFO to stderr; other ranks only warnings, so a job prints each line once."""
     logging.basicConfig(

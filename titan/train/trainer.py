@@ -16,6 +16,7 @@ from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer
 from titan.observe.metrics import (
     MetricsLogger,
+    RemainingTime,
     ThroughputWindow,
     format_line,
     peak_flops,
@@ -92,6 +93,8 @@ class Trainer:
             save_group=new_gloo_group(), control_group=self.control_group, replan=self.replanner,
             math_values=math_values(config, self.run_plan.global_rows),
         )  # fmt: skip
+        v, c = config.validation, config.checkpoint
+        self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
         self.step = self.checkpointer.resume()
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
@@ -192,8 +195,8 @@ class Trainer:
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
-                if saving:
-                    self._save(saved_loss(), wait=self.step == total)
+                if saving:  # its blocking time is not step time: the ETA counts it apart
+                    window.start += self._save(saved_loss(), wait=self.step == total)
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
@@ -227,10 +230,12 @@ class Trainer:
         if weights is not None:
             self.follow(self.replanner.follow(weights, self.step, self.metrics))
 
-    def _save(self, loss: float, wait: bool) -> None:
+    def _save(self, loss: float, wait: bool) -> float:
+        """Save a checkpoint; returns the seconds training was blocked."""
         metrics = self.checkpointer.save(self.step, self.tokens_seen, loss, wait=wait)
-        if metrics:
-            self.metrics.log(self.step, metrics)
+        self.metrics.log(self.step, metrics)
+        self.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
+        return metrics["checkpoint_blocked_s"]
 
     def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
         total = self.config.training.steps
@@ -251,7 +256,7 @@ class Trainer:
             metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
         metrics.update(phases)
         self.metrics.log(self.step, metrics)
-        log.info(format_line(self.step, total, metrics, eta_s=step_time * (total - self.step)))
+        log.info(format_line(self.step, total, metrics, eta_s=self.remaining.eta(self.step, step_time)))
 
     def _log_packing(self, compute_s: float) -> None:
         """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
@@ -272,6 +277,7 @@ class Trainer:
         loss = self.evaluate()
         perplexity, seconds = math.exp(min(loss, 50.0)), time.perf_counter() - start
         self.metrics.log(self.step, {"val_loss": loss, "val_perplexity": perplexity, "val_time_s": seconds})
+        self.remaining.record("validation", seconds)
         log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
 
     def _log_start(self) -> None:
