@@ -154,3 +154,29 @@ def test_bad_data_gives_one_line_error(tmp_path, extra, content, words):
         extra = {"data.source": str(path), **extra}
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
     assert_one_line_error(result, *words)
+
+
+def test_a_hub_dataset_shows_its_records_against_the_total_its_card_declares(tmp_path, monkeypatch, capsys):
+    """A dataset in the hub's layout (data files and a README card), read as a hub dataset: the progress counts
+    records, against the split's size where the card has one."""
+    from titan.config import DataSource
+    from titan.data.dataset import iter_texts, open_documents
+    from titan.observe import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # a line at every record
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)))
+    card = (
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train.jsonl\n"
+        "dataset_info:\n  features:\n  - name: text\n    dtype: string\n  splits:\n  - name: train\n"
+        "    num_examples: 40\n    num_bytes: 400\n---\n"
+    )
+    for declared in (True, False):
+        (tmp_path / "README.md").write_text(card if declared else card[: card.index("dataset_info")] + "---\n")
+        texts = list(iter_texts(open_documents(DataSource(source=str(tmp_path), format="hub"))))
+        assert texts == [f"doc {i}" for i in range(40)]
+        what = f"{tmp_path} (train): "
+        lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines() if what in line]
+        assert lines[0].startswith(what + ("1 of 40 records (2%)" if declared else "1 records, "))
+        assert lines[-2].startswith(what + ("40 of 40 records (100%)" if declared else "40 records, "))
+        assert lines[-1].startswith(what + "done") and len(lines) == 41

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from titan.config import Data, DataSource
 from titan.errors import ConfigError
+from titan.observe.progress import Progress
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -80,11 +81,15 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
     try:
         if file is None:
             dataset = datasets.load_dataset(documents.path, cfg.subset or None, split=cfg.split, streaming=True)
+            # HF's own bars are off (above); a hub dataset, read over the network, shows titan's.
+            progress = Progress(f"{documents.path} ({cfg.split})", _split_records(dataset, cfg.split), " records")
         else:
             dataset = datasets.load_dataset(
                 documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split, streaming=True
             )
+            progress = Progress(where, enabled=False)  # a local file's reader counts its own bytes
         for number, record in enumerate(dataset, 1):
+            progress.update()
             if cfg.text_field not in record:
                 raise ConfigError(
                     f"data.text_field: records of {where} have no field {cfg.text_field!r}; fields: {', '.join(record)}"
@@ -100,6 +105,7 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
             if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
                 raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
             yield text
+        progress.close()
     except ConfigError:
         raise
     except Exception as e:  # pyarrow, UnicodeDecodeError, network and hub errors: assorted types
@@ -109,6 +115,12 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
                 "Without internet, use a local file or a dataset already in the HF cache"
             ) from None
         raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
+
+
+def _split_records(dataset, split: str) -> int | None:
+    """The split's number of records where the dataset's card declares it, else None (no total to show)."""
+    splits = getattr(dataset.info, "splits", None) or {}
+    return splits[split].num_examples if split in splits else None
 
 
 def _unreadable(file: Path, fmt: str, error: str) -> str:

@@ -86,12 +86,16 @@ class Progress:
 
         from titan.observe.runs import duration
 
-        size = lambda n: tqdm.format_sizeof(n, self.unit, 1024 if self.unit == "B" else 1000)  # noqa: E731
         rate = self.done / seconds if seconds > 0 else 0.0
-        line = f"{self.what}: {size(self.done)}"
-        if self.total:
-            line += f" of {size(self.total)} ({100 * self.done / self.total:.0f}%)"
-        line += f", {size(rate)}/s"
+        if self.unit == "B":  # sizes: 1.2GB of 2.6GB, 35.0MB/s
+            amount = lambda n: tqdm.format_sizeof(n, "B", 1024)  # noqa: E731
+            unit = ""
+        else:  # counts: 12 of 40 records, 12.3k of 100k records, 5.20k records/s
+            amount = lambda n: tqdm.format_sizeof(n) if n >= 1000 else f"{n:g}"  # noqa: E731
+            unit = self.unit
+        line = f"{self.what}: {amount(self.done)}"
+        line += f" of {amount(self.total)}{unit} ({100 * self.done / self.total:.0f}%)" if self.total else unit
+        line += f", {tqdm.format_sizeof(rate, self.unit, 1024 if self.unit == 'B' else 1000)}/s"
         if self.total and rate > 0:
             line += f", about {duration(max(0.0, self.total - self.done) / rate)} left"
         return line
