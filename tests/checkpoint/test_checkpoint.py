@@ -326,8 +326,8 @@ def test_a_blocking_save_and_a_load_report_their_bytes(tmp_path, monkeypatch, ca
 
     from tqdm import tqdm
 
+    from titan import progress
     from titan.checkpoint.format import INDEX
-    from titan.observe import progress
 
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     size = lambda n: tqdm.format_sizeof(n, "B", 1024)  # noqa: E731

@@ -13,7 +13,7 @@ from conftest import ROOT
 LAYERS = [
     ["titan.__main__"],  # python -m titan
     ["titan.cli"],
-    ["titan.tools"],  # plan, verify, compare, generate, simulate
+    ["titan.tools"],  # plan, verify, compare, download, generate, simulate
     ["titan.train"],
     ["titan.checkpoint"],
     ["titan.parallel", "titan.data", "titan.observe", "titan.optim"],
@@ -21,7 +21,7 @@ LAYERS = [
     ["titan.rng"],
     ["titan.config_keys", "titan.run_plan"],  # the recipe's keys described; what each rank computes
     ["titan.config"],
-    ["titan.balance", "titan.errors", "titan.files"],
+    ["titan.balance", "titan.errors", "titan.files", "titan.progress"],
     ["titan"],  # the package's own __init__: its version
 ]
 

@@ -8,7 +8,7 @@ import os
 import select
 import time
 
-from titan.observe.progress import Progress
+from titan.progress import Progress
 
 
 class Clock:
@@ -31,7 +31,7 @@ def test_a_log_file_gets_a_line_every_interval_and_one_when_done():
         progress.update(10)  # 20 s after the last line: none
         clock.now += 20
     lines = [line.split(" ", 1)[1] for line in stream.getvalue().splitlines()]
-    assert lines == ["exporting: 50.0B of 100B (50%), 1.25B/s, about 40.0s left", "exporting: done, 1m20s"]
+    assert lines == ["exporting: 50.0B of 100B (50%), 1.25B/s, about 00:40 left", "exporting: done in 01:20"]
 
 
 def test_work_done_before_the_first_line_prints_nothing():

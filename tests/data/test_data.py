@@ -159,9 +159,9 @@ def test_bad_data_gives_one_line_error(tmp_path, extra, content, words):
 def test_a_hub_dataset_shows_its_records_against_the_total_its_card_declares(tmp_path, monkeypatch, capsys):
     """A dataset in the hub's layout (data files and a README card), read as a hub dataset: the progress counts
     records, against the split's size where the card has one."""
+    from titan import progress
     from titan.config import DataSource
     from titan.data.dataset import iter_texts, open_documents
-    from titan.observe import progress
 
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # a line at every record
     (tmp_path / "data").mkdir()

@@ -176,7 +176,7 @@ def test_a_download_to_a_log_file_reports_its_bytes_in_log_lines(mirror, tmp_pat
     from tqdm import tqdm
 
     code = (
-        "from titan.observe import progress; from titan.tools.download import download\n"
+        "from titan import progress; from titan.tools.download import download\n"
         "progress.LOG_EVERY_S = 0  # a line at every update\n"
         f"download({MODEL!r}, weights=True)"
     )

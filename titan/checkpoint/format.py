@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 
 from titan.errors import ConfigError
 from titan.files import fsync, write_synced
-from titan.observe.progress import Progress
+from titan.progress import Progress
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"

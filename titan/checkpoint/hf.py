@@ -53,7 +53,7 @@ from titan.checkpoint.format import CheckpointReader, CheckpointWriter, dcp_erro
 from titan.checkpoint.hf_match import check_model_matches, describe_match, model_toml
 from titan.config import Config, Model, to_toml, toml_value
 from titan.errors import ConfigError
-from titan.observe.progress import Progress
+from titan.progress import Progress
 
 log = logging.getLogger("titan")
 

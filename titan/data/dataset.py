@@ -10,7 +10,7 @@ from pathlib import Path
 
 from titan.config import Data, DataSource
 from titan.errors import ConfigError
-from titan.observe.progress import Progress
+from titan.progress import Progress
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

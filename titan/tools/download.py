@@ -4,7 +4,7 @@ HF cache, through huggingface_hub's snapshot_download.
 titan never downloads at run time: a recipe's `tokenizer.path = "NAME"` is looked up in this cache, and the
 folder printed is what `checkpoint.init_from_hf` and `titan convert hf-to-dcp` read. On a terminal
 huggingface_hub draws its own tqdm bars; elsewhere (a log file) it turns them off, and the bytes are reported
-by a log line every few seconds instead (titan.observe.progress).
+by a log line every few seconds instead (titan.progress).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from titan.errors import UserError
-from titan.observe.progress import Progress
+from titan.progress import Progress
 
 CONFIG_FILES = [
     "config.json",

@@ -1,8 +1,9 @@
 """Progress of long work (conversions, downloads, checkpoint loads and saves, hub datasets), shown on rank 0 only.
 
 On a terminal it is a tqdm bar (as `titan data prepare` draws); in a log file, where a bar's carriage returns
-would pile up, it is a line every LOG_EVERY_S seconds. Work that ends sooner shows nothing either way. torch is
-not imported here, so that quick commands stay quick.
+would pile up, it is a line every LOG_EVERY_S seconds. Work that ends sooner shows nothing either way. Times read
+as tqdm writes them (01:20). Neither torch nor any other titan package is imported here: the data plane, the
+checkpoints and the commands all report through it.
 """
 
 from __future__ import annotations
@@ -81,10 +82,8 @@ class Progress:
                 self._emit(self.describe(now - self._start))
 
     def describe(self, seconds: float) -> str:
-        """'exporting: 1.2GB of 2.6GB (46%), 35.0MB/s, about 40s left' (what a log line says)."""
+        """'exporting: 1.2GB of 2.6GB (46%), 35.0MB/s, about 00:40 left' (what a log line says)."""
         from tqdm import tqdm
-
-        from titan.observe.runs import duration
 
         rate = self.done / seconds if seconds > 0 else 0.0
         if self.unit == "B":  # sizes: 1.2GB of 2.6GB, 35.0MB/s
@@ -97,16 +96,16 @@ class Progress:
         line += f" of {amount(self.total)}{unit} ({100 * self.done / self.total:.0f}%)" if self.total else unit
         line += f", {tqdm.format_sizeof(rate, self.unit, 1024 if self.unit == 'B' else 1000)}/s"
         if self.total and rate > 0:
-            line += f", about {duration(max(0.0, self.total - self.done) / rate)} left"
+            line += f", about {tqdm.format_interval(max(0.0, self.total - self.done) / rate)} left"
         return line
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         elif self._logged:  # a log that said it was under way says when it is done
-            from titan.observe.runs import duration
+            from tqdm import tqdm
 
-            self._emit(f"{self.what}: done, {duration(self._clock() - self._start)}")
+            self._emit(f"{self.what}: done in {tqdm.format_interval(self._clock() - self._start)}")
         self.enabled = False
 
     def _emit(self, line: str) -> None:
