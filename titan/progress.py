@@ -8,14 +8,11 @@ checkpoints and the commands all report through it.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
-
-log = logging.getLogger("titan")
 
 LOG_EVERY_S = 30.0
 BAR_DELAY_S = 1.0  # a bar appears only for work still going after this long
@@ -109,11 +106,8 @@ class Progress:
         self.enabled = False
 
     def _emit(self, line: str) -> None:
-        # The trainer's logging when it is set up; commands that set up none get the line as it would print it.
-        if log.isEnabledFor(logging.INFO) and log.hasHandlers():
-            log.info(line)
-        else:
-            print(f"{time.strftime('%H:%M:%S')} {line}", file=self._stream, flush=True)
+        # As the trainer's log lines read (titan.observe.metrics.setup_logging), in commands that set up no logging too.
+        print(f"{time.strftime('%H:%M:%S')} {line}", file=self._stream, flush=True)
 
     def __enter__(self) -> Progress:
         return self
