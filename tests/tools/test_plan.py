@@ -145,7 +145,9 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
         expected = megatron_sp_traffic(config, world, r["layers"], r["stages"], recomputing)
         planned = {kind: r["traffic_bytes"].get(f"tp {kind}", 0) for kind in expected}
         for kind, value in expected.items():
-            assert planned[kind] == pytest.approx(value, rel=0.05), (r["pp_rank"], kind, planned, expected)
+            # Measured: equal to the byte on every rank. The bound is tight because what breaks the plan's count
+            # is small: the 405B rank of 15 blocks that keeps one, counted twice by the plan, was 2.3% off.
+            assert planned[kind] == pytest.approx(value, rel=1e-3), (r["pp_rank"], kind, planned, expected)
 
 
 def megatron_sp_traffic(

@@ -146,12 +146,16 @@ def _block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tupl
     device and copies what keep keeps out and back over the host link."""
     links = Links(estimate.device, estimate.layout.world_size)
     costs = {mode: [*t.forward.values(), *t.backward.values()] for mode, t in one_block.items()}
-    seconds = {mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) for mode, cs in costs.items()}
+    # A rank of an interleaved pipeline holds several stages, each traced with its one block: per block, divide.
+    blocks = {mode: sum(t.blocks) for mode, t in one_block.items()}
+    seconds = {
+        mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) / blocks[mode] for mode, cs in costs.items()
+    }
     block_costs = {}
     for way, mode in TRACED_AS.items():
         block_costs[way] = Cost()
         for cost in costs[mode]:
-            block_costs[way].add(cost)
+            block_costs[way].add(cost, 1 / blocks[mode])
     keep_bytes = estimate.block_activations["none"]
     options = [
         Option(way, estimate.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
