@@ -230,11 +230,11 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), with the
-    CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
-    full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
-    and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
-    everything gave a 405B pipeline rank's all-full peak 13% low)."""
+    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), on
+    causal rows, with the CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and
+    auto checkpointing as full (plan_run then plans the blocks): a recomputing step's trace holds what
+    recomputation adds in backward, and the peaks derived from it for the other ways come out a little high
+    rather than low (a trace keeping everything gave a 405B pipeline rank's all-full peak 13% low)."""
     ac = config.activation_checkpoint
     save_ops = list(ac.save_ops)
     if "aten._scaled_dot_product_flash_attention" in save_ops:
@@ -244,6 +244,9 @@ def _as_traced(config: Config) -> Config:
         config,
         compile=dataclasses.replace(config.compile, enable=False),
         activation_checkpoint=dataclasses.replace(ac, mode=mode, save_ops=save_ops),
+        # The trace holds one document per row, which a document mask leaves causal; a GPU's flex attention keeps
+        # no mask for backward, where the traceable model's dense one would (seq² bf16 per row and block).
+        data=dataclasses.replace(config.data, document_mask=False),
     )
 
 
