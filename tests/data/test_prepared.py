@@ -50,7 +50,7 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     documents = PreparedDocuments(path)
     expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
     assert documents.n_documents == len(TEXTS) and documents.n_tokens == sum(map(len, expected))
-    assert documents.lengths.dtype == np.int64 and documents.lengths.tolist() == [len(e) for e in expected]
+    assert documents.offsets.dtype == np.int64 and np.diff(documents.offsets).tolist() == [len(e) for e in expected]
     assert all(documents.tokens(i).tolist() == e for i, e in enumerate(expected))
     assert documents.tokens(3, 2, 5).tolist() == expected[3][2:5]
     assert documents.tokens(3, -4).tolist() == expected[3][-4:] and documents.tokens(3, 5, 2).tolist() == []
@@ -58,12 +58,13 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     meta = documents.meta
     assert meta["empty_documents_skipped"] == 2 and meta["dtype"] == "uint16"
     # Shards end at document boundaries and hold at most 100 tokens, unless one document alone is longer.
-    index = np.load(path / "documents.npy")
+    offsets = np.load(path / "offsets.npy")
     assert len(meta["shard_tokens"]) > 5
+    shard_ends = np.cumsum(meta["shard_tokens"])
+    assert np.isin(shard_ends, offsets).all()
     for shard, size in enumerate(meta["shard_tokens"]):
-        rows = index[index[:, 0] == shard]
-        assert rows[0, 1] == 0 and (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2]).all()
-        assert size == rows[:, 2].sum() and (size <= 100 or len(rows) == 1)
+        starts = offsets[(offsets >= shard_ends[shard] - size) & (offsets < shard_ends[shard])]
+        assert size <= 100 or len(starts) == 1
         assert (path / f"tokens-{shard:05d}.bin").stat().st_size == 2 * size
 
 
@@ -93,7 +94,7 @@ def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
         DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1, False
     )
     assert parquet != jsonl
-    for name in ("documents.npy", "tokens-00000.bin"):
+    for name in ("offsets.npy", "tokens-00000.bin"):
         assert (parquet / name).read_bytes() == (jsonl / name).read_bytes()
 
 
@@ -145,7 +146,8 @@ def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_re
     monkeypatch.setattr(prepared._ShardWriter, "add", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(source, TOKENIZER, cache, workers=1, progress=False)
-    assert leftovers(cache) == []  # the temporary folder is gone
+    (parts,) = leftovers(cache)  # where a rerun resumes: holding no unit, as the one unit was cut short
+    assert parts.endswith(".parts") and not any((p / "COMPLETE").is_file() for p in (cache / parts).iterdir())
     monkeypatch.setattr(prepared._ShardWriter, "add", add)
     path = prepare(source, TOKENIZER, cache, workers=1, progress=False)
     assert PreparedDocuments(path).n_documents == len(TEXTS) * 10
@@ -188,8 +190,8 @@ def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
     time.sleep(0.2)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert leftovers(cache)  # the killed run's temporary folder
-    folder = cache / leftovers(cache)[0][1:].split(".tmp-")[0]
+    (parts,) = leftovers(cache)  # the killed run's units, complete or not
+    folder = cache / parts[1:].removesuffix(".parts")
     with pytest.raises(ConfigError):
         ensure_prepared(DataSource(str(source)), TOKENIZER, cache, 1, auto_max_mb=0.001)
     assert prepare(DataSource(str(source)), TOKENIZER, cache, 1, False) == folder
