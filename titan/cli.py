@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -196,15 +197,22 @@ def data_prepare(
     ctx: typer.Context,
     config: Path = CONFIG_OPTION,
     workers: int = typer.Option(None, "--workers", help="Tokenizer processes; overrides data.prepare_workers."),
+    part: str = typer.Option(
+        "0/1",
+        "--part",
+        help="i/N: prepare the i-th (from 0) of N shares of each source's files, for N machines "
+        "sharing data.cache_dir; the part that finishes last merges them.",
+    ),
 ) -> None:
     """Tokenize a recipe's sources once into token shards, where `titan train` finds them.
 
     Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
-    already prepared with the same files and tokenizer is skipped.
+    already prepared with the same files and tokenizer is skipped, and an interrupted one resumes where it stopped.
     """
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
+    share = _part(part)
     from titan.data import validation_source  # imported late, as in train: titan.data imports torch
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
@@ -212,11 +220,22 @@ def data_prepare(
     for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
         start = time.perf_counter()
         done = find_prepared(source, cfg.tokenizer, cache_root)
-        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
+        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers, part=share)
         seconds = time.perf_counter() - start
+        if path is None:
+            typer.echo(f"{source.source}: part {part} prepared in {seconds:.1f} s; other parts' files remain")
+            continue
         meta = json.loads((path / "meta.json").read_text())
         speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
         typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
+
+
+def _part(text: str) -> tuple[int, int]:
+    """`--part i/N` as (i, N), 0 <= i < N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not int(match[1]) < int(match[2]):
+        raise UserError(f"--part {text}: give i/N with 0 <= i < N, e.g. --part 0/4 on the first of 4 machines")
+    return int(match[1]), int(match[2])
 
 
 @app.command()
