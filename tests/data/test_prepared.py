@@ -23,7 +23,7 @@ from titan.config import Tokenizer as TokenizerConfig
 from titan.data import prepared
 from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
 from titan.data.tokenizer import Tokenizer
-from titan.errors import ConfigError
+from titan.errors import ConfigError, UserError
 
 TOKENIZER = TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json"))
 TEXTS = [f"Story {i}: " + "the cat sat on the mat and looked at the sun. " * (i % 5) for i in range(40)]
@@ -40,7 +40,11 @@ def folder_files(folder: Path) -> dict[str, bytes]:
 
 def leftovers(cache: Path) -> list[str]:
     """Anything in the cache but complete folders and their lock files."""
-    return [p.name for p in cache.iterdir() if not p.name.endswith(".lock") and not (p / "COMPLETE").is_file()]
+    return [
+        p.name
+        for p in cache.iterdir()
+        if not p.name.endswith(".lock") and p.name != ".digests" and not (p / "COMPLETE").is_file()
+    ]
 
 
 def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp_path):
@@ -126,10 +130,53 @@ def test_the_folder_changes_with_the_tokenizer_and_the_source_files(tmp_path):
     assert len(names) == 3
     stat = Path(source.source).stat()
     os.utime(source.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))  # touched, same contents
+    assert prepare(source, TOKENIZER, cache, 1, False) == base
+    write_jsonl(Path(source.source), TEXTS[:-1] + ["Story 39: the dog"])  # the same size, other contents
     assert prepare(source, TOKENIZER, cache, 1, False).name not in names
     # Neither the split name nor a differently spelt path of the same file changes anything.
     same = DataSource(str(tmp_path / "." / "corpus.jsonl"), format="json", split="validation")
     assert prepare(same, TOKENIZER, cache, 1, False) == prepare(source, TOKENIZER, cache, 1, False)
+
+
+def test_a_copied_source_reuses_its_tokens_and_the_cache_lists_and_cleans_what_is_stale(tmp_path):
+    original = tmp_path / "corpus"
+    original.mkdir()
+    for i in range(2):
+        write_jsonl(original / f"part{i}.jsonl", TEXTS[i::2])
+    cache, runner = tmp_path / "cache", CliRunner()
+    prepared_once = prepare(DataSource(str(original)), TOKENIZER, cache, 1, False)
+    marker = (prepared_once / "COMPLETE").stat().st_mtime_ns
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(original), str(copy)], check=True)  # new paths, times and inodes
+    assert prepare(DataSource(str(copy)), TOKENIZER, cache, 1, False) == prepared_once
+    assert (prepared_once / "COMPLETE").stat().st_mtime_ns == marker  # reused, not prepared again
+    ls = lambda: runner.invoke(app, ["data", "ls", "--config", str(recipe)]).output  # noqa: E731
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[data]\ncache_dir = "{cache}"\n')
+    assert f"{prepared_once.name}: current" in ls()
+    write_jsonl(original / "part0.jsonl", TEXTS[:5])  # the source the folder was prepared from changes
+    changed = prepare(DataSource(str(original)), TOKENIZER, cache, 1, False)
+    assert changed != prepared_once
+    listing = ls()
+    assert f"{prepared_once.name}: source changed" in listing and f"{changed.name}: current" in listing
+    assert "2 in" in listing.splitlines()[-1]
+    result = runner.invoke(app, ["data", "clean", "--stale", "--config", str(recipe)])
+    assert result.exit_code == 0 and f"removed {prepared_once.name} (source changed" in result.output
+    assert not prepared_once.exists() and changed.exists()
+    unknown = runner.invoke(app, ["data", "clean", "nothing-here", "--config", str(recipe)]).exception
+    assert isinstance(unknown, UserError) and "no nothing-here in" in str(unknown)  # main() prints it in one line
+    shutil.rmtree(original)
+    assert f"{changed.name}: source missing" in ls()
+    result = runner.invoke(app, ["data", "clean", changed.name, "--config", str(recipe)])
+    assert result.exit_code == 0 and not changed.exists() and "0 in" in ls().splitlines()[-1]
+
+
+def test_a_hub_source_s_key_holds_its_revision(tmp_path):
+    names = {
+        prepared._target(DataSource("someone/corpus", format="hub", revision=revision), TOKENIZER, tmp_path)[1].name
+        for revision in ("", "main", "0123abcd")
+    }
+    assert len(names) == 3
 
 
 def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_rerun_completes(tmp_path, monkeypatch):
@@ -222,7 +269,7 @@ def test_two_processes_preparing_one_source_at_once_write_it_once(tmp_path):
         child.join(60)
     assert [child.exitcode for child in children] == [0, 0]
     assert len(log.read_text().split()) == 1  # one wrote, the other waited and reused its folder
-    (folder,) = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+    (folder,) = [p for p in cache.iterdir() if not p.name.endswith(".lock") and p.name != ".digests"]
     assert PreparedDocuments(folder).n_documents == len(TEXTS)
 
 

@@ -38,7 +38,7 @@ def open_prepared(config: Config, source: DataSource):
 
 def validation_source(config: Config) -> DataSource | None:
     v = config.validation
-    return DataSource(v.source, v.format, v.text_field, v.split) if v.source else None
+    return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision) if v.source else None
 
 
 def held_out_blocks(config: Config, documents) -> np.ndarray:

@@ -79,7 +79,9 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
     cfg, where = documents.cfg, str(file) if file is not None else repr(documents.path)
     try:
         if file is None:
-            dataset = datasets.load_dataset(documents.path, cfg.subset or None, split=cfg.split, streaming=True)
+            dataset = datasets.load_dataset(
+                documents.path, cfg.subset or None, split=cfg.split, revision=cfg.revision or None, streaming=True
+            )
         else:
             dataset = datasets.load_dataset(
                 documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split, streaming=True

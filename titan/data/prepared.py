@@ -13,9 +13,10 @@ In the spirit of Megatron's indexed datasets and nanoGPT's .bin files. A prepare
     meta.json              format version, key, source, tokenizer, dtype, counts, shards, documents per block
     COMPLETE               the key, written last
 
-The key hashes everything the tokens depend on: the format version, the source's identity (local files: paths,
-sizes and mtimes; hub datasets: name, subset and split), the text field, the tokenizer file's contents and the
-BOS/EOS tokens; so a changed file or tokenizer never reuses stale tokens.
+The key hashes everything the tokens depend on: the format version, the source's identity (local files: paths
+and contents, whose digests <cache_root>/.digests/ remembers; hub datasets: name, subset, split and revision), the
+text field, the tokenizer file's contents and the BOS/EOS tokens; so a changed file or tokenizer never reuses
+stale tokens, and a copied or touched source reuses its own.
 
 Preparation goes by units: runs of consecutive source files of at least UNIT_BYTES (a hub dataset is one unit),
 each tokenized into <cache_root>/.<slug>-<key>.parts/unit-<first>-<stop>/ and kept once complete. A prepare that
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
+from filelock import FileLock, Timeout
 from numpy.lib.format import open_memmap
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -120,8 +122,8 @@ def prepare(
     documents = open_documents(src)
     tokenizer = Tokenizer(tokenizer_cfg)  # checks the file and the BOS/EOS tokens
     tokenizer_json = tokenizer.path.read_bytes()
-    identity = _identity(documents, tokenizer_cfg, tokenizer_json)
-    folder = Path(cache_root) / _folder_name(documents, identity)
+    identity = _identity(documents, tokenizer_cfg, tokenizer_json, Path(cache_root))
+    folder = _folder(Path(cache_root), documents, identity)
     if _is_complete(folder):
         return folder
     index, parts = part
@@ -188,6 +190,67 @@ def describe(meta: dict) -> str:
     )
 
 
+@dataclass(frozen=True)
+class CachedSource:
+    """A folder of the prepared-data cache: a prepared source, or what an unfinished preparation left."""
+
+    path: Path
+    state: str  # current; source changed, source missing, tokenizer changed, unreadable (stale); unfinished
+    nbytes: int
+    meta: dict | None  # a prepared source's meta.json
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def cached_sources(cache_root: Path) -> list[CachedSource]:
+    """Every folder of the cache, with whether it still matches its source: a local source whose files are gone
+    or hold other bytes now, or whose tokenizer file changed, can never be read again (a hub source is not
+    checked: that needs the network)."""
+    found = []
+    for path in sorted(Path(cache_root).iterdir()) if Path(cache_root).is_dir() else []:
+        if not path.is_dir() or path.name == ".digests":
+            continue
+        nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if not _is_complete(path):  # with a COMPLETE marker: of another format version, or damaged
+            state = "unreadable" if (path / "COMPLETE").is_file() else "unfinished"
+            found.append(CachedSource(path, state, nbytes, None))
+            continue
+        meta = json.loads((path / "meta.json").read_text())
+        found.append(CachedSource(path, _source_state(meta, Path(cache_root)), nbytes, meta))
+    return found
+
+
+def _source_state(meta: dict, cache_root: Path) -> str:
+    source, tokenizer = meta["source"], meta["tokenizer"]
+    tokenizer_file = Path(tokenizer["path"]).expanduser()
+    if tokenizer_file.is_file() and hashlib.sha256(tokenizer_file.read_bytes()).hexdigest() != tokenizer["sha256"]:
+        return "tokenizer changed"
+    if "files" not in source:
+        return "current"
+    try:
+        now = open_documents(DataSource(source["path"], source["format"], source["text_field"]))
+    except ConfigError:
+        return "source missing"
+    return "current" if _file_entries(now, cache_root) == source["files"] else "source changed"
+
+
+def remove_cached(source: CachedSource) -> bool:
+    """Delete a cache folder, unless a process is preparing it now (False)."""
+    final = source.path.name.removeprefix(".").split(".parts")[0].split(".tmp-")[0]
+    lock = FileLock(source.path.with_name(final + ".lock"))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        return False
+    try:
+        shutil.rmtree(source.path)
+    finally:
+        lock.release()
+    return True
+
+
 class PreparedDocuments:
     """A prepared source, read through memory maps: what titan.data.order reads (`n_documents`, `offsets`,
     `block_documents`, `block_offsets`) and `tokens(doc, start, stop)`. At most `open_shards` shard maps stay
@@ -232,33 +295,74 @@ class PreparedDocuments:
 def _target(src: DataSource, tokenizer_cfg: TokenizerConfig, cache_root: Path) -> tuple[Documents, Path]:
     documents = open_documents(src)
     tokenizer = Tokenizer(tokenizer_cfg)  # a missing file or unknown BOS/EOS token: the tokenizer's own one-line error
-    identity = _identity(documents, tokenizer_cfg, tokenizer.path.read_bytes())
-    return documents, Path(cache_root) / _folder_name(documents, identity)
+    identity = _identity(documents, tokenizer_cfg, tokenizer.path.read_bytes(), Path(cache_root))
+    return documents, _folder(Path(cache_root), documents, identity)
 
 
-def _identity(documents: Documents, tokenizer_cfg: TokenizerConfig, tokenizer_json: bytes) -> dict:
-    """Everything the tokens depend on; its hash names the folder."""
+def _identity(documents: Documents, tokenizer_cfg: TokenizerConfig, tokenizer_json: bytes, cache_root: Path) -> dict:
+    """Everything the tokens depend on; its hash names the folder. Local files count by name and contents, so a
+    copied or touched source keeps its key (file_digest)."""
     cfg = documents.cfg
     if documents.files:
-        root = Path(documents.path)
         # Local data files are all read into the one split, whatever its name: split and subset change nothing.
         source = {
-            "files": [
-                [f.relative_to(root).as_posix() if root.is_dir() else f.name, s.st_size, s.st_mtime_ns]
-                for f in documents.files
-                for s in [f.stat()]
-            ],
+            "files": _file_entries(documents, cache_root),
             "format": documents.fmt,
             "text_field": cfg.text_field,
         }
     else:
         source = {"hub": documents.path, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field}
+        if cfg.revision:
+            source["revision"] = cfg.revision
     tokenizer = {
         "sha256": hashlib.sha256(tokenizer_json).hexdigest(),
         "bos_token": tokenizer_cfg.bos_token,
         "eos_token": tokenizer_cfg.eos_token,
     }
     return {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer}
+
+
+def _file_entries(documents: Documents, cache_root: Path) -> list[list]:
+    """[name within the source, size, sha256] of each of a local source's files."""
+    root = Path(documents.path)
+    name = lambda f: f.relative_to(root).as_posix() if root.is_dir() else f.name  # noqa: E731
+    return [[name(f), f.stat().st_size, file_digest(f, cache_root)] for f in documents.files]
+
+
+def file_digest(file: Path, cache_root: Path) -> str:
+    """sha256 of a source file's bytes, remembered in the cache by the file's path, size, times and inode: an
+    unchanged file is read once; a copied or touched one is read again, and with the same bytes has the same
+    digest."""
+    stat = file.stat()
+    stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+    memo = cache_root / ".digests" / f"{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:32]}.json"
+    try:
+        saved = json.loads(memo.read_text())
+        if saved["stamp"] == stamp:
+            return saved["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    try:  # written whole and renamed: a reader never sees half a memo
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        temporary = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"stamp": stamp, "sha256": digest.hexdigest()}))
+        temporary.replace(memo)
+    except OSError:  # a read-only cache: the file is read again next time
+        pass
+    return digest.hexdigest()
+
+
+def _folder(cache_root: Path, documents: Documents, identity: dict) -> Path:
+    """The source's folder: a complete one with its key under any name (a copy of a source prepared under its
+    first name), else <slug>-<key>, the slug from the source's name."""
+    for folder in sorted(cache_root.glob(f"*-{_key(identity)}")):
+        if not folder.name.startswith(".") and _is_complete(folder):
+            return folder
+    return cache_root / _folder_name(documents, identity)
 
 
 def _folder_name(documents: Documents, identity: dict) -> str:
