@@ -324,9 +324,16 @@ def generate(
 
     rank_0 = os.environ.get("RANK", "0") == "0"
     texts, generation, loaded = continue_texts(
-        checkpoint, prompts, max_new_tokens, Sampling(temperature, top_k, top_p, seed), tokenizer, dtype, tp,
-        batch_size, progress=rank_0 and sys.stderr.isatty(),
-    )  # fmt: skip
+        checkpoint,
+        prompts,
+        max_new_tokens,
+        Sampling(temperature, top_k, top_p, seed),
+        tokenizer_path=tokenizer,
+        dtype=dtype,
+        tp=tp,
+        batch_size=batch_size,
+        progress=rank_0 and sys.stderr.isatty(),  # a bar on a terminal only, from one rank
+    )
     if not rank_0:
         return
     if len(prompts) == 1:

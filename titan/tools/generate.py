@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.checkpoint.checkpointer import read_train_state
 from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, load_tensors, open_model_checkpoint
@@ -133,20 +134,21 @@ def generate(
     tokens = torch.tensor([[0] * n + prompt for n, prompt in zip(pad, prompts)], device=device)  # any id: unseen
     cache = model.kv_cache(len(prompts), length, torch.tensor(pad, device=device))
 
-    def step(tokens: torch.Tensor) -> torch.Tensor:
+    def pick_after(tokens: torch.Tensor) -> torch.Tensor:
+        """The next token of each row, after `tokens` (batch, seq) follow the cached ones."""
         token = next_tokens(model(tokens, cache=cache)[:, -1], sampling, generator)
         if group is not None:  # the ranks' logits agree, but a rank that drew otherwise would decode another text
             dist.broadcast(token, group_src=0, group=group)
         return token
 
     start = time.perf_counter()
-    token = step(tokens)
+    token = pick_after(tokens)
     rows = [[t] for t in token.tolist()]  # .tolist() waits for the device, so the clock reads finished work
     decode_start = time.perf_counter()
     for _ in range(max_new_tokens - 1):
         if all(eos_id in row for row in rows):
             break
-        token = step(token[:, None])
+        token = pick_after(token[:, None])
         for row, t in zip(rows, token.tolist()):
             row.append(t)
     decode_seconds = time.perf_counter() - decode_start
@@ -161,6 +163,8 @@ def generate(
 
 @dataclass(frozen=True)
 class Loaded:
+    """A checkpoint's model as load_model made it, and what loading took."""
+
     checkpoint: ModelCheckpoint
     model: nn.Module  # in eval mode, without gradients
     tp: int  # tensor-parallel shards
@@ -186,8 +190,6 @@ def load_model(
         with torch.device("meta"):
             model = spec.build(args).to(dtype)
         if tp_mesh is not None:
-            from torch.distributed.tensor.parallel import parallelize_module
-
             try:
                 spec.check_parallelism(args, world, 1)
             except ValueError as e:
@@ -262,10 +264,12 @@ def device_and_mesh(tp: int):
     if tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {tp}")
     if world != tp:
-        raise ConfigError(
-            f"--tp {tp} runs one process per shard, but {world} were started: launch with "
-            f"`torchrun --nproc-per-node {tp} -m titan generate ...`" + (" or leave --tp out" if world == 1 else "")
+        fix = (
+            f"pass --tp {world} to split the model over them"
+            if tp == 1
+            else f"start it with `torchrun --nproc-per-node {tp} -m titan generate ... --tp {tp}`"
         )
+        raise ConfigError(f"--tp {tp} takes {tp} processes, one per shard, but {world} were started: {fix}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if tp == 1:
