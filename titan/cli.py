@@ -289,7 +289,9 @@ def generate(
     checkpoint: Path = typer.Option(
         ..., "--checkpoint", help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."
     ),
-    prompt: list[str] = typer.Option(None, "--prompt", help="The text to continue; repeat it for several prompts."),
+    prompt: list[str] = typer.Option(
+        None, "--prompt", metavar="<text>", help="The text to continue; repeat it for several prompts."
+    ),
     prompts_file: Path = typer.Option(
         None, "--prompts-file", help="A text file of prompts, one per line (blank lines are skipped)."
     ),
