@@ -1,5 +1,7 @@
 """The Llama 3 model: published sizes, shapes, causality and seeded initialisation."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,6 +85,34 @@ def test_tied_embeddings_share_one_parameter():
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in build().parameters()) - 2048 * 256
 
 
+@pytest.mark.parametrize("flavor", ["debug", "8B"])  # RoPE without and with Llama 3.1's frequency scaling
+def test_init_buffers_completes_a_model_whose_weights_are_loaded(flavor):
+    """titan generate computes the RoPE table, which no checkpoint holds, with init_buffers and loads every weight: the
+    model must be the one init_weights builds, with no weight written first, and keep an fp32 table in bf16."""
+    args = dataclasses.replace(
+        FLAVORS[flavor], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=256
+    )
+    reference = _initialised(args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    untouched = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.init_buffers()
+    for name, param in model.named_parameters():  # as bits: memory to_empty leaves may hold NaNs
+        assert torch.equal(param.detach().view(torch.int32), untouched[name].view(torch.int32)), name
+    assert torch.equal(model.rope, reference.rope)
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
+    with torch.device("meta"):
+        half = Transformer(args).to(torch.bfloat16)
+    half.to_empty(device="cpu")
+    half.init_buffers()
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16
+    assert half.rope.dtype == torch.float32 and torch.equal(half.rope, reference.rope)
+
+
 def test_unknown_override_is_rejected():
     spec = models.get_model_spec("llama3")
     with pytest.raises(ValueError, match="unknown model.overrides.n_layer"):
@@ -92,11 +122,13 @@ def test_unknown_override_is_rejected():
 
 
 def _small_model(traceable=False, **overrides):
-    import dataclasses
-
     args = dataclasses.replace(
         FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides
     )
+    return _initialised(args, traceable)
+
+
+def _initialised(args, traceable=False):
     with torch.device("meta"):
         model = Transformer(args, traceable)
     model.to_empty(device="cpu")
