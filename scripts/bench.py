@@ -132,7 +132,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
             blocked = [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r]
     else:
-        device, world = pick_device(config.training.device), 1
+        device, world = pick_device(config.training.device)[0], 1
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=True)
         plan = list(run_plan(config, 1).micro_batches[0])

@@ -20,6 +20,7 @@ import torch
 
 from titan.data.packing import CostModel
 from titan.files import cache_root
+from titan.observe.profiling import DeviceTimer
 
 log = logging.getLogger("titan")
 
@@ -46,14 +47,12 @@ def time_micro_batch(model: torch.nn.Module, lengths: list[int], vocab: int, dev
     tokens = torch.randint(0, vocab, (1, sum(lengths)), device=device, generator=torch.Generator(device).manual_seed(0))
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))[None]
     times = []
+    timer = DeviceTimer(device)
     for _ in range(repeats + 1):  # the first warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        timer.start()
         model(tokens, None, ids).float().logsumexp(-1).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        timer.stop()
+        times.append(timer.seconds())
         model.zero_grad(set_to_none=True)
     return min(times[1:])
 
@@ -119,15 +118,12 @@ def collective_seconds(n_params: int, group, device: torch.device, dtype: torch.
     world = dist.get_world_size(group)
     shard = torch.zeros(math.ceil(n_params / world), dtype=dtype, device=device)
     full = torch.empty(shard.numel() * world, dtype=dtype, device=device)
-    best = math.inf
+    best, timer = math.inf, DeviceTimer(device)
     for _ in range(4):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        timer.start()
         dist.all_gather_into_tensor(full, shard, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        timer.stop()
+        best = min(best, timer.seconds())
     return 3 * best
 
 
