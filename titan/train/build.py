@@ -172,6 +172,8 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             lambda: cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, config.job.seed),
             control_group,
         )
+        # Each tensor-parallel rank computes its share of every layer's heads and hidden units.
+        cost = dataclasses.replace(cost, a=cost.a / layout.tp, b=cost.b / layout.tp)
         if layout.dp > 1:
             seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
             cost = dataclasses.replace(cost, c=cost.c + seconds)
