@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import DEBUG_RECIPE, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from helpers import straight_and_resumed
 from titan.config import load_config
 from titan.models.llama.model import attend_flex, attend_per_document, document_mask, flex_length
@@ -229,7 +229,9 @@ def test_the_cost_fit_of_a_deep_stage_matches_a_deep_model_timed_directly():
 
 
 def test_inductor_compiles_a_triton_kernel():
-    """What titan's Docker image must allow: Triton builds its launcher with the C compiler and Python headers."""
-    compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1)
-    x = torch.randn(1024, device="cuda")
-    torch.testing.assert_close(compiled(x), torch.sin(x) * 2 + 1)
+    """What titan's Docker image must allow (scripts/triton_check.py, run there): Triton builds its launcher with
+    the C compiler and Python's headers."""
+    import runpy
+
+    check = runpy.run_path(str(ROOT / "scripts" / "triton_check.py"))
+    assert check["compile_a_triton_kernel"]() < 1e-5
