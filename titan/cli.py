@@ -54,7 +54,37 @@ def _titan(
 
 # Overrides (--section.key value) are not declared options, so let them through to the recipe loader.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
-CONFIG_OPTION = typer.Option(..., "--config", "-c", help="The TOML recipe, e.g. recipes/debug.toml.")
+# --job.config_file is the name torchtitan users type.
+CONFIG_OPTION = typer.Option(
+    ..., "--config", "-c", "--job.config_file", help="The TOML recipe, e.g. recipes/debug.toml."
+)
+
+OVERRIDES_HELP = (
+    "Recipe keys: each overrides the recipe as --section.key VALUE (or --section.key=VALUE). A list is "
+    '"[1, 2]" (of strings, also a,b); a key alone means true; --model.overrides.n_layers 2 sets one model field. '
+    "Most used: --training.steps, --training.global_batch_size, --training.local_batch_size, --training.seq_len, "
+    "--optimizer.lr, --job.name, --parallel.dp_shard, --parallel.tp, --parallel.pp. One section: titan config keys "
+    "SECTION; all of them as a table: docs/config.md."
+)
+
+
+class RecipeCommand(typer.core.TyperCommand):
+    """A command that takes recipe overrides: its help ends with every recipe key, by section."""
+
+    def format_epilog(self, ctx, formatter) -> None:
+        import textwrap
+
+        from titan.config_keys import keys_text, recipe_keys
+
+        intro = textwrap.fill(OVERRIDES_HELP, formatter.width)
+        formatter.write(f"\n{intro}\n\n{keys_text(recipe_keys(), formatter.width, flag='--')}")
+
+
+def recipe_command(name: str | None = None, group: typer.Typer = app):
+    """A command of `group` that takes a recipe and its overrides."""
+    return group.command(
+        name, cls=RecipeCommand, context_settings=OVERRIDES, options_metavar="[OPTIONS] [--section.key VALUE]..."
+    )
 
 
 # The torch releases titan runs on, [from, to): pyproject.toml's pin, checked again at run time.
@@ -64,11 +94,12 @@ TORCH_VERSIONS = ((2, 11), (2, 14))
 PREEMPTED_EXIT_CODE = 75
 
 
-def _preflight(path: Path, overrides: list[str]) -> Config:
+def _preflight(path: Path, overrides: list[str], world_size: int | None = None) -> Config:
     """The recipe, loaded and checked, and its run plan checked at the world size torchrun gives (1 alone): a
     recipe that cannot run is refused here, before torch is imported."""
-    config = load_config(path, overrides)
-    run_plan(config, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    config = load_config(path, overrides, world_size)
+    run_plan(config, world_size)
     return config
 
 
@@ -92,18 +123,20 @@ def _leave_together() -> None:
     os._exit(2)  # now, without a teardown that would take longer on one rank than another
 
 
-@app.command(context_settings=OVERRIDES)
+@recipe_command()
 def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
-    """Train a model from a recipe. Any recipe key can be overridden: --training.steps 30 --optimizer.lr 1e-3.
+    """Train a model from a recipe, e.g. titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3.
 
-    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. `titan config keys` lists
-    every key with its type, default and meaning.
+    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed
+    below the options, with its type, default and meaning.
     """
     try:
         cfg = _preflight(config, ctx.args)
         from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
         from titan.train.trainer import Trainer
 
+        if cfg.activation_checkpoint.mode == "auto" and not cfg.activation_checkpoint.budget_gib:
+            cfg = _with_device_budget(cfg)
         try:
             Trainer(cfg).train()
         except Preempted as e:
@@ -115,41 +148,75 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         raise UserError(write_error(e)) from None
 
 
-@config_app.command("show", context_settings=OVERRIDES)
-def config_show(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
-    """Print the fully resolved recipe (defaults and overrides applied) as TOML."""
-    typer.echo(to_toml(_preflight(config, ctx.args)), nl=False)
+def _with_device_budget(config: Config) -> Config:
+    """activation_checkpoint.budget_gib = 0: the budget that this rank's device leaves, as `titan plan` works it out."""
+    from titan.observe.metrics import setup_logging
+    from titan.tools.plan.estimate import with_activation_budget
+    from titan.train.build import device_memory, pick_device
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    device = pick_device(config.training.device)
+    return with_activation_budget(config, int(os.environ.get("WORLD_SIZE", "1")), device_memory(device))
+
+
+@recipe_command("show", config_app)
+def config_show(
+    ctx: typer.Context,
+    config: Path = CONFIG_OPTION,
+    world_size: int = typer.Option(
+        None, "--world-size", help="Check for this many processes; default: $WORLD_SIZE, else the recipe's degrees."
+    ),
+) -> None:
+    """Print the fully resolved recipe (defaults and overrides applied) as TOML, once it passes what `titan train`
+    checks on this machine before it reads any data: the keys, the model, the parallel layout and the run plan."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
+    cfg = _preflight(config, ctx.args, world_size)
+    from titan.train.build import check_run, pick_device  # imported late: torch takes a while to import
+
+    check_run(cfg, world_size, pick_device(cfg.training.device))
+    typer.echo(to_toml(cfg), nl=False)
 
 
 @config_app.command("keys")
 def config_keys(
     section: str = typer.Argument(None, help="Only this section's keys, e.g. training."),
+    markdown: bool = typer.Option(False, "--markdown", help="As Markdown tables, as in docs/config.md."),
 ) -> None:
     """Every recipe key: its type, default and what it does."""
-    from titan.config_keys import recipe_keys
+    import shutil
+
+    from titan.config_keys import keys_markdown, keys_text, recipe_keys
 
     keys = [k for k in recipe_keys() if section is None or k.name.split(".")[0] == section]
     if not keys:
         sections = sorted({k.name.split(".")[0] for k in recipe_keys()})
         raise UserError(f"no section {section!r}; sections: {', '.join(sections)}")
-    for key in keys:
-        typer.echo(f"{key.name}: {key.type} = {key.default}\n    {key.description}")
+    width = min(shutil.get_terminal_size().columns, 100)
+    typer.echo(keys_markdown(keys) if markdown else keys_text(keys, width), nl=False)
 
 
-@data_app.command("prepare", context_settings=OVERRIDES)
+@recipe_command("prepare", data_app)
 def data_prepare(
     ctx: typer.Context,
     config: Path = CONFIG_OPTION,
     workers: int = typer.Option(None, "--workers", help="Tokenizer processes; overrides data.prepare_workers."),
+    part: str = typer.Option(
+        "0/1",
+        "--part",
+        help="i/N: prepare the i-th (from 0) of N shares of each source's files, for N machines "
+        "sharing data.cache_dir; the part that finishes last merges them.",
+    ),
 ) -> None:
     """Tokenize a recipe's sources once into token shards, where `titan train` finds them.
 
     Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
-    already prepared with the same files and tokenizer is skipped.
+    already prepared with the same files and tokenizer is skipped, and an interrupted one resumes where it stopped.
     """
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
+    share = _part(part)
     from titan.data import validation_source  # imported late, as in train: titan.data imports torch
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
@@ -157,11 +224,22 @@ def data_prepare(
     for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
         start = time.perf_counter()
         done = find_prepared(source, cfg.tokenizer, cache_root)
-        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
+        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers, part=share)
         seconds = time.perf_counter() - start
+        if path is None:
+            typer.echo(f"{source.source}: part {part} prepared in {seconds:.1f} s; other parts' files remain")
+            continue
         meta = json.loads((path / "meta.json").read_text())
         speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
         typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
+
+
+def _part(text: str) -> tuple[int, int]:
+    """`--part i/N` as (i, N), 0 <= i < N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not int(match[1]) < int(match[2]):
+        raise UserError(f"--part {text}: give i/N with 0 <= i < N, e.g. --part 0/4 on the first of 4 machines")
+    return int(match[1]), int(match[2])
 
 
 @app.command()
@@ -256,7 +334,7 @@ def generate(
     )
 
 
-@app.command(context_settings=OVERRIDES)
+@recipe_command()
 def verify(
     ctx: typer.Context,
     config: Path = CONFIG_OPTION,
@@ -279,7 +357,7 @@ def verify(
         raise typer.Exit(code=1)
 
 
-@app.command(context_settings=OVERRIDES)
+@recipe_command()
 def plan(
     ctx: typer.Context,
     config: Path = CONFIG_OPTION,

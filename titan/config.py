@@ -234,7 +234,9 @@ class ActivationCheckpoint:
             "aten._scaled_dot_product_flash_attention",
         ]
     )
-    budget_gib: float = 0.0  # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0 = not set
+    # auto: GiB the blocks may keep for backward, per micro-batch and rank; 0: what the device's memory leaves
+    # (less plan.headroom_fraction) after everything else the step holds, as `titan plan` works it out
+    budget_gib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -341,8 +343,46 @@ class Config:
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
     """Read a recipe, apply `--section.key value` overrides, type-check and validate everything."""
     config = read_config(path, overrides)
-    validate(config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate(config, world_size)
+    except LayoutError:
+        given = {k: v for k, v in parse_overrides(overrides) if k in [f"parallel.{d}" for d in DEGREES]}
+        if not given:
+            raise
+        raise LayoutError(_conflict(given, path, config.parallel, world_size)) from None
     return config
+
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
+    """Degrees that cannot make the world size, some of them set on the command line: the message names those
+    first, and where each other degree came from (the recipe, or the default), so the fix is plain."""
+    in_recipe = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("parallel", {}) if path else {}
+    others = [
+        f"parallel.{d} = {getattr(p, d)} ({path if d in in_recipe else 'the default'})"
+        for d in DEGREES
+        if f"parallel.{d}" not in given and (getattr(p, d) != 1 or d == "dp_shard")
+    ]
+    product = p.dp_replicate * p.tp * p.pp
+    degrees = f"dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {product}"
+    flags = " and ".join(f"--{k} {v}" for k, v in given.items())
+    if p.dp_shard == -1:
+        problem = f"{degrees} does not divide the world size {world_size}, so dp_shard = -1 (what they leave) cannot"
+        fix = f"launch a multiple of {product} processes (torchrun --nproc-per-node), or change {flags}"
+    else:
+        problem = (
+            f"{degrees} x dp_shard={p.dp_shard} is {product * p.dp_shard} processes, not the world size {world_size}"
+        )
+        fix = f"launch {product * p.dp_shard} processes, or change {flags}"
+        if "parallel.dp_shard" not in given and world_size % product == 0:
+            fix = f"add --parallel.dp_shard {world_size // product} (or -1: what the other degrees leave), or {fix}"
+    verb = "do" if len(given) > 1 else "does"
+    return (
+        f"{flags} on the command line {verb} not fit with {', '.join(others) or 'the other degrees'}: {problem}; {fix}"
+    )
 
 
 def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -652,14 +692,9 @@ def validate(config: Config, world_size: int) -> None:
     require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
     require(
         0 <= a.budget_gib < float("inf"),
-        f"activation_checkpoint.budget_gib must be a number of GiB >= 0 (0 = not set), got {a.budget_gib}",
+        f"activation_checkpoint.budget_gib must be GiB >= 0 (0: what the device leaves), got {a.budget_gib}",
     )
     if a.mode == "auto":
-        require(
-            a.budget_gib > 0,
-            "activation_checkpoint.mode = 'auto' plans to a budget: set activation_checkpoint.budget_gib to the GiB "
-            "of activations each rank's blocks may keep for backward",
-        )
         require(
             not config.compile.enable,
             "activation_checkpoint.mode = 'auto' measures eager blocks, which compiled ones do not match; set "
@@ -693,6 +728,10 @@ def degrees_world_size(p: Parallel) -> int:
     return p.dp_replicate * abs(p.dp_shard) * p.tp * p.pp
 
 
+class LayoutError(ConfigError):
+    """The parallel degrees cannot make the world size."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the world is split: the one description of a parallel layout, used by the trainer, the mesh,
@@ -709,13 +748,13 @@ class Layout:
         others = p.dp_replicate * p.tp * p.pp
         dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
         if p.dp_shard == -1 and (dp_shard < 1 or others * dp_shard != world_size):
-            raise ConfigError(
+            raise LayoutError(
                 f"parallel.dp_shard = -1 takes what dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {others} "
                 f"leaves of the world size {world_size}, and {others} does not divide it; launch a multiple of "
                 f"{others} processes (torchrun --nproc-per-node) or lower the degrees"
             )
         if dp_shard < 1 or others * dp_shard != world_size:
-            raise ConfigError(
+            raise LayoutError(
                 f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
                 f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
             )

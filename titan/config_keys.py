@@ -1,12 +1,15 @@
 """Every recipe key with its type, default and description, read from titan/config.py itself: a field's
-description is its trailing comment, or else the comment lines just above it. `titan config keys` prints them;
-a test keeps every key described, so the listing cannot fall behind the schema."""
+description is its trailing comment, or else the comment lines just above it. `titan config keys`, the help of
+every command that takes overrides and docs/config.md print them; a test keeps every key described, so the
+listings cannot fall behind the schema."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import io
+import itertools
+import textwrap
 import tokenize
 import typing
 from dataclasses import dataclass
@@ -21,6 +24,12 @@ class Key:
     default: str
     description: str
 
+    @property
+    def section(self) -> str:
+        """The recipe table the key sits in, as TOML writes it: [training], or [[data.sources]]."""
+        table = self.name.rsplit(".", 1)[0]
+        return f"[[{table[:-2]}]]" if table.endswith("[]") else f"[{table}]"
+
 
 def recipe_keys() -> list[Key]:
     keys = []
@@ -29,6 +38,39 @@ def recipe_keys() -> list[Key]:
         if cls is schema.Data:  # the tables of a mixture
             keys += _keys("data.sources[]", schema.DataSource)
     return keys
+
+
+def keys_text(keys: list[Key], width: int, flag: str = "") -> str:
+    """The keys section by section: a key's name (after `flag`, e.g. "--"), type and default on one line, its
+    meaning wrapped under it. [[data.sources]] keys go in recipe tables, not on the command line: no flag."""
+    lines = []
+    for section, group in itertools.groupby(keys, key=lambda k: k.section):
+        lines += ["", section]
+        for key in group:
+            name = key.name if section.startswith("[[") else flag + key.name
+            lines.append(f"  {name}  {key.type} = {key.default}")
+            lines += textwrap.wrap(key.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines[1:]) + "\n"
+
+
+def keys_markdown(keys: list[Key]) -> str:
+    """docs/config.md: a table of the keys per section."""
+    out = [
+        "# Recipe keys",
+        "",
+        "Every key a recipe can set, with its type, default and meaning, generated from `titan/config.py` by",
+        "`titan config keys --markdown > docs/config.md` (see [contributing](contributing.md)); do not edit it by",
+        "hand. On the command line a key overrides the recipe as `--section.key value`. Recipes and overrides are",
+        "explained in [recipes and config](recipes-and-config.md).",
+    ]
+    # A pipe would end the table cell (in code too); in text, <name> would read as an HTML tag, a lone * as emphasis.
+    code = lambda s: "`" + s.replace("|", "\\|") + "`"
+    plain = lambda s: s.replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
+    for section, group in itertools.groupby(keys, key=lambda k: k.section):
+        out += ["", f"## {section}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for k in group:
+            out.append(f"| {code(k.name)} | {code(k.type)} | {code(k.default)} | {plain(k.description)} |")
+    return "\n".join(out) + "\n"
 
 
 def _keys(prefix: str, cls) -> list[Key]:

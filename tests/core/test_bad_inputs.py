@@ -118,10 +118,10 @@ CASES = [
     ("eps", "show", ["--optimizer.eps", "0"], None, {}, ["optimizer.eps must be > 0"]),
     ("min_lr_ratio", "show", ["--lr_scheduler.min_lr_ratio", "2"], None, {}, ["lr_scheduler.min_lr_ratio", "[0, 1]"]),
     (
-        "a torchtitan key",
+        "a torchtitan key in a recipe",  # on the command line, --job.config_file is --config
         "show",
-        ["--job.config_file", "x.toml"],
-        None,
+        [],
+        recipe_file('[job]\nconfig_file = "x.toml"\n'),
         {},
         ["job.config_file", "the recipe is --config"],
     ),
@@ -467,6 +467,24 @@ CASES = [
     ("model name", "train", {"model.name": "gpt5"}, None, {}, ["model.name", "gpt5", "llama3"]),
     ("override typo", "train", {"model.overrides.n_layer": "2"}, None, {}, ["model.overrides.n_layer", "n_layers"]),
     ("override type", "train", {"model.overrides.dim": "1.5"}, None, {}, ["model.overrides.dim must be int"]),
+    # config show checks what train checks before reading data
+    ("flavor in config show", "show", ["--model.flavor", "7B"], None, {}, ["model.flavor", "7B", "debug"]),
+    (
+        "override typo in config show",
+        "show",
+        ["--model.overrides.n_layerz", "3"],
+        None,
+        {},
+        ["model.overrides.n_layerz", "did you mean n_layers"],
+    ),  # fmt: skip
+    (
+        "tp vs kv heads in config show",
+        "show",
+        ["--parallel.tp", "2", "--model.overrides.n_kv_heads", "1"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["parallel.tp = 2", "n_kv_heads (1)"],
+    ),  # fmt: skip
     (
         "heads not dividing dim",
         "train",

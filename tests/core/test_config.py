@@ -204,7 +204,8 @@ def test_every_recipe_key_is_listed_with_its_type_default_and_description():
 def test_config_keys_prints_a_section_and_names_the_sections_when_one_is_wrong():
     listed = run_titan("config", "keys", "training")
     assert listed.returncode == 0, listed.stderr
-    assert "training.seq_len: int = 256\n    tokens per sequence" in listed.stdout
+    assert listed.stdout.startswith("[training]\n")
+    assert "  training.seq_len  int = 256\n      tokens per sequence" in listed.stdout
     assert "optimizer.lr" not in listed.stdout
     wrong = run_titan("config", "keys", "trainig")
     assert_one_line_error(wrong, "no section 'trainig'", "training")
@@ -218,6 +219,65 @@ def test_titan_version_prints_the_package_version():
 
 
 def test_a_tensor_parallel_degree_the_world_cannot_hold_names_the_launch():
-    """dp_shard = -1 already: the error says what to launch instead of asking for -1 again."""
+    """dp_shard = -1 already: the error says what to launch instead of asking for -1 again, and names the key the
+    user set, not the default it clashes with."""
     result = run_titan("train", "--config", str(DEBUG_RECIPE), "--parallel.tp", "3")
-    assert_one_line_error(result, "dp_replicate=1 x tp=3 x pp=1 = 3", "world size 1", "launch a multiple of 3")
+    assert_one_line_error(
+        result,
+        "--parallel.tp 3 on the command line",
+        "parallel.dp_shard = -1 (the default)",
+        "dp_replicate=1 x tp=3 x pp=1 = 3",
+        "world size 1",
+        "launch a multiple of 3",
+    )
+
+
+def test_a_degree_from_the_command_line_against_the_recipes_names_both_and_the_degree_that_fits(tmp_path):
+    recipe = tmp_path / "fsdp4.toml"
+    recipe.write_text("[parallel]\ndp_shard = 4\n")
+    result = run_titan("config", "show", "--config", str(recipe), "--parallel.tp", "2", env={"WORLD_SIZE": "4"})
+    assert_one_line_error(
+        result,
+        "--parallel.tp 2 on the command line",
+        f"parallel.dp_shard = 4 ({recipe})",
+        "8 processes, not the world size 4",
+        "add --parallel.dp_shard 2",
+    )
+
+
+def help_keys(text: str) -> dict[str, tuple[str, str]]:
+    """The keys a help text lists: --name -> (section heading above it, `type = default`)."""
+    keys, section = {}, None
+    for line in text.splitlines():
+        if re.fullmatch(r"\[\[?[a-z0-9_.]+\]\]?", line):
+            section = line
+        elif section and (m := re.fullmatch(r"  (--[a-z0-9_.]+)  (.+)", line)):
+            keys[m.group(1)] = (section, m.group(2))
+    return keys
+
+
+@pytest.mark.parametrize("command", [["train"], ["plan"], ["verify"], ["config", "show"]])
+def test_the_help_of_a_command_that_takes_overrides_lists_every_key_by_section(command):
+    """Against the schema itself: every field of every section, under its [section], with its default."""
+    result = run_titan(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    listed = help_keys(result.stdout)
+    defaults = to_dict(Config())
+    for section, fields in defaults.items():
+        for name, value in fields.items():
+            if section == "data" and name == "sources":  # and the keys of its tables, set in the recipe file
+                assert "[[data.sources]]\n  data.sources[].source  str = " in result.stdout
+            heading, type_default = listed.pop(f"--{section}.{name}")
+            assert heading == f"[{section}]" and type_default.endswith(f" = {toml_value(value)}")
+    assert listed == {}  # nothing that is not a key
+    assert "  --optimizer.lr  float = 0.0003\n      the peak learning rate" in result.stdout  # its meaning under it
+    # The first screen: how to override, the recipe option and its alias, the most used keys.
+    first_screen = "\n".join(result.stdout.splitlines()[:30])
+    for words in ("--section.key VALUE", "--config", "--job.config_file", "--training.steps", "--parallel.tp"):
+        assert words in first_screen
+
+
+def test_the_recipe_option_has_torchtitans_name_and_a_short_one():
+    for option in ("--job.config_file", "-c"):
+        result = run_titan("config", "show", option, str(DEBUG_RECIPE), "--training.steps", "7")
+        assert result.returncode == 0 and "steps = 7" in result.stdout, result.stderr

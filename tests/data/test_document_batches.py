@@ -22,7 +22,7 @@ def test_an_epoch_of_pieces_covers_every_token_pair_once_in_pieces_of_at_most_ma
     docs, pieces = pieces_of()
     seen = []
     first = 0
-    while first < pieces.pieces_per_epoch:
+    while first < pieces.tokens_per_epoch:
         step, first = pieces.step(first, budget=100)
         assert sum(length for _, _, length in step) <= 100
         for doc, start, length in step:
@@ -30,7 +30,7 @@ def test_an_epoch_of_pieces_covers_every_token_pair_once_in_pieces_of_at_most_ma
             tokens = pieces.tokens(doc, start, length)
             assert tokens.tolist() == [doc * 1000 + i for i in range(start, start + length + 1)]
             seen += [(doc, i) for i in range(start, start + length)]
-    assert first == pieces.pieces_per_epoch  # the last step stops at the epoch's end
+    assert first == pieces.tokens_per_epoch  # the last step stops at the epoch's end
     want = [(doc, i) for doc in range(docs.n_documents) for i in range(int(docs.lengths[doc]) - 1)]
     assert sorted(seen) == want and len(seen) == pieces.tokens_per_epoch
 
@@ -46,7 +46,7 @@ def test_the_documents_of_a_step_depend_on_the_seed_and_step_only():
     other = DocumentPieces(a.documents, np.arange(60), 16, seed=8, shuffle=True)
     assert other.step(0, 100)[0] != a.step(0, 100)[0]
     # The next epoch reshuffles.
-    assert a.step(a.pieces_per_epoch, 100)[0] != a.step(0, 100)[0]
+    assert a.step(a.tokens_per_epoch, 100)[0] != a.step(0, 100)[0]
 
 
 def loaders(placement: Placement, ranks: int, balance="cost", capacity=64):

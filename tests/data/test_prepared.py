@@ -50,7 +50,7 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     documents = PreparedDocuments(path)
     expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
     assert documents.n_documents == len(TEXTS) and documents.n_tokens == sum(map(len, expected))
-    assert documents.lengths.dtype == np.int64 and documents.lengths.tolist() == [len(e) for e in expected]
+    assert documents.offsets.dtype == np.int64 and np.diff(documents.offsets).tolist() == [len(e) for e in expected]
     assert all(documents.tokens(i).tolist() == e for i, e in enumerate(expected))
     assert documents.tokens(3, 2, 5).tolist() == expected[3][2:5]
     assert documents.tokens(3, -4).tolist() == expected[3][-4:] and documents.tokens(3, 5, 2).tolist() == []
@@ -58,12 +58,13 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     meta = documents.meta
     assert meta["empty_documents_skipped"] == 2 and meta["dtype"] == "uint16"
     # Shards end at document boundaries and hold at most 100 tokens, unless one document alone is longer.
-    index = np.load(path / "documents.npy")
+    offsets = np.load(path / "offsets.npy")
     assert len(meta["shard_tokens"]) > 5
+    shard_ends = np.cumsum(meta["shard_tokens"])
+    assert np.isin(shard_ends, offsets).all()
     for shard, size in enumerate(meta["shard_tokens"]):
-        rows = index[index[:, 0] == shard]
-        assert rows[0, 1] == 0 and (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2]).all()
-        assert size == rows[:, 2].sum() and (size <= 100 or len(rows) == 1)
+        starts = offsets[(offsets >= shard_ends[shard] - size) & (offsets < shard_ends[shard])]
+        assert size <= 100 or len(starts) == 1
         assert (path / f"tokens-{shard:05d}.bin").stat().st_size == 2 * size
 
 
@@ -93,7 +94,7 @@ def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
         DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1, False
     )
     assert parquet != jsonl
-    for name in ("documents.npy", "tokens-00000.bin"):
+    for name in ("offsets.npy", "tokens-00000.bin"):
         assert (parquet / name).read_bytes() == (jsonl / name).read_bytes()
 
 
@@ -145,7 +146,8 @@ def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_re
     monkeypatch.setattr(prepared._ShardWriter, "add", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(source, TOKENIZER, cache, workers=1, progress=False)
-    assert leftovers(cache) == []  # the temporary folder is gone
+    (parts,) = leftovers(cache)  # where a rerun resumes: holding no unit, as the one unit was cut short
+    assert parts.endswith(".parts") and not any((p / "COMPLETE").is_file() for p in (cache / parts).iterdir())
     monkeypatch.setattr(prepared._ShardWriter, "add", add)
     path = prepare(source, TOKENIZER, cache, workers=1, progress=False)
     assert PreparedDocuments(path).n_documents == len(TEXTS) * 10
@@ -188,8 +190,8 @@ def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
     time.sleep(0.2)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert leftovers(cache)  # the killed run's temporary folder
-    folder = cache / leftovers(cache)[0][1:].split(".tmp-")[0]
+    (parts,) = leftovers(cache)  # the killed run's units, complete or not
+    folder = cache / parts[1:].removesuffix(".parts")
     with pytest.raises(ConfigError):
         ensure_prepared(DataSource(str(source)), TOKENIZER, cache, 1, auto_max_mb=0.001)
     assert prepare(DataSource(str(source)), TOKENIZER, cache, 1, False) == folder
@@ -341,3 +343,86 @@ def test_a_recipe_laid_out_for_many_gpus_prepares_on_one_machine(tmp_path):
 def test_help_keeps_the_brackets_of_recipe_keys():
     result = CliRunner().invoke(app, ["data", "prepare", "--help"])
     assert result.exit_code == 0 and "[[data.sources]]" in result.output
+
+
+def write_files(folder: Path, count: int, repeat: int = 1) -> Path:
+    """A source of `count` JSONL files, each with texts of its own."""
+    folder.mkdir()
+    for i in range(count):
+        write_jsonl(folder / f"part-{i:02d}.jsonl", [f"file {i}. {t}" for t in TEXTS * repeat])
+    return folder
+
+
+def test_parts_prepared_one_after_another_merge_into_what_one_prepare_makes(tmp_path):
+    source = DataSource(str(write_files(tmp_path / "corpus", 7)))
+    whole = prepare(source, TOKENIZER, tmp_path / "whole", 1, False, shard_tokens=500, unit_bytes=1)
+    cache = tmp_path / "parts"
+    parts = [prepare(source, TOKENIZER, cache, 1, False, part=(i, 3), shard_tokens=500, unit_bytes=1) for i in range(3)]
+    assert parts[:2] == [None, None] and parts[2].name == whole.name  # the last part merges
+    assert folder_files(parts[2]) == folder_files(whole) and leftovers(cache) == []
+    documents = PreparedDocuments(whole)
+    assert documents.n_documents == 7 * len(TEXTS) and len(documents.meta["shard_tokens"]) >= 7
+    tokenizer = Tokenizer(TOKENIZER)
+    assert documents.tokens(3 * len(TEXTS) + 5).tolist() == tokenizer.encode(f"file 3. {TEXTS[5]}")
+    with pytest.raises(ConfigError, match="hub dataset.*leave --part out"):
+        prepare(DataSource("someone/some-dataset"), TOKENIZER, cache, 1, False, part=(0, 2))
+
+
+def test_the_cli_prepares_a_part_and_says_what_remains(tmp_path):
+    corpus = write_files(tmp_path / "corpus", 3)
+    first = CliRunner().invoke(app, prepare_args(corpus, tmp_path / "cache", "--part", "0/2"))
+    assert first.exit_code == 0, first.output
+    assert "part 0/2 prepared" in first.output and "other parts' files remain" in first.output
+    last = CliRunner().invoke(app, prepare_args(corpus, tmp_path / "cache", "--part", "1/2"))
+    assert last.exit_code == 0 and f"{3 * len(TEXTS)} documents" in last.output, last.output
+    assert_one_line_error(run_titan(*prepare_args(corpus, tmp_path / "cache", "--part", "2/2")), "--part 2/2", "i/N")
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypatch):
+    corpus = write_files(tmp_path / "corpus", 6, repeat=100)
+    cache = tmp_path / "cache"
+    script = (
+        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
+        "from titan.data.prepared import prepare; "
+        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), 1, False, unit_bytes=1)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(corpus), TOKENIZER.path, str(cache)], cwd=ROOT)
+    done = lambda: sorted(p.parent.name for p in cache.glob(".*.parts/unit-*/COMPLETE"))  # noqa: E731
+    deadline = time.time() + 120
+    while len(done()) < 2 and child.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    kept = done()
+    assert 2 <= len(kept) < 6, kept  # killed midway
+    written = []
+    write = prepared._write
+
+    def counted_write(tmp, documents, unit, *args):
+        written.append(unit.name)
+        write(tmp, documents, unit, *args)
+
+    monkeypatch.setattr(prepared, "_write", counted_write)
+    path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, unit_bytes=1)
+    assert written and not set(written) & set(kept) and len(written) + len(kept) == 6
+    whole = prepare(DataSource(str(corpus)), TOKENIZER, tmp_path / "whole", 1, False, unit_bytes=1)
+    assert folder_files(path) == folder_files(whole) and leftovers(cache) == []
+
+
+def test_a_reader_keeps_a_bounded_number_of_shard_maps_open(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
+    path = prepare(source, TOKENIZER, tmp_path / "cache", 1, False, shard_tokens=100)
+    documents = PreparedDocuments(path, open_shards=3)
+    expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
+    assert len(documents.meta["shard_tokens"]) > 10
+
+    def open_shard_files() -> int:
+        fds = Path("/proc/self/fd")
+        return sum("tokens-" in os.readlink(fd) for fd in fds.iterdir() if fd.exists())
+
+    before = open_shard_files()
+    for doc in list(range(len(TEXTS))) * 2:
+        assert documents.tokens(doc).tolist() == expected[doc]
+        assert open_shard_files() - before <= 3
+    assert open_shard_files() - before == 3

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import DEBUG_RECIPE
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import layout_overrides, trainer_for
 from titan.config import Layout, load_config
@@ -89,7 +89,6 @@ def test_choosing_for_405b_sized_blocks_is_quick():
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        ({"activation_checkpoint.mode": "auto"}, "set activation_checkpoint.budget_gib"),
         ({"activation_checkpoint.budget_gib": "-1"}, "activation_checkpoint.budget_gib must be"),
         ({"activation_checkpoint.budget_gib": "nan"}, "activation_checkpoint.budget_gib must be"),
         ({"activation_checkpoint.every": "0"}, "activation_checkpoint.every must be >= 1"),
@@ -199,6 +198,32 @@ def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match=f"below the {need} GiB .* at least {need} or lower"):
         trainer_for(tmp_path, **FOUR_BLOCKS, **{"activation_checkpoint.mode": "auto",
                                                "activation_checkpoint.budget_gib": "1e-6"})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path):
+    """budget_gib = 0: `titan train` gives the trainer the budget that `titan plan` shows for a device of the
+    same memory (one function decides both), and a Trainer built without it is told how to get it."""
+    from titan.tools.plan.estimate import plan_run, with_activation_budget
+
+    auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
+    config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, auto), world_size=1)
+    device_bytes = 3 * 2**30
+    resolved = with_activation_budget(config, 1, device_bytes)
+    on_such_a_device = load_config(
+        DEBUG_RECIPE, layout_overrides(tmp_path, {**auto, "plan.memory_gib": "3"}), world_size=1
+    )
+    (rank,) = plan_run(on_such_a_device, 1).ranks
+    assert resolved.activation_checkpoint.budget_gib * GIB == pytest.approx(rank.budget, abs=1)
+    assert 0 < rank.budget < device_bytes
+    with pytest.raises(ValueError, match="with_activation_budget"):
+        trainer_for(tmp_path, **auto)
+    with pytest.raises(ConfigError, match="budget_gib = 0: the step needs more than"):
+        with_activation_budget(config, 1, 2**20)
+    steps = {**auto, "training.steps": "1", "validation.interval": "0"}
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path / "cli", **steps))
+    assert result.returncode == 0, result.stderr
+    assert "activation_checkpoint.budget_gib = 0: the blocks may keep" in result.stderr
 
 
 # -- a planned run

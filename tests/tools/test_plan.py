@@ -141,30 +141,37 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
     assert "fits" in result.stdout and "short" not in result.stdout
     config = load_config(f"recipes/{recipe}.toml", world_size=world)
     for r in ranks:
-        expected = megatron_sp_traffic(config, world, r["layers"], r["stages"])
+        recomputing = sum(way != "keep" for way in r["checkpointing"]["choices"]) if r["checkpointing"] else None
+        expected = megatron_sp_traffic(config, world, r["layers"], r["stages"], recomputing)
         planned = {kind: r["traffic_bytes"].get(f"tp {kind}", 0) for kind in expected}
         for kind, value in expected.items():
-            assert planned[kind] == pytest.approx(value, rel=0.05), (r["pp_rank"], kind, planned, expected)
+            # Measured: equal to the byte on every rank. The bound is tight because what breaks the plan's count
+            # is small: the 405B rank of 15 blocks that keeps one, counted twice by the plan, was 2.3% off.
+            assert planned[kind] == pytest.approx(value, rel=1e-3), (r["pp_rank"], kind, planned, expected)
 
 
-def megatron_sp_traffic(config, world: int, layers: list[list[int]], stages: list[int]) -> dict[str, float]:
-    """Tensor-parallel bytes per step of one rank under Megatron's sequence parallelism, by hand (the README's
+def megatron_sp_traffic(
+    config, world: int, layers: list[list[int]], stages: list[int], recomputing: int | None = None
+) -> dict[str, float]:
+    """Tensor-parallel bytes per step of one rank under Megatron's sequence parallelism, by hand (docs/planning.md's
     formula): each block's attention and feed-forward gather their sequence-sharded input once and reduce-scatter
     their output once, forward, and the mirror backward (4 all-gathers, 4 reduce-scatters of the whole activation);
     a recomputed block repeats its forward but stops after what backward needs, leaving out the last
     reduce-scatter (+2, +1); the embedding's output is reduce-scattered and the head's input gathered, each with its
     mirror backward (+1, +1 for each of them on the rank holding it). Each counts the whole activation: the rank's
-    tokens x dim x bytes."""
+    tokens x dim x bytes. `recomputing`: how many blocks recompute, when activation checkpointing is planned
+    (auto)."""
     spec, args = resolve_model(config)
     layout = Layout.from_config(config.parallel, world)
     if layout.tp == 1:
         return {"all-gather": 0, "reduce-scatter": 0}
     blocks = sum(map(len, layers))
-    recompute = int(config.activation_checkpoint.mode in ("full", "selective"))
+    if recomputing is None:
+        recomputing = blocks * (config.activation_checkpoint.mode in ("full", "selective"))
     ends = sum(stage == 0 for stage in stages) + sum(stage == layout.pp * len(stages) - 1 for stage in stages)
     activation = config.training.global_batch_size // layout.dp * config.training.seq_len * args.dim * 2  # bf16
-    gathers = (4 + 2 * recompute) * blocks + ends
-    scatters = (4 + recompute) * blocks + ends
+    gathers = 4 * blocks + 2 * recomputing + ends
+    scatters = 4 * blocks + recomputing + ends
     return {"all-gather": gathers * activation, "reduce-scatter": scatters * activation}
 
 
@@ -206,6 +213,40 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     eager, compiled = estimates["false"].ranks[0], estimates["true"].ranks[0]
     assert compiled.activations == eager.activations - n_layers * saving
     assert compiled.peak < eager.peak
+
+
+@pytest.mark.slow
+def test_an_8b_shaped_block_keeps_in_bf16_under_fsdp_what_the_plan_says(tmp_path):
+    """What decides whether a recipe fits: the bytes a block keeps for backward under each checkpointing mode, as
+    planned (traced under fake tensors) against a real block's forward on this CPU (ac.kept_bytes, every
+    allocation still live). 8B's proportions (GQA 4:1, FFN 3.5 x dim), bf16 parameters as FSDP holds them, at a
+    size two cores run in seconds; scripts/activation_bytes.py gives the same comparison for 8B itself at 8,192
+    tokens. Measured: equal to the byte in every mode (before the trace ran rows as causal, the dense document
+    mask it built kept seq² bf16 more per row)."""
+    import dataclasses
+
+    import torch
+
+    from titan.parallel import ac
+
+    shape = {"model.overrides.dim": "512", "model.overrides.n_heads": "8", "model.overrides.n_kv_heads": "2",
+             "model.overrides.ffn_dim_multiplier": "1.3", "model.overrides.multiple_of": "256",
+             "model.overrides.n_layers": "2", "model.overrides.vocab_size": "4096",
+             "training.mixed_precision": "bf16", "training.seq_len": "512", "parallel.dp_shard": "8",
+             "training.local_batch_size": "1", "training.global_batch_size": "8"}  # fmt: skip
+    config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **shape), world_size=8)
+    ways = {"none": ac.KEEP, "selective": ac.SELECTIVE, "full": ac.FULL}
+    planned = plan_run(config, 8).block_activations  # every mode's, whatever the recipe's
+    ckpt = config.activation_checkpoint  # the CPU's flash attention kept wherever a GPU's would be, as planned
+    save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
+    measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))
+    spec, args = resolve_model(config)
+    with torch.device("meta"):
+        model = spec.build(args)
+    layout = Layout.from_config(config.parallel, 8)
+    measured = ac.kept_bytes(model, spec, measured_config, layout, 1, torch.device("cpu"), ways.values())
+    assert {mode: planned[mode] for mode in ways} == {mode: measured[way] for mode, way in ways.items()}
+    assert measured[ac.FULL] < measured[ac.SELECTIVE] < measured[ac.KEEP]
 
 
 @pytest.mark.slow
@@ -275,6 +316,50 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
     assert rank.checkpointing.saved_bytes <= budget * GIB and "keep" in rank.checkpointing.choices
     assert rank.checkpointing.added_seconds == pytest.approx(sum(added[c] for c in rank.checkpointing.choices))
     assert "checkpointing (auto)" in format_plan(tight) and f"{n} full:" in format_plan(tight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2])
+def test_auto_with_budget_0_takes_the_fastest_ways_that_fit_the_device(pp, tmp_path):
+    """budget_gib = 0: the blocks get what the device leaves. On a device whose memory falls between the peaks of
+    all-full and no recomputation, the plan's ways fit, and no way of running the blocks that fits with one block's
+    activations to spare is faster (every assignment of ways to blocks tried on the plan's own peak model; a block
+    recomputing in backward holds up to that much more, which the budget leaves room for). With a pipeline, the
+    budget is shared by the micro-batches in flight."""
+    import itertools
+
+    from titan.tools.plan.estimate import _peak_with
+
+    extra = {"parallel.pp": str(pp), "parallel.pp_microbatches": "4", "training.local_batch_size": "4"}
+    world = pp
+    plain = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra), world_size=world), world)
+    full, none = max(r.peak_by_mode["full"] for r in plain.ranks), max(r.peak_by_mode["none"] for r in plain.ranks)
+    spare = plain.block_activations["none"]
+    assert full + spare < none
+    memory_gib = (full + spare + none) / 2 / GIB / (1 - plain.config.plan.headroom_fraction)
+    auto = {**extra, "activation_checkpoint.mode": "auto", "plan.memory_gib": str(memory_gib)}
+    estimate = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **auto), world_size=world), world)
+    options = {o.name: o for o in estimate.block_options}
+    assert max(r.in_flight for r in estimate.ranks) == (2 if pp == 2 else 1)
+    for rank in estimate.ranks:
+        chosen = rank.checkpointing
+        assert rank.peak <= estimate.usable_bytes
+        assert set(chosen.choices) != {"full"}  # the device leaves room for more than the least
+        best = min(
+            sum(options[w].added_seconds for w in ways)
+            for ways in itertools.product(options, repeat=len(chosen.choices))
+            if _peak_with(estimate, rank, estimate.order, _per_stage(rank.layers, ways))[0]
+            <= estimate.usable_bytes - spare
+        )
+        assert chosen.added_seconds <= best + 1e-12, (chosen, best)
+
+
+def _per_stage(layers: list[list[int]], ways: tuple[str, ...]) -> list[list[str]]:
+    stages, first = [], 0
+    for stage in layers:
+        stages.append(list(ways[first : first + len(stage)]))
+        first += len(stage)
+    return stages
 
 
 def test_wrong_inputs_are_one_line_errors():

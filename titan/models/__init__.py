@@ -7,6 +7,7 @@ Adding a family means adding a package under titan/models/ and one entry here; t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,9 @@ def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
     fields = {f.name: f for f in dataclasses.fields(args)}
     for key, value in overrides.items():
         if key not in fields:
-            raise ValueError(f"unknown model.overrides.{key}; fields of {spec.name} args: {', '.join(fields)}")
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"fields of {spec.name} args: {', '.join(fields)}"
+            raise ValueError(f"unknown model.overrides.{key}; {hint}")
         current = getattr(args, key)
         if (
             current is not None

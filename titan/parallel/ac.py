@@ -51,6 +51,11 @@ def block_choices(
         return [cfg.mode if cfg.mode != "none" and i % cfg.every == 0 else KEEP for i in range(n_blocks)]
     if device is None:
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
+    if not cfg.budget_gib:  # titan train resolves it; a program that builds its own Trainer must too
+        raise ValueError(
+            "activation_checkpoint.budget_gib = 0 stands for what the device leaves: replace it with "
+            "titan.tools.plan.estimate.with_activation_budget before building the trainer"
+        )
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
     rows, micro_batches = plan.largest_micro_batch
@@ -125,8 +130,30 @@ def measure_options(
     over keeping everything. That is all the way costs: the recomputation, checkpointing's own bookkeeping, and
     for offload the copies both ways. On a CPU host memory is device memory, so offload would save nothing: it is
     not offered there."""
-    block, x, args, kwargs, precision = _first_block(model, spec, config, layout, rows, device)
     names = [KEEP, SELECTIVE, FULL] + ([OFFLOAD] if device.type != "cpu" else [])
+    variants, forward, x = _ways_of_first_block(model, spec, config, layout, rows, device, names)
+
+    def forward_backward(variant: nn.Module) -> None:
+        forward(variant).backward(grad)
+
+    saved = {name: _kept_bytes(forward, variant, device) for name, variant in variants.items()}
+    grad = torch.ones_like(x)
+    added = _added_seconds(variants, forward_backward, device)
+    return [Option(name, saved[name], added[name]) for name in names]
+
+
+def kept_bytes(
+    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device, names
+) -> dict[str, int]:
+    """The bytes the model's first block keeps for backward run each of the ways `names`, at a micro-batch of
+    `rows` x seq_len tokens (what measure_options measures, without the timing)."""
+    variants, forward, _ = _ways_of_first_block(model, spec, config, layout, rows, device, names)
+    return {name: _kept_bytes(forward, variant, device) for name, variant in variants.items()}
+
+
+def _ways_of_first_block(model, spec, config, layout, rows, device, names):
+    """({way: a copy of the first block run that way}, its forward on the block's training inputs, those inputs)."""
+    block, x, args, kwargs, precision = _first_block(model, spec, config, layout, rows, device)
     # Copies of the block that share its parameters (deepcopy's memo maps each to itself), one per way.
     params = {id(p): p for p in block.parameters()}
     variants = {name: copy.deepcopy(block, memo=dict(params)) for name in names}
@@ -138,13 +165,7 @@ def measure_options(
         with precision:
             return variant(x.clone(), *args, **kwargs)
 
-    def forward_backward(variant: nn.Module) -> None:
-        forward(variant).backward(grad)
-
-    saved = {name: _kept_bytes(forward, variant, device) for name, variant in variants.items()}
-    grad = torch.ones_like(x)
-    added = _added_seconds(variants, forward_backward, device)
-    return [Option(name, saved[name], added[name]) for name in names]
+    return variants, forward, x
 
 
 def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan import models
-from titan.config import Config
+from titan.config import Config, Layout
 from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
 from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
@@ -23,7 +23,7 @@ from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
-from titan.parallel.parallelize import build_model_parts, stage_batch
+from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
 from titan.run_plan import Blocks, RunPlan, run_plan
 from titan.train.step import StepHook, TrainStep
 
@@ -55,6 +55,14 @@ def _no_cuda() -> str:
     return f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU{hidden}: check nvidia-smi"
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the rank's device has: a GPU's own, or on a CPU the host's, shared by the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def resolve_model(config: Config):
     """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
     cannot be built is a recipe error, found before any work."""
@@ -81,6 +89,17 @@ def resolve_model(config: Config):
         )
     # The RoPE table only needs to cover the longest sequence trained on.
     return spec, dataclasses.replace(args, max_seq_len=longest)
+
+
+def check_run(config: Config, world_size: int, device: torch.device) -> tuple:
+    """What the recipe asks of the model and the device, checked before any process group is joined (the
+    trainer, and `titan config show`): the model, the layout for it, and the run plan with its blocks. Returns
+    (spec, args, layout, blocks, run plan)."""
+    spec, args = resolve_model(config)
+    layout = Layout.from_config(config.parallel, world_size)
+    check_layout(config, spec, args, layout, device)
+    blocks = model_blocks(spec, args)
+    return spec, args, layout, blocks, run_plan(config, layout.world_size, blocks)
 
 
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from titan.checkpoint.checkpointer import Checkpointer, model_shapes
-from titan.config import Config, Layout, math_values, to_toml
+from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer
 from titan.observe.metrics import (
     MetricsLogger,
@@ -25,16 +25,15 @@ from titan.observe.metrics import (
 )
 from titan.observe.profiling import DeviceTimer, Profiler, StepClock
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
-from titan.parallel.parallelize import check_layout, model_blocks
-from titan.run_plan import RunPlan, run_plan
+from titan.run_plan import RunPlan
 from titan.train.build import (
     build_data,
     build_step,
+    check_run,
     check_tokenizer,
     claim_run_folder,
     init_from_hf,
     pick_device,
-    resolve_model,
 )
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
@@ -50,11 +49,9 @@ class Trainer:
         self.config, t = config, config.training
         self.device, device_reason = pick_device(t.device)
         # Everything that can be wrong with the recipe is checked before joining the other processes.
-        self.spec, self.model_args = resolve_model(config)
-        self.layout = Layout.from_config(config.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-        check_layout(config, self.spec, self.model_args, self.layout, self.device)
-        self.blocks = model_blocks(self.spec, self.model_args)
-        self.run_plan = run_plan(config, self.layout.world_size, self.blocks)
+        self.spec, self.model_args, self.layout, self.blocks, self.run_plan = check_run(
+            config, int(os.environ.get("WORLD_SIZE", "1")), self.device
+        )
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)

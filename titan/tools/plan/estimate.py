@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
+from titan.errors import ConfigError
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, BlockChoices, Option, fastest_choices
 from titan.parallel.parallelize import check_layout, model_blocks
@@ -39,6 +42,7 @@ TRACED_AS = {"keep": "none", "selective": "selective", "full": "full", "offload"
 # keeps its weights gathered after forward, backward prefetches the next block's), so the rate per block must come
 # from blocks between them: with 2 blocks, a 283M model's FSDP2 peak grew 32% faster per block than from 3 on.
 TRACED_DEPTH = 3
+log = logging.getLogger("titan")
 
 
 @dataclass
@@ -57,6 +61,8 @@ class RankEstimate:
     traffic: dict[tuple[str, str], float]  # bytes per step, by (collective, mesh dimension)
     seconds: float = 0.0  # the rank's forwards, backwards and optimizer step, without waiting
     checkpointing: BlockChoices | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
+    # ... within this many bytes per micro-batch (activation_checkpoint.budget_gib, or with 0 what the device leaves)
+    budget: int = 0
 
 
 @dataclass
@@ -74,6 +80,7 @@ class StepEstimate:
     # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
     compiled_saving: int = 0
     ranks: list[RankEstimate] = field(default_factory=list)
+    order: list | None = None  # under a pipeline, each pipeline rank's schedule actions
     step_seconds: float = 0.0
     mfu: float = 0.0
 
@@ -100,7 +107,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
             runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
             return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, estimate.device, **options)
 
-        order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
+        order = estimate.order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
         _trace_ranks(estimate, trace, layers, order)
         one_block = {}  # what one block holds under each mode, from one block's forward (and backward, for auto)
         for mode in MODES:
@@ -115,9 +122,9 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     for rank in estimate.ranks:
         rank.peak_by_mode = {m: _peak_with(estimate, rank, order, _ways(estimate, rank, m))[0] for m in MODES}
     if auto:
-        estimate.block_options, block_flops = _block_ways(estimate, one_block)
+        estimate.block_options, block_costs = _block_ways(estimate, one_block)
         for rank in estimate.ranks:
-            _plan_checkpointing(estimate, rank, order, block_flops)
+            _plan_checkpointing(estimate, rank, order, block_costs)
     _step_time(estimate, spec.flops_per_token(args, config.training.seq_len), order)
     return estimate
 
@@ -132,30 +139,41 @@ def _compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows
     return max(0, eager - compiled) // layout.tp
 
 
-def _block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, float]]:
+def _block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tuple[list[Option], dict[str, Cost]]:
     """The ways to run a block, as ac.measure_options gives them on the training device, here from traces of one
     block: the bytes it keeps and the roofline seconds its forward and backward add over keeping everything; and
-    the FLOPs of its forward and backward each way. On an accelerator offload keeps nothing on the device and
-    copies what keep keeps out and back over the host link."""
+    the cost (FLOPs, traffic) of its forward and backward each way. On an accelerator offload keeps nothing on the
+    device and copies what keep keeps out and back over the host link."""
     links = Links(estimate.device, estimate.layout.world_size)
     costs = {mode: [*t.forward.values(), *t.backward.values()] for mode, t in one_block.items()}
-    seconds = {mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) for mode, cs in costs.items()}
-    flops = {way: sum(c.flops for c in costs[mode]) for way, mode in TRACED_AS.items()}
+    # A rank of an interleaved pipeline holds several stages, each traced with its one block: per block, divide.
+    blocks = {mode: sum(t.blocks) for mode, t in one_block.items()}
+    seconds = {
+        mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) / blocks[mode] for mode, cs in costs.items()
+    }
+    block_costs = {}
+    for way, mode in TRACED_AS.items():
+        block_costs[way] = Cost()
+        for cost in costs[mode]:
+            block_costs[way].add(cost, 1 / blocks[mode])
     keep_bytes = estimate.block_activations["none"]
     options = [
         Option(way, estimate.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
         for way, mode in TRACED_AS.items()
         if way != "offload"
     ]
-    return [*options, Option("offload", 0, 2 * keep_bytes / (estimate.device.host_gbs * 1e9))], flops
+    return [*options, Option("offload", 0, 2 * keep_bytes / (estimate.device.host_gbs * 1e9))], block_costs
 
 
-def _plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_flops: dict[str, float]) -> None:
-    """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs and time follow
-    (`block_flops`: one block's forward and backward under each way)."""
+def _plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_costs: dict[str, Cost]) -> None:
+    """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs, traffic and time
+    follow (`block_costs`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))
-    budget = int(estimate.config.activation_checkpoint.budget_gib * GIB)
-    rank.checkpointing = chosen = fastest_choices([estimate.block_options] * n_blocks, budget)
+    rank.budget = int(estimate.config.activation_checkpoint.budget_gib * GIB)
+    if not rank.budget:  # what the device leaves; if too little, the least the blocks keep (the peak says so)
+        least = n_blocks * min(o.saved_bytes for o in estimate.block_options)
+        rank.budget = max(activation_budget(estimate, rank, estimate.usable_bytes), least)
+    rank.checkpointing = chosen = fastest_choices([estimate.block_options] * n_blocks, rank.budget)
     ways, first = [], 0
     for layers in rank.layers:  # the trainer gives each model part's blocks their choices in this order
         ways.append(list(chosen.choices[first : first + len(layers)]))
@@ -164,19 +182,59 @@ def _plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block
     # The trace ran every block with full recomputation (see _as_traced): each block's way replaces that in
     # backward, where recomputation and copies happen.
     added = {o.name: o.added_seconds for o in estimate.block_options}
+    per_step = estimate.microbatches * estimate.runs
     for stage, stage_ways in zip(rank.stage_ids, ways):
-        flops = sum(block_flops[w] - block_flops["full"] for w in stage_ways)
+        change = Cost()  # what the chosen ways cost over recomputing every block in full
+        for way in stage_ways:
+            change.add(block_costs[way])
+            change.add(block_costs["full"], -1)
         rank.trace.backward[stage].seconds += sum(added[w] - added["full"] for w in stage_ways)
-        rank.trace.backward[stage].flops += flops
-        rank.flops += flops * estimate.microbatches * estimate.runs
+        rank.trace.backward[stage].flops += change.flops
+        rank.flops += change.flops * per_step
+        for key, nbytes in change.traffic.items():  # a block that keeps its activations gathers nothing again
+            rank.traffic[key] = rank.traffic.get(key, 0) + nbytes * per_step
+
+
+def activation_budget(estimate: StepEstimate, rank: RankEstimate, usable_bytes: float) -> int:
+    """What activation_checkpoint.budget_gib = 0 stands for: the bytes per micro-batch that the blocks of pipeline
+    rank `rank` may keep within `usable_bytes` of device memory. With every block recomputed in full (the least
+    it can keep), its peak less what its blocks then keep is what its step needs besides them (the embedding's
+    and the head's activations, and backward's recomputation, included); what the device leaves is shared by
+    the micro-batches it holds at once."""
+    full = [["full"] * len(layers) for layers in rank.layers]
+    peak, _, in_flight = _peak_with(estimate, rank, estimate.order, full)
+    kept = in_flight * sum(map(len, full)) * estimate.block_activations["full"]
+    return max(0, int(usable_bytes - (peak - kept)) // in_flight)
+
+
+def with_activation_budget(config: Config, world_size: int, device_bytes: int) -> Config:
+    """The recipe for a run on devices of `device_bytes` each, its activation_checkpoint.budget_gib = 0 replaced
+    by what such a device leaves (activation_budget, less plan.headroom_fraction): `titan train` calls this, so
+    that the trainer plans its blocks within the budget that `titan plan` shows for that device."""
+    estimate = plan_run(config, world_size)
+    usable = device_bytes * (1 - config.plan.headroom_fraction)
+    pp_rank = estimate.run.rank(int(os.environ.get("RANK", "0"))).pp_rank
+    budget = activation_budget(estimate, estimate.ranks[pp_rank], usable)
+    log.info(
+        "activation_checkpoint.budget_gib = 0: the blocks may keep %.4g GiB per micro-batch, what %.4g GiB of device "
+        "memory (plan.headroom_fraction %g) leaves after the rest of the step",
+        budget / GIB, usable / GIB, config.plan.headroom_fraction,
+    )  # fmt: skip
+    if budget <= 0:
+        raise ConfigError(
+            f"activation_checkpoint.budget_gib = 0: the step needs more than the {usable / GIB:.4g} GiB usable on "
+            "this device before any activations; run `titan plan` on the recipe to see where it goes"
+        )
+    ac = dataclasses.replace(config.activation_checkpoint, budget_gib=budget / GIB)
+    return dataclasses.replace(config, activation_checkpoint=ac)
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), with the
-    CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
-    full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
-    and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
-    everything gave a 405B pipeline rank's all-full peak 13% low)."""
+    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), on
+    causal rows, with the CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and
+    auto checkpointing as full (plan_run then plans the blocks): a recomputing step's trace holds what
+    recomputation adds in backward, and the peaks derived from it for the other ways come out a little high
+    rather than low (a trace keeping everything gave a 405B pipeline rank's all-full peak 13% low)."""
     ac = config.activation_checkpoint
     save_ops = list(ac.save_ops)
     if "aten._scaled_dot_product_flash_attention" in save_ops:
@@ -186,6 +244,9 @@ def _as_traced(config: Config) -> Config:
         config,
         compile=dataclasses.replace(config.compile, enable=False),
         activation_checkpoint=dataclasses.replace(ac, mode=mode, save_ops=save_ops),
+        # The trace holds one document per row, which a document mask leaves causal; a GPU's flex attention keeps
+        # no mask for backward, where the traceable model's dense one would (seq² bf16 per row and block).
+        data=dataclasses.replace(config.data, document_mask=False),
     )
 
 

@@ -50,7 +50,7 @@ def format_plan(estimate: StepEstimate) -> str:
         )
     if estimate.block_options:
         lines.append(
-            f"activation_checkpoint auto, within {c.activation_checkpoint.budget_gib:g} GiB per rank and micro-batch, "
+            f"activation_checkpoint auto, within {_budget(c)} per rank and micro-batch, "
             "chose from (bytes kept, seconds added per block and micro-batch): "
             + ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in estimate.block_options)
         )
@@ -89,12 +89,18 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
     ]
 
 
+def _budget(config) -> str:
+    if config.activation_checkpoint.budget_gib:
+        return f"{config.activation_checkpoint.budget_gib:g} GiB"
+    return "what the device leaves (budget_gib 0)"
+
+
 def _checkpointing(estimate: StepEstimate, rank: RankEstimate) -> str:
     """Auto checkpointing of the rank's blocks: how many take each way, what they keep, the time it adds per step."""
     choices, names = rank.checkpointing.choices, [o.name for o in estimate.block_options]
     counts = ", ".join(f"{choices.count(name)} {name}" for name in names if name in choices)
     return (
-        f"{counts}: {_size(rank.checkpointing.saved_bytes)} kept per micro-batch, "
+        f"{counts}: {_size(rank.checkpointing.saved_bytes)} of {_size(rank.budget)} kept per micro-batch, "
         f"+{rank.checkpointing.added_seconds * estimate.microbatches * estimate.runs:.3g} s per step"
     )
 
@@ -130,6 +136,7 @@ def plan_json(estimate: StepEstimate) -> dict:
                 "peak_bytes": r.peak,
                 "peak_bytes_by_checkpointing": r.peak_by_mode,
                 "checkpointing": vars(r.checkpointing) if r.checkpointing else None,
+                "activation_budget_bytes": r.budget if r.checkpointing else None,
                 "flops": r.flops,
                 "traffic_bytes": {f"{role} {kind}": nbytes for (kind, role), nbytes in r.traffic.items()},
                 "busy_seconds": r.seconds,
