@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
 done
 
 # What titan imports at its core, as (module distribution) pairs, plus pytest for the checks and torchao for Float8.
-needed="typer:typer numpy:numpy tqdm:tqdm huggingface_hub:huggingface-hub tokenizers:tokenizers
+needed="typer:typer numpy:numpy tqdm:tqdm filelock:filelock huggingface_hub:huggingface-hub tokenizers:tokenizers
 safetensors:safetensors tomli_w:tomli-w pytest:pytest torchao:torchao"
 
 if [ -n "$fetch" ]; then  # for a CUDA image of Python 3.12 on x86-64; run where the package index is reachable
