@@ -90,7 +90,8 @@ stage() {  # name, seconds, command...: run it, keep its log and status
     tail -n 1 "$out/$name.log"
 }
 if [ "$skip_tests" = 0 ]; then
-    stage smoke 300 "$python" -m pytest -m smoke -q -p no:cacheprovider
+    # The CPU tests, on the CPU: with the GPU visible, training.device = "auto" would put them on it.
+    stage smoke 300 env CUDA_VISIBLE_DEVICES= "$python" -m pytest -m smoke -q -p no:cacheprovider
     stage cuda 300 "$python" -m pytest -m cuda -q -p no:cacheprovider -rs
 fi
 
