@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -85,6 +86,9 @@ def recipe_command(name: str | None = None, group: typer.Typer = app):
         name, cls=RecipeCommand, context_settings=OVERRIDES, options_metavar="[OPTIONS] [--section.key VALUE]..."
     )
 
+
+# The torch releases titan runs on, [from, to): pyproject.toml's pin, checked again at run time.
+TORCH_VERSIONS = ((2, 11), (2, 14))
 
 # Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
 PREEMPTED_EXIT_CODE = 75
@@ -559,10 +563,37 @@ def simulate_packing(
             )
 
 
+def check_torch(version: str | None) -> str | None:
+    """Refuse a torch that titan was not written for (`pip install --no-deps` into an image skips pip's check of
+    the pin); returns a warning for a torch newer than the tested ones. `version`: torch's, None if not installed."""
+    low, high = TORCH_VERSIONS
+    wanted = f"torch >= {low[0]}.{low[1]} and < {high[0]}.{high[1]}"
+    if version is None:
+        raise UserError(f"titan needs {wanted}, and this Python has no torch: install one (e.g. pip install torch)")
+    major_minor = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
+    if major_minor < low:
+        raise UserError(
+            f"titan needs {wanted}; this Python has torch {version}: use an image or environment with a newer torch"
+        )
+    if major_minor >= high:
+        return f"titan is tested on {wanted}; this is torch {version}, which may work"
+    return None
+
+
+def _torch_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     """The `titan` command. A UserError ends it with its message as one line on stderr and exit status 2; under
     torchrun only rank 0 prints (every rank fails alike)."""
     try:
+        if warning := check_torch(_torch_version()):
+            if os.environ.get("RANK", "0") == "0":
+                typer.secho(f"warning: {warning}", err=True, fg=typer.colors.YELLOW)
         app(prog_name="titan")
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":

@@ -7,7 +7,7 @@ import torch
 
 from titan import models
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.model import document_mask, document_positions
+from titan.models.llama.model import attend_flex, attend_per_document, document_mask, document_positions, flex_length
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -190,3 +190,27 @@ def test_document_mask_never_lets_a_token_attend_across_a_boundary():
     before, after = model(tokens, None, ids), model(changed, None, ids)
     assert torch.equal(before[:, :5], after[:, :5]) and torch.equal(before[:, 14:], after[:, 14:])
     assert not torch.equal(before[:, 5:14], after[:, 5:14])
+
+
+def test_flex_lengths_are_few_powers_of_two_from_its_block_size():
+    assert [flex_length(n) for n in (1, 5, 128, 129, 300, 8192, 8193)] == [128, 128, 128, 256, 512, 8192, 16384]
+    # Every length a packed micro-batch of up to 16,384 tokens can have compiles 8 kernels at most.
+    assert sorted({flex_length(n) for n in range(1, 16385)}) == [2**i for i in range(7, 15)]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager is the CPU's reference
+@pytest.mark.parametrize("seq", [5, 128, 130, 300])
+def test_flex_attention_padded_to_its_length_bucket_equals_attention_per_document(seq):
+    """The padding of attend_flex changes nothing: each document's tokens attend as per-document causal SDPA would
+    (forward only: flex attention has no backward on the CPU; tests/cuda compares gradients)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    generator = torch.Generator().manual_seed(seq)
+    lengths = torch.randint(1, 60, (seq,), generator=generator).cumsum(0)
+    ids = torch.searchsorted(lengths, torch.arange(seq), right=True)[None]  # documents of 1 to 59 tokens
+    q = torch.randn(1, 4, seq, 16, generator=generator)
+    k, v = (torch.randn(1, 2, seq, 16, generator=generator) for _ in range(2))
+    flex = attend_flex(q, k, v, document_mask(ids, flex=True, dense=False), attention=flex_attention)
+    per_document = attend_per_document(q, k, v, document_mask(ids, flex=False, dense=False))
+    assert flex.shape == per_document.shape
+    torch.testing.assert_close(flex, per_document, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.config import Layout
-from titan.errors import UserError
+from titan.errors import UserError, import_extra
 from titan.observe.runs import duration, flatten, read_json
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
@@ -254,6 +254,7 @@ def _value(value) -> str:
 
 def plot(runs: list[Run], out: str | Path) -> Path:
     """Loss against steps and against tokens seen, and throughput against steps, one line per run, as a PNG."""
+    import_extra("matplotlib", "plot", "titan compare --plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

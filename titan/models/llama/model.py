@@ -109,25 +109,59 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled_flex_attention():
     """Flex attention is fast only compiled (eager, it materialises the scores); built on first use, as
-    torch.compile imports dynamo, which CPU runs never need."""
+    torch.compile imports dynamo, which CPU runs never need. Compiled for fixed shapes: packed micro-batches come in
+    the few lengths of flex_length, so it compiles once per length bucket (see attend_flex)."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+# Flex attention's block size: lengths are padded to a power of two from here.
+FLEX_MIN_LENGTH = 128
+# Compiles of flex attention allowed in one process: one per power-of-two length from 128 to 2**20 tokens, where
+# dynamo's default (8) would stop at 16,384 and fall back to the unfused, materialising eager kernel.
+FLEX_RECOMPILE_LIMIT = 16
+
+
+def flex_length(seq: int) -> int:
+    """The length flex attention runs a micro-batch of `seq` tokens at: the next power of two from 128. Packed
+    micro-batches have a new length every step; bucketed, the compiled kernel sees at most log2(seq / 128) + 1
+    shapes and recompiles only for those (the padding costs little but its memory: see document_mask)."""
+    return max(FLEX_MIN_LENGTH, 1 << (seq - 1).bit_length())
+
+
+def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
+    """Flex attention of (batch, heads, seq, head_dim) q, k, v under a document mask built for flex_length(seq)
+    tokens: padded to that length, attended, cut back. `attention`: the kernel (default the compiled one)."""
+    seq = q.shape[2]
+    pad = flex_length(seq) - seq
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    if attention is None:
+        attention = compiled_flex_attention()
+    limit = max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        out = attention(q, k, v, block_mask=mask, enable_gqa=True)
+    return out[:, :, :seq]
 
 
 def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.Tensor | BlockMask | list:
     """Where a query may attend to a key: earlier or same position, same document.
 
-    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked. When `dense` (attention
-    dropout materialises the probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise
-    (the CPU, where flex attention has no backward in torch 2.13) each row's document spans [(start, stop,
-    id)], attended one document at a time: a document of s tokens then costs s² rather than the row's
-    seq², which is what cost-balanced packing (titan/data/packing.py) assumes."""
+    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked, for flex_length(seq)
+    tokens: each padding token is a document of its own, so it attends to itself alone and no real token sees it,
+    and the padding's blocks off the diagonal are skipped. When `dense` (attention dropout materialises the
+    probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise (the CPU, where flex attention
+    has no backward in torch 2.13) each row's document spans [(start, stop, id)], attended one document at a time:
+    a document of s tokens then costs s² rather than the row's seq², which is what cost-balanced packing
+    (titan/data/packing.py) assumes."""
     batch, seq = document_ids.shape
     if flex:
+        length = flex_length(seq)
+        padding = -1 - torch.arange(length - seq, device=document_ids.device)  # ids no real document has
+        ids = torch.cat([document_ids, padding.expand(batch, -1)], dim=1)
 
         def same_document_causal(b, h, q, kv):
-            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+            return (q >= kv) & (ids[b, q] == ids[b, kv])
 
-        return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+        return create_block_mask(same_document_causal, batch, None, length, length, device=document_ids.device)
     if dense:
         causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
         return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
@@ -234,7 +268,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.extend(k, v)
         if isinstance(mask, BlockMask):
-            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+            out = attend_flex(q, k, v, mask)
         elif isinstance(mask, list):
             out = attend_per_document(q, k, v, mask)
         elif self.training and self.dropout.p:
