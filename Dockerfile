@@ -10,14 +10,19 @@ ARG VARIANT=cuda
 ARG TORCH_VERSION=2.13.0
 
 # CUDA: NVIDIA's CUDA 13.0 runtime on Ubuntu 24.04 (its Python 3.12), torch's default wheels from PyPI,
-# which are built for CUDA 13.0 and bring their own cuBLAS, cuDNN and NCCL.
+# which are built for CUDA 13.0 and bring their own cuBLAS, cuDNN and NCCL. Triton (compiled blocks, flex attention)
+# builds each kernel's launcher at run time with a C compiler against Python's headers: gcc and python3-dev, which
+# the runtime base lacks (Triton brings its own ptxas). `scripts/triton_check.py` proves it on a GPU.
 FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04 AS base-cuda
 ARG TORCH_VERSION
-# Ubuntu's python3 and venv track the release's security updates; pinning them would break every rebuild.
+# Ubuntu's packages track the release's security updates; pinning them would break every rebuild.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
+# The toolchain Triton needs, checked at build time (no GPU needed for this part).
+RUN gcc --version > /dev/null \
+    && python3 -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))"
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
@@ -38,7 +43,10 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/titan
 COPY pyproject.toml README.md train.py ./
 COPY titan titan
-RUN pip install --no-cache-dir . && titan --help > /dev/null
+# Every feature's extra but the test tools: trackers, plots, hub datasets, Float8 (their versions are bounded in
+# pyproject.toml, which hadolint does not read).
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[tracking,plot,hub,float8]" && titan --help > /dev/null
 COPY recipes recipes
 COPY data data
 COPY scripts scripts

@@ -38,12 +38,7 @@ def main() -> None:
         parser.error(f"{args.config} splits its blocks by tensor parallel; the measurement runs a whole block")
     batch = ["--training.local_batch_size", str(args.rows), "--training.global_batch_size", str(args.rows * layout.dp)]
     config = load_config(args.config, ["--training.seq_len", str(args.seq), *batch], world_size=world)
-    planned = {}
-    for mode in MODES:
-        traced = dataclasses.replace(
-            config, activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode=mode, budget_gib=0)
-        )
-        planned[mode] = plan_run(traced, world).block_activations[mode]
+    planned = plan_run(config, world).block_activations  # every mode's, whatever the recipe's
     ckpt = config.activation_checkpoint
     save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
     measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))

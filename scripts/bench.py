@@ -10,6 +10,8 @@
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
+    python scripts/bench.py --gpu [--layers 4]    # 8B-shaped layers at seq 8,192 on one GPU, next to titan plan
+    python scripts/bench.py --gpu --dry-run       # the same runs on a tiny shape, on the CPU (scripts/gpu_check.sh)
 
 The default compares titan's trainer with a bare PyTorch loop (same model and init, one fixed batch, AdamW fused
 as titan's, no data loading, logging or clipping): the ratio is what the framework costs on top of the math.
@@ -132,7 +134,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
             blocked = [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r]
     else:
-        device, world = pick_device(config.training.device), 1
+        device, world = pick_device(config.training.device)[0], 1
         model = build_model(config, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, fused=True)
         plan = list(run_plan(config, 1).micro_batches[0])
@@ -347,6 +349,74 @@ def straggler_figures(recipe: str, steps: int, overrides: list[str]) -> None:
         print(f"{label:<12}{1000 * statistics.median(times.values()):>16.0f}{median_after:>15}  {detail}")
 
 
+# scripts/gpu_check.sh's benchmark: Llama 3 8B's layers (dim 4096, GQA 32/8, vocab 128,256), cut to --layers, at
+# seq 8,192 in bf16 on one GPU, with its real data and tokenizer swapped for the project's own.
+GPU_RECIPE = ROOT / "recipes" / "llama3_8b.toml"
+GPU_SHAPE = [
+    *("--training.seq_len", "8192", "--training.local_batch_size", "1", "--training.global_batch_size", "1"),
+    *("--parallel.dp_shard", "1", "--validation.interval", "0", "--data.source", str(ROOT / "data" / "stories.jsonl")),
+    *("--tokenizer.path", str(ROOT / "data" / "tokenizer.json")),
+]
+# --dry-run: the same runs on the CPU, on a model small enough for a few steps there.
+DRY_SHAPE = [
+    *("--training.device", "cpu", "--training.seq_len", "256", "--model.overrides.dim", "256"),
+    *("--model.overrides.n_heads", "4", "--model.overrides.n_kv_heads", "2", "--model.overrides.vocab_size", "2048"),
+    *("--model.overrides.multiple_of", "256", "--model.overrides.max_seq_len", "256"),
+]
+# id -> overrides: eager and compiled bf16, each checkpointing mode, and Float8 (compiled, as torchao intends it).
+GPU_RUNS = {
+    "eager": ["--activation_checkpoint.mode", "none"],
+    "eager_selective_ac": ["--activation_checkpoint.mode", "selective"],
+    "eager_full_ac": ["--activation_checkpoint.mode", "full"],
+    "compiled": ["--activation_checkpoint.mode", "none", "--compile.enable", "true"],
+    "float8_compiled": ["--activation_checkpoint.mode", "none", "--compile.enable", "true", "--float8.enable", "true"],
+}
+
+
+def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
+    """Each of `runs` (GPU_RUNS ids) trained in its own process: tokens/s, MFU and measured peak memory, next to
+    `titan plan`'s peak for the same run. Returns the report (also written to --json)."""
+    from titan.config import load_config
+    from titan.tools.plan.estimate import plan_run
+
+    args.config = str(GPU_RECIPE)
+    shape = [*GPU_SHAPE, "--model.overrides.n_layers", str(args.layers), *(DRY_SHAPE if args.dry_run else [])]
+    rows = []
+    for name in runs:
+        run_overrides = [*shape, *GPU_RUNS[name], *overrides]
+        result = run(name, "titan", 1, args, run_overrides)
+        try:
+            planned = plan_run(load_config(GPU_RECIPE, run_overrides, world_size=1), 1).ranks[0].peak / 2**30
+        except Exception as e:  # one run the planner cannot trace still leaves the others' figures
+            planned, result["plan_error"] = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        measured = result["peak_memory_gib"]
+        rows.append({**result, "planned_peak_gib": planned,
+                     "plan_vs_measured": planned / measured - 1 if planned and measured else None})  # fmt: skip
+        print(f"{name}: {result['tokens_per_s']:,.0f} tokens/s, MFU {100 * result['mfu']:.1f}%, peak {measured:.2f} GiB"
+              f" (planned {planned if planned is None else round(planned, 2)})", flush=True)  # fmt: skip
+    goals = {} if args.dry_run else gpu_goals(rows)  # a dry run's figures say nothing about a GPU's
+    shape = {"layers": args.layers, "dim": 256 if args.dry_run else 4096, "seq_len": 256 if args.dry_run else 8192}
+    report = {**shape, "dry_run": args.dry_run, "steps": args.steps, "warmup": args.warmup, "overrides": overrides,
+              "results": rows, "goals": goals}  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def gpu_goals(rows: list[dict]) -> dict[str, bool]:
+    """The issue's goals for one H100, each with whether the runs meet it."""
+    by_name, goals = {r["run"]: r for r in rows}, {}
+    if "compiled" in by_name:
+        goals[f"bf16 compiled MFU {by_name['compiled']['mfu']:.1%} >= 45%"] = by_name["compiled"]["mfu"] >= 0.45
+    if {"compiled", "float8_compiled"} <= set(by_name):
+        speedup = by_name["float8_compiled"]["tokens_per_s"] / by_name["compiled"]["tokens_per_s"]
+        goals[f"float8 / bf16 tokens/s = {speedup:.2f} >= 1.25"] = speedup >= 1.25
+    errors = [abs(r["plan_vs_measured"]) for r in rows if r["plan_vs_measured"] is not None]
+    if errors:
+        goals[f"titan plan's peak within 10% of the measured (worst {max(errors):.1%})"] = max(errors) <= 0.10
+    return goals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "recipes" / "debug.toml"))
@@ -364,6 +434,10 @@ def main() -> None:
     parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
     parser.add_argument("--verify-flavor", help="time the manifest check of a checkpoint of this flavor instead")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="with --data: tokenizer processes")
+    parser.add_argument("--gpu", action="store_true", help="the 8B-shaped runs of scripts/gpu_check.sh instead")
+    parser.add_argument("--layers", type=int, default=4, help="with --gpu: the 8B model's layers to keep")
+    parser.add_argument("--runs", default=",".join(GPU_RUNS), help="with --gpu: which runs, comma-separated")
+    parser.add_argument("--dry-run", action="store_true", help="with --gpu: tiny shapes on the CPU")
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
@@ -379,6 +453,12 @@ def main() -> None:
         return
     if args.verify_flavor:
         verify_figures(args.verify_flavor, args.config)
+        return
+    if args.gpu:
+        unknown = sorted(set(args.runs.split(",")) - set(GPU_RUNS))
+        if unknown:
+            sys.exit(f"--runs: unknown {unknown}; known: {', '.join(GPU_RUNS)}")
+        gpu_figures(args, args.runs.split(","), overrides)
         return
     if args.compare == "straggler":
         straggler_figures(args.config, args.steps, overrides)

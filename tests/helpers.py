@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
+from titan.data.order import block_documents, block_offsets
 from titan.rng.shards import full_tensor
 from titan.train.step import StepHook
 from titan.train.stop import Preempted
@@ -25,12 +26,16 @@ from titan.train.trainer import Trainer
 
 
 class InMemoryDocuments:
-    """The reader interface of PreparedDocuments (lengths, tokens) over token lists held in memory."""
+    """The reader interface of PreparedDocuments (offsets, blocks, tokens) over token lists held in memory, plus
+    each document's length."""
 
     def __init__(self, documents: list[list[int]]):
         self.documents = [np.asarray(d, dtype=np.int64) for d in documents]
         self.lengths = np.array([len(d) for d in documents], dtype=np.int64)
         self.n_documents = len(documents)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.block_documents = block_documents(self.n_documents)
+        self.block_offsets = block_offsets(self.offsets, self.block_documents)
 
     def tokens(self, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         return self.documents[doc][start:stop].copy()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -84,6 +86,9 @@ def recipe_command(name: str | None = None, group: typer.Typer = app):
         name, cls=RecipeCommand, context_settings=OVERRIDES, options_metavar="[OPTIONS] [--section.key VALUE]..."
     )
 
+
+# The torch releases titan runs on, [from, to): pyproject.toml's pin, checked again at run time.
+TORCH_VERSIONS = ((2, 11), (2, 14))
 
 # Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
 PREEMPTED_EXIT_CODE = 75
@@ -196,15 +201,22 @@ def data_prepare(
     ctx: typer.Context,
     config: Path = CONFIG_OPTION,
     workers: int = typer.Option(None, "--workers", help="Tokenizer processes; overrides data.prepare_workers."),
+    part: str = typer.Option(
+        "0/1",
+        "--part",
+        help="i/N: prepare the i-th (from 0) of N shares of each source's files, for N machines "
+        "sharing data.cache_dir; the part that finishes last merges them.",
+    ),
 ) -> None:
     """Tokenize a recipe's sources once into token shards, where `titan train` finds them.
 
     Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
-    already prepared with the same files and tokenizer is skipped.
+    already prepared with the same files and tokenizer is skipped, and an interrupted one resumes where it stopped.
     """
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
+    share = _part(part)
     from titan.data import validation_source  # imported late, as in train: titan.data imports torch
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
@@ -212,11 +224,87 @@ def data_prepare(
     for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
         start = time.perf_counter()
         done = find_prepared(source, cfg.tokenizer, cache_root)
-        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers)
+        path = done or prepare(source, cfg.tokenizer, cache_root, cfg.data.prepare_workers, part=share)
         seconds = time.perf_counter() - start
+        if path is None:
+            typer.echo(f"{source.source}: part {part} prepared in {seconds:.1f} s; other parts' files remain")
+            continue
         meta = json.loads((path / "meta.json").read_text())
         speed = "already prepared" if done else f"{seconds:.1f} s, {meta['tokens'] / seconds:,.0f} tokens/s"
         typer.echo(f"{source.source}: {path}: {describe(meta)}, {speed}")
+
+
+CACHE_CONFIG_OPTION = typer.Option(
+    None, "--config", "-c", help="A recipe whose data.cache_dir to use; default: the titan cache's prepared/."
+)
+
+
+def _prepared_cache(config: Path | None) -> Path:
+    from titan.config import Data
+    from titan.data.prepared import cache_root_for
+
+    return cache_root_for(read_config(config).data if config else Data())
+
+
+@data_app.command("ls")
+def data_ls(config: Path = CACHE_CONFIG_OPTION) -> None:
+    """List the prepared sources in the cache: size, documents and tokens, and whether each still matches its
+    source (a local source whose files changed or are gone can never be read again: `titan data clean --stale`)."""
+    from titan.data.prepared import cached_sources, describe
+
+    root = _prepared_cache(config)
+    found = cached_sources(root)
+    for source in found:
+        what = f", {describe(source.meta)}, from {source.meta['source']['source']}" if source.meta else ""
+        typer.echo(f"{source.name}: {source.state}, {_gib(source.nbytes)}{what}")
+    typer.echo(f"{len(found)} in {root}, {_gib(sum(s.nbytes for s in found))}")
+
+
+@data_app.command("clean")
+def data_clean(
+    names: list[str] = typer.Argument(None, help="Folders to remove, as `titan data ls` names them."),
+    stale: bool = typer.Option(False, "--stale", help="Remove every folder whose source changed or is gone."),
+    unfinished: bool = typer.Option(False, "--unfinished", help="Remove what unfinished preparations left."),
+    remove_all: bool = typer.Option(False, "--all", help="Remove every prepared source."),
+    config: Path = CACHE_CONFIG_OPTION,
+) -> None:
+    """Remove prepared sources from the cache; a folder that a process is preparing now is left alone."""
+    from titan.data.prepared import cached_sources, remove_cached
+
+    if not (names or stale or unfinished or remove_all):
+        raise UserError("name the folders to remove (see `titan data ls`), or pass --stale, --unfinished or --all")
+    root = _prepared_cache(config)
+    found = {source.name: source for source in cached_sources(root)}
+    if missing := sorted(set(names or []) - set(found)):
+        raise UserError(f"no {', '.join(missing)} in {root}; `titan data ls` lists what is there")
+    chosen = [
+        source
+        for source in found.values()
+        if remove_all
+        or source.name in (names or [])
+        or (stale and source.state not in ("current", "unfinished"))
+        or (unfinished and source.state == "unfinished")
+    ]
+    freed = 0
+    for source in chosen:
+        if remove_cached(source):
+            freed += source.nbytes
+            typer.echo(f"removed {source.name} ({source.state}, {_gib(source.nbytes)})")
+        else:
+            typer.echo(f"kept {source.name}: a process is preparing it now")
+    typer.echo(f"freed {_gib(freed)} in {root}")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _part(text: str) -> tuple[int, int]:
+    """`--part i/N` as (i, N), 0 <= i < N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not int(match[1]) < int(match[2]):
+        raise UserError(f"--part {text}: give i/N with 0 <= i < N, e.g. --part 0/4 on the first of 4 machines")
+    return int(match[1]), int(match[2])
 
 
 @app.command()
@@ -318,26 +406,61 @@ def generate(
     checkpoint: Path = typer.Option(
         ..., "--checkpoint", help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."
     ),
-    prompt: str = typer.Option(..., "--prompt", help="The text to continue."),
+    prompt: list[str] = typer.Option(
+        None, "--prompt", metavar="<text>", help="The text to continue; repeat it for several prompts."
+    ),
+    prompts_file: Path = typer.Option(
+        None, "--prompts-file", help="A text file of prompts, one per line (blank lines are skipped)."
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Stop after this many tokens (or at EOS)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sample, flatter as it grows."),
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k likeliest tokens only; 0: from all."),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Sample from the likeliest tokens that make up this probability (nucleus); 1: from all."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds the sampling, so a run repeats."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="A tokenizer.json instead of the recipe's."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16: the weights are loaded in this dtype."),
+    tp: int = typer.Option(
+        1, "--tp", help="Tensor-parallel shards, one per process: run under torchrun --nproc-per-node N --tp N."
+    ),
+    batch_size: int = typer.Option(0, "--batch-size", help="Prompts decoded together; 0: all of them at once."),
 ) -> None:
-    """Continue a prompt with a checkpoint's model, using a KV cache: the text on stdout, the speed on stderr."""
-    if not prompt:
+    """Continue prompts with a checkpoint's model, using a KV cache: the text on stdout (one JSON line per prompt
+    when there are several), the loading and speed on stderr."""
+    prompts = list(prompt or [])
+    if any(not text for text in prompts):
         raise UserError("--prompt is empty; give the text to continue")
-    from titan.tools.generate import continue_text  # imported late: torch takes a while to import
+    if prompts_file is not None:
+        try:
+            prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompts-file {prompts_file}: cannot read it ({e.__class__.__name__}: {e})") from None
+    if not prompts:
+        where = f"--prompts-file {prompts_file} has no prompt" if prompts_file else "no prompt"
+        raise UserError(f"{where}; give --prompt TEXT or --prompts-file FILE")
+    from titan.tools.generate import Sampling, continue_texts, report  # imported late: torch takes a while to import
 
-    text, generation = continue_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
-    typer.echo(text)
-    typer.echo(
-        f"{len(generation.tokens)} tokens: prefill {generation.prefill_seconds:.3f} s, decode "
-        f"{len(generation.tokens) - 1} tokens in {generation.decode_seconds:.3f} s "
-        f"({generation.decode_tokens_per_second:,.1f} tokens/s)",
-        err=True,
+    rank_0 = os.environ.get("RANK", "0") == "0"
+    texts, generation, loaded = continue_texts(
+        checkpoint,
+        prompts,
+        max_new_tokens,
+        Sampling(temperature, top_k, top_p, seed),
+        tokenizer_path=tokenizer,
+        dtype=dtype,
+        tp=tp,
+        batch_size=batch_size,
+        progress=rank_0 and sys.stderr.isatty(),  # a bar on a terminal only, from one rank
     )
+    if not rank_0:
+        return
+    if len(prompts) == 1:
+        typer.echo(texts[0])
+    else:
+        for given, text in zip(prompts, texts):
+            typer.echo(json.dumps({"prompt": given, "text": text}, ensure_ascii=False))
+    typer.echo(report(loaded, generation), err=True)
 
 
 @recipe_command()
@@ -469,10 +592,37 @@ def simulate_packing(
             )
 
 
+def check_torch(version: str | None) -> str | None:
+    """Refuse a torch that titan was not written for (`pip install --no-deps` into an image skips pip's check of
+    the pin); returns a warning for a torch newer than the tested ones. `version`: torch's, None if not installed."""
+    low, high = TORCH_VERSIONS
+    wanted = f"torch >= {low[0]}.{low[1]} and < {high[0]}.{high[1]}"
+    if version is None:
+        raise UserError(f"titan needs {wanted}, and this Python has no torch: install one (e.g. pip install torch)")
+    major_minor = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
+    if major_minor < low:
+        raise UserError(
+            f"titan needs {wanted}; this Python has torch {version}: use an image or environment with a newer torch"
+        )
+    if major_minor >= high:
+        return f"titan is tested on {wanted}; this is torch {version}, which may work"
+    return None
+
+
+def _torch_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     """The `titan` command. A UserError ends it with its message as one line on stderr and exit status 2; under
     torchrun only rank 0 prints (every rank fails alike)."""
     try:
+        if warning := check_torch(_torch_version()):
+            if os.environ.get("RANK", "0") == "0":
+                typer.secho(f"warning: {warning}", err=True, fg=typer.colors.YELLOW)
         app(prog_name="titan")
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":

@@ -61,6 +61,9 @@ class DataSource:
     text_field: str = "text"  # the record field holding the document's text (json, parquet, hub)
     split: str = "train"  # the hub dataset's split
     subset: str = ""  # the hub dataset's configuration name, if it has several
+    # The hub dataset's revision (branch, tag or commit; "" = its default branch), part of the prepared tokens' key:
+    # pin a commit to read, and reuse, the same documents whatever the hub holds later.
+    revision: str = ""
     weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
 
 
@@ -89,6 +92,7 @@ class Data:
     text_field: str = "text"
     split: str = "train"
     subset: str = ""
+    revision: str = ""
     # ... or a mixture: several [[data.sources]] blended by weight; the single-source keys are then unused.
     sources: list[DataSource] = field(default_factory=list)
     shuffle: bool = True  # shuffle documents every epoch, by (seed, epoch)
@@ -112,7 +116,7 @@ class Data:
         """The sources to blend: [[data.sources]], or the single source these keys describe."""
         if self.sources:
             return self.sources
-        return [DataSource(self.source, self.format, self.text_field, self.split, self.subset, 1.0)]
+        return [DataSource(self.source, self.format, self.text_field, self.split, self.subset, self.revision, 1.0)]
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class Validation:
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
     split: str = "validation"
+    revision: str = ""
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,25 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 log = logging.getLogger("titan")
 
 
 @contextlib.contextmanager
 def locked(folder: Path, doing: str):
-    """Hold `folder`'s lock file; `doing` says what another holder is doing, for the log while waiting."""
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:  # "a": create it, never truncate
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process %s %s", doing, folder)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, as the death of its process does
+    """Hold `folder`'s lock file; `doing` says what another holder is doing, for the log while waiting. The
+    kernel drops the lock when its holder dies, so a killed holder leaves nothing to clean."""
+    lock = FileLock(folder.with_name(folder.name + ".lock"))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        log.info("waiting for another process %s %s", doing, folder)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def cache_root() -> Path:

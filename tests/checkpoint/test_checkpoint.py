@@ -14,6 +14,7 @@ from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, si
 from titan.rng.shards import full_tensor
 
 
+@pytest.mark.smoke
 def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path):
     straight, resumed, weights_straight, weights_resumed = straight_and_resumed(tmp_path)
     assert len(straight) == len(resumed) == 10

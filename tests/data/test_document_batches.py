@@ -22,7 +22,7 @@ def test_an_epoch_of_pieces_covers_every_token_pair_once_in_pieces_of_at_most_ma
     docs, pieces = pieces_of()
     seen = []
     first = 0
-    while first < pieces.pieces_per_epoch:
+    while first < pieces.tokens_per_epoch:
         step, first = pieces.step(first, budget=100)
         assert sum(length for _, _, length in step) <= 100
         for doc, start, length in step:
@@ -30,7 +30,7 @@ def test_an_epoch_of_pieces_covers_every_token_pair_once_in_pieces_of_at_most_ma
             tokens = pieces.tokens(doc, start, length)
             assert tokens.tolist() == [doc * 1000 + i for i in range(start, start + length + 1)]
             seen += [(doc, i) for i in range(start, start + length)]
-    assert first == pieces.pieces_per_epoch  # the last step stops at the epoch's end
+    assert first == pieces.tokens_per_epoch  # the last step stops at the epoch's end
     want = [(doc, i) for doc in range(docs.n_documents) for i in range(int(docs.lengths[doc]) - 1)]
     assert sorted(seen) == want and len(seen) == pieces.tokens_per_epoch
 
@@ -46,7 +46,7 @@ def test_the_documents_of_a_step_depend_on_the_seed_and_step_only():
     other = DocumentPieces(a.documents, np.arange(60), 16, seed=8, shuffle=True)
     assert other.step(0, 100)[0] != a.step(0, 100)[0]
     # The next epoch reshuffles.
-    assert a.step(a.pieces_per_epoch, 100)[0] != a.step(0, 100)[0]
+    assert a.step(a.tokens_per_epoch, 100)[0] != a.step(0, 100)[0]
 
 
 def loaders(placement: Placement, ranks: int, balance="cost", capacity=64):
@@ -133,3 +133,25 @@ def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
     # The quadratic term is real: one 2048-token document takes longer than 32 documents of 64 tokens.
     alone = dict((len(lengths), t) for lengths, t in samples if sum(lengths) == 2048)
     assert alone[1] > alone[32]
+
+
+def test_a_deep_stage_is_fitted_from_one_and_two_layers(monkeypatch):
+    """The cost fit times one and two layers (a stage too large for one device unsharded is measured all the same)
+    and extrapolates each micro-batch's time to the stage's depth: with times that are a head's cost plus a cost
+    per layer, the fit of a six-layer stage is six layers' a and b plus the head's, by hand. (Real timings of a
+    deep model against the extrapolation: tests/cuda, where a GPU's times are steady enough to compare.)"""
+    from titan.data import cost_fit
+
+    a, b, c, head = 2e-9, 3e-6, 1e-3, 5e-6  # per layer: a·Σs² + b·Σs; the head: head·Σs; c per micro-batch
+    timed = []
+
+    def fake_times(spec, args, n_layers, max_len, capacity, device, dtype, seed):
+        timed.append(n_layers)
+        batches = cost_fit.micro_batches_to_time(max_len, capacity)
+        return [c + n_layers * sum(a * s * s + b * s for s in lengths) + head * sum(lengths) for lengths in batches]
+
+    monkeypatch.setattr(cost_fit, "_time_depth", fake_times)
+    cost, r2, _ = cost_fit.measure(None, None, 6, 1024, 4096, torch.device("cpu"), torch.float32, seed=0)
+    assert timed == [1, 2]
+    assert (cost.a, cost.b, cost.c) == pytest.approx((6 * a, 6 * b + head, c), rel=1e-6)
+    assert r2 == pytest.approx(1.0)

@@ -10,7 +10,8 @@ import torch
 
 from helpers import numbered_documents
 from titan.balance import micro_batch_sizes
-from titan.data.loader import IGNORE, Blend, GlobalBatchLoader, PackedSamples, held_out
+from titan.data.loader import IGNORE, Blend, GlobalBatchLoader, PackedSamples
+from titan.data.order import held_out
 
 SEQ = 15  # windows of 16 tokens
 

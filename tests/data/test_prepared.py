@@ -23,7 +23,7 @@ from titan.config import Tokenizer as TokenizerConfig
 from titan.data import prepared
 from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
 from titan.data.tokenizer import Tokenizer
-from titan.errors import ConfigError
+from titan.errors import ConfigError, UserError
 
 TOKENIZER = TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json"))
 TEXTS = [f"Story {i}: " + "the cat sat on the mat and looked at the sun. " * (i % 5) for i in range(40)]
@@ -40,7 +40,11 @@ def folder_files(folder: Path) -> dict[str, bytes]:
 
 def leftovers(cache: Path) -> list[str]:
     """Anything in the cache but complete folders and their lock files."""
-    return [p.name for p in cache.iterdir() if not p.name.endswith(".lock") and not (p / "COMPLETE").is_file()]
+    return [
+        p.name
+        for p in cache.iterdir()
+        if not p.name.endswith(".lock") and p.name != ".digests" and not (p / "COMPLETE").is_file()
+    ]
 
 
 def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp_path):
@@ -50,7 +54,7 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     documents = PreparedDocuments(path)
     expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
     assert documents.n_documents == len(TEXTS) and documents.n_tokens == sum(map(len, expected))
-    assert documents.lengths.dtype == np.int64 and documents.lengths.tolist() == [len(e) for e in expected]
+    assert documents.offsets.dtype == np.int64 and np.diff(documents.offsets).tolist() == [len(e) for e in expected]
     assert all(documents.tokens(i).tolist() == e for i, e in enumerate(expected))
     assert documents.tokens(3, 2, 5).tolist() == expected[3][2:5]
     assert documents.tokens(3, -4).tolist() == expected[3][-4:] and documents.tokens(3, 5, 2).tolist() == []
@@ -58,12 +62,13 @@ def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp
     meta = documents.meta
     assert meta["empty_documents_skipped"] == 2 and meta["dtype"] == "uint16"
     # Shards end at document boundaries and hold at most 100 tokens, unless one document alone is longer.
-    index = np.load(path / "documents.npy")
+    offsets = np.load(path / "offsets.npy")
     assert len(meta["shard_tokens"]) > 5
+    shard_ends = np.cumsum(meta["shard_tokens"])
+    assert np.isin(shard_ends, offsets).all()
     for shard, size in enumerate(meta["shard_tokens"]):
-        rows = index[index[:, 0] == shard]
-        assert rows[0, 1] == 0 and (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2]).all()
-        assert size == rows[:, 2].sum() and (size <= 100 or len(rows) == 1)
+        starts = offsets[(offsets >= shard_ends[shard] - size) & (offsets < shard_ends[shard])]
+        assert size <= 100 or len(starts) == 1
         assert (path / f"tokens-{shard:05d}.bin").stat().st_size == 2 * size
 
 
@@ -93,7 +98,7 @@ def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
         DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS))), TOKENIZER, tmp_path / "cache", 1, False
     )
     assert parquet != jsonl
-    for name in ("documents.npy", "tokens-00000.bin"):
+    for name in ("offsets.npy", "tokens-00000.bin"):
         assert (parquet / name).read_bytes() == (jsonl / name).read_bytes()
 
 
@@ -125,10 +130,53 @@ def test_the_folder_changes_with_the_tokenizer_and_the_source_files(tmp_path):
     assert len(names) == 3
     stat = Path(source.source).stat()
     os.utime(source.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))  # touched, same contents
+    assert prepare(source, TOKENIZER, cache, 1, False) == base
+    write_jsonl(Path(source.source), TEXTS[:-1] + ["Story 39: the dog"])  # the same size, other contents
     assert prepare(source, TOKENIZER, cache, 1, False).name not in names
     # Neither the split name nor a differently spelt path of the same file changes anything.
     same = DataSource(str(tmp_path / "." / "corpus.jsonl"), format="json", split="validation")
     assert prepare(same, TOKENIZER, cache, 1, False) == prepare(source, TOKENIZER, cache, 1, False)
+
+
+def test_a_copied_source_reuses_its_tokens_and_the_cache_lists_and_cleans_what_is_stale(tmp_path):
+    original = tmp_path / "corpus"
+    original.mkdir()
+    for i in range(2):
+        write_jsonl(original / f"part{i}.jsonl", TEXTS[i::2])
+    cache, runner = tmp_path / "cache", CliRunner()
+    prepared_once = prepare(DataSource(str(original)), TOKENIZER, cache, 1, False)
+    marker = (prepared_once / "COMPLETE").stat().st_mtime_ns
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(original), str(copy)], check=True)  # new paths, times and inodes
+    assert prepare(DataSource(str(copy)), TOKENIZER, cache, 1, False) == prepared_once
+    assert (prepared_once / "COMPLETE").stat().st_mtime_ns == marker  # reused, not prepared again
+    ls = lambda: runner.invoke(app, ["data", "ls", "--config", str(recipe)]).output  # noqa: E731
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[data]\ncache_dir = "{cache}"\n')
+    assert f"{prepared_once.name}: current" in ls()
+    write_jsonl(original / "part0.jsonl", TEXTS[:5])  # the source the folder was prepared from changes
+    changed = prepare(DataSource(str(original)), TOKENIZER, cache, 1, False)
+    assert changed != prepared_once
+    listing = ls()
+    assert f"{prepared_once.name}: source changed" in listing and f"{changed.name}: current" in listing
+    assert "2 in" in listing.splitlines()[-1]
+    result = runner.invoke(app, ["data", "clean", "--stale", "--config", str(recipe)])
+    assert result.exit_code == 0 and f"removed {prepared_once.name} (source changed" in result.output
+    assert not prepared_once.exists() and changed.exists()
+    unknown = runner.invoke(app, ["data", "clean", "nothing-here", "--config", str(recipe)]).exception
+    assert isinstance(unknown, UserError) and "no nothing-here in" in str(unknown)  # main() prints it in one line
+    shutil.rmtree(original)
+    assert f"{changed.name}: source missing" in ls()
+    result = runner.invoke(app, ["data", "clean", changed.name, "--config", str(recipe)])
+    assert result.exit_code == 0 and not changed.exists() and "0 in" in ls().splitlines()[-1]
+
+
+def test_a_hub_source_s_key_holds_its_revision(tmp_path):
+    names = {
+        prepared._target(DataSource("someone/corpus", format="hub", revision=revision), TOKENIZER, tmp_path)[1].name
+        for revision in ("", "main", "0123abcd")
+    }
+    assert len(names) == 3
 
 
 def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_rerun_completes(tmp_path, monkeypatch):
@@ -145,7 +193,8 @@ def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_re
     monkeypatch.setattr(prepared._ShardWriter, "add", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(source, TOKENIZER, cache, workers=1, progress=False)
-    assert leftovers(cache) == []  # the temporary folder is gone
+    (parts,) = leftovers(cache)  # where a rerun resumes: holding no unit, as the one unit was cut short
+    assert parts.endswith(".parts") and not any((p / "COMPLETE").is_file() for p in (cache / parts).iterdir())
     monkeypatch.setattr(prepared._ShardWriter, "add", add)
     path = prepare(source, TOKENIZER, cache, workers=1, progress=False)
     assert PreparedDocuments(path).n_documents == len(TEXTS) * 10
@@ -188,8 +237,8 @@ def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
     time.sleep(0.2)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert leftovers(cache)  # the killed run's temporary folder
-    folder = cache / leftovers(cache)[0][1:].split(".tmp-")[0]
+    (parts,) = leftovers(cache)  # the killed run's units, complete or not
+    folder = cache / parts[1:].removesuffix(".parts")
     with pytest.raises(ConfigError):
         ensure_prepared(DataSource(str(source)), TOKENIZER, cache, 1, auto_max_mb=0.001)
     assert prepare(DataSource(str(source)), TOKENIZER, cache, 1, False) == folder
@@ -220,7 +269,7 @@ def test_two_processes_preparing_one_source_at_once_write_it_once(tmp_path):
         child.join(60)
     assert [child.exitcode for child in children] == [0, 0]
     assert len(log.read_text().split()) == 1  # one wrote, the other waited and reused its folder
-    (folder,) = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+    (folder,) = [p for p in cache.iterdir() if not p.name.endswith(".lock") and p.name != ".digests"]
     assert PreparedDocuments(folder).n_documents == len(TEXTS)
 
 
@@ -341,3 +390,86 @@ def test_a_recipe_laid_out_for_many_gpus_prepares_on_one_machine(tmp_path):
 def test_help_keeps_the_brackets_of_recipe_keys():
     result = CliRunner().invoke(app, ["data", "prepare", "--help"])
     assert result.exit_code == 0 and "[[data.sources]]" in result.output
+
+
+def write_files(folder: Path, count: int, repeat: int = 1) -> Path:
+    """A source of `count` JSONL files, each with texts of its own."""
+    folder.mkdir()
+    for i in range(count):
+        write_jsonl(folder / f"part-{i:02d}.jsonl", [f"file {i}. {t}" for t in TEXTS * repeat])
+    return folder
+
+
+def test_parts_prepared_one_after_another_merge_into_what_one_prepare_makes(tmp_path):
+    source = DataSource(str(write_files(tmp_path / "corpus", 7)))
+    whole = prepare(source, TOKENIZER, tmp_path / "whole", 1, False, shard_tokens=500, unit_bytes=1)
+    cache = tmp_path / "parts"
+    parts = [prepare(source, TOKENIZER, cache, 1, False, part=(i, 3), shard_tokens=500, unit_bytes=1) for i in range(3)]
+    assert parts[:2] == [None, None] and parts[2].name == whole.name  # the last part merges
+    assert folder_files(parts[2]) == folder_files(whole) and leftovers(cache) == []
+    documents = PreparedDocuments(whole)
+    assert documents.n_documents == 7 * len(TEXTS) and len(documents.meta["shard_tokens"]) >= 7
+    tokenizer = Tokenizer(TOKENIZER)
+    assert documents.tokens(3 * len(TEXTS) + 5).tolist() == tokenizer.encode(f"file 3. {TEXTS[5]}")
+    with pytest.raises(ConfigError, match="hub dataset.*leave --part out"):
+        prepare(DataSource("someone/some-dataset"), TOKENIZER, cache, 1, False, part=(0, 2))
+
+
+def test_the_cli_prepares_a_part_and_says_what_remains(tmp_path):
+    corpus = write_files(tmp_path / "corpus", 3)
+    first = CliRunner().invoke(app, prepare_args(corpus, tmp_path / "cache", "--part", "0/2"))
+    assert first.exit_code == 0, first.output
+    assert "part 0/2 prepared" in first.output and "other parts' files remain" in first.output
+    last = CliRunner().invoke(app, prepare_args(corpus, tmp_path / "cache", "--part", "1/2"))
+    assert last.exit_code == 0 and f"{3 * len(TEXTS)} documents" in last.output, last.output
+    assert_one_line_error(run_titan(*prepare_args(corpus, tmp_path / "cache", "--part", "2/2")), "--part 2/2", "i/N")
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypatch):
+    corpus = write_files(tmp_path / "corpus", 6, repeat=100)
+    cache = tmp_path / "cache"
+    script = (
+        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
+        "from titan.data.prepared import prepare; "
+        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), 1, False, unit_bytes=1)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(corpus), TOKENIZER.path, str(cache)], cwd=ROOT)
+    done = lambda: sorted(p.parent.name for p in cache.glob(".*.parts/unit-*/COMPLETE"))  # noqa: E731
+    deadline = time.time() + 120
+    while len(done()) < 2 and child.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    kept = done()
+    assert 2 <= len(kept) < 6, kept  # killed midway
+    written = []
+    write = prepared._write
+
+    def counted_write(tmp, documents, unit, *args):
+        written.append(unit.name)
+        write(tmp, documents, unit, *args)
+
+    monkeypatch.setattr(prepared, "_write", counted_write)
+    path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, unit_bytes=1)
+    assert written and not set(written) & set(kept) and len(written) + len(kept) == 6
+    whole = prepare(DataSource(str(corpus)), TOKENIZER, tmp_path / "whole", 1, False, unit_bytes=1)
+    assert folder_files(path) == folder_files(whole) and leftovers(cache) == []
+
+
+def test_a_reader_keeps_a_bounded_number_of_shard_maps_open(tmp_path):
+    source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
+    path = prepare(source, TOKENIZER, tmp_path / "cache", 1, False, shard_tokens=100)
+    documents = PreparedDocuments(path, open_shards=3)
+    expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
+    assert len(documents.meta["shard_tokens"]) > 10
+
+    def open_shard_files() -> int:
+        fds = Path("/proc/self/fd")
+        return sum("tokens-" in os.readlink(fd) for fd in fds.iterdir() if fd.exists())
+
+    before = open_shard_files()
+    for doc in list(range(len(TEXTS))) * 2:
+        assert documents.tokens(doc).tolist() == expected[doc]
+        assert open_shard_files() - before <= 3
+    assert open_shard_files() - before == 3

@@ -1,11 +1,13 @@
 """The Llama 3 model: published sizes, shapes, causality and seeded initialisation."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from titan import models
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.model import document_mask, document_positions
+from titan.models.llama.model import attend_flex, attend_per_document, document_mask, document_positions, flex_length
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -83,6 +85,34 @@ def test_tied_embeddings_share_one_parameter():
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in build().parameters()) - 2048 * 256
 
 
+@pytest.mark.parametrize("flavor", ["debug", "8B"])  # RoPE without and with Llama 3.1's frequency scaling
+def test_init_buffers_completes_a_model_whose_weights_are_loaded(flavor):
+    """titan generate computes the RoPE table, which no checkpoint holds, with init_buffers and loads every weight: the
+    model must be the one init_weights builds, with no weight written first, and keep an fp32 table in bf16."""
+    args = dataclasses.replace(
+        FLAVORS[flavor], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=256
+    )
+    reference = _initialised(args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    untouched = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.init_buffers()
+    for name, param in model.named_parameters():  # as bits: memory to_empty leaves may hold NaNs
+        assert torch.equal(param.detach().view(torch.int32), untouched[name].view(torch.int32)), name
+    assert torch.equal(model.rope, reference.rope)
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
+    with torch.device("meta"):
+        half = Transformer(args).to(torch.bfloat16)
+    half.to_empty(device="cpu")
+    half.init_buffers()
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16
+    assert half.rope.dtype == torch.float32 and torch.equal(half.rope, reference.rope)
+
+
 def test_unknown_override_is_rejected():
     spec = models.get_model_spec("llama3")
     with pytest.raises(ValueError, match="unknown model.overrides.n_layer"):
@@ -92,11 +122,13 @@ def test_unknown_override_is_rejected():
 
 
 def _small_model(traceable=False, **overrides):
-    import dataclasses
-
     args = dataclasses.replace(
         FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, **overrides
     )
+    return _initialised(args, traceable)
+
+
+def _initialised(args, traceable=False):
     with torch.device("meta"):
         model = Transformer(args, traceable)
     model.to_empty(device="cpu")
@@ -158,3 +190,27 @@ def test_document_mask_never_lets_a_token_attend_across_a_boundary():
     before, after = model(tokens, None, ids), model(changed, None, ids)
     assert torch.equal(before[:, :5], after[:, :5]) and torch.equal(before[:, 14:], after[:, 14:])
     assert not torch.equal(before[:, 5:14], after[:, 5:14])
+
+
+def test_flex_lengths_are_few_powers_of_two_from_its_block_size():
+    assert [flex_length(n) for n in (1, 5, 128, 129, 300, 8192, 8193)] == [128, 128, 128, 256, 512, 8192, 16384]
+    # Every length a packed micro-batch of up to 16,384 tokens can have compiles 8 kernels at most.
+    assert sorted({flex_length(n) for n in range(1, 16385)}) == [2**i for i in range(7, 15)]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager is the CPU's reference
+@pytest.mark.parametrize("seq", [5, 128, 130, 300])
+def test_flex_attention_padded_to_its_length_bucket_equals_attention_per_document(seq):
+    """The padding of attend_flex changes nothing: each document's tokens attend as per-document causal SDPA would
+    (forward only: flex attention has no backward on the CPU; tests/cuda compares gradients)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    generator = torch.Generator().manual_seed(seq)
+    lengths = torch.randint(1, 60, (seq,), generator=generator).cumsum(0)
+    ids = torch.searchsorted(lengths, torch.arange(seq), right=True)[None]  # documents of 1 to 59 tokens
+    q = torch.randn(1, 4, seq, 16, generator=generator)
+    k, v = (torch.randn(1, 2, seq, 16, generator=generator) for _ in range(2))
+    flex = attend_flex(q, k, v, document_mask(ids, flex=True, dense=False), attention=flex_attention)
+    per_document = attend_per_document(q, k, v, document_mask(ids, flex=False, dense=False))
+    assert flex.shape == per_document.shape
+    torch.testing.assert_close(flex, per_document, rtol=1e-5, atol=1e-5)

@@ -112,10 +112,20 @@ LAYOUTS_8 = {
 }
 
 
+# The smoke subset (pytest -m smoke): FSDP2 and TP2, in one launch of 2 processes.
+SMOKE_2 = ["fsdp2", "tp2_sp_lossparallel"]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)], ids=["2_processes", "4_processes", "8_processes"]
+    "world,layouts",
+    [
+        pytest.param(2, {k: LAYOUTS_2[k] for k in SMOKE_2}, marks=pytest.mark.smoke, id="2_processes_smoke"),
+        pytest.param(2, {k: v for k, v in LAYOUTS_2.items() if k not in SMOKE_2}, id="2_processes"),
+        pytest.param(4, LAYOUTS_4, id="4_processes"),
+        pytest.param(8, LAYOUTS_8, id="8_processes"),
+    ],
 )
 def test_layouts_match_single_process(reference, tmp_path, world, layouts):
     layouts = with_local_batch(layouts, world)

@@ -19,6 +19,7 @@ def read_metrics(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_debug_recipe_trains_from_the_cli_and_the_loss_falls(tmp_path):
     result = run_titan(
         "train",

@@ -18,6 +18,8 @@ bf16 files, which read whole by each of a node's 8 ranks would take 1.1 TB; read
   planned from the checkpoint's metadata (huggingface_hub's shard split), then each is filled by loading just its
   tensors from DCP, written, and freed before the next. `config.json` plus safetensors shards, with an index when
   there are several, and the recipe's tokenizer as transformers' AutoTokenizer and generate read it.
+  `titan generate` reads a checkpoint's model alike (open_model_checkpoint, then load_tensors into its own
+  parameters, a layer at a time).
 
 init_from_hf and dcp-to-hf report the peak host memory they added (`PeakMemory`).
 """
@@ -387,17 +389,28 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# dcp-to-hf
+# The model of a titan checkpoint (dcp-to-hf, titan generate), and dcp-to-hf
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, tuple[list[int], torch.dtype]]]:
-    """(checkpoint folder, spec, model args, {parameter: (shape, saved dtype)}) of a titan checkpoint, from its
-    recipe and DCP metadata, checked against each other; no tensor is loaded."""
+@dataclass(frozen=True)
+class ModelCheckpoint:
+    """A titan checkpoint's model as its recipe and DCP index describe it, checked against each other (no tensor
+    is read)."""
+
+    path: Path  # the step-N folder
+    spec: models.ModelSpec
+    args: Any
+    saved: dict[str, tuple[list[int], torch.dtype]]  # parameter -> (shape, dtype as saved)
+
+
+def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None) -> ModelCheckpoint:
+    """The model of the titan checkpoint at `path` (a step-N folder, or a checkpoints/ or run folder: its newest),
+    after verifying the folder's files: with several ranks (and `group`) each hashes its share."""
     path = find_checkpoint(path)
-    problem = verify(path)
+    problem = verify(path, rank, world, group)
     if problem:
-        raise ConfigError(f"checkpoint {problem}; convert another checkpoint")
+        raise ConfigError(f"checkpoint {problem}; use another checkpoint")
     train_state = read_train_state(path)
     try:
         model = tomllib.loads(train_state["recipe"])["model"]
@@ -419,25 +432,26 @@ def _model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str
                 f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}"
             )
         saved[name] = (shape, entry.properties.dtype)
-    return path, spec, args, saved
+    return ModelCheckpoint(path, spec, args, saved)
 
 
-def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
-    """The full parameters `saved` names ({name: (shape, dtype)}), from the checkpoint at `path`: DCP reads only
-    their bytes, whatever layout wrote them."""
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
+@torch.no_grad()
+def load_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Fill `tensors` ({parameter: tensor}) from the checkpoint at `path`: plain tensors whole, DTensors their local
+    shard, each cast to its tensor's dtype and copied to its device. DCP reads only the saved chunks that overlap
+    them, one at a time, whatever layout wrote them: the host holds one saved chunk at most besides."""
     try:
         with single_process_quiet():
             dcp.load({"model": tensors}, storage_reader=CheckpointReader(path), no_dist=True)
     except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
         raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
+
+
+def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
+    """The full parameters `saved` names ({name: (shape, dtype)}), as saved."""
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
+    load_tensors(path, tensors)
     return tensors
-
-
-def read_model_checkpoint(path: Path) -> tuple[Path, models.ModelSpec, Any, dict[str, Tensor]]:
-    """(checkpoint folder, spec, model args, full parameters by name) of a titan checkpoint, in one process."""
-    path, spec, args, saved = _model_checkpoint(path)
-    return path, spec, args, _load_parameters(path, saved)
 
 
 def parse_size(text: str | int) -> int:
@@ -543,7 +557,8 @@ def dcp_to_hf(
         raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
     with PeakMemory() as peak:
-        path, spec, args, saved = _model_checkpoint(checkpoint)
+        found = open_model_checkpoint(checkpoint)
+        path, spec, args, saved = found.path, found.spec, found.args, found.saved
         tok, tokenizer_note = _export_tokenizer(path, args.vocab_size, tokenizer)
         sources = spec.hf.sources(args)
         titan_names = {sources[name][0]: name for name in saved}

@@ -8,7 +8,8 @@ import numpy as np
 
 from titan.config import Config, DataSource
 from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
-from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens, held_out
+from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens
+from titan.data.order import held_out
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
 
@@ -37,13 +38,14 @@ def open_prepared(config: Config, source: DataSource):
 
 def validation_source(config: Config) -> DataSource | None:
     v = config.validation
-    return DataSource(v.source, v.format, v.text_field, v.split) if v.source else None
+    return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision) if v.source else None
 
 
-def held_out_documents(config: Config, documents) -> np.ndarray:
-    """Which of a source's documents validation holds out: none when it reads a source of its own."""
+def held_out_blocks(config: Config, documents) -> np.ndarray:
+    """Which of a source's blocks of documents (titan.data.order) validation holds out: none when it reads a
+    source of its own."""
     v = config.validation
-    return held_out(documents.n_documents, v.fraction if not v.source else 0.0)
+    return held_out(len(documents.block_offsets) - 1, v.fraction if not v.source else 0.0)
 
 
 def build_loaders(
@@ -58,7 +60,7 @@ def build_loaders(
     train, held = [], []
     for stream, source in enumerate(sources):
         documents = open_prepared(config, source)
-        in_validation = held_out_documents(config, documents)
+        in_validation = held_out_blocks(config, documents)
         if train_rows:
             samples = PackedSamples(
                 documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream
@@ -81,7 +83,8 @@ def build_loaders(
         return loader, None
     if v.source:
         documents = open_prepared(config, validation_source(config))
-        held = [(1.0, PackedSamples(documents, np.arange(documents.n_documents), t.seq_len, 0, False))]
+        every_block = np.arange(len(documents.block_offsets) - 1)
+        held = [(1.0, PackedSamples(documents, every_block, t.seq_len, 0, False))]
         check_enough_tokens(held[0][1], f"validation.source {v.source}")
     elif not held:
         raise ConfigError(
@@ -109,7 +112,7 @@ def document_pieces(config: Config) -> DocumentPieces:
     d = config.data
     source = d.source_list()[0]
     documents = open_prepared(config, source)
-    in_validation = held_out_documents(config, documents)
+    in_validation = held_out_blocks(config, documents)
     pieces = DocumentPieces(
         documents, np.flatnonzero(~in_validation), d.max_document_len or config.training.seq_len, config.job.seed,
         d.shuffle,
@@ -118,7 +121,7 @@ def document_pieces(config: Config) -> DocumentPieces:
         raise ConfigError(f"data source {source.source} has no document of two or more tokens to train on")
     log.info(
         "data %s: %d documents, %d tokens to predict per epoch, in pieces of at most %d",
-        source.source, len(pieces.subset), pieces.tokens_per_epoch, pieces.max_len,
+        source.source, pieces.order.documents_per_epoch, pieces.tokens_per_epoch, pieces.max_len,
     )  # fmt: skip
     return pieces
 

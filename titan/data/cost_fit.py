@@ -1,9 +1,10 @@
 """The cost model of cost-balanced packing, measured on this device: time a few forward and backward passes of
 micro-batches with known document lengths and fit c + a·Σs² + b·Σs by least squares.
 
-What is timed is one pipeline stage's share of the layers on one device, with the model's full width: tensor
-parallelism divides every term by about the same factor, which leaves the assignment unchanged and only scales the
-predicted seconds. Results are cached per model shape, stage depth, device, dtype and thread count.
+What is timed is one and two layers of the model at its full width on one device, scaled to a pipeline stage's share
+of the layers (see measure); tensor parallelism divides the per-token terms by its degree (titan/train/build.py),
+which leaves the assignment unchanged and only scales the predicted seconds. Results are cached per model shape,
+stage depth, device, dtype and thread count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from titan.data.packing import CostModel
 from titan.files import cache_root
+from titan.observe.profiling import DeviceTimer
 
 log = logging.getLogger("titan")
 
@@ -46,14 +48,12 @@ def time_micro_batch(model: torch.nn.Module, lengths: list[int], vocab: int, dev
     tokens = torch.randint(0, vocab, (1, sum(lengths)), device=device, generator=torch.Generator(device).manual_seed(0))
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))[None]
     times = []
+    timer = DeviceTimer(device)
     for _ in range(repeats + 1):  # the first warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        timer.start()
         model(tokens, None, ids).float().logsumexp(-1).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        timer.stop()
+        times.append(timer.seconds())
         model.zero_grad(set_to_none=True)
     return min(times[1:])
 
@@ -75,17 +75,30 @@ def fit(samples: list[tuple[list[int], float]]) -> tuple[CostModel, float]:
 def measure(
     spec, args, n_layers: int, max_len: int, capacity: int, device: torch.device, dtype: torch.dtype, seed: int
 ):
-    """Fit the cost model of a model of `n_layers` of these args on `device`; returns (model, R², samples)."""
+    """Fit the cost model of a model of `n_layers` of these args on `device`; returns (model, R², samples).
+
+    Only models of one and of two layers are timed (the embedding and head included), and each micro-batch's time
+    is extrapolated linearly to the stage's depth: a stage too large for one device unsharded is measured all the
+    same, and a layer's own cost is the difference, which the head's cost does not blur."""
+    depths = sorted({1, min(2, n_layers)})
+    times = {depth: _time_depth(spec, args, depth, max_len, capacity, device, dtype, seed) for depth in depths}
+    batches = micro_batches_to_time(max_len, capacity)
+    one, two = times[depths[0]], times[depths[-1]]
+    samples = [(lengths, one[i] + (n_layers - 1) * (two[i] - one[i])) for i, lengths in enumerate(batches)]
+    cost, r2 = fit(samples)
+    return cost, r2, samples
+
+
+def _time_depth(spec, args, n_layers: int, max_len: int, capacity: int, device, dtype, seed) -> list[float]:
+    """The forward and backward seconds of each micro-batch to time, on a model of `n_layers` layers."""
     stage_args = dataclasses.replace(args, n_layers=n_layers, max_seq_len=max(args.max_seq_len, max_len))
     with torch.device("meta"):
         model = spec.build(stage_args)
     model.to_empty(device=device)
     model.init_weights(seed)
     model.to(dtype)
-    samples = [(lengths, time_micro_batch(model, lengths, args.vocab_size, device)) for lengths in
-               micro_batches_to_time(max_len, capacity)]  # fmt: skip
-    cost, r2 = fit(samples)
-    return cost, r2, samples
+    return [time_micro_batch(model, lengths, args.vocab_size, device) for lengths in
+            micro_batches_to_time(max_len, capacity)]  # fmt: skip
 
 
 def cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, seed) -> CostModel:
@@ -119,15 +132,12 @@ def collective_seconds(n_params: int, group, device: torch.device, dtype: torch.
     world = dist.get_world_size(group)
     shard = torch.zeros(math.ceil(n_params / world), dtype=dtype, device=device)
     full = torch.empty(shard.numel() * world, dtype=dtype, device=device)
-    best = math.inf
+    best, timer = math.inf, DeviceTimer(device)
     for _ in range(4):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        timer.start()
         dist.all_gather_into_tensor(full, shard, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        timer.stop()
+        best = min(best, timer.seconds())
     return 3 * best
 
 

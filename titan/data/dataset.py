@@ -1,15 +1,14 @@
-"""Documents from a local file/folder or a HF hub dataset, streamed with HF `datasets`."""
+"""Documents from a local file or folder (read here), or a HF hub dataset (streamed with HF `datasets`)."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan.config import Data, DataSource
-from titan.errors import ConfigError
+from titan.errors import ConfigError, import_extra
 from titan.progress import Progress
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -72,49 +71,105 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
         for f in documents.files:
             yield from iter_texts(documents, f)
         return
-    import datasets
-
-    datasets.disable_progress_bars()
-    # It logs its own line for a file it cannot parse; ours names the line at fault instead.
-    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
-    cfg, where = documents.cfg, str(file) if file is not None else repr(documents.path)
+    cfg = documents.cfg
+    if file is None:
+        yield from _hub_texts(documents)
+        return
     try:
-        if file is None:
-            dataset = datasets.load_dataset(documents.path, cfg.subset or None, split=cfg.split, streaming=True)
-            # HF's own bars are off (above); a hub dataset, read over the network, shows titan's.
-            progress = Progress(f"{documents.path} ({cfg.split})", _split_records(dataset, cfg.split), " records")
+        for number, text in enumerate(_LOCAL_READERS[documents.fmt](file, cfg.text_field, str(file)), 1):
+            if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
+                raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
+            yield text
+    except ConfigError:
+        raise
+    except Exception as e:  # UnicodeDecodeError, JSONDecodeError, pyarrow's errors: assorted types
+        raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
+
+
+# Local files are read here rather than through HF datasets, which a cluster image may lack: one record per line
+# of a text file (newline dropped, as datasets' text loader does), one JSON object per line or one JSON array of
+# them, and a parquet column through pyarrow.
+
+
+def _text_lines(file: Path, field: str, where: str) -> Iterator[str]:
+    with open(file, encoding="utf-8") as f:  # universal newlines: \r\n and \r end a line too
+        for line in f:
+            yield line.removesuffix("\n")
+
+
+def _json_records(file: Path, field: str, where: str) -> Iterator[str]:
+    with open(file, encoding="utf-8-sig") as f:
+        array = f.read(4096).lstrip().startswith("[")  # one JSON array of records, else one record per line
+        f.seek(0)
+        if array:
+            records = enumerate(json.load(f), 1)
         else:
-            dataset = datasets.load_dataset(
-                documents.fmt, data_files={cfg.split: [str(file)]}, split=cfg.split, streaming=True
-            )
-            progress = Progress(where, enabled=False)  # a local file's reader counts its own bytes
+            records = ((number, json.loads(line)) for number, line in enumerate(f, 1) if line.strip())
+        for number, (position, record) in enumerate(records, 1):
+            if not isinstance(record, dict):
+                raise ValueError(f"{'record' if array else 'line'} {position} is not a JSON object")
+            yield _field_text(record, field, number, where)
+
+
+def _parquet_records(file: Path, field: str, where: str) -> Iterator[str]:
+    parquet = import_extra("pyarrow.parquet", "hub", f"reading {file.name} (parquet)")
+    table = parquet.ParquetFile(file)
+    if field not in table.schema_arrow.names:
+        raise ConfigError(
+            f"data.text_field: records of {where} have no field {field!r}; "
+            f"fields: {', '.join(table.schema_arrow.names)}"
+        )
+    number = 0
+    for batch in table.iter_batches(columns=[field]):
+        for text in batch.column(0).to_pylist():
+            number += 1
+            yield _field_text({field: text}, field, number, where)
+
+
+_LOCAL_READERS = {"text": _text_lines, "json": _json_records, "parquet": _parquet_records}
+
+
+def _field_text(record: dict, field: str, number: int, where: str) -> str:
+    if field not in record:
+        raise ConfigError(
+            f"data.text_field: record {number} of {where} has no field {field!r}; its fields: {', '.join(record)}"
+        )
+    text = record[field]
+    if text is None:
+        raise ConfigError(f"data.text_field: record {number} of {where} has no {field!r} (or null)")
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"data.text_field: record {number} of {where}: {field!r} holds {type(text).__name__}, not text"
+        )
+    return text
+
+
+def _hub_texts(documents: Documents) -> Iterator[str]:
+    """A hub dataset's texts, streamed with HF datasets (from the network, or its cache)."""
+    cfg, where = documents.cfg, repr(documents.path)
+    datasets = import_extra("datasets", "hub", f"data.source {documents.path!r} (a hub dataset)")
+    datasets.disable_progress_bars()
+    try:
+        dataset = datasets.load_dataset(
+            documents.path, cfg.subset or None, split=cfg.split, revision=cfg.revision or None, streaming=True
+        )
+        # HF's own bars are off (above): the records read show titan's, against the split's size if known.
+        progress = Progress(f"{documents.path} ({cfg.split})", _split_records(dataset, cfg.split), " records")
         for number, record in enumerate(dataset, 1):
             progress.update()
             if cfg.text_field not in record:
                 raise ConfigError(
                     f"data.text_field: records of {where} have no field {cfg.text_field!r}; fields: {', '.join(record)}"
                 )
-            text = record[cfg.text_field]
-            if text is None:  # HF gives every record the fields of all: a record without this one holds None
-                raise ConfigError(f"data.text_field: record {number} of {where} has no {cfg.text_field!r} (or null)")
-            if not isinstance(text, str):
-                raise ConfigError(
-                    f"data.text_field: record {number} of {where}: {cfg.text_field!r} holds "
-                    f"{type(text).__name__}, not text"
-                )
-            if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
-                raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
-            yield text
+            yield _field_text(record, cfg.text_field, number, where)
         progress.close()
     except ConfigError:
         raise
-    except Exception as e:  # pyarrow, UnicodeDecodeError, network and hub errors: assorted types
-        if file is None:
-            raise ConfigError(
-                f"data.source: could not open hub dataset {documents.path!r} (split {cfg.split!r}): {_first_line(e)}. "
-                "Without internet, use a local file or a dataset already in the HF cache"
-            ) from None
-        raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
+    except Exception as e:  # network and hub errors: assorted types
+        raise ConfigError(
+            f"data.source: could not open hub dataset {documents.path!r} (split {cfg.split!r}): {_first_line(e)}. "
+            "Without internet, use a local file or a dataset already in the HF cache"
+        ) from None
 
 
 def _split_records(dataset, split: str) -> int | None:
@@ -148,11 +203,10 @@ def _binary_line(file: Path) -> str | None:
 def _bad_json_line(file: Path) -> str | None:
     """The first line of a JSON file that is not a JSON object, e.g. 'line 3 is not valid JSON (...)'.
 
-    HF's JSON reader (pyarrow) numbers rows within the block it is parsing, not lines of the file, and a
-    blank line or a block boundary shifts that count; so on a parse error we read the file again ourselves.
+    A parse error names a column of the line it was given; on one, the file is read again for the line number.
     """
     with open(file, encoding="utf-8-sig") as f:
-        if f.read(4096).lstrip().startswith("["):  # one JSON array, as HF reads it too: parse it whole
+        if f.read(4096).lstrip().startswith("["):  # one JSON array: parse it whole
             f.seek(0)
             try:
                 json.load(f)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from titan.data.loader import IGNORE, Batch, epoch_order
+from titan.data.loader import IGNORE, Batch
+from titan.data.order import ORDER_VERSION, EpochOrder, warn_if_order_changed
 from titan.data.packing import Assignment, CostModel, Target, balance_by_cost, balance_by_tokens
 from titan.errors import ConfigError
 
@@ -29,45 +30,57 @@ PAD_BLOCK = 64
 
 
 class DocumentPieces:
-    """A source's documents as pieces of at most `max_len` (input, label) pairs, in a shuffled order per epoch
-    (the order PackedSamples uses). A document of n tokens holds n - 1 pairs; piece (doc, start, length) reads
-    its tokens [start, start + length + 1)."""
+    """A split's documents as pieces of at most `max_len` (input, label) pairs, in each epoch's order (the order
+    PackedSamples reads, titan.data.order). A document of n tokens holds n - 1 pairs, cut into pieces at every
+    max_len pairs from its start; piece (doc, start, length) reads its tokens [start, start + length + 1).
+    A position in the stream is counted in pairs across epochs, at a piece's start."""
 
-    def __init__(self, documents, subset: np.ndarray, max_len: int, seed: int, shuffle: bool, stream: int = 0):
-        self.documents, self.subset, self.max_len = documents, np.asarray(subset, dtype=np.int64), max_len
-        self.seed, self.shuffle, self.stream = seed, shuffle, stream
-        pairs = np.maximum(np.asarray(documents.lengths)[self.subset] - 1, 0)
-        self.pieces_per_epoch = int((-(-pairs // max_len)).sum())
-        self.tokens_per_epoch = int(pairs.sum())
-        self._epochs: dict[int, tuple[np.ndarray, ...]] = {}
-
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(document, start, length) of each piece in this epoch's order, and the running token count."""
-        if epoch not in self._epochs:
-            order = epoch_order(self.subset, self.seed, self.stream, epoch, self.shuffle)
-            pairs = np.maximum(np.asarray(self.documents.lengths)[order] - 1, 0)
-            counts = -(-pairs // self.max_len)
-            doc = np.repeat(order, counts)
-            first = np.repeat(np.cumsum(counts) - counts, counts)
-            start = (np.arange(len(doc)) - first) * self.max_len
-            length = np.minimum(self.max_len, np.repeat(pairs, counts) - start)
-            running = np.zeros(len(doc) + 1, dtype=np.int64)
-            np.cumsum(length, out=running[1:])
-            self._epochs = {epoch: (doc, start, length, running)}
-        return self._epochs[epoch]
+    def __init__(self, documents, blocks, max_len: int, seed: int, shuffle: bool, stream: int = 0):
+        self.documents, self.max_len = documents, max_len
+        self.order = EpochOrder(documents, blocks, seed, stream, shuffle, less=1)
+        self.tokens_per_epoch = self.order.tokens_per_epoch  # pairs
 
     def step(self, first: int, budget: int) -> tuple[list[tuple[int, int, int]], int]:
-        """The pieces (doc, start, length) of the step whose first piece is `first` (counted across epochs):
-        as many as fit the budget in tokens, never across an epoch's end; and the next step's first piece."""
-        epoch, k = divmod(first, self.pieces_per_epoch)
-        doc, start, length, running = self._epoch(epoch)
-        end = int(np.searchsorted(running, running[k] + budget, side="right")) - 1
-        end = max(end, k + 1)  # a piece holds at most seq_len tokens, never more than the budget
-        pieces = list(zip(doc[k:end].tolist(), start[k:end].tolist(), length[k:end].tolist()))
-        return pieces, epoch * self.pieces_per_epoch + end
+        """The pieces (doc, start, length) of the step that starts at position `first`: as many as fit the budget
+        in pairs (at least one), never across an epoch's end; and the next step's first position."""
+        epoch, k = divmod(first, self.tokens_per_epoch)
+        end = min(k + max(budget, self.max_len), self.tokens_per_epoch)
+        pieces, taken = [], 0
+        for doc, start, length in self.order.segments(epoch, k, end):
+            pairs = self.order.document_length(doc) - 1
+            while length:
+                size = min(length, self.max_len - start % self.max_len)
+                # A piece the range cut short, or one past the budget once a piece is taken: the next step's.
+                if (size < self.max_len - start % self.max_len and start + size < pairs) or (
+                    pieces and taken + size > budget
+                ):
+                    return pieces, epoch * self.tokens_per_epoch + k + taken
+                pieces.append((doc, start, size))
+                start, length, taken = start + size, length - size, taken + size
+        return pieces, epoch * self.tokens_per_epoch + k + taken
 
     def tokens(self, doc: int, start: int, length: int) -> np.ndarray:
         return self.documents.tokens(doc, start, start + length + 1)
+
+    def position_of_piece(self, piece: int) -> int:
+        """The position where the `piece`-th piece (counted across epochs, as data order 1 counted) starts: a
+        walk over the documents of up to two epochs, run once to resume such a checkpoint."""
+
+        def walk(epoch: int, wanted: int | None) -> int:
+            """Pieces in the epoch when `wanted` is None, else the position of the epoch's `wanted`-th."""
+            seen = 0
+            for _, running in self.order.windows(epoch):
+                counts = -(-np.diff(running) // self.max_len)
+                total = int(counts.sum())
+                if wanted is not None and seen + total > wanted:
+                    before = np.cumsum(counts) - counts
+                    j = int(np.searchsorted(before, wanted - seen, side="right")) - 1
+                    return int(running[j]) + (wanted - seen - int(before[j])) * self.max_len
+                seen += total
+            return seen if wanted is None else self.tokens_per_epoch
+
+        epoch, k = divmod(piece, walk(0, None))
+        return epoch * self.tokens_per_epoch + walk(epoch, k)
 
 
 @dataclass(frozen=True)
@@ -99,29 +112,33 @@ class DocumentBatchLoader:
         self.balance = balance_by_cost if balance == "cost" else balance_by_tokens
         self.placement, self.dp_rank = placement, dp_rank
         self.speeds = [1.0] * target.ranks  # data-parallel ranks' relative speeds (a straggler re-plan sets them)
-        self.next_piece = 0
+        self.next_token = 0
         self.last_assignment: Assignment | None = None  # that of the step last returned, and the seconds it took
         self.assign_seconds = 0.0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="titan-batches")
         self._ahead = None  # (first piece, speeds, future of the step starting there)
 
     def state_dict(self) -> dict:
-        return {"next_piece": self.next_piece, "budget": self.budget}
+        return {"next_token": self.next_token, "budget": self.budget, "order": ORDER_VERSION}
 
     def load_state_dict(self, state: dict) -> None:
-        if "next_piece" not in state:
+        if "next_token" in state:
+            self.next_token = int(state["next_token"])
+        elif "next_piece" in state:  # data order 1 counted pieces
+            self.next_token = self.pieces.position_of_piece(int(state["next_piece"]))
+        else:
             raise ConfigError("the checkpoint's data position counts rows (data.batching = 'rows'), not documents")
-        self.next_piece = int(state["next_piece"])
+        warn_if_order_changed(state, [self.pieces.order])
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[Batch]:
-        key = (self.next_piece, tuple(self.speeds))
+        key = (self.next_token, tuple(self.speeds))
         if self._ahead is None or self._ahead[0] != key:
             self._ahead = (key, self._worker.submit(self._step, *key))
-        batches, self.next_piece, self.last_assignment, self.assign_seconds = self._ahead[1].result()
-        key = (self.next_piece, tuple(self.speeds))
+        batches, self.next_token, self.last_assignment, self.assign_seconds = self._ahead[1].result()
+        key = (self.next_token, tuple(self.speeds))
         self._ahead = (key, self._worker.submit(self._step, *key))
         return batches
 

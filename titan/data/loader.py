@@ -1,12 +1,12 @@
 """One global batch per step, the same for every layout; each data-parallel rank reads its rows of it.
 
-The sample order is a pure function of (seed, epoch): every epoch shuffles the documents of each source,
-concatenates them, and cuts the stream into windows of seq_len + 1 tokens (inputs and, shifted by one,
-labels); a window never spans two epochs, and the tail that fills no window is dropped. With several
-sources, a fixed blend pattern says which source serves each global sample (`Blend`). Global sample g is
-row g % G of step g // G for a global batch of G rows, so the loader's whole state is one integer, the next
-global sample: resuming costs the same at any position, and a run resumed with another data-parallel size
-reads exactly the batches the original run would have read.
+The sample order is a pure function of (seed, epoch): every epoch orders the documents of each source
+(titan.data.order, computed on demand), concatenates them, and cuts the stream into windows of seq_len + 1
+tokens (inputs and, shifted by one, labels); a window never spans two epochs, and the tail that fills no window
+is dropped. With several sources, a fixed blend pattern says which source serves each global sample (`Blend`).
+Global sample g is row g % G of step g // G for a global batch of G rows, so the loader's whole state is one
+integer, the next global sample: resuming costs the same at any position, and a run resumed with another
+data-parallel size reads exactly the batches the original run would have read.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from titan.config import blend_period
+from titan.data.order import ORDER_VERSION, EpochOrder, warn_if_order_changed
 from titan.errors import ConfigError
 
 IGNORE = -100  # label of a token that carries no loss (F.cross_entropy's default ignore_index)
@@ -50,65 +51,34 @@ class Batch:
         )
 
 
-def epoch_order(subset: np.ndarray, seed: int, stream: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The documents of `subset` in this epoch's order: numpy's PCG64 seeded with explicit integers gives the
-    same permutation on every platform and rank."""
-    if not shuffle:
-        return subset
-    return subset[np.random.default_rng([seed, stream, epoch]).permutation(len(subset))]
-
-
 class PackedSamples:
-    """Windows of seq_len + 1 tokens cut from a set of documents, in a shuffled order per epoch.
+    """Windows of seq_len + 1 tokens cut from the stream of a split's documents in each epoch's order
+    (titan.data.order).
 
-    `documents` is anything with `lengths` (int64 per document) and `tokens(doc, start, stop)`, such as
-    PreparedDocuments; `subset` picks the documents (a train or validation split) by index.
+    `documents` is anything EpochOrder reads (such as PreparedDocuments) that also gives
+    `tokens(doc, start, stop)`; `blocks` picks the split (a train or validation one) by block id.
     """
 
-    def __init__(self, documents, subset: np.ndarray, seq_len: int, seed: int, shuffle: bool, stream: int = 0):
-        self.documents, self.subset = documents, np.asarray(subset, dtype=np.int64)
+    def __init__(self, documents, blocks, seq_len: int, seed: int, shuffle: bool, stream: int = 0):
+        self.documents = documents
+        self.order = EpochOrder(documents, blocks, seed, stream, shuffle)
         self.window = seq_len + 1
-        self.seed, self.shuffle, self.stream = seed, shuffle, stream
-        self.samples_per_epoch = int(np.asarray(documents.lengths)[self.subset].sum()) // self.window
-        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(documents in this epoch's order, the stream offset where each starts, plus the end)."""
-        if epoch not in self._epochs:
-            order = epoch_order(self.subset, self.seed, self.stream, epoch, self.shuffle)
-            starts = np.zeros(len(order) + 1, dtype=np.int64)
-            np.cumsum(np.asarray(self.documents.lengths)[order], out=starts[1:])
-            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}  # rows may straddle two epochs
-            self._epochs[epoch] = (order, starts)
-        return self._epochs[epoch]
+        self.samples_per_epoch = self.order.tokens_per_epoch // self.window
 
     def sample(self, index: int) -> tuple[np.ndarray, list[int]]:
         """Sample `index` (counted across epochs): its window of tokens and the length of each document
         segment in it, in order."""
-        epoch, k = divmod(index, self.samples_per_epoch)
-        order, starts = self._epoch(epoch)
-        begin, end = k * self.window, (k + 1) * self.window
-        doc = int(np.searchsorted(starts, begin, side="right")) - 1
-        pieces, lengths = [], []
-        while begin < end:
-            stop = min(end, int(starts[doc + 1]))
-            offset = begin - int(starts[doc])
-            pieces.append(self.documents.tokens(int(order[doc]), offset, offset + stop - begin))
-            lengths.append(stop - begin)
-            begin, doc = stop, doc + 1
-        return np.concatenate(pieces), lengths
+        segments = self._segments(index)
+        tokens = [self.documents.tokens(doc, start, start + length) for doc, start, length in segments]
+        return np.concatenate(tokens), [length for _, _, length in segments]
 
     def segments(self, indices: np.ndarray) -> np.ndarray:
         """How many document segments each of these samples holds, without reading any token."""
-        counts = np.empty(len(indices), dtype=np.int64)
-        epochs, ks = np.divmod(indices, self.samples_per_epoch)
-        for epoch in np.unique(epochs):
-            _, starts = self._epoch(int(epoch))
-            k = ks[epochs == epoch]
-            first = np.searchsorted(starts, k * self.window, side="right")
-            last = np.searchsorted(starts, (k + 1) * self.window - 1, side="right")
-            counts[epochs == epoch] = last - first + 1
-        return counts
+        return np.array([len(self._segments(int(i))) for i in indices], dtype=np.int64)
+
+    def _segments(self, index: int) -> list[tuple[int, int, int]]:
+        epoch, k = divmod(index, self.samples_per_epoch)
+        return self.order.segments(epoch, k * self.window, (k + 1) * self.window)
 
 
 class Blend:
@@ -170,10 +140,11 @@ class GlobalBatchLoader:
         self.rows, self.micro_batches = rows, list(micro_batches)
 
     def state_dict(self) -> dict:
-        return {"next_sample": self.next_sample, "global_batch": self.global_batch}
+        return {"next_sample": self.next_sample, "global_batch": self.global_batch, "order": ORDER_VERSION}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_sample = int(state["next_sample"])
+        warn_if_order_changed(state, [s.order for s in self.sources])
 
     def __iter__(self):
         return self
@@ -228,22 +199,10 @@ class GlobalBatchLoader:
         )
 
 
-def held_out(n_documents: int, fraction: float) -> np.ndarray:
-    """Whether each document belongs to the validation split: a hash of its index below `fraction`, so the
-    split never depends on the seed, the layout or the other documents."""
-    x = np.arange(n_documents, dtype=np.uint64)
-    with np.errstate(over="ignore"):  # splitmix64: wrapping 64-bit arithmetic is the point
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53 < fraction
-
-
 def check_enough_tokens(samples: PackedSamples, what: str) -> None:
     if samples.samples_per_epoch == 0:
-        tokens = int(np.asarray(samples.documents.lengths)[samples.subset].sum())
+        order = samples.order
         raise ConfigError(
-            f"{what} has {tokens} tokens in {len(samples.subset)} documents, fewer than one sequence of "
-            f"training.seq_len + 1 = {samples.window}; use more data or a shorter training.seq_len"
+            f"{what} has {order.tokens_per_epoch} tokens in {order.documents_per_epoch} documents, fewer than one "
+            f"sequence of training.seq_len + 1 = {samples.window}; use more data or a shorter training.seq_len"
         )

@@ -56,9 +56,15 @@ class Model(Protocol):
         """Initialise every parameter and buffer from the seed alone, on any layout (after `to_empty`)."""
         ...
 
-    def kv_cache(self, batch: int, max_len: int) -> Any:
+    def init_buffers(self) -> None:
+        """Compute the buffers from the args alone, leaving the parameters alone (after `to_empty`): loading the
+        parameters from a checkpoint then completes the model without initialising them first."""
+        ...
+
+    def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> Any:
         """A cache for decoding up to max_len tokens of `batch` sequences: forward with it takes the tokens after
-        the cached ones and adds them to it."""
+        the cached ones and adds them to it. pad (batch,): row b's first pad[b] tokens are left padding, which
+        nothing attends to and which no position counts (None: no padding)."""
         ...
 
 

@@ -22,6 +22,7 @@ import torch
 
 from titan import __version__
 from titan.config import Config, Layout, to_dict
+from titan.errors import import_extra, installed, missing_extra
 from titan.observe.runs import duration, flatten, read_json
 
 log = logging.getLogger("titan")
@@ -112,7 +113,10 @@ class MetricsLogger:
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "slurm": {key[6:].lower(): os.environ[key] for key in SLURM_KEYS if key in os.environ},
         }
-        if config.metrics.tensorboard:
+        if config.metrics.tensorboard and not installed("tensorboard"):
+            # On by default: an image without it still trains, and says so once.
+            log.info("tensorboard: off, %s", missing_extra("tensorboard", "tracking", "metrics.tensorboard"))
+        elif config.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # One folder per (group, layout): `tensorboard --logdir outputs` lists runs as
@@ -126,8 +130,11 @@ class MetricsLogger:
             mode = "online" if _wandb_credentials() else "disabled"
             if mode == "disabled":
                 log.info("wandb: off (metrics.wandb = auto, no WANDB_API_KEY or `wandb login`; 'offline' logs here)")
+            elif not installed("wandb"):
+                mode = "disabled"
+                log.info("wandb: off, %s", missing_extra("wandb", "tracking", "metrics.wandb"))
         if mode != "disabled":
-            import wandb
+            wandb = import_extra("wandb", "tracking", f"metrics.wandb = {mode!r}")
 
             # A requeued or resumed run keeps its wandb run: the id lives in the run folder.
             run_id = previous.get("wandb", {}).get("id") or secrets.token_hex(6)

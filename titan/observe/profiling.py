@@ -108,6 +108,36 @@ def time_shares(profile: torch.profiler.profile) -> dict[str, float]:
     return shares
 
 
+class DeviceTimer:
+    """Seconds between start() and stop() as the device ran them. On a GPU the host only queues kernels, so its
+    clock would time their launches: CUDA events recorded in the stream time the kernels themselves, and reading
+    waits for the stop event alone, not the whole device. On the CPU, the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def start(self) -> None:
+        self.marks = [self._mark()]
+
+    def stop(self) -> None:
+        self.marks.append(self._mark())
+
+    def seconds(self) -> float:
+        begin, end = self.marks
+        if self.cuda:
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3  # milliseconds
+        return end - begin
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
 class StepClock:
     """Seconds of each phase of the current step (profiling.step_breakdown). On a GPU every phase boundary
     synchronises the device, which costs time: off by default."""

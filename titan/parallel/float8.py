@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan.config import Config, Layout
-from titan.errors import ConfigError
+from titan.errors import ConfigError, import_extra
 from titan.run_plan import precision
 
 log = logging.getLogger("titan")
@@ -41,7 +41,7 @@ def _torchao():
     try:
         for logger in quiet:
             logger.setLevel(logging.ERROR)
-        import torchao.float8 as float8
+        float8 = import_extra("torchao.float8", "float8", "float8.enable")
         import torchao.float8.float8_tensor_parallel  # noqa: F401  (the float8 TP styles)
     finally:
         for logger, level in zip(quiet, levels):
@@ -62,6 +62,7 @@ def check_float8(
     f8 = config.float8
     if not f8.enable:
         return
+    _torchao()  # installed, or one line naming the extra
     if device.type == "cuda":
         if capability is None:
             capability = torch.cuda.get_device_capability(device)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from titan.config import Layout
-from titan.errors import UserError
+from titan.errors import UserError, import_extra
 from titan.observe.runs import duration, flatten, read_json
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
@@ -283,6 +283,7 @@ def figure(runs: list[Run], x: str = "steps"):
     """One panel per metric, one colour per run, against steps or tokens seen (`x`): loss (validation dashed),
     learning rate, grad norm, tokens/s, and MFU when a run logged it. A run that did not log a metric is left
     out of its panel."""
+    import_extra("matplotlib", "plot", "titan compare --plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, PercentFormatter

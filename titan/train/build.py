@@ -30,14 +30,29 @@ from titan.train.step import StepHook, TrainStep
 log = logging.getLogger("titan")
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str) -> tuple[torch.device, str]:
+    """The device training.device names, and why it is the one (the run's first log line says both)."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device = 'cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'")
+        raise ConfigError(f"training.device = 'cuda' but {_no_cuda()}; use 'auto' or 'cpu'")
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        usable = torch.cuda.is_available()
+        why = "a CUDA GPU is visible" if usable else f"on the CPU, as {_no_cuda()}"
+        name, why = ("cuda" if usable else "cpu"), f"training.device = 'auto': {why}"
+    else:
+        why = f"training.device = {name!r}"
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return device, f"{why} ({torch.cuda.get_device_name(device)}, torch {torch.__version__})"
+    return torch.device("cpu"), why
+
+
+def _no_cuda() -> str:
+    """Why torch sees no usable CUDA GPU."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU{hidden}: check nvidia-smi"
 
 
 def device_memory(device: torch.device) -> int:
@@ -176,6 +191,8 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             lambda: cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, config.job.seed),
             control_group,
         )
+        # Each tensor-parallel rank computes its share of every layer's heads and hidden units.
+        cost = dataclasses.replace(cost, a=cost.a / layout.tp, b=cost.b / layout.tp)
         if layout.dp > 1:
             seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
             cost = dataclasses.replace(cost, c=cost.c + seconds)

@@ -10,13 +10,13 @@ neighbour, a contended core) with nothing to wait for; it costs a few millisecon
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from titan.config import Layout
+from titan.observe.profiling import DeviceTimer
 
 
 class StragglerDetector:
@@ -63,15 +63,12 @@ class Probe:
         self.repeats, self.device = repeats, device
 
     def seconds(self) -> float:
-        x = self.a
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        x, timer = self.a, DeviceTimer(self.device)
+        timer.start()
         for _ in range(self.repeats):
             x = torch.tanh(x @ self.a)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        timer.stop()
+        return timer.seconds()
 
 
 def gather_times(seconds: float, index: int, count: int, device: torch.device) -> list[float]:

@@ -24,7 +24,7 @@ from titan.observe.metrics import (
     run_info,
     setup_logging,
 )
-from titan.observe.profiling import Profiler, StepClock
+from titan.observe.profiling import DeviceTimer, Profiler, StepClock
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.run_plan import RunPlan
 from titan.train.build import (
@@ -48,7 +48,7 @@ class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
         self.config, t = config, config.training
-        self.device = pick_device(t.device)
+        self.device, device_reason = pick_device(t.device)
         # Everything that can be wrong with the recipe is checked before joining the other processes.
         self.spec, self.model_args, self.layout, self.blocks, self.run_plan = check_run(
             config, int(os.environ.get("WORLD_SIZE", "1")), self.device
@@ -56,6 +56,9 @@ class Trainer:
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)
+        # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
+        cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
+        (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
         self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
         on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
@@ -159,6 +162,7 @@ class Trainer:
         unsettled = UnsettledSteps(self.stepper.global_loss, self.nonfinite.check, self.device)
         self.stepper.parts.train()
         first_step, window = self.step, ThroughputWindow()
+        compute = DeviceTimer(self.device)  # the step's forward, backward and update, for the packing log
         with self.stop.on_signals(), self.profiler:
             while self.step < total:
                 unsettled.settle_if_nonfinite()  # stops the run, or logs the skipped step
@@ -166,10 +170,10 @@ class Trainer:
                 with self.clock.phase("data"):
                     batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
-                compute_start = time.perf_counter()
+                compute.start()
                 local_loss, grad_norm = self.stepper(batches, self.step)
+                compute.stop()
                 self.step += 1
-                compute_s = time.perf_counter() - compute_start
                 unsettled.add(self.step, local_loss, grad_norm)
                 # Tokens batching takes whole documents up to the budget: count the tokens it took.
                 step_tokens = batches[0].step_loss_tokens if self.documents else self.run_plan.tokens_per_step
@@ -186,7 +190,7 @@ class Trainer:
                 if logged:
                     self._log_step(loss, grad_norm, lr, window, phases)
                     if self.documents:
-                        self._log_packing(compute_s)
+                        self._log_packing(compute.seconds())
                     window.restart()
                 if checked:
                     self._replan()

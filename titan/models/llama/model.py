@@ -2,7 +2,7 @@
 
 The model knows nothing of parallelism: titan applies FSDP/TP/PP from outside. Parameter names follow
 Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...), and q/k use Meta's interleaved RoPE layout.
-Build it on the meta device, move it with `to_empty`, then call `init_weights`.
+Build it on the meta device, move it with `to_empty`, then call `init_weights` (or `init_buffers` and load weights).
 """
 
 from __future__ import annotations
@@ -109,25 +109,59 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled_flex_attention():
     """Flex attention is fast only compiled (eager, it materialises the scores); built on first use, as
-    torch.compile imports dynamo, which CPU runs never need."""
+    torch.compile imports dynamo, which CPU runs never need. Compiled for fixed shapes: packed micro-batches come in
+    the few lengths of flex_length, so it compiles once per length bucket (see attend_flex)."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+# Flex attention's block size: lengths are padded to a power of two from here.
+FLEX_MIN_LENGTH = 128
+# Compiles of flex attention allowed in one process: one per power-of-two length from 128 to 2**20 tokens, where
+# dynamo's default (8) would stop at 16,384 and fall back to the unfused, materialising eager kernel.
+FLEX_RECOMPILE_LIMIT = 16
+
+
+def flex_length(seq: int) -> int:
+    """The length flex attention runs a micro-batch of `seq` tokens at: the next power of two from 128. Packed
+    micro-batches have a new length every step; bucketed, the compiled kernel sees at most log2(seq / 128) + 1
+    shapes and recompiles only for those (the padding costs little but its memory: see document_mask)."""
+    return max(FLEX_MIN_LENGTH, 1 << (seq - 1).bit_length())
+
+
+def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
+    """Flex attention of (batch, heads, seq, head_dim) q, k, v under a document mask built for flex_length(seq)
+    tokens: padded to that length, attended, cut back. `attention`: the kernel (default the compiled one)."""
+    seq = q.shape[2]
+    pad = flex_length(seq) - seq
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    if attention is None:
+        attention = compiled_flex_attention()
+    limit = max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        out = attention(q, k, v, block_mask=mask, enable_gqa=True)
+    return out[:, :, :seq]
 
 
 def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.Tensor | BlockMask | list:
     """Where a query may attend to a key: earlier or same position, same document.
 
-    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked. When `dense` (attention
-    dropout materialises the probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise
-    (the CPU, where flex attention has no backward in torch 2.13) each row's document spans [(start, stop,
-    id)], attended one document at a time: a document of s tokens then costs s² rather than the row's
-    seq², which is what cost-balanced packing (titan/data/packing.py) assumes."""
+    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked, for flex_length(seq)
+    tokens: each padding token is a document of its own, so it attends to itself alone and no real token sees it,
+    and the padding's blocks off the diagonal are skipped. When `dense` (attention dropout materialises the
+    probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise (the CPU, where flex attention
+    has no backward in torch 2.13) each row's document spans [(start, stop, id)], attended one document at a time:
+    a document of s tokens then costs s² rather than the row's seq², which is what cost-balanced packing
+    (titan/data/packing.py) assumes."""
     batch, seq = document_ids.shape
     if flex:
+        length = flex_length(seq)
+        padding = -1 - torch.arange(length - seq, device=document_ids.device)  # ids no real document has
+        ids = torch.cat([document_ids, padding.expand(batch, -1)], dim=1)
 
         def same_document_causal(b, h, q, kv):
-            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+            return (q >= kv) & (ids[b, q] == ids[b, kv])
 
-        return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+        return create_block_mask(same_document_causal, batch, None, length, length, device=document_ids.device)
     if dense:
         causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
         return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
@@ -165,22 +199,44 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """One layer's keys and values of the tokens so far, preallocated for max_len tokens, so that decoding
-    computes only the new token's and attends to every earlier one without recomputing it."""
+    """One layer's keys and values of the tokens so far, for max_len tokens, so that decoding computes only the new
+    token's and attends to every earlier one without recomputing it.
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
-        self.keys = torch.zeros(batch, args.n_kv_heads, max_len, args.head_dim, device=device, dtype=dtype)
-        self.values = torch.zeros_like(self.keys)
-        self.length = 0  # tokens cached: the position of the next one
+    Rows of a batch may hold prompts of different lengths, left-padded to one: row b's first pad[b] slots are padding,
+    which no real token attends to, and its positions count from its first real token. The buffers are allocated on
+    the first tokens, in their dtype, device and number of heads (a tensor-parallel rank holds a slice of them)."""
+
+    def __init__(self, max_len: int, pad: torch.Tensor):
+        self.max_len, self.pad = max_len, pad
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0  # slots filled: the slot of the next token
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' keys and values (batch, n_kv_heads, seq, head_dim) after the cached ones;
         returns those of every token so far."""
+        if self.keys is None:
+            batch, heads, _, head_dim = k.shape
+            self.keys = k.new_zeros(batch, heads, self.max_len, head_dim)
+            self.values = torch.zeros_like(self.keys)
         stop = self.length + k.shape[2]
         self.keys[:, :, self.length : stop] = k
         self.values[:, :, self.length : stop] = v
         self.length = stop
         return self.keys[:, :, :stop], self.values[:, :, :stop]
+
+
+def cached_positions_and_mask(pad: torch.Tensor, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `seq` new tokens in cache slots start.. of left-padded rows (pad: (batch,) slots of padding): their
+    positions (batch, seq), counted from each row's first real token, and where they may attend (batch, 1, seq,
+    start + seq): the earlier and same slots that are not padding. A padding slot attends to itself alone, so that
+    its output (never read) stays finite: a row of nothing to attend to would give NaN, and NaN values times a zero
+    probability are still NaN in the real tokens' attention."""
+    slots = torch.arange(start, start + seq, device=pad.device)
+    keys = torch.arange(start + seq, device=pad.device)
+    mask = (keys <= slots[:, None]) & (keys >= pad[:, None, None])
+    mask |= keys == slots[:, None]
+    return (slots - pad[:, None]).clamp(min=0), mask.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -212,7 +268,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.extend(k, v)
         if isinstance(mask, BlockMask):
-            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+            out = attend_flex(q, k, v, mask)
         elif isinstance(mask, list):
             out = attend_per_document(q, k, v, mask)
         elif self.training and self.dropout.p:
@@ -317,11 +373,10 @@ class Transformer(nn.Module):
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         seq = tokens.shape[1]
         if cache is not None:
-            start = cache[0].length  # the new tokens' positions follow the cached ones'
-            rope = self.rope[start : start + seq].unsqueeze(0)
-            # Each new token sees the cached ones and the new ones up to itself (SDPA's is_causal would align
-            # this non-square mask top-left).
-            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=tokens.device).tril(start)
+            # The new tokens follow the cached ones; an explicit mask, as SDPA's is_causal would align this
+            # non-square one top-left.
+            positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
+            rope = self.rope[positions]
         elif document_ids is None:
             # The whole table: a later pipeline stage's hidden states may be a sequence shard (sequence
             # parallel), while attention sees the whole sequence and takes its length from the table.
@@ -338,15 +393,22 @@ class Transformer(nn.Module):
             return (h, rows) if document_ids is None else (h, rows, document_ids)
         return self.output(self.norm(h))
 
-    def kv_cache(self, batch: int, max_len: int) -> list[KVCache]:
-        """A KVCache per layer for decoding up to max_len tokens, on the model's device and in its dtype."""
-        weight = self.output.weight
-        return [KVCache(self.args, batch, max_len, weight.device, weight.dtype) for _ in self.layers]
+    def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> list[KVCache]:
+        """A KVCache per layer for decoding up to max_len tokens of `batch` rows; pad: each row's slots of left
+        padding (default none), on the model's device."""
+        if pad is None:
+            pad = torch.zeros(batch, dtype=torch.long, device=self.rope.device)
+        return [KVCache(max_len, pad) for _ in self.layers]
+
+    def init_buffers(self) -> None:
+        """Compute the buffers, which depend on the args alone (the RoPE table, in fp32 whatever the parameters'
+        dtype), leaving the parameters as they are: with weights loaded from a checkpoint, the model is complete."""
+        self.rope = rope_table(self.args, device=self.rope.device)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, parameter name) alone, so any sharding gets the same values."""
-        self.rope = rope_table(self.args, device=self.rope.device)
+        self.init_buffers()
         for module in self.modules():
             if isinstance(module, rng.Dropout):
                 module.seed = seed

@@ -146,12 +146,16 @@ def _block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tupl
     device and copies what keep keeps out and back over the host link."""
     links = Links(estimate.device, estimate.layout.world_size)
     costs = {mode: [*t.forward.values(), *t.backward.values()] for mode, t in one_block.items()}
-    seconds = {mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) for mode, cs in costs.items()}
+    # A rank of an interleaved pipeline holds several stages, each traced with its one block: per block, divide.
+    blocks = {mode: sum(t.blocks) for mode, t in one_block.items()}
+    seconds = {
+        mode: sum(links.seconds(c, one_block[mode].groups) for c in cs) / blocks[mode] for mode, cs in costs.items()
+    }
     block_costs = {}
     for way, mode in TRACED_AS.items():
         block_costs[way] = Cost()
         for cost in costs[mode]:
-            block_costs[way].add(cost)
+            block_costs[way].add(cost, 1 / blocks[mode])
     keep_bytes = estimate.block_activations["none"]
     options = [
         Option(way, estimate.block_activations[mode], max(0.0, seconds[mode] - seconds["none"]))
@@ -226,11 +230,11 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), with the
-    CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and auto checkpointing as
-    full (plan_run then plans the blocks): a recomputing step's trace holds what recomputation adds in backward,
-    and the peaks derived from it for the other ways come out a little high rather than low (a trace keeping
-    everything gave a 405B pipeline rank's all-full peak 13% low)."""
+    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), on
+    causal rows, with the CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and
+    auto checkpointing as full (plan_run then plans the blocks): a recomputing step's trace holds what
+    recomputation adds in backward, and the peaks derived from it for the other ways come out a little high
+    rather than low (a trace keeping everything gave a 405B pipeline rank's all-full peak 13% low)."""
     ac = config.activation_checkpoint
     save_ops = list(ac.save_ops)
     if "aten._scaled_dot_product_flash_attention" in save_ops:
@@ -240,6 +244,9 @@ def _as_traced(config: Config) -> Config:
         config,
         compile=dataclasses.replace(config.compile, enable=False),
         activation_checkpoint=dataclasses.replace(ac, mode=mode, save_ops=save_ops),
+        # The trace holds one document per row, which a document mask leaves causal; a GPU's flex attention keeps
+        # no mask for backward, where the traceable model's dense one would (seq² bf16 per row and block).
+        data=dataclasses.replace(config.data, document_mask=False),
     )
 
 
