@@ -260,9 +260,9 @@ class RemainingTime:
         """Seconds from `step` to the end of the run, at `step_time` seconds per training step."""
         left = step_time * (self.total - step)
         for kind, interval in self.intervals.items():
-            times = self.seconds[kind]
             if not interval:
                 continue
+            times = self.seconds[kind]
             if times:
                 each = sum(times) / len(times)
             else:
