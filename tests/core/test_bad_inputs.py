@@ -461,7 +461,14 @@ CASES = [
         {},
         ["parallel.pp_stage_speeds must all be > 0 and finite", "inf"],
     ),  # fmt: skip
-    ("cuda without a GPU", "train", {"training.device": "cuda"}, None, {}, ["training.device = 'cuda'", "no CUDA"]),
+    (
+        "cuda without a GPU",
+        "train",
+        {"training.device": "cuda"},
+        None,
+        {},
+        ["training.device = 'cuda'", "without CUDA"],
+    ),  # fmt: skip
     # -- the model
     ("flavor", "train", {"model.flavor": "7B"}, None, {}, ["model.flavor", "7B", "debug"]),
     ("model name", "train", {"model.name": "gpt5"}, None, {}, ["model.name", "gpt5", "llama3"]),

@@ -215,7 +215,7 @@ def test_cuda_events_time_the_kernels_not_their_launches():
 def test_the_cost_fit_of_a_deep_stage_matches_a_deep_model_timed_directly():
     """The cost fit times one and two layers and extrapolates: four layers timed directly agree."""
     from titan import models
-    from titan.data.cost_fit import _time_depth, measure
+    from titan.train.cost_fit import _time_depth, measure
 
     spec = models.get_model_spec("llama3")
     args = models.model_args(spec, "debug", {"n_layers": 4, "dim": 1024, "n_heads": 16, "n_kv_heads": 8,

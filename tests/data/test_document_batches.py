@@ -121,7 +121,7 @@ def test_speeds_move_work_to_the_faster_rank():
 def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
     """c + a·Σs² + b·Σs against forward and backward times of micro-batches of 32 to 2048 tokens."""
     from titan import models
-    from titan.data.cost_fit import measure
+    from titan.train.cost_fit import measure
 
     spec = models.get_model_spec("llama3")
     # dim 128: big enough that compute, not per-call overhead, sets the times (dim 64 fits with R² ~0.8-0.96).
@@ -140,7 +140,7 @@ def test_a_deep_stage_is_fitted_from_one_and_two_layers(monkeypatch):
     and extrapolates each micro-batch's time to the stage's depth: with times that are a head's cost plus a cost
     per layer, the fit of a six-layer stage is six layers' a and b plus the head's, by hand. (Real timings of a
     deep model against the extrapolation: tests/cuda, where a GPU's times are steady enough to compare.)"""
-    from titan.data import cost_fit
+    from titan.train import cost_fit
 
     a, b, c, head = 2e-9, 3e-6, 1e-3, 5e-6  # per layer: a·Σs² + b·Σs; the head: head·Σs; c per micro-batch
     timed = []

@@ -20,7 +20,8 @@ from conftest import ROOT, run_titan, run_titan_forked
 from distributed import free_port, run_distributed
 from helpers import TOL, assert_one_line_error, full_weights, max_diff, trainer_for
 from titan.checkpoint import hf as hf_io
-from titan.tools.generate import Sampling, continue_texts, generate, load_model, load_tokenizer, next_tokens
+from titan.checkpoint.hf import checkpoint_tokenizer
+from titan.tools.generate import Sampling, continue_texts, generate, load_model, next_tokens
 
 PROMPT = "The dog ran"
 PROMPTS = ["The dog ran", "Once upon a time there was a little", "A cat"]  # 4, 9 and 3 tokens with BOS
@@ -56,7 +57,7 @@ def model(checkpoint):
 
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint, model):
-    return load_tokenizer(checkpoint, model.args.vocab_size)
+    return checkpoint_tokenizer(checkpoint, model.args.vocab_size)
 
 
 @pytest.fixture(scope="module")

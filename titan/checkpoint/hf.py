@@ -493,7 +493,11 @@ def checkpoint_tokenizer(path: Path, vocab_size: int, override: Path | None = No
         raise ConfigError(f"checkpoint {path}: its recipe's [tokenizer] is not titan's: {e}") from None
     if override is not None:
         cfg = replace(cfg, path=str(override))
-    tokenizer = Tokenizer(cfg)
+    try:
+        tokenizer = Tokenizer(cfg)
+    except ConfigError as e:
+        where = "--tokenizer" if override is not None else f"checkpoint {path}'s recipe (or pass --tokenizer)"
+        raise ConfigError(f"{where}: {e}") from None
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model only {vocab_size}: "

@@ -15,13 +15,11 @@ one token per row (the decode). The tokenizer is the one the checkpoint's recipe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import os
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.checkpoint.checkpointer import read_train_state
-from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, load_tensors, open_model_checkpoint
-from titan.config import Tokenizer as TokenizerConfig
-from titan.data.tokenizer import Tokenizer
+from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, checkpoint_tokenizer, load_tensors, open_model_checkpoint
 from titan.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -233,28 +228,6 @@ def load_weights(found: ModelCheckpoint, model: nn.Module, progress: bool = Fals
             bar.update(sum(map(saved_bytes, group)))
 
 
-def load_tokenizer(checkpoint: Path, vocab_size: int, path: Path | None = None) -> Tokenizer:
-    """The tokenizer of the checkpoint's recipe, or the tokenizer.json at `path` with the recipe's BOS/EOS."""
-    recipe = tomllib.loads(read_train_state(checkpoint)["recipe"])  # open_model_checkpoint has parsed it already
-    try:
-        cfg = TokenizerConfig(**recipe.get("tokenizer", {}))
-    except TypeError as e:
-        raise ConfigError(f"checkpoint {checkpoint}: its recipe's [tokenizer] is not titan's: {e}") from None
-    if path is not None:
-        cfg = dataclasses.replace(cfg, path=str(path))
-    try:
-        tokenizer = Tokenizer(cfg)
-    except ConfigError as e:
-        where = "--tokenizer" if path is not None else f"checkpoint {checkpoint}'s recipe (or pass --tokenizer)"
-        raise ConfigError(f"{where}: {e}") from None
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(
-            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model only {vocab_size}: "
-            "not the tokenizer it was trained with"
-        )
-    return tokenizer
-
-
 def device_and_mesh(tp: int):
     """(this process's device, the tensor-parallel mesh or None): one process, or one per shard under torchrun,
     each on its GPU (LOCAL_RANK) if there are GPUs, else on the CPU (gloo)."""
@@ -300,7 +273,7 @@ def continue_texts(
         raise ConfigError(f"--batch-size must be >= 0 (0: every prompt in one batch), got {batch_size}")
     device, mesh = device_and_mesh(tp)
     loaded = load_model(checkpoint, device, DTYPES[dtype], mesh, progress)
-    tokenizer = load_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size, tokenizer_path)
+    tokenizer = checkpoint_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size, tokenizer_path)
     # Training frames each document as BOS + text + EOS; a prompt is a document still going on.
     ids = [tokenizer.encode(prompt)[:-1] for prompt in prompts]
     size = batch_size or len(ids)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from titan import models
 from titan.config import Config, Layout
 from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
-from titan.data.cost_fit import cached_cost_model, collective_seconds
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
@@ -25,6 +24,7 @@ from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
 from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
 from titan.run_plan import Blocks, RunPlan, run_plan
+from titan.train.cost_fit import cached_cost_model, collective_seconds
 from titan.train.step import StepHook, TrainStep
 
 log = logging.getLogger("titan")
