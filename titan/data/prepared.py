@@ -39,7 +39,6 @@ import multiprocessing.forkserver
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from titan.data.order import block_documents, block_offsets
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
 from titan.files import build_once, cache_root, fsync, write_synced
+from titan.progress import Progress
 
 FORMAT_VERSION = 2  # 1: documents.npy held (shard, offset, length) per document, 24 bytes
 SHARD_TOKENS = 256 * 2**20  # at most ~512 MB of uint16 per shard file
@@ -433,8 +433,6 @@ def _unit_complete(path: Path) -> bool:
 def _prepare_units(folder: Path, work: Path, units: list[Unit], documents: Documents, tokenizer: Tokenizer,
                    tokenizer_json: str, workers: int, progress: bool, shard_tokens: int) -> None:  # fmt: skip
     """Tokenize each of these units not complete yet into work/<unit>, unless the source's folder is complete."""
-    from tqdm import tqdm
-
     todo = [u for u in units if not _unit_complete(work / u.name)]
     if not todo or _is_complete(folder):
         return
@@ -442,17 +440,8 @@ def _prepare_units(folder: Path, work: Path, units: list[Unit], documents: Docum
     todo_bytes = sum(f.stat().st_size for u in todo for f in documents.files[u.first : u.stop])
     if not workers:  # starting tokenizer processes takes seconds: more than a small source takes in this one
         workers = 1 if documents.files and todo_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
-    bar = tqdm(
-        total=todo_bytes or None,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        disable=not progress,
-        desc=folder.name.rsplit("-", 1)[0],
-        mininterval=0.5,
-        delay=1,
-    )  # not for a source done (or failing) within a second
+    # A hub dataset counts its records itself (titan.data.dataset), having no bytes to count.
+    bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=progress and bool(documents.files))
     with bar, _Tokenizers((tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype), workers) as tokenizers:
         for unit in todo:
             build_once(
@@ -474,7 +463,7 @@ def _write(folder: Path, documents: Documents, unit: Unit, tokenizers: _Tokenize
             writer.add(tokens, lengths)
             bar.update(read)
             tokens_per_s = writer.tokens / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{writer.documents:,} documents, {tokens_per_s:,.0f} tokens/s", refresh=False)
+            bar.detail(f"{writer.documents:,} documents, {tokens_per_s:,.0f} tokens/s")
     meta = {"records": counts["records"], "empty": counts["empty"], "documents": writer.documents,
             "tokens": writer.tokens, "shard_tokens": writer.sizes}  # fmt: skip
     write_synced(folder / "meta.json", json.dumps(meta).encode())
