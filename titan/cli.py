@@ -155,7 +155,7 @@ def _with_device_budget(config: Config) -> Config:
     from titan.train.build import device_memory, pick_device
 
     setup_logging(int(os.environ.get("RANK", "0")))
-    device = pick_device(config.training.device)
+    device, _ = pick_device(config.training.device)
     return with_activation_budget(config, int(os.environ.get("WORLD_SIZE", "1")), device_memory(device))
 
 
@@ -168,13 +168,19 @@ def config_show(
     ),
 ) -> None:
     """Print the fully resolved recipe (defaults and overrides applied) as TOML, once it passes what `titan train`
-    checks on this machine before it reads any data: the keys, the model, the parallel layout and the run plan."""
+    checks before it reads any data: the keys, the model, the parallel layout and the run plan (and, where the
+    recipe's device is on this machine, what the layout asks of it)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = _preflight(config, ctx.args, world_size)
+    from titan.errors import ConfigError
     from titan.train.build import check_run, pick_device  # imported late: torch takes a while to import
 
-    check_run(cfg, world_size, pick_device(cfg.training.device))
+    try:
+        device, _ = pick_device(cfg.training.device)
+    except ConfigError:  # a GPU recipe on a machine without one (a login node): the device's checks wait for the run
+        device = None
+    check_run(cfg, world_size, device)
     typer.echo(to_toml(cfg), nl=False)
 
 

@@ -74,9 +74,10 @@ class ModelParts:
             part.train(mode)
 
 
-def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device) -> None:
+def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device | None) -> None:
     """Every combination that cannot work with this model and device, refused with its reason before any work
-    starts (run_plan then checks the batch and the layer split)."""
+    starts (run_plan then checks the batch and the layer split). device None: not on this machine, so what the
+    layout asks of it is left to the run."""
     p = config.parallel
     pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
     try:
@@ -99,6 +100,8 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
                 f"validation with the V-shaped schedule {p.pp_schedule} fails in torch 2.13 (its eval path runs "
                 "backward actions); use another parallel.pp_schedule, or set validation.interval = 0"
             )
+    if device is None:
+        return
     if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
         raise ConfigError(

@@ -91,7 +91,7 @@ def resolve_model(config: Config):
     return spec, dataclasses.replace(args, max_seq_len=longest)
 
 
-def check_run(config: Config, world_size: int, device: torch.device) -> tuple:
+def check_run(config: Config, world_size: int, device: torch.device | None) -> tuple:
     """What the recipe asks of the model and the device, checked before any process group is joined (the
     trainer, and `titan config show`): the model, the layout for it, and the run plan with its blocks. Returns
     (spec, args, layout, blocks, run plan)."""
