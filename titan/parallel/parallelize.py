@@ -18,6 +18,7 @@ from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
+from titan.parallel.cp import apply_context_parallel
 from titan.parallel.fsdp import apply_fsdp
 from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
 
@@ -146,6 +147,8 @@ def build_model_parts(
         parts = [model]
     for part in parts:
         parallelize(part, spec, config, plan, mesh, device)
+        if plan.layout.cp > 1:
+            apply_context_parallel(part, plan.rank(rank), plan.seq_len, mesh["cp"], device)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     return ModelParts(parts, ids, plan.n_stages)
