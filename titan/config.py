@@ -370,7 +370,7 @@ def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
         if f"parallel.{d}" not in given and (getattr(p, d) != 1 or d == "dp_shard")
     ]
     product = p.dp_replicate * p.cp * p.tp * p.pp
-    degrees = f"dp_replicate={p.dp_replicate} x cp={p.cp} x tp={p.tp} x pp={p.pp} = {product}"
+    degrees = f"{_other_degrees(p)} = {product}"
     flags = " and ".join(f"--{k} {v}" for k, v in given.items())
     if p.dp_shard == -1:
         problem = f"{degrees} does not divide the world size {world_size}, so dp_shard = -1 (what they leave) cannot"
@@ -386,6 +386,12 @@ def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
     return (
         f"{flags} on the command line {verb} not fit with {', '.join(others) or 'the other degrees'}: {problem}; {fix}"
     )
+
+
+def _other_degrees(p: Parallel) -> str:
+    """The degrees besides dp_shard, as messages name them (cp only where it is used)."""
+    cp = f" x cp={p.cp}" if p.cp != 1 else ""
+    return f"dp_replicate={p.dp_replicate}{cp} x tp={p.tp} x pp={p.pp}"
 
 
 def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -716,7 +722,6 @@ def validate(config: Config, world_size: int) -> None:
         # What context parallelism does not compose with yet, and why (docs/context-parallel.md).
         unsupported = {
             "parallel.pp > 1": (p.pp > 1, "pipeline stages do not pass the sequence chunks along yet"),
-            "parallel.tp > 1": (p.tp > 1, "the ring does not run on tensor-parallel head shards yet"),
             "data.batching = 'tokens'": (
                 d.batching == "tokens",
                 "packing does not place documents on context-parallel groups yet",
@@ -771,7 +776,7 @@ class Layout:
     def from_config(cls, p: Parallel, world_size: int) -> Layout:
         """The recipe's degrees with dp_shard = -1 resolved; they must multiply to the world size."""
         others = p.dp_replicate * p.cp * p.tp * p.pp
-        degrees = f"dp_replicate={p.dp_replicate} x cp={p.cp} x tp={p.tp} x pp={p.pp}"
+        degrees = _other_degrees(p)
         dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
         if p.dp_shard == -1 and (dp_shard < 1 or others * dp_shard != world_size):
             raise LayoutError(

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan import rng
-from titan.run_plan import RankPlan
+from titan.run_plan import RunPlan
 
 NEG_INF = float("-inf")
 KV_TAG, GRAD_TAG = 0, 1  # the two streams of one backward step may be in flight between the same pair of ranks
@@ -55,8 +55,11 @@ class RingMask:
 class ContextParallel:
     """One rank's share of the sequence and its ring, installed on the model by `apply_context_parallel`."""
 
-    def __init__(self, group, cp_rank: int, cp: int, sequence: tuple[range, ...], seq_len: int, device):
+    def __init__(
+        self, group, cp_rank: int, cp: int, sequence: tuple[range, ...], seq_len: int, device, tp_rank=0, tp=1
+    ):
         self.group, self.cp_rank, self.cp, self.seq_len = group, cp_rank, cp, seq_len
+        self.tp_rank, self.tp = tp_rank, tp  # tensor parallelism gives each rank a slice of the heads
         self.chunk = seq_len // (2 * cp)
         self.chunks = tuple(r.start // self.chunk for r in sequence)  # this rank's chunks, by global index
         self.positions = torch.cat([torch.arange(r.start, r.stop) for r in sequence]).to(device)
@@ -218,6 +221,9 @@ class Blocks:
     def _keep(self, a: int, b: int, shape) -> Tensor:
         ring, device = self.ring, self.rows.device
         given = {2: (ring.seq_len, ring.span(a, device)), 3: (ring.seq_len, ring.span(b, device))}
+        if ring.tp > 1:  # this rank's heads, as DTensor splits them
+            heads = shape[1]
+            given[1] = (heads * ring.tp, torch.arange(ring.tp_rank * heads, (ring.tp_rank + 1) * heads))
         return self.dropout.keep_mask(tuple(shape), self.rows, given)
 
     def _scores(self, pair: PairMask, q: Tensor, k: Tensor) -> Tensor:
@@ -269,10 +275,13 @@ class Blocks:
         return dq.float(), self._reduce(dk).float(), self._reduce(dv).float()
 
 
-def apply_context_parallel(model: nn.Module, rank: RankPlan, seq_len: int, mesh: DeviceMesh, device) -> ContextParallel:
-    """Install the ring on `model` (every module with a `context_parallel` slot: the model itself and its attention
-    modules) and this rank's positions on its dropout modules."""
-    ring = ContextParallel(mesh.get_group(), rank.cp_rank, mesh.size(), rank.sequence, seq_len, device)
+def apply_context_parallel(model: nn.Module, plan: RunPlan, rank: int, mesh: DeviceMesh, device) -> ContextParallel:
+    """Install rank `rank`'s ring on `model` (every module with a `context_parallel` slot: the model itself and its
+    attention modules) and its positions on the dropout modules."""
+    me, seq_len = plan.rank(rank), plan.seq_len
+    ring = ContextParallel(
+        mesh.get_group(), me.cp_rank, plan.layout.cp, me.sequence, seq_len, device, me.tp_rank, plan.layout.tp
+    )
     for module in model.modules():
         if hasattr(module, "context_parallel"):
             module.context_parallel = ring
@@ -284,7 +293,8 @@ def apply_context_parallel(model: nn.Module, rank: RankPlan, seq_len: int, mesh:
 def all_reduce_gradients(params: list[Tensor], group) -> None:
     """Sum the gradients over the cp group in one collective (without FSDP, which sums them itself): each rank's
     are those of its positions' share of the loss."""
-    grads = [p.grad for p in params if p.grad is not None]
+    # Tensor-parallel gradients are DTensors: each rank sums its own shard with the cp ranks holding the same one.
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -148,7 +148,7 @@ def build_model_parts(
     for part in parts:
         parallelize(part, spec, config, plan, mesh, device)
         if plan.layout.cp > 1:
-            apply_context_parallel(part, plan.rank(rank), plan.seq_len, mesh["cp"], device)
+            apply_context_parallel(part, plan, rank, mesh["cp"], device)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     return ModelParts(parts, ids, plan.n_stages)

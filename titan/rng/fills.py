@@ -111,10 +111,7 @@ class Dropout(torch.nn.Module):
         """The mask (True: kept) this module draws for a plain tensor of `shape` whose local row b is global row
         rows[b] and whose dims in `given` hold, of (global size, global indices), those indices: for attention
         that drops its probabilities block by block (the context-parallel ring)."""
-        global_shape = list(shape)
-        for d, (size, _) in given.items():
-            global_shape[d] = size
-        index = ShardIndex(global_shape, device=rows.device, rows=rows, given={d: i for d, (_, i) in given.items()})
+        index = ShardIndex(shape, device=rows.device, rows=rows, given=given)
         if tuple(shape) != index.local_shape:
             raise ValueError(f"keep_mask: shape {tuple(shape)}, but the given indices make {index.local_shape}")
         keep = torch.empty(index.local_shape, dtype=torch.bool, device=rows.device)
@@ -158,11 +155,7 @@ def dropout(
     else:
         local, layout = x, ((), (), ())
     # x.shape is the global shape for a DTensor; dim 0's global indices are the rows.
-    shape = list(x.shape)
-    for d, (size, _) in (given or {}).items():
-        shape[d] = size
-    indices = {d: i for d, (_, i) in (given or {}).items()}
-    index = ShardIndex(shape, *layout, device=local.device, rows=rows, given=indices)
+    index = ShardIndex(x.shape, *layout, device=local.device, rows=rows, given=given)
     if tuple(local.shape) != index.local_shape:
         raise ValueError(f"dropout: local tensor of shape {tuple(local.shape)}, but {layout} gives {index.local_shape}")
     keep = torch.empty(local.shape, dtype=torch.bool, device=local.device)
