@@ -721,7 +721,6 @@ def validate(config: Config, world_size: int) -> None:
         )
         # What context parallelism does not compose with yet, and why (docs/context-parallel.md).
         unsupported = {
-            "parallel.pp > 1": (p.pp > 1, "pipeline stages do not pass the sequence chunks along yet"),
             "data.batching = 'tokens'": (
                 d.batching == "tokens",
                 "packing does not place documents on context-parallel groups yet",

@@ -276,7 +276,6 @@ CASES = [
             [f"parallel.cp > 1 with {what}", "not supported yet", why],
         )
         for what, flags, world, why in (
-            ("parallel.pp > 1", ["--parallel.pp", "2"], "4", "pipeline stages"),
             ("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),
             ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
             ("float8.enable", ["--float8.enable", "true"], "2", "float8"),

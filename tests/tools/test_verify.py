@@ -1,6 +1,7 @@
 """`titan verify`: the comparison's rules on hand-made records, then real runs from the command line: it passes
 on correct layouts and, on layouts broken on purpose, names the module and step where they first depart."""
 
+import os
 import shutil
 
 import pytest
@@ -169,7 +170,7 @@ def verify(folder, layout: dict, break_name: str | None = None):
             f"    {line}\n" for line in BREAKS[break_name].splitlines()
         )
         (site / "sitecustomize.py").write_text(code)
-        env["PYTHONPATH"] = str(site)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     overrides = tiny_overrides(folder, **RECIPE, **layout)
     return run_titan("verify", "--config", str(DEBUG_RECIPE), *overrides, "--steps", "2", "--reuse-reference", env=env)
 

@@ -70,6 +70,9 @@ class StageBatch:
     seq_len: int  # tokens of each
     dtype: torch.dtype  # of the hidden states stages pass (bf16 under FSDP's mixed precision)
     seq_shards: int = 1  # sequence parallel: the passed hidden states hold 1/seq_shards of the sequence
+    # Context parallel: token ids, hidden states and logits hold 1/context_shards of the sequence (a rank's chunks);
+    # document ids stay whole.
+    context_shards: int = 1
     documents: bool = False  # document ids travel with the rows (document masking)
     first: bool  # the stage takes token ids
     last: bool  # the stage returns logits

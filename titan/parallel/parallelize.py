@@ -118,6 +118,7 @@ def stage_batch(plan: RunPlan, documents: bool, rows: int, seq_len: int, stage: 
         seq_len=seq_len,
         dtype=torch.bfloat16 if plan.precision.stream_bf16 else torch.float32,
         seq_shards=plan.sequence_shards,
+        context_shards=plan.layout.cp,
         documents=documents,
         first=stage == 0,
         last=stage == plan.n_stages - 1,
