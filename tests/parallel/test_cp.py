@@ -15,7 +15,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import DEBUG_RECIPE, run_titan
 from distributed import run_distributed
-from helpers import GLOBAL_BATCH, STEPS, assert_matches_one_process, full_weights, layout_overrides, torchrun
+from helpers import (
+    GLOBAL_BATCH,
+    STEPS,
+    assert_matches_one_process,
+    assert_one_line_error,
+    full_weights,
+    layout_overrides,
+    torchrun,
+)
 from titan import rng
 from titan.config import load_config
 from titan.parallel.cp import ContextParallel
@@ -228,3 +236,9 @@ def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, data):
         result = torchrun(world, recipe(tmp_path, name, **CLI, **data, **layout))
         assert result.returncode == 0, result.stderr[-3000:]
         assert_close_losses(losses(tmp_path / name), reference, name)
+
+
+def test_titan_plan_refuses_cp_until_it_models_it():
+    """A plan that traced every rank with the whole sequence would overstate its memory by about cp times."""
+    result = run_titan("plan", "--config", str(DEBUG_RECIPE), "--parallel.cp", "2")
+    assert_one_line_error(result, "titan plan does not model parallel.cp > 1 yet", "parallel.cp = 1")

@@ -108,9 +108,7 @@ class ShardIndex:
     ``runs``: row-major, the shard is rows along the last dim, row r holding row_starts[r] + last (see
     :func:`flat_indices`); the C kernels take the index in this form and never hold it element by element."""
 
-    def __init__(
-        self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None, given=None
-    ):
+    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None, given=None):
         shape = [int(s) for s in global_shape]
         vecs = _dim_index_vectors(shape, mesh_shape, mesh_coord, placements)
         if rows is not None:
