@@ -205,7 +205,7 @@ class Blocks:
     log-sum-exp): by the CPU flash-attention kernels, or explicitly with dropout or off the CPU."""
 
     def __init__(self, ring: ContextParallel, mask: RingMask, rows: Tensor, dropout, groups: int, scale: float):
-        self.ring, self.mask, self.rows, self.dropout = ring, mask, rows, dropout
+        self.ring, self.mask, self.rows, self.drop = ring, mask, rows, dropout
         self.groups, self.scale = groups, scale
 
     def _expand(self, x: Tensor) -> Tensor:
@@ -216,7 +216,7 @@ class Blocks:
         return grad.unflatten(1, (-1, self.groups)).sum(2) if self.groups > 1 else grad
 
     def _flash(self, q: Tensor) -> bool:
-        return q.device.type == "cpu" and self.dropout is None
+        return q.device.type == "cpu" and self.drop is None
 
     def _keep(self, a: int, b: int, shape) -> Tensor:
         ring, device = self.ring, self.rows.device
@@ -224,7 +224,7 @@ class Blocks:
         if ring.tp > 1:  # this rank's heads, as DTensor splits them
             heads = shape[1]
             given[1] = (heads * ring.tp, torch.arange(ring.tp_rank * heads, (ring.tp_rank + 1) * heads))
-        return self.dropout.keep_mask(tuple(shape), self.rows, given)
+        return self.drop.keep_mask(tuple(shape), self.rows, given)
 
     def _scores(self, pair: PairMask, q: Tensor, k: Tensor) -> Tensor:
         scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
@@ -248,8 +248,8 @@ class Blocks:
             scores = self._scores(pair, q, k)
             lse = scores.logsumexp(-1)
             probs = (scores - lse.masked_fill(lse == NEG_INF, 0)[..., None]).exp_()
-            if self.dropout is not None:
-                probs = probs * self._keep(a, b, probs.shape) / (1 - self.dropout.p)
+            if self.drop is not None:
+                probs = probs * self._keep(a, b, probs.shape) / (1 - self.drop.p)
             out = probs @ v.float()
         # The kernel gives a query with no key here a log-sum-exp of 0; it must weigh nothing in the merge.
         return out.float(), lse if pair.empty is None else lse.masked_fill(pair.empty, NEG_INF)
@@ -265,8 +265,8 @@ class Blocks:
             grad_out, out = grad_out.float(), out.float()
             probs = (self._scores(pair, q, k) - lse[..., None]).exp_()
             grad_probs = grad_out @ v.float().transpose(-1, -2)
-            if self.dropout is not None:
-                kept = self._keep(a, b, probs.shape) / (1 - self.dropout.p)
+            if self.drop is not None:
+                kept = self._keep(a, b, probs.shape) / (1 - self.drop.p)
                 dv, grad_probs = (probs * kept).transpose(-1, -2) @ grad_out, grad_probs * kept
             else:
                 dv = probs.transpose(-1, -2) @ grad_out
