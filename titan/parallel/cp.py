@@ -83,7 +83,7 @@ class ContextParallel:
                     pairs[a, b] = PairMask("causal" if a == b else "full")
                     continue
                 q_docs, k_docs = (document_ids[:, self.span(c, document_ids.device)] for c in (a, b))
-                # Documents are runs of one id: chunks whose id ranges are apart in every row never meet.
+                # Chunks whose id ranges are apart in every row share no document: no need to compare their ids.
                 if not ((q_docs.amin(1) <= k_docs.amax(1)) & (k_docs.amin(1) <= q_docs.amax(1))).any():
                     continue
                 same = q_docs[:, :, None] == k_docs[:, None, :]
@@ -130,6 +130,9 @@ def _wait(works: list) -> None:
 
 
 class _Ring(torch.autograd.Function):
+    """The ring attention of ContextParallel.attend: forward merges the blocks' results as they come round, backward
+    sends the blocks round again and their key and value gradients after them."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: ContextParallel, mask: RingMask, rows, dropout):
         blocks = Blocks(ring, mask, rows, dropout, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5)
