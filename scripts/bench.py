@@ -7,6 +7,7 @@
     python scripts/bench.py --compare compile     # eager vs torch.compile of each block
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
     python scripts/bench.py --compare packing     # FSDP2, long-tailed documents: token- vs cost-balanced placement
+    python scripts/bench.py --compare cp          # seq 4,096: one process vs CP2 (the sequence split, a ring)
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
@@ -66,12 +67,18 @@ COMPARISONS = {
         ),
     ],
     "layouts": [(name, "titan", n, extra) for name, (n, extra) in LAYOUTS.items()],
+    "cp": [("single", "titan", 1, []), ("cp2", "titan", 2, ["--parallel.cp", "2", "--parallel.dp_shard", "1"])],
     # Whole documents per step on two ranks (the corpus is made by long_tailed_corpus): placed by tokens, by cost.
     "packing": [
         (balance, "titan", 2, ["--parallel.dp_shard", "2", "--data.batching", "tokens", "--data.balance", balance])
         for balance in ("tokens", "cost")
     ],
 }
+# One long sequence per step, the same global batch on one process and split over a CP2 ring.
+CP_RECIPE = [
+    *("--training.seq_len", "4096", "--model.overrides.max_seq_len", "4096"),
+    *("--training.local_batch_size", "1", "--training.global_batch_size", "1"),
+]
 PACKING_RECIPE = [
     *("--training.seq_len", "4096", "--model.overrides.max_seq_len", "4096"),
     *("--training.local_batch_size", "1", "--training.global_batch_size", "4"),
@@ -479,6 +486,8 @@ def main() -> None:
     if args.compare == "packing":
         corpus = long_tailed_corpus(Path(tempfile.mkdtemp(prefix="titan-bench-corpus-")) / "long_tailed.jsonl")
         overrides += [*PACKING_RECIPE, "--data.source", str(corpus)]
+    if args.compare == "cp":
+        overrides += CP_RECIPE
     if args.compare == "layouts":
         # The same global batch everywhere: each data-parallel rank takes its share.
         from titan.config import load_config

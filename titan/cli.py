@@ -517,6 +517,11 @@ def plan(
             typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
                        "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
     cfg = load_config(config, overrides, world_size=world_size)
+    if cfg.parallel.cp > 1:
+        raise UserError(
+            "titan plan does not model parallel.cp > 1 yet (each rank's share of the sequence and the ring's "
+            "traffic); plan the layout with parallel.cp = 1 for now"
+        )
     from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
     from titan.tools.plan.graph import analyse_recipe
     from titan.tools.plan.report import format_graph, format_plan, plan_json, shortfall

@@ -188,6 +188,9 @@ class Parallel:
     dp_replicate: int = 1  # HSDP: replicas of the sharded model
     dp_shard: int = -1  # FSDP shards; -1: whatever the world size leaves after the other degrees
     tp: int = 1  # tensor-parallel degree (heads and FFN split across ranks)
+    # Context-parallel degree: each sequence is split across this many ranks (2·cp chunks, rank i holding chunks i
+    # and 2·cp-1-i, so causal attention costs every rank alike) and attention runs as a ring (docs/context-parallel.md).
+    cp: int = 1
     pp: int = 1  # pipeline-parallel degree (layers split into stages)
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # FSDP2
@@ -359,7 +362,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world
     return config
 
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 
 def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
@@ -371,8 +374,8 @@ def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
         for d in DEGREES
         if f"parallel.{d}" not in given and (getattr(p, d) != 1 or d == "dp_shard")
     ]
-    product = p.dp_replicate * p.tp * p.pp
-    degrees = f"dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {product}"
+    product = p.dp_replicate * p.cp * p.tp * p.pp
+    degrees = f"{_other_degrees(p)} = {product}"
     flags = " and ".join(f"--{k} {v}" for k, v in given.items())
     if p.dp_shard == -1:
         problem = f"{degrees} does not divide the world size {world_size}, so dp_shard = -1 (what they leave) cannot"
@@ -388,6 +391,12 @@ def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
     return (
         f"{flags} on the command line {verb} not fit with {', '.join(others) or 'the other degrees'}: {problem}; {fix}"
     )
+
+
+def _other_degrees(p: Parallel) -> str:
+    """The degrees besides dp_shard, as messages name them (cp only where it is used)."""
+    cp = f" x cp={p.cp}" if p.cp != 1 else ""
+    return f"dp_replicate={p.dp_replicate}{cp} x tp={p.tp} x pp={p.pp}"
 
 
 def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -583,7 +592,7 @@ def validate(config: Config, world_size: int) -> None:
         f"profiling.wait and warmup must be >= 0 and active >= 1, got {f.wait}, {f.warmup}, {f.active}",
     )
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
-    for name in ("dp_replicate", "tp", "pp"):
+    for name in ("dp_replicate", "cp", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     require(
         all(0 < x < math.inf for x in p.pp_stage_speeds),
@@ -709,6 +718,29 @@ def validate(config: Config, world_size: int) -> None:
     require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
     require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
     require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
+    if p.cp > 1:
+        require(
+            t.seq_len % (2 * p.cp) == 0,
+            f"training.seq_len {t.seq_len} must divide into 2 x parallel.cp = {2 * p.cp} equal chunks (each rank "
+            f"holds two, one from each end, to even out causal attention); use a multiple of {2 * p.cp}",
+        )
+        # What context parallelism does not compose with yet, and why (docs/context-parallel.md).
+        unsupported = {
+            "data.batching = 'tokens'": (
+                d.batching == "tokens",
+                "packing does not place documents on context-parallel groups yet",
+            ),
+            "compile.enable": (config.compile.enable, "the ring's point-to-point sends are not traced yet"),
+            "float8.enable": (config.float8.enable, "float8 matmuls have not been checked against the ring yet"),
+            "activation_checkpoint.mode = 'auto'": (
+                config.activation_checkpoint.mode == "auto",
+                "the memory planner does not model a rank's share of the sequence yet",
+            ),
+        }
+        for what, (used, why) in unsupported.items():
+            require(
+                not used, f"parallel.cp > 1 with {what} is not supported yet: {why}; set parallel.cp = 1 or drop it"
+            )
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = Layout.from_config(p, world_size).dp
     require(
@@ -730,7 +762,7 @@ def validate(config: Config, world_size: int) -> None:
 
 def degrees_world_size(p: Parallel) -> int:
     """The world the recipe's parallel degrees make by themselves; dp_shard = -1 (whatever is left) counts as 1."""
-    return p.dp_replicate * abs(p.dp_shard) * p.tp * p.pp
+    return p.dp_replicate * abs(p.dp_shard) * p.cp * p.tp * p.pp
 
 
 class LayoutError(ConfigError):
@@ -746,24 +778,26 @@ class Layout:
     dp_shard: int = 1  # FSDP shards
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: ranks sharing each sequence
 
     @classmethod
     def from_config(cls, p: Parallel, world_size: int) -> Layout:
         """The recipe's degrees with dp_shard = -1 resolved; they must multiply to the world size."""
-        others = p.dp_replicate * p.tp * p.pp
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        degrees = _other_degrees(p)
         dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // others
         if p.dp_shard == -1 and (dp_shard < 1 or others * dp_shard != world_size):
             raise LayoutError(
-                f"parallel.dp_shard = -1 takes what dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {others} "
-                f"leaves of the world size {world_size}, and {others} does not divide it; launch a multiple of "
-                f"{others} processes (torchrun --nproc-per-node) or lower the degrees"
+                f"parallel.dp_shard = -1 takes what {degrees} = {others} leaves of the world size {world_size}, and "
+                f"{others} does not divide it; launch a multiple of {others} processes (torchrun --nproc-per-node) "
+                "or lower the degrees"
             )
         if dp_shard < 1 or others * dp_shard != world_size:
             raise LayoutError(
-                f"parallel degrees dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x pp={p.pp} "
-                f"do not multiply to the world size {world_size}; set parallel.dp_shard = -1 or change the degrees"
+                f"parallel degrees {degrees} x dp_shard={p.dp_shard} do not multiply to the world size "
+                f"{world_size}; set parallel.dp_shard = -1 or change the degrees"
             )
-        return cls(p.dp_replicate, dp_shard, p.tp, p.pp)
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.cp)
 
     @property
     def dp(self) -> int:
@@ -772,7 +806,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def name(self) -> str:

@@ -135,16 +135,19 @@ class RankPlan:
     rows: range  # the rows of every global batch it reads (its data-parallel rank's contiguous share)
     micro_batches: tuple[int, ...]  # rows of each micro-batch
     stage_ids: tuple[int, ...]  # the pipeline stages it runs ((0,) without a pipeline)
+    cp_rank: int = 0  # in its context-parallel group
+    # The positions of each row it computes: the whole row, or under context parallelism its two chunks.
+    sequence: tuple[range, ...] = ()
 
     @property
     def first_of_its_stages(self) -> bool:
         """Whether it is the first of the ranks that hold its pipeline stages (alike or as shards)."""
-        return self.dp_rank == 0 and self.tp_rank == 0
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.cp_rank == 0
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The step of every rank (a pipeline or tensor-parallel group reads the same rows)."""
+    """The step of every rank (a pipeline, tensor- or context-parallel group reads the same rows)."""
 
     layout: Layout
     seq_len: int
@@ -180,13 +183,32 @@ class RunPlan:
         """The pipeline stages pipeline rank `pp_rank` runs."""
         return tuple(stage_ids(pp_rank, self.layout.pp, self.n_stages, self.schedule))
 
+    def sequence(self, cp_rank: int) -> tuple[range, ...]:
+        """The positions of each row that context-parallel rank `cp_rank` computes: of the row's 2·cp equal chunks,
+        chunks cp_rank and 2·cp-1-cp_rank, so that under a causal mask every rank attends to as many keys (the whole
+        row without context parallelism)."""
+        cp = self.layout.cp
+        if cp == 1:
+            return (range(self.seq_len),)
+        size = self.seq_len // (2 * cp)
+        return tuple(range(c * size, (c + 1) * size) for c in (cp_rank, 2 * cp - 1 - cp_rank))
+
     def rank(self, rank: int) -> RankPlan:
-        """Rank `rank`'s work; its coordinates follow the device mesh (pp, dp_replicate, dp_shard, tp), tp
+        """Rank `rank`'s work; its coordinates follow the device mesh (pp, dp_replicate, dp_shard, cp, tp), tp
         innermost."""
         layout = self.layout
-        tp_rank, dp_rank, pp_rank = rank % layout.tp, rank // layout.tp % layout.dp, rank // (layout.tp * layout.dp)
+        tp_rank, cp_rank = rank % layout.tp, rank // layout.tp % layout.cp
+        dp_rank, pp_rank = rank // (layout.tp * layout.cp) % layout.dp, rank // (layout.tp * layout.cp * layout.dp)
         return RankPlan(
-            rank, pp_rank, dp_rank, tp_rank, self.rows(dp_rank), self.micro_batches[dp_rank], self.stages(pp_rank)
+            rank,
+            pp_rank,
+            dp_rank,
+            tp_rank,
+            self.rows(dp_rank),
+            self.micro_batches[dp_rank],
+            self.stages(pp_rank),
+            cp_rank,
+            self.sequence(cp_rank),
         )
 
     @property

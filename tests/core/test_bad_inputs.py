@@ -256,6 +256,32 @@ CASES = [
         ["dp_shard=3", "tp=2", "world size 4"],
     ),  # fmt: skip
     ("zero pp", "show", ["--parallel.pp", "0"], None, {}, ["parallel.pp must be >= 1"]),
+    ("zero cp", "show", ["--parallel.cp", "0"], None, {}, ["parallel.cp must be >= 1"]),
+    ("cp vs world", "show", ["--parallel.cp", "2"], None, {"WORLD_SIZE": "3"}, ["cp=2", "world size 3"]),
+    (
+        "cp chunks of the sequence",
+        "show",
+        ["--parallel.cp", "2", "--training.seq_len", "66"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["training.seq_len 66", "2 x parallel.cp = 4", "multiple of 4"],
+    ),
+    *(
+        (
+            f"cp with {what}",
+            "show",
+            ["--parallel.cp", "2", *flags],
+            None,
+            {"WORLD_SIZE": world},
+            [f"parallel.cp > 1 with {what}", "not supported yet", why],
+        )
+        for what, flags, world, why in (
+            ("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),
+            ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
+            ("float8.enable", ["--float8.enable", "true"], "2", "float8"),
+            ("activation_checkpoint.mode = 'auto'", ["--activation_checkpoint.mode", "auto"], "2", "planner"),
+        )
+    ),
     ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),
     (
         "tp vs heads",

@@ -1,6 +1,7 @@
 """`titan verify`: the comparison's rules on hand-made records, then real runs from the command line: it passes
 on correct layouts and, on layouts broken on purpose, names the module and step where they first depart."""
 
+import os
 import shutil
 
 import pytest
@@ -95,6 +96,18 @@ def test_a_tensor_parallel_rank_is_compared_with_its_chunk_and_rows_with_theirs(
         assert not compare(ref, NO_FLOOR, Records([rank]), "fp32")[1]
 
 
+def test_a_context_parallel_rank_is_compared_at_its_positions():
+    full = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # (rows, sequence, hidden)
+    tokens = torch.arange(16).view(2, 8)
+    ref = Records([one_step(full, full, torch.ones(2), torch.ones(2), tokens=[(0, ROWS, tokens)])])
+    here = torch.tensor([2, 3, 4, 5])  # cp rank 1 of 2: chunks 1 and 2 of 4
+    mine = full[:, here]
+    rank = one_step(mine, mine, torch.ones(2), torch.ones(2), tokens=[(0, ROWS, tokens[:, here])])
+    assert compare(ref, NO_FLOOR, Records([{**rank, "positions": here}]), "fp32")[1]
+    lines, ok = compare(ref, NO_FLOOR, Records([{**rank, "positions": torch.tensor([0, 1, 6, 7])}]), "fp32")
+    assert not ok and "tokens of global row 0" in lines[-1]
+
+
 def test_sharded_pieces_assemble_into_the_full_tensor_and_a_gap_is_an_error():
     full = torch.arange(12.0).view(3, 4)
     flat = full.reshape(-1)
@@ -130,6 +143,16 @@ BREAKS = {
         "forward = fills.Dropout.forward\n"
         "fills.Dropout.forward = lambda self, x, rows: forward(self, x, torch.arange(len(rows)))\n"
     ),
+    # Each rank's ring leaves out one block below the diagonal: the first pair it would attend whole.
+    "ring_drops_a_block": (
+        "from titan.parallel import cp\n"
+        "plan = cp.ContextParallel.mask\n"
+        "def dropped(self, ids):\n"
+        "    pairs = dict(plan(self, ids).pairs)\n"
+        "    del pairs[min(ab for ab in pairs if ab[0] != ab[1])]\n"
+        "    return cp.RingMask(pairs)\n"
+        "cp.ContextParallel.mask = dropped\n"
+    ),
 }
 
 
@@ -147,7 +170,7 @@ def verify(folder, layout: dict, break_name: str | None = None):
             f"    {line}\n" for line in BREAKS[break_name].splitlines()
         )
         (site / "sitecustomize.py").write_text(code)
-        env["PYTHONPATH"] = str(site)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     overrides = tiny_overrides(folder, **RECIPE, **layout)
     return run_titan("verify", "--config", str(DEBUG_RECIPE), *overrides, "--steps", "2", "--reuse-reference", env=env)
 
@@ -161,8 +184,9 @@ def verify(folder, layout: dict, break_name: str | None = None):
         {"parallel.tp": "2"},
         {"parallel.pp": "2"},
         {"parallel.dp_shard": "2", "parallel.tp": "2"},
+        {"parallel.cp": "2"},
     ],
-    ids=["fsdp2", "tp2", "pp2", "fsdp2_tp2"],
+    ids=["fsdp2", "tp2", "pp2", "fsdp2_tp2", "cp2"],
 )
 def test_verify_passes_on_correct_layouts(verify_folder, layout):
     result = verify(verify_folder, layout)
@@ -186,6 +210,15 @@ def test_verify_names_where_a_broken_layout_departs(verify_folder, break_name, f
     result = verify(verify_folder, {"parallel.dp_shard": "2"}, break_name)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert first in result.stdout.splitlines()[-1], result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_catches_a_context_parallel_ring_that_drops_a_block(verify_folder):
+    """The ring's output feeds the attention's output projection: the first module whose output departs."""
+    result = verify(verify_folder, {"parallel.cp": "2"}, "ring_drops_a_block")
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "step 0, forward, output of layers.0.attention.wo on rank 0" in result.stdout.splitlines()[-1], result.stdout
 
 
 def test_verify_of_one_process_or_packed_documents_is_a_clear_error(tmp_path):

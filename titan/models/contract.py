@@ -38,6 +38,10 @@ class Model(Protocol):
     has them) with these besides."""
 
     args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
+    # Context parallelism's slot (titan/parallel/cp.py installs its ring in it, on the model and on every module of it
+    # with the slot): the model reads `positions` (this rank's positions of each row) and `mask(document_ids)`, and
+    # its attention modules call `attend(q, k, v, mask, rows, dropout)`. None: the model holds whole sequences.
+    context_parallel: Any
 
     def __call__(
         self,
@@ -76,6 +80,9 @@ class StageBatch:
     seq_len: int  # tokens of each
     dtype: torch.dtype  # of the hidden states stages pass (bf16 under FSDP's mixed precision)
     seq_shards: int = 1  # sequence parallel: the passed hidden states hold 1/seq_shards of the sequence
+    # Context parallel: token ids, hidden states and logits hold 1/context_shards of the sequence (a rank's chunks);
+    # document ids stay whole.
+    context_shards: int = 1
     documents: bool = False  # document ids travel with the rows (document masking)
     first: bool  # the stage takes token ids
     last: bool  # the stage returns logits

@@ -1,7 +1,8 @@
 """The process group and the device mesh: the recipe's parallel degrees become named mesh dimensions.
 
-Mesh dims, outermost first: pp, dp_replicate, dp_shard, tp. TP is innermost so its heavy traffic stays on
-the fastest links (within a node); PP is outermost because it only sends activations between neighbours.
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its heavy traffic stays on
+the fastest links (within a node), the context-parallel ring next to it; PP is outermost because it only sends
+activations between neighbours.
 """
 
 from __future__ import annotations
@@ -39,23 +40,29 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
 
 
 def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
-    """Sub-meshes by role: pp, tp, dp (both data-parallel dims flattened: data loading, loss sums) and
-    fsdp (dp_shard, or dp_replicate x dp_shard for HSDP). Empty for one process."""
+    """Sub-meshes by role: pp, tp, cp, dp (both data-parallel dims flattened: data loading, loss sums) and
+    fsdp (dp_shard, or dp_replicate x dp_shard for HSDP; with context parallelism, dp_shard x cp flattened, as the
+    cp ranks' gradients are summed like the data-parallel ones). Empty for one process."""
     if layout.world_size == 1:
         return {}
     root = init_device_mesh(
         device.type,
-        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
     )
+    shard = "dp_shard"
+    if layout.cp > 1:
+        shard = "dp_shard_cp"
+        root["dp_shard", "cp"]._flatten(shard)
     # Norms of parameters sharded by FSDP and TP (gradient clipping) reduce over both dims: flattened, DTensor
     # reduces them in one collective instead of one per dim.
-    root["dp_shard", "tp"]._flatten()
+    root[shard, "tp"]._flatten()
     return {
         "pp": root["pp"],
         "tp": root["tp"],
+        "cp": root["cp"],
         "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-        "fsdp": root["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else root["dp_shard"],
+        "fsdp": root["dp_replicate", shard] if layout.dp_replicate > 1 else root[shard],
     }
 
 

@@ -18,6 +18,7 @@ from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
+from titan.parallel.cp import apply_context_parallel
 from titan.parallel.fsdp import apply_fsdp
 from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
 
@@ -120,6 +121,7 @@ def stage_batch(plan: RunPlan, documents: bool, rows: int, seq_len: int, stage: 
         seq_len=seq_len,
         dtype=torch.bfloat16 if plan.precision.stream_bf16 else torch.float32,
         seq_shards=plan.sequence_shards,
+        context_shards=plan.layout.cp,
         documents=documents,
         first=stage == 0,
         last=stage == plan.n_stages - 1,
@@ -149,6 +151,8 @@ def build_model_parts(
         parts = [model]
     for part in parts:
         parallelize(part, spec, config, plan, mesh, device)
+        if plan.layout.cp > 1:
+            apply_context_parallel(part, plan, rank, mesh["cp"], device)
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     return ModelParts(parts, ids, plan.n_stages)

@@ -98,11 +98,25 @@ class Dropout(torch.nn.Module):
     def __init__(self, p: float):
         super().__init__()
         self.p, self.stream, self.seed = p, "", 0
+        # Under context parallelism (set by titan/parallel/cp.py): (the sequence's length, the positions along dim
+        # 1 that this rank holds), as its chunks of the sequence are not one slice that a placement could describe.
+        self.sequence: tuple[int, Tensor] | None = None
 
     def forward(self, x: Tensor, rows: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
         return _drop(self, x, rows)
+
+    def keep_mask(self, shape: tuple[int, ...], rows: Tensor, given: dict[int, tuple[int, Tensor]]) -> Tensor:
+        """The mask (True: kept) this module draws for a plain tensor of `shape` whose local row b is global row
+        rows[b] and whose dims in `given` hold, of (global size, global indices), those indices: for attention
+        that drops its probabilities block by block (the context-parallel ring)."""
+        index = ShardIndex(shape, device=rows.device, rows=rows, given=given)
+        if tuple(shape) != index.local_shape:
+            raise ValueError(f"keep_mask: shape {tuple(shape)}, but the given indices make {index.local_shape}")
+        keep = torch.empty(index.local_shape, dtype=torch.bool, device=rows.device)
+        keep_mask_into(keep.view(-1), index.runs, self.seed, self.stream, _step, 1.0 - self.p)
+        return keep
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -112,15 +126,26 @@ class Dropout(torch.nn.Module):
 # and recompile for every step (and every module).
 @torch.compiler.disable
 def _drop(module: Dropout, x: Tensor, rows: Tensor) -> Tensor:
-    return dropout(x, module.p, rows, seed=module.seed, stream=module.stream, step=_step)
+    given = None if module.sequence is None else {1: module.sequence}
+    return dropout(x, module.p, rows, seed=module.seed, stream=module.stream, step=_step, given=given)
 
 
 # Compiled blocks call dropout eagerly (a graph break): dynamo cannot trace the C kernels (a ctypes call on the
 # tensors' memory), and eager draws exactly the masks of an uncompiled run.
 @torch.compiler.disable
-def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: int) -> Tensor:
+def dropout(
+    x: Tensor,
+    p: float,
+    rows: Tensor,
+    *,
+    seed: int,
+    stream: str,
+    step: int,
+    given: dict[int, tuple[int, Tensor]] | None = None,
+) -> Tensor:
     """`x` (batch first; a plain tensor of whole rows, or a DTensor sharded along other dims) with elements
-    dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch."""
+    dropped with probability p and the rest scaled by 1/(1-p). Local row b is row rows[b] of the global batch;
+    `given` maps dims that hold some of a longer dim to (its global size, the global indices held)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(x, DTensor):
@@ -130,7 +155,7 @@ def dropout(x: Tensor, p: float, rows: Tensor, *, seed: int, stream: str, step: 
     else:
         local, layout = x, ((), (), ())
     # x.shape is the global shape for a DTensor; dim 0's global indices are the rows.
-    index = ShardIndex(x.shape, *layout, device=local.device, rows=rows)
+    index = ShardIndex(x.shape, *layout, device=local.device, rows=rows, given=given)
     if tuple(local.shape) != index.local_shape:
         raise ValueError(f"dropout: local tensor of shape {tuple(local.shape)}, but {layout} gives {index.local_shape}")
     keep = torch.empty(local.shape, dtype=torch.bool, device=local.device)

@@ -100,16 +100,24 @@ def flat_indices(runs: tuple[Tensor, Tensor], start: int, end: int) -> Tensor:
 class ShardIndex:
     """Global flat indices of one rank's local shard, whole (:meth:`full`) or by flat ranges (:meth:`flat`,
     bounded memory). With no mesh dims the shard is the whole tensor. ``rows``, where given, are dim 0's global
-    indices instead (dropout: each local row's row in the step's global batch).
+    indices instead (dropout: each local row's row in the step's global batch). ``given`` maps a dim of
+    ``global_shape`` that is itself part of a longer one to (that one's size, the indices the dim holds of it), which
+    any placement on the dim then picks from (dropout under context parallelism: the sequence positions a rank
+    holds, which no placement describes, perhaps split again by sequence parallelism).
 
     ``runs``: row-major, the shard is rows along the last dim, row r holding row_starts[r] + last (see
     :func:`flat_indices`); the C kernels take the index in this form and never hold it element by element."""
 
-    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None):
-        self.global_shape = tuple(int(s) for s in global_shape)
-        vecs = _dim_index_vectors(self.global_shape, mesh_shape, mesh_coord, placements)
+    def __init__(self, global_shape, mesh_shape=(), mesh_coord=(), placements=(), device=None, rows=None, given=None):
+        shape = [int(s) for s in global_shape]
+        vecs = _dim_index_vectors(shape, mesh_shape, mesh_coord, placements)
         if rows is not None:
             vecs[0] = rows.reshape(-1).to(torch.int64)
+        for d, (size, indices) in (given or {}).items():
+            indices = indices.reshape(-1).to(torch.int64).cpu()
+            vecs[d] = indices if vecs[d] is None else indices[vecs[d]]
+            shape[d] = size
+        self.global_shape = tuple(shape)
         self.local_shape = tuple(self.global_shape[d] if v is None else v.numel() for d, v in enumerate(vecs))
         self.trivial = all(v is None for v in vecs)
         self.device = torch.device(device) if device is not None else torch.device("cpu")

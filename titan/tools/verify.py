@@ -16,6 +16,8 @@ parameters must be bitwise equal.
 
 A tensor-parallel rank holds a slice of some outputs (a sequence shard, a head or column shard): its record is
 compared with the matching chunk of the reference, found from the one dim whose size is the reference's / tp.
+A context-parallel rank's tokens and outputs hold its positions of each row (the run plan's sequence): they are
+compared with the reference's at those positions.
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ class Recorder:
         self.updated[self.step] = after
         self.step += 1
 
-    def save(self, path: Path, tp_rank: int, tp: int) -> None:
+    def save(self, path: Path, tp_rank: int, tp: int, positions: torch.Tensor | None) -> None:
         fields = ("tokens", "forward", "grads", "updated", "init")
-        torch.save({"tp_rank": tp_rank, "tp": tp, **{f: getattr(self, f) for f in fields}}, path)
+        record = {"tp_rank": tp_rank, "tp": tp, "positions": positions, **{f: getattr(self, f) for f in fields}}
+        torch.save(record, path)
 
 
 def _global_indices(p: torch.Tensor) -> torch.Tensor | None:
@@ -173,7 +176,8 @@ def record(config: Config, steps: int) -> None:
     folder = config.run_dir / RECORDS
     folder.mkdir(exist_ok=True)
     tp = trainer.layout.tp
-    recorder.save(folder / f"rank{trainer.rank}.pt", trainer.mesh["tp"].get_local_rank() if tp > 1 else 0, tp)
+    tp_rank = trainer.mesh["tp"].get_local_rank() if tp > 1 else 0
+    recorder.save(folder / f"rank{trainer.rank}.pt", tp_rank, tp, trainer.stepper.sequence)
     if dist.is_initialized():
         dist.barrier(group=trainer.control_group)
 
@@ -185,7 +189,7 @@ def record(config: Config, steps: int) -> None:
 
 def world_size_of(p) -> int:
     """The processes a layout takes, dp_shard = -1 counting as 1."""
-    return p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.pp
+    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
 
 
 def run_configs(config: Config, folder: Path) -> dict[str, Config]:
@@ -204,7 +208,7 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
         profiling=dataclasses.replace(config.profiling, enable=False),
     )
     single = dataclasses.replace(
-        config.parallel, dp_replicate=1, dp_shard=-1, tp=1, pp=1, dp_weights=[], pp_layers_per_stage=[]
+        config.parallel, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, dp_weights=[], pp_layers_per_stage=[]
     )
     local = config.training.local_batch_size
     runs = {
@@ -275,6 +279,13 @@ def _matching_chunk(want: torch.Tensor, got: torch.Tensor, tp: int, tp_rank: int
     return chunks[tp_rank] if tp_rank < len(chunks) and chunks[tp_rank].shape == got.shape else None
 
 
+def _at_positions(want: torch.Tensor, got: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The reference at a context-parallel rank's positions of each row (dim 1), where `got` holds only those."""
+    if positions is None or want.dim() < 2 or got.dim() < 2 or got.shape[1] == want.shape[1]:
+        return want
+    return want[:, positions]
+
+
 def assemble(pieces: list[tuple], name: str) -> torch.Tensor:
     """The full tensor from the ranks' pieces: (values, flat indices or None for the whole tensor, shape)."""
     values, index, shape = pieces[0]
@@ -337,7 +348,8 @@ def phase_differences(ref: Records, run: Records, step: int, phase: str) -> list
             for s, module, rows, output in r["forward"]:
                 if s != step or (step, module) not in ref.forward:
                     continue
-                want = _matching_chunk(ref.rows(step, module, rows), output, r["tp"], r["tp_rank"])
+                want = _at_positions(ref.rows(step, module, rows), output, r.get("positions"))
+                want = _matching_chunk(want, output, r["tp"], r["tp_rank"])
                 if want is None:
                     raise ConfigError(f"{module}: output of shape {list(output.shape)} matches no reference slice")
                 found.append(Difference(step, phase, module, rank, *_difference(output, want)))
@@ -355,7 +367,8 @@ def exact_differences(ref: Records, run: Records) -> list[Difference]:
     for rank, r in enumerate(run.ranks):
         for step, rows, tokens in r["tokens"]:
             for row, got in zip(rows.tolist(), tokens):
-                if not torch.equal(got, ref.tokens[step, row]):
+                want = ref.tokens[step, row]
+                if not torch.equal(got, want if r.get("positions") is None else want[r["positions"]]):
                     found.append(Difference(step, "data", f"tokens of global row {row}", rank, 1.0, 1.0))
     for name, got in run.init.items():
         if not torch.equal(got, ref.init[name]):

@@ -126,6 +126,8 @@ def build_step(
     optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     step = TrainStep(parts, optimizer, lr_scheduler, plan, config, mesh, device, clock, hook)
+    if plan.layout.cp > 1:
+        step.sequence = torch.cat([torch.arange(r.start, r.stop) for r in plan.rank(rank).sequence])
     if plan.layout.pp > 1:
         step.schedule = _pipeline_schedule(config, spec, args, plan, rank, step, mesh, device)
     return step

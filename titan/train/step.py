@@ -5,6 +5,7 @@ pieces: token_loss, compute_precision and update."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from titan.config import Config
 from titan.data import IGNORE, Batch
 from titan.observe.profiling import StepClock
 from titan.optim import FiniteFlags, clip_grad_norm_, skip_if_nonfinite
+from titan.parallel.cp import all_reduce_gradients
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.parallelize import ModelParts
 from titan.rng import dropout_step
@@ -76,6 +78,8 @@ class TrainStep:
         self.parts, self.optimizer, self.lr_scheduler = parts, optimizer, lr_scheduler
         self.plan, self.config, self.mesh, self.device, self.clock, self.hook = plan, config, mesh, device, clock, hook
         self.schedule = None  # the pipeline schedule, under a pipeline (build.build_step sets it)
+        # Under context parallelism, the positions of each row this rank computes (build.build_step sets them).
+        self.sequence: torch.Tensor | None = None
         self.loss_parallel = plan.layout.tp > 1 and config.parallel.loss_parallel
         self.precision = compute_precision(plan.precision, device.type)
         # Each rank's summed token loss times this is its share of the step's mean loss (1 / the step's loss-bearing
@@ -91,6 +95,10 @@ class TrainStep:
 
     def _step(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.forward_backward(batches, step)
+        layout = self.plan.layout
+        if layout.cp > 1 and layout.dp == 1:  # FSDP sums them over dp_shard x cp; without it, the cp ranks do
+            with self.clock.phase("backward"):
+                all_reduce_gradients(list(self.parts.parameters()), self.mesh["cp"].get_group())
         with self.clock.phase("optimizer"):  # with the gradient-norm all-reduce
             pp_group = self.mesh["pp"].get_group() if self.plan.layout.pp > 1 else None
             grad_norm = update(list(self.parts.parameters()), self.optimizer, self.config.training.max_grad_norm,
@@ -123,16 +131,20 @@ class TrainStep:
         return self.hook.loss(self.step, token_loss(logits, labels) * self.loss_scale)
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Sum the shares over data-parallel ranks, and take it from the last pipeline stage."""
+        """Sum the shares over data- and context-parallel ranks, and take it from the last pipeline stage."""
         layout = self.plan.layout
         if layout.dp > 1:
             dist.all_reduce(local, group=self.mesh["dp"].get_group())
+        if layout.cp > 1:
+            dist.all_reduce(local, group=self.mesh["cp"].get_group())
         if layout.pp > 1:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())  # stages without the loss hold 0
         return local
 
     def _micro_batch(self, batch: Batch, train: bool) -> torch.Tensor:
         """Forward (and backward, when training) one micro-batch; returns its scaled loss sum, detached."""
+        if self.sequence is not None:
+            batch = self.this_ranks_positions(batch)
         batch = batch.to(self.device)
         # A fresh context per micro-batch: loss_parallel() is a generator-based context, usable once.
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
@@ -146,6 +158,13 @@ class TrainStep:
                 with self.clock.phase("backward"):
                     loss.backward()
         return full_tensor(loss).detach()
+
+    def this_ranks_positions(self, batch: Batch) -> Batch:
+        """The tokens and labels this context-parallel rank computes; the document ids stay whole, as positions and
+        documents are the whole row's."""
+        labels = batch.labels[:, self.sequence]
+        loss_tokens = int((labels != IGNORE).sum())
+        return dataclasses.replace(batch, inputs=batch.inputs[:, self.sequence], labels=labels, loss_tokens=loss_tokens)
 
     def _pipeline(self, batch: Batch, train: bool) -> torch.Tensor:
         losses: list[torch.Tensor] = []

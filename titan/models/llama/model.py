@@ -248,6 +248,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Context parallelism installs its ring here (titan/parallel/cp.py): attend(q, k, v, mask, rows, dropout).
+        self.context_parallel = None
 
     def forward(
         self,
@@ -267,7 +269,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.extend(k, v)
-        if isinstance(mask, BlockMask):
+        if self.context_parallel is not None:  # this rank's chunks of the sequence; the others' come round a ring
+            out = self.context_parallel.attend(q, k, v, mask, rows, self.dropout if self.training else None)
+        elif isinstance(mask, BlockMask):
             out = attend_flex(q, k, v, mask)
         elif isinstance(mask, list):
             out = attend_per_document(q, k, v, mask)
@@ -341,6 +345,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
+        # Context parallelism's view of the sequence (titan/parallel/cp.py): `positions`, the positions of each row
+        # that this rank's tokens hold, and mask(document_ids), what its attention's ring needs of the documents.
+        self.context_parallel = None
         for name, module in self.named_modules():
             if isinstance(module, rng.Dropout):
                 module.stream = name  # the mask's stream: the same name on every layout
@@ -377,6 +384,15 @@ class Transformer(nn.Module):
             # non-square one top-left.
             positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
             rope = self.rope[positions]
+        elif self.context_parallel is not None:
+            # `tokens` are this rank's positions of each row: RoPE and documents follow from the whole row's.
+            here = self.context_parallel.positions
+            rope = (
+                self.rope[here].unsqueeze(0)
+                if document_ids is None
+                else self.rope[document_positions(document_ids)[:, here]]
+            )
+            mask = self.context_parallel.mask(document_ids)
         elif document_ids is None:
             # The whole table: a later pipeline stage's hidden states may be a sequence shard (sequence
             # parallel), while attention sees the whole sequence and takes its length from the table.

@@ -162,13 +162,15 @@ def pipeline_io(args: ModelArgs, batch: StageBatch) -> StageIO:
     pass hidden states (sequence-sharded under sequence parallel) with the rows and, with document masking, the
     document ids."""
     meta = dict(device="meta")
-    ids = torch.empty(batch.rows, batch.seq_len, dtype=torch.long, **meta)
-    states = torch.empty(batch.rows, batch.seq_len // batch.seq_shards, args.dim, dtype=batch.dtype, **meta)
+    seq = batch.seq_len // batch.context_shards  # the positions this rank computes
+    ids = torch.empty(batch.rows, batch.seq_len, dtype=torch.long, **meta)  # document ids: whole rows
+    tokens = torch.empty(batch.rows, seq, dtype=torch.long, **meta)
+    states = torch.empty(batch.rows, seq // batch.seq_shards, args.dim, dtype=batch.dtype, **meta)
     states.requires_grad_()
     passed = (torch.empty(batch.rows, dtype=torch.long, **meta),) + ((ids,) if batch.documents else ())
-    inputs = ((ids,) if batch.first else (states,)) + passed
+    inputs = ((tokens,) if batch.first else (states,)) + passed
     if batch.last:
-        return StageIO(inputs, (torch.empty(batch.rows, batch.seq_len, args.vocab_size, **meta),))
+        return StageIO(inputs, (torch.empty(batch.rows, seq, args.vocab_size, **meta),))
     return StageIO(inputs, (states,) + passed)
 
 
