@@ -19,16 +19,24 @@ from filelock import FileLock, Timeout
 log = logging.getLogger("titan")
 
 
+class LockGone(Exception):
+    """The folder holding a lock file went away before the lock was ours: the process that held it finished the
+    work and removed its scratch folder (a prepared source's units, once merged)."""
+
+
 @contextlib.contextmanager
 def locked(folder: Path, doing: str):
     """Hold `folder`'s lock file; `doing` says what another holder is doing, for the log while waiting. The
     kernel drops the lock when its holder dies, so a killed holder leaves nothing to clean."""
     lock = FileLock(folder.with_name(folder.name + ".lock"))
     try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        log.info("waiting for another process %s %s", doing, folder)
-        lock.acquire()
+        try:
+            lock.acquire(blocking=False)
+        except Timeout:
+            log.info("waiting for another process %s %s", doing, folder)
+            lock.acquire()
+    except FileNotFoundError:
+        raise LockGone(folder) from None
     try:
         yield
     finally:
@@ -63,6 +71,15 @@ def build_once(folder: Path, is_complete: Callable[[Path], bool], build: Callabl
     if is_complete(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build_locked(folder, is_complete, build, doing)
+    except LockGone:
+        if is_complete(folder):
+            return folder
+        raise
+
+
+def _build_locked(folder: Path, is_complete: Callable[[Path], bool], build: Callable[[Path], None], doing: str):
     with locked(folder, doing):
         if is_complete(folder):  # another process built it while this one waited
             return folder

@@ -273,6 +273,35 @@ def test_two_processes_preparing_one_source_at_once_write_it_once(tmp_path):
     assert PreparedDocuments(folder).n_documents == len(TEXTS)
 
 
+def test_a_process_waiting_on_a_unit_takes_the_work_of_the_one_that_merged_and_removed_it(tmp_path):
+    """The other rank finishes the unit, merges the source and removes the units' folder, lock file and all,
+    while this one waits for that lock: this one then finds the source complete, rather than crashing."""
+    import threading
+
+    from filelock import FileLock
+
+    from titan.files import build_once
+
+    parts = tmp_path / ".corpus.parts"
+    unit, merged = parts / "unit-0-1", tmp_path / "corpus"
+    parts.mkdir()
+    holder = FileLock(unit.with_name(unit.name + ".lock"))
+    holder.acquire()
+
+    def build(tmp):
+        raise AssertionError("the unit was built twice")
+
+    found = {}
+    waiter = threading.Thread(target=lambda: found.update(path=build_once(unit, lambda _: merged.exists(), build, "")))
+    waiter.start()
+    time.sleep(0.5)  # it waits on the lock
+    merged.mkdir()
+    shutil.rmtree(parts)
+    holder.release()
+    waiter.join(10)
+    assert found == {"path": unit}
+
+
 def test_ensure_prepared_prepares_small_local_sources_and_refuses_large_or_hub_ones(tmp_path):
     source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
     cache = tmp_path / "cache"
