@@ -221,16 +221,23 @@ def test_a_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
         PreparedDocuments(path)
 
 
+def prepare_in_a_process(source: Path, cache: Path, *options: str) -> subprocess.Popen:
+    """A real prepare of `source` into `cache` with one worker, in a process a test can kill."""
+    script = (
+        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
+        "from titan.data.prepared import prepare; "
+        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False"
+        + "".join(f", {o}" for o in options)
+        + ")"
+    )
+    return subprocess.Popen([sys.executable, "-c", script, str(source), TOKENIZER.path, str(cache)], cwd=ROOT)
+
+
 @pytest.mark.slow
 def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 3000)
     cache = tmp_path / "cache"
-    script = (
-        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
-        "from titan.data.prepared import prepare; "
-        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", script, str(source), TOKENIZER.path, str(cache)], cwd=ROOT)
+    child = prepare_in_a_process(source, cache)
     deadline = time.time() + 60
     while not any(p.name.startswith(".") and any(p.iterdir()) for p in cache.glob("*")) and time.time() < deadline:
         time.sleep(0.05)
@@ -458,12 +465,7 @@ def test_the_cli_prepares_a_part_and_says_what_remains(tmp_path):
 def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypatch):
     corpus = write_files(tmp_path / "corpus", 6, repeat=100)
     cache = tmp_path / "cache"
-    script = (
-        "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
-        "from titan.data.prepared import prepare; "
-        "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), 1, False, unit_bytes=1)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", script, str(corpus), TOKENIZER.path, str(cache)], cwd=ROOT)
+    child = prepare_in_a_process(corpus, cache, "unit_bytes=1")
     done = lambda: sorted(p.parent.name for p in cache.glob(".*.parts/unit-*/COMPLETE"))  # noqa: E731
     deadline = time.time() + 120
     while len(done()) < 2 and child.poll() is None and time.time() < deadline:
