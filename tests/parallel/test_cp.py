@@ -65,7 +65,7 @@ def full_attention(q, k, v, documents, dropout, rows):
 
 def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: bool = False):
     """This rank's outputs and q, k, v gradients by the ring, less those of full attention at its positions (the
-    largest absolute difference of each), and how many chunk pairs it computed."""
+    largest absolute difference of each), how many chunk pairs it computed, and of which kinds."""
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     rank = dist.get_rank()
     batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 8 * cp, 16
@@ -94,7 +94,7 @@ def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: b
     (expected * weights).sum().backward()
     diffs = [(out - expected[:, :, here]).abs().max().item()]
     diffs += [(mine.grad - full.grad[:, :, here]).abs().max().item() for mine, full in zip(local, whole)]
-    return diffs, len(mask.pairs)
+    return diffs, len(mask.pairs), {pair.kind for pair in mask.pairs.values()}
 
 
 # fp32, |out| ~ 1 and gradients ~ 1: measured at most 1.7e-6 on every case below (the ring sums its blocks' softmax
@@ -109,20 +109,21 @@ RING_ATOL = 1e-5
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "attention_dropout"])
 def test_ring_attention_matches_full_attention_forward_and_backward(cp, documents, p):
     results = run_distributed(ring_against_full_attention, cp, cp, documents, p)
-    for diffs, _ in results:
+    for diffs, _, _ in results:
         assert max(diffs) < RING_ATOL, diffs
     # Causal: of each rank's 2 x 2·cp chunk pairs, those whose keys all come after the queries are skipped.
-    pairs = [n for _, n in results]
+    pairs = [n for _, n, _ in results]
     if not documents:
         assert pairs == [2 * cp + 1] * cp
-    else:  # documents that never meet across chunks skip more
+    else:  # documents that never meet across chunks skip more, and pairs where they meet in part run by document
         assert sum(pairs) < cp * (2 * cp + 1)
+        assert all("spans" in kinds for _, _, kinds in results)
 
 
 @pytest.mark.distributed
 def test_a_ring_that_drops_a_block_is_caught():
     """The comparison above can fail: without one block of keys, outputs and gradients move far outside it."""
-    for diffs, _ in run_distributed(ring_against_full_attention, 2, 2, False, 0.0, True):
+    for diffs, _, _ in run_distributed(ring_against_full_attention, 2, 2, False, 0.0, True):
         assert max(diffs) > 100 * RING_ATOL, diffs
 
 

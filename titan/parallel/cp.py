@@ -9,9 +9,11 @@ and each block's key and value gradients travel with it back to the rank that ow
 Work is planned per pair of chunks (a query chunk, a key chunk), from global positions: a pair whose keys all
 come after its queries is skipped (the fully masked half, on and off the diagonal), so is one whose documents
 never meet; a diagonal pair is causal, a pair below it is attended whole, and a pair where documents meet only
-in part takes a mask. RoPE positions and document ids are the whole row's (the model computes them on the row and
-takes this rank's positions), and dropout masks are keyed by global position (rng.Dropout.sequence and
-keep_mask), so every mask is bitwise the one a single process draws.
+in part is attended document by document (each shared document's queries to its keys), as one process attends
+one document at a time: a document of s tokens costs about s² whatever the chunks. RoPE positions and document
+ids are the whole row's (the model computes them on the row and takes this rank's positions), and dropout masks
+are keyed by global position (rng.Dropout.sequence and keep_mask), so every mask is bitwise the one a single
+process draws.
 
 On the CPU the blocks run on the CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and
 its backward, which take and return the log-sum-exp the merge needs); with attention dropout, or off the CPU,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -37,12 +40,21 @@ KV_TAG, GRAD_TAG = 0, 1  # the two streams of one backward step may be in flight
 
 @dataclass(frozen=True)
 class PairMask:
-    """How a query chunk attends to a key chunk: "causal" (the diagonal), "full", or "masked" by `bias` (0 or -inf,
-    (batch, 1, chunk, chunk)); `empty`: the queries that attend to none of these keys, (batch, 1, chunk), or None."""
+    """How a query chunk attends to a key chunk: "causal" (the diagonal), "full", or by "spans": the documents the
+    two chunks share, each as (row, query start, query stop, key start, key stop) within the chunks, causal on the
+    diagonal (there a document's query and key spans are the same) and whole below it."""
 
     kind: str
-    bias: Tensor | None = None
-    empty: Tensor | None = None
+    spans: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    def bias(self, batch: int, chunk: int, diagonal: bool, device) -> Tensor:
+        """The spans as an additive mask (batch, 1, chunk, chunk): 0 where a query attends to a key, else -inf."""
+        allowed = torch.zeros(batch, 1, chunk, chunk, dtype=torch.bool, device=device)
+        for row, qs, qe, ks, ke in self.spans:
+            allowed[row, 0, qs:qe, ks:ke] = True
+        if diagonal:
+            allowed = allowed.tril()
+        return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, NEG_INF)
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,16 @@ class RingMask:
     """The chunk pairs (query chunk, key chunk), by global chunk index, that this rank's queries attend to."""
 
     pairs: dict[tuple[int, int], PairMask]
+
+
+def document_runs(document_ids: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each row's documents as (starts, stops): runs of one id, as one process's CPU attention reads them."""
+    runs = []
+    for row in document_ids.cpu():
+        _, counts = torch.unique_consecutive(row, return_counts=True)
+        stops = counts.cumsum(0).numpy()
+        runs.append((stops - counts.numpy(), stops))
+    return runs
 
 
 class ContextParallel:
@@ -77,26 +99,41 @@ class ContextParallel:
         """The pairs to compute for rows of these documents ((batch, seq), the whole rows; None: one causal
         sequence per row). Planned once per micro-batch and used by every layer, forward and backward."""
         pairs = {}
+        runs = None if document_ids is None else document_runs(document_ids)
         for a in self.chunks:
             for b in range(a + 1):  # keys after every query of the chunk: nothing to attend to
-                if document_ids is None:
-                    pairs[a, b] = PairMask("causal" if a == b else "full")
+                whole = PairMask("causal" if a == b else "full")
+                if runs is None:
+                    pairs[a, b] = whole
                     continue
-                q_docs, k_docs = (document_ids[:, self.span(c, document_ids.device)] for c in (a, b))
-                # Chunks whose id ranges are apart in every row share no document: no need to compare their ids.
-                if not ((q_docs.amin(1) <= k_docs.amax(1)) & (k_docs.amin(1) <= q_docs.amax(1))).any():
+                spans = self._shared(runs, a, b)
+                if not spans:
                     continue
-                same = q_docs[:, :, None] == k_docs[:, None, :]
-                allowed = same.tril() if a == b else same
-                if not allowed.any():
-                    continue
-                if bool(same.all()):  # one document across both chunks in every row
-                    pairs[a, b] = PairMask("causal" if a == b else "full")
-                    continue
-                bias = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, NEG_INF)
-                empty = ~allowed.any(-1)
-                pairs[a, b] = PairMask("masked", bias[:, None], empty[:, None] if empty.any() else None)
+                # One document across both chunks in every row: the whole pair in one kernel call.
+                one = len(spans) == len(runs) and all(
+                    (qs, qe, ks, ke) == (0, self.chunk, 0, self.chunk) for _, qs, qe, ks, ke in spans
+                )
+                pairs[a, b] = whole if one else PairMask("spans", tuple(spans))
         return RingMask(pairs)
+
+    def _shared(self, runs, a: int, b: int) -> list[tuple[int, int, int, int, int]]:
+        """The documents that query chunk `a` and key chunk `b` (b <= a) share, as PairMask spans."""
+        c, spans = self.chunk, []
+        for row, (starts, stops) in enumerate(runs):
+            if a == b:  # every document in the chunk, causal on itself
+                lo, hi = a * c, (a + 1) * c
+                first, last = np.searchsorted(stops, lo, "right"), np.searchsorted(starts, hi, "left")
+                for start, stop in zip(starts[first:last].tolist(), stops[first:last].tolist()):
+                    qs, qe = max(start, lo) - lo, min(stop, hi) - lo
+                    spans.append((row, qs, qe, qs, qe))
+                continue
+            # Below the diagonal only a document holding the key chunk's last token and the query chunk's first
+            # can be in both.
+            i = np.searchsorted(stops, (b + 1) * c - 1, "right")
+            if i < len(stops) and stops[i] > a * c:
+                start, stop = int(starts[i]), int(stops[i])
+                spans.append((row, 0, min(stop, (a + 1) * c) - a * c, max(start, b * c) - b * c, c))
+        return spans
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: RingMask, rows: Tensor, dropout: rng.Dropout | None
@@ -218,7 +255,8 @@ class Blocks:
         """A gradient of expanded key or value heads, summed back onto the kv heads."""
         return grad.unflatten(1, (-1, self.groups)).sum(2) if self.groups > 1 else grad
 
-    def _flash(self, q: Tensor) -> bool:
+    def _on_kernels(self, q: Tensor) -> bool:
+        """Whether blocks run on the CPU flash-attention kernels (else explicitly: dropout, or off the CPU)."""
         return q.device.type == "cpu" and self.drop is None
 
     def _keep(self, a: int, b: int, shape) -> Tensor:
@@ -229,44 +267,53 @@ class Blocks:
             given[1] = (heads * ring.tp, torch.arange(ring.tp_rank * heads, (ring.tp_rank + 1) * heads))
         return self.drop.keep_mask(tuple(shape), self.rows, given)
 
-    def _scores(self, pair: PairMask, q: Tensor, k: Tensor) -> Tensor:
+    def _scores(self, a: int, b: int, pair: PairMask, q: Tensor, k: Tensor) -> Tensor:
         scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
         if pair.kind == "causal":
             above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
             return scores.masked_fill_(above, NEG_INF)
-        return scores + pair.bias if pair.kind == "masked" else scores
+        if pair.kind == "spans":
+            return scores + pair.bias(q.shape[0], self.ring.chunk, a == b, scores.device)
+        return scores
 
-    @staticmethod
-    def _bias(pair: PairMask, q: Tensor) -> Tensor | None:
-        return None if pair.bias is None else pair.bias.to(q.dtype)  # the kernel takes a mask of the queries' dtype
+    def _flash(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
+        return out, lse
+
+    def _flash_backward(self, grad_out, q, k, v, out, lse, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=self.scale
+        )
 
     def forward(self, a: int, b: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if self._flash(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, pair.kind == "causal", attn_mask=self._bias(pair, q), scale=self.scale
-            )
-        else:
-            scores = self._scores(pair, q, k)
+        if not self._on_kernels(q):
+            scores = self._scores(a, b, pair, q, k)
             lse = scores.logsumexp(-1)
             probs = (scores - lse.masked_fill(lse == NEG_INF, 0)[..., None]).exp_()
             if self.drop is not None:
                 probs = probs * self._keep(a, b, probs.shape) / (1 - self.drop.p)
-            out = probs @ v.float()
-        # The kernel gives a query with no key here a log-sum-exp of 0; it must weigh nothing in the merge.
-        return out.float(), lse if pair.empty is None else lse.masked_fill(pair.empty, NEG_INF)
+            return probs @ v.float(), lse
+        if pair.kind != "spans":
+            out, lse = self._flash(q, k, v, pair.kind == "causal")
+            return out.float(), lse
+        # Queries of no shared document keep a log-sum-exp of -inf: they weigh nothing in the merge.
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
+        for row, qs, qe, ks, ke in pair.spans:
+            o, o_lse = self._flash(
+                q[row : row + 1, :, qs:qe], k[row : row + 1, :, ks:ke], v[row : row + 1, :, ks:ke], a == b
+            )
+            out[row, :, qs:qe], lse[row, :, qs:qe] = o[0], o_lse[0]
+        return out, lse
 
     def backward(self, a, b, q, k, v, out, lse, grad_out) -> tuple[Tensor, Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if self._flash(q):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, q, k, v, out, lse, 0.0, pair.kind == "causal", attn_mask=self._bias(pair, q), scale=self.scale
-            )
-        else:
+        if not self._on_kernels(q):
             grad_out, out = grad_out.float(), out.float()
-            probs = (self._scores(pair, q, k) - lse[..., None]).exp_()
+            probs = (self._scores(a, b, pair, q, k) - lse[..., None]).exp_()
             grad_probs = grad_out @ v.float().transpose(-1, -2)
             if self.drop is not None:
                 kept = self._keep(a, b, probs.shape) / (1 - self.drop.p)
@@ -275,6 +322,19 @@ class Blocks:
                 dv = probs.transpose(-1, -2) @ grad_out
             grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True)) * self.scale
             dq, dk = grad_scores @ k.float(), grad_scores.transpose(-1, -2) @ q.float()
+        elif pair.kind != "spans":
+            dq, dk, dv = self._flash_backward(grad_out, q, k, v, out, lse, pair.kind == "causal")
+        else:
+            dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+            for row, qs, qe, ks, ke in pair.spans:
+                at_q, at_k = (row, slice(None), slice(qs, qe)), (row, slice(None), slice(ks, ke))
+                grads = self._flash_backward(
+                    grad_out[row : row + 1, :, qs:qe], q[row : row + 1, :, qs:qe], k[row : row + 1, :, ks:ke],
+                    v[row : row + 1, :, ks:ke], out[row : row + 1, :, qs:qe], lse[row : row + 1, :, qs:qe], a == b,
+                )  # fmt: skip
+                dq[at_q] += grads[0][0]
+                dk[at_k] += grads[1][0]
+                dv[at_k] += grads[2][0]
         return dq.float(), self._reduce(dk).float(), self._reduce(dv).float()
 
 
