@@ -4,6 +4,7 @@ token-balanced baseline."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
 import random
@@ -147,3 +148,51 @@ def test_simulated_at_scale_the_cost_assignment_reaches_the_lower_bound(pp):
     result = simulate(PackingScenario(replicas=64, pp=pp, flavor="8B", micro_batches=8 if pp > 1 else 2, steps=2))
     assert result["cost_step_s"] <= 1.005 * result["bound_step_s"]
     assert result["tokens_step_s"] > (1.10 if pp == 1 else 1.02) * result["bound_step_s"]
+
+
+# Assignments of the code before context parallelism (commit e560c94), recorded by hand: with cp = 1 they must not
+# change. The small case in full; 20 random instances per seed (pipelines, uneven speeds) by a digest of their
+# micro-batches and times.
+BEFORE_CP = {
+    (3, None): (
+        ([[[3], [5, 1]], [[8, 7, 4], [2]], [[0, 9], [6]]], [1.2307, 1.096796, 0.930844]),
+        ([[[3], []], [[8], [2]], [[0, 5, 7], [6, 9, 1, 4]]], [1.12, 1.0824, 1.05594]),
+    ),
+    (2, (1.0, 0.6)): (
+        ([[[3], [6, 2, 1], [4], []], [[8, 7], [0, 5], [9], []]], [3.106444, 4.72332]),
+        ([[[3], [0], [6], [5, 1]], [[8], [2], [9], [7, 4]]], [3.764388, 4.055326666666667]),
+    ),
+}
+BEFORE_CP_DIGESTS = ["cc6065a5da7af0ae", "64e79c3e0257b356", "a5e677efdcb31945", "1809ae61e5b408c6"]
+
+
+def test_without_cp_the_assignments_are_those_before_cp():
+    lengths = [700, 90, 400, 1000, 30, 260, 512, 64, 880, 150]
+    cost = CostModel(a=1e-6, b=1e-4, c=0.01)
+    for (ranks, speeds), expected in BEFORE_CP.items():
+        target = Target((1024,) * ranks) if ranks == 3 else Target((1024,) * ranks, 2, 2, padded=True)
+        for balance, (bins, times) in zip((balance_by_tokens, balance_by_cost), expected):
+            assignment = balance(lengths, cost, target, speeds and list(speeds))
+            assert assignment.micro_batches == bins
+            assert assignment.times == pytest.approx(times, rel=1e-12)
+
+
+def random_instance(rng):
+    ranks, stages = rng.choice([2, 3, 5]), rng.choice([1, 1, 2, 4])
+    n, capacity = rng.randint(4, 40), rng.choice([512, 1024, 2048])
+    lengths = [min(capacity, int(rng.lognormvariate(math.log(200), 1.2)) + 1) for _ in range(n)]
+    cost = CostModel(a=rng.uniform(0.2, 2.0) * 1e-6, b=1e-4, c=rng.uniform(0.0, 0.05))
+    target = Target((capacity,) * ranks, pipeline_stages=stages, group=stages, padded=stages > 1)
+    speeds = None if rng.random() < 0.6 else [rng.uniform(0.5, 1.0) for _ in range(ranks)]
+    return lengths, cost, target, speeds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_without_cp_random_assignments_are_those_before_cp(seed):
+    rng, out = random.Random(seed), []
+    for _ in range(20):
+        lengths, cost, target, speeds = random_instance(rng)
+        for balance in (balance_by_tokens, balance_by_cost):
+            assignment = balance(lengths, cost, target, speeds)
+            out.append((assignment.micro_batches, [round(t, 9) for t in assignment.times]))
+    assert hashlib.sha256(repr(out).encode()).hexdigest()[:16] == BEFORE_CP_DIGESTS[seed]
