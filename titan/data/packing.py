@@ -181,8 +181,10 @@ def balance_by_cost(
     _check_fits(lengths, target)
     if target.cp > 1:
         rows = balance_by_cost(lengths, _row_share(cost, target.cp), target.rows(), _group_speeds(speeds, target.cp))
+        capacity = target.capacities[:: target.cp]
+        rings = [[_arrange(b, lengths, capacity[g], target.cp) for b in bins] for g, bins in enumerate(rows.micro_batches)]
         candidates = [_place(lengths, cost, target, speeds)] if place else []
-        candidates += [_as_rings(rows, lengths, cost, target, speeds), balance_by_tokens(lengths, cost, target, speeds)]
+        candidates += [_as_rings(rings, lengths, cost, target, speeds), balance_by_tokens(lengths, cost, target, speeds)]
         return min(candidates, key=lambda assignment: assignment.step_time)  # the first of equals
     ranks = _dispatch(lengths, cost, target, speeds)
     best = _pack_all(ranks, lengths, cost, target, speeds, balanced=True)
@@ -200,7 +202,7 @@ def balance_by_tokens(
     _check_fits(lengths, target)
     if target.cp > 1:
         rows = balance_by_tokens(lengths, _row_share(cost, target.cp), target.rows(), _group_speeds(speeds, target.cp))
-        return _as_rings(rows, lengths, cost, target, speeds)
+        return _as_rings(rows.micro_batches, lengths, cost, target, speeds)
     fill = np.zeros(target.ranks)  # tokens over capacity
     capacities = np.asarray(target.capacities, dtype=np.float64)
     ranks: list[list[int]] = [[] for _ in range(target.ranks)]
@@ -233,10 +235,10 @@ def _group_speeds(speeds: list[float], cp: int) -> list[float]:
     return [min(speeds[g : g + cp]) for g in range(0, len(speeds), cp)]
 
 
-def _as_rings(rows: Assignment, lengths: list[int], cost: CostModel, target: Target, speeds) -> Assignment:
-    """An assignment of rows to cp groups as every group's ranks run it: each micro-batch a ring."""
+def _as_rings(rows: list[list[list[int]]], lengths: list[int], cost: CostModel, target: Target, speeds) -> Assignment:
+    """Each cp group's micro-batches `rows` as its ranks run them: every one a ring."""
     no_local = [[] for _ in range(target.ranks)]
-    return _pack_all(no_local, lengths, cost, target, speeds, balanced=False, rings=rows.micro_batches)
+    return _pack_all(no_local, lengths, cost, target, speeds, balanced=False, rings=rows)
 
 
 def _dispatch(lengths: list[int], cost: CostModel, target: Target, speeds: list[float]) -> list[list[int]]:
@@ -252,27 +254,30 @@ def _place(lengths: list[int], cost: CostModel, target: Target, speeds: list[flo
     a ring's time on each rank of the group, packed into rings; then the others to single ranks, whose loads start
     from their groups'."""
     cp, weight, fixed = target.cp, _weights(lengths, cost, target), _fixed_cost(lengths, cost, target)
+    capacity, longest = target.capacities[::cp], max(target.capacities)
     # A ring document's seconds on each rank of its group: alone in its ring, with its share of the linear work.
-    share = [ring_time([s], cost, max(target.capacities), cp) - cost.c - cost.b * (cp * max(target.capacities) - s) / cp
-             for s in lengths]  # fmt: skip
-    long = [i for i, s in enumerate(lengths) if s > max(target.capacities)]
-    rows, slowest = target.rows().capacities, _group_speeds(speeds, cp)
-    groups, _ = _greedy(long, share, [fixed] * target.dp, lengths, rows, slowest)
-    short = sorted((i for i, s in enumerate(lengths) if s <= max(target.capacities)), key=lambda i: (-lengths[i], i))
+    share = [ring_time([s], cost, longest, cp) - cost.c - cost.b * (cp * longest - s) / cp for s in lengths]
+    long = [i for i, s in enumerate(lengths) if s > longest]
+    slowest = _group_speeds(speeds, cp)
+    groups, _ = _greedy(long, share, [fixed] * target.dp, lengths, target.rows().capacities, slowest)
+    short = sorted((i for i, s in enumerate(lengths) if s <= longest), key=lambda i: (-lengths[i], i))
     rings = [
-        [_arrange(_fill(ring, short, lengths, cost, target.capacities[g * cp], cp), lengths, target.capacities[g * cp], cp)
-         for ring in _first_fit_decreasing(docs, lengths, rows[g], None)]
+        [_arrange(_fill(ring, short, lengths, cost, capacity[g], cp), lengths, capacity[g], cp)
+         for ring in _first_fit_decreasing(docs, lengths, cp * capacity[g], None)]
         for g, docs in enumerate(groups)
     ]  # fmt: skip
-    ring_load = [sum(ring_time([lengths[i] for i in ring], cost, target.capacities[g * cp], cp) - cost.c
-                     for ring in group) for g, group in enumerate(rings)]  # fmt: skip
+    ring_load = [sum(ring_time([lengths[i] for i in ring], cost, capacity[g], cp) - cost.c for ring in group)
+                 for g, group in enumerate(rings)]  # fmt: skip
     # A rank's share of its group's rings, in its own seconds: the rings run at the group's slowest rank's pace.
     start = [fixed + ring_load[r // cp] * speeds[r] / slowest[r // cp] for r in range(target.ranks)]
     ranks, _ = _greedy(short, weight, start, lengths, target.capacities, speeds)
     return _pack_all(ranks, lengths, cost, target, speeds, balanced=True, rings=rings)
 
 
-def _arrange(ring, lengths, capacity, cp):
+def _arrange(ring: list[int], lengths: list[int], capacity: int, cp: int) -> list[int]:
+    """The order of a ring's documents in its row, of this one and the longest at alternate ends (where a
+    document's heavy last chunks share ranks with the other's light first ones), whose busiest rank has less
+    attention (ring_attention)."""
     by_length = sorted(ring, key=lambda i: (-lengths[i], i))
     ends = by_length[::2] + by_length[1::2][::-1]
     return min((ring, ends), key=lambda docs: max(ring_attention([lengths[i] for i in docs], capacity, cp)))
