@@ -615,7 +615,9 @@ def _simulate_packing_cp(replicas: int, steps: int, flavors: list[str], seed: in
 
     if replicas % cp:
         raise UserError(f"--replicas {replicas} do not form cp groups of --cp {cp}")
-    scenario = PackingScenario(replicas, cp=cp, capacity=131072 // cp, max_len=131072, sigma=1.5, steps=steps, seed=seed)
+    scenario = PackingScenario(
+        replicas, cp=cp, capacity=131072 // cp, max_len=131072, sigma=1.5, steps=steps, seed=seed
+    )
     typer.echo(
         f"{replicas} ranks ({replicas // cp} cp groups of {cp}), {steps} steps; documents lognormal (median "
         f"{scenario.median_len}, sigma {scenario.sigma}) clipped at 128k; rows of 128k tokens, {scenario.capacity} "
@@ -623,7 +625,9 @@ def _simulate_packing_cp(replicas: int, steps: int, flavors: list[str], seed: in
     )
     for key, policy in CP_POLICIES.items():
         typer.echo(f"  {key}: {policy}")
-    typer.echo(f"{'flavor':<8}{'policy':<8}{'s/step':>9}{'over bound':>12}{'imbalance':>11}{'plan ms':>9}{'speed-up':>10}")
+    typer.echo(
+        f"{'flavor':<8}{'policy':<8}{'s/step':>9}{'over bound':>12}{'imbalance':>11}{'plan ms':>9}{'speed-up':>10}"
+    )
     for name in flavors:
         results = simulate_cp(dataclasses.replace(scenario, flavor=name))
         for key in CP_POLICIES:

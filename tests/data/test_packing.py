@@ -244,7 +244,9 @@ def test_cp_assignments_are_valid_and_cost_balanced_is_never_slower(seed):
     for _ in range(12):
         cp, dp, stages = rng.choice([2, 4]), rng.choice([1, 2, 3]), rng.choice([1, 1, 2])
         capacity = rng.choice([256, 512])
-        lengths = [min(cp * capacity, int(rng.lognormvariate(math.log(150), 1.5)) + 1) for _ in range(rng.randint(1, 60))]
+        lengths = [
+            min(cp * capacity, int(rng.lognormvariate(math.log(150), 1.5)) + 1) for _ in range(rng.randint(1, 60))
+        ]
         cost = CostModel(a=rng.uniform(0.2, 2.0) * 1e-6, b=1e-4, c=rng.uniform(0.0, 0.01), r=rng.choice([0.0, 1e-5]))
         target = Target((capacity,) * (dp * cp), stages, stages, padded=stages > 1, cp=cp)
         speeds = [1.0] * target.ranks if rng.random() < 0.6 else [rng.uniform(0.5, 1.0) for _ in range(target.ranks)]

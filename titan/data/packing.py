@@ -182,9 +182,14 @@ def balance_by_cost(
     if target.cp > 1:
         rows = balance_by_cost(lengths, _row_share(cost, target.cp), target.rows(), _group_speeds(speeds, target.cp))
         capacity = target.capacities[:: target.cp]
-        rings = [[_arrange(b, lengths, capacity[g], target.cp) for b in bins] for g, bins in enumerate(rows.micro_batches)]
+        rings = [
+            [_arrange(b, lengths, capacity[g], target.cp) for b in bins] for g, bins in enumerate(rows.micro_batches)
+        ]
         candidates = [_place(lengths, cost, target, speeds)] if place else []
-        candidates += [_as_rings(rings, lengths, cost, target, speeds), balance_by_tokens(lengths, cost, target, speeds)]
+        candidates += [
+            _as_rings(rings, lengths, cost, target, speeds),
+            balance_by_tokens(lengths, cost, target, speeds),
+        ]
         return min(candidates, key=lambda assignment: assignment.step_time)  # the first of equals
     ranks = _dispatch(lengths, cost, target, speeds)
     best = _pack_all(ranks, lengths, cost, target, speeds, balanced=True)
@@ -391,7 +396,8 @@ def _pack_all(
     before = [len(rings[r // cp]) for r in range(target.ranks)]
     slowest = _group_speeds(speeds, cp)
     needed = max(
-        before[r] + len(_first_fit_decreasing(docs, lengths, target.capacities[r], None)) for r, docs in enumerate(ranks)
+        before[r] + len(_first_fit_decreasing(docs, lengths, target.capacities[r], None))
+        for r, docs in enumerate(ranks)
     )
     count = max(target.group, math.ceil(needed / target.group) * target.group)
     best = None

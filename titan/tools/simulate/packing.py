@@ -14,8 +14,8 @@ bytes a hop carries (titan.train.cost_fit.ring_bytes_per_token) over the link's 
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -88,7 +88,9 @@ def lower_bound(lengths: list[int], cost: CostModel, target: Target) -> float:
     base = per_micro_batch * (count + (stages - 1) * count // target.group)
     work = [cost.a * n * n + (0.0 if target.padded else cost.b * n) for n in lengths]
     spread = [1 if cp == 1 else min(cp, (n - 1) // (capacity // 2) + 2) for n in lengths]
-    least = [cost.a * n * n / m + (0.0 if target.padded else cost.b * min(n, capacity)) for n, m in zip(lengths, spread)]
+    least = [
+        cost.a * n * n / m + (0.0 if target.padded else cost.b * min(n, capacity)) for n, m in zip(lengths, spread)
+    ]
     return max(base + sum(work) / target.ranks, base + stages * max(least))
 
 
