@@ -19,11 +19,12 @@ deterministic: every rank computes the same assignment from the same lengths.
 
 With context parallelism (`Target.cp` > 1) the ranks come in cp groups, one per data-parallel rank. A ring
 micro-batch is one row of up to cp x capacity tokens split over a group (titan/parallel/cp.py): each of its ranks
-does 1/cp of the row's work while keys and values go round. Without placement (static CP, what titan does without
-it) every micro-batch is a ring. Placement, after Hydraulis, gives long documents more parallelism and short ones
-less: a document longer than one rank's capacity goes to a ring of a cp group (dispatched to groups first, by its
-share of the work), every other one to a single rank (then dispatched to ranks whose loads start from their
-groups' rings), where it pays no ring traffic. The cost-balanced assignment is the fastest predicted of placement,
+does the linear work of its chunks and the attention of their queries while keys and values go round
+(ring_time). Without placement (static CP, what titan does without it) every micro-batch is a ring. Placement,
+after Hydraulis, gives long documents more parallelism and short ones less: a document longer than one rank's
+capacity goes to a ring of a cp group (dispatched to groups first, by its time there), short ones fill a ring's
+room where that costs less, and the rest go to single ranks (dispatched to ranks whose loads start from their
+groups' rings), where they pay no ring traffic. The cost-balanced assignment is the fastest predicted of placement,
 static CP balanced by cost, and static CP balanced by tokens.
 """
 
