@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -581,12 +582,18 @@ def simulate_packing(
     steps: int = typer.Option(10, help="Steps (global batches) to simulate."),
     flavor: list[str] = typer.Option(["8B", "1B"], help="Llama 3 flavors whose FLOPs make the cost model."),
     seed: int = typer.Option(0),
+    cp: int = typer.Option(
+        1, help="Context-parallel degree: > 1 compares placements of documents up to 128k tokens on cp groups."
+    ),
 ) -> None:
     """Token-balanced against cost-balanced packing of long-tailed documents, without and with a 4-stage
     pipeline: mean predicted step time, a lower bound no placement beats, imbalance (slowest replica over
-    mean) and planning time."""
+    mean) and planning time. With --cp: static context parallelism against CP placement."""
     from titan.tools.simulate.packing import PackingScenario, simulate
 
+    if cp > 1:
+        _simulate_packing_cp(replicas, steps, flavor, seed, cp)
+        return
     typer.echo(
         f"{replicas} replicas, {steps} steps; documents lognormal (median 1024, sigma 1.0) clipped at 32k; "
         "32k tokens per micro-batch"
@@ -601,6 +608,36 @@ def simulate_packing(
                 f"{r['speedup']:>9.3f}x"
                 f"{r['tokens_imbalance']:>14.3f} / {r['cost_imbalance']:.3f}{r['plan_ms']:>9.0f}"
             )
+
+
+def _simulate_packing_cp(replicas: int, steps: int, flavors: list[str], seed: int, cp: int) -> None:
+    from titan.tools.simulate.packing import CP_POLICIES, PackingScenario, simulate_cp
+
+    if replicas % cp:
+        raise UserError(f"--replicas {replicas} do not form cp groups of --cp {cp}")
+    scenario = PackingScenario(
+        replicas, cp=cp, capacity=131072 // cp, max_len=131072, sigma=1.5, steps=steps, seed=seed
+    )
+    typer.echo(
+        f"{replicas} ranks ({replicas // cp} cp groups of {cp}), {steps} steps; documents lognormal (median "
+        f"{scenario.median_len}, sigma {scenario.sigma}) clipped at 128k; rows of 128k tokens, {scenario.capacity} "
+        f"per rank; ring links {scenario.link_bytes_per_s / 1e9:.0f} GB/s"
+    )
+    for key, policy in CP_POLICIES.items():
+        typer.echo(f"  {key}: {policy}")
+    typer.echo(
+        f"{'flavor':<8}{'policy':<8}{'s/step':>9}{'over bound':>12}{'imbalance':>11}{'plan ms':>9}{'speed-up':>10}"
+    )
+    for name in flavors:
+        results = simulate_cp(dataclasses.replace(scenario, flavor=name))
+        for key in CP_POLICIES:
+            r = results[key]
+            speedup = results["tokens"]["step_s"] / r["step_s"]
+            typer.echo(
+                f"{name:<8}{key:<8}{r['step_s']:>9.3f}{r['over_bound']:>11.3f}x{r['imbalance']:>11.3f}"
+                f"{r['plan_ms']:>9.0f}{speedup:>9.2f}x"
+            )
+        typer.echo(f"{name:<8}{'bound':<8}{results['bound']['step_s']:>9.3f}")
 
 
 def check_torch(version: str | None) -> str | None:

@@ -33,3 +33,11 @@ def test_the_cli_prints_a_table_of_the_three_policies():
     rows = {line.split()[0] for line in result.stdout.splitlines()[2:]}
     assert rows == {"static", "titan", "oracle"}
     assert "16 data-parallel replicas" in result.stdout and "micro-batches of at most 2 rows" in result.stdout
+
+
+def test_the_packing_cli_compares_static_cp_with_cp_placement():
+    result = run_titan("simulate", "packing", "--cp", "8", "--steps", "1", "--flavor", "1B")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("1B")]
+    assert [row[1] for row in rows] == ["tokens", "cost", "placed", "cut", "bound"]
+    assert "64 ranks (8 cp groups of 8)" in result.stdout

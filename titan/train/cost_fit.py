@@ -148,3 +148,12 @@ def _describe(record: dict) -> str:
         f"a = {a:.3g} s/token², b = {b:.3g} s/token, c = {c:.3g} s/micro-batch (R² {record['r2']:.3f}; attention "
         f"equals the linear cost at {crossover:.0f} tokens)"
     )
+
+
+def ring_bytes_per_token(kv_dim: int, n_layers: int, dtype_bytes: int) -> int:
+    """Bytes one ring hop carries per token of the block it passes on (titan/parallel/cp.py), over all layers:
+    forward, the block's keys and values; backward, them again and their gradients (float32). The cost model's
+    ring term r is these bytes over the cp link's bandwidth: timing one process (measure) cannot see the link, so r
+    is derived, not fitted; on a real group the bandwidth would come from timing a send, as collective_seconds
+    times FSDP's collectives."""
+    return n_layers * kv_dim * (2 * dtype_bytes + 2 * dtype_bytes + 2 * 4)

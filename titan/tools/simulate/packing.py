@@ -6,10 +6,15 @@ slowest replica's predicted time. The cost model comes from a model flavor's FLO
 the weight matmuls per token (6 x weights), a from causal attention (6 x layers x dim per pair of tokens), c
 a fixed cost per micro-batch. Under a pipeline each micro-batch is padded to its capacity and one replica's
 cost is one stage's share of the layers.
+
+With context parallelism (cp > 1, simulate_cp) the replicas are the ranks of the dp x cp plane, a capacity is one
+rank's share of a row, and documents reach cp x capacity tokens. The ring's cost per token and hop, r, is the
+bytes a hop carries (titan.train.cost_fit.ring_bytes_per_token) over the link's bandwidth.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -18,11 +23,12 @@ from dataclasses import dataclass
 
 from titan.data.packing import CostModel, Target, balance_by_cost, balance_by_tokens
 from titan.models import get_model_spec
+from titan.train.cost_fit import ring_bytes_per_token
 
 
 @dataclass
 class PackingScenario:
-    replicas: int = 64
+    replicas: int = 64  # ranks that place documents: the dp x cp plane
     pp: int = 1
     flavor: str = "8B"
     model: str = "llama3"
@@ -36,6 +42,8 @@ class PackingScenario:
     max_len: int = 32768
     steps: int = 20
     seed: int = 0
+    cp: int = 1
+    link_bytes_per_s: float = 3e11  # a cp group's ring link: about 2/3 of an H100's NVLink (450 GB/s a direction)
 
     def cost_model(self) -> CostModel:
         spec = get_model_spec(self.model)
@@ -43,11 +51,15 @@ class PackingScenario:
         per_token = spec.flops_per_token(args, 0)
         per_pair = (spec.flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
         share = 1 / self.pp  # one stage's layers
-        return CostModel(per_pair * share / self.flops_per_s, per_token * share / self.flops_per_s, self.micro_batch_s)
+        kv_dim = args.n_kv_heads * args.dim // args.n_heads
+        ring = ring_bytes_per_token(kv_dim, args.n_layers, 2) * share / self.link_bytes_per_s  # bf16
+        return CostModel(
+            per_pair * share / self.flops_per_s, per_token * share / self.flops_per_s, self.micro_batch_s, ring
+        )
 
     def target(self) -> Target:
         group = self.micro_batches if self.pp > 1 else 1
-        return Target((self.capacity,) * self.replicas, self.pp, group, padded=self.pp > 1)
+        return Target((self.capacity,) * self.replicas, self.pp, group, padded=self.pp > 1, cp=self.cp)
 
 
 def documents(s: PackingScenario, rng: random.Random) -> list[int]:
@@ -66,13 +78,20 @@ def lower_bound(lengths: list[int], cost: CostModel, target: Target) -> float:
     """No placement of these documents on equal ranks predicts a faster step: every rank runs at least the
     micro-batches that the step's tokens need, each paying its constant (and, padded, the capacity's linear
     cost) plus, in a pipeline, (stages - 1) slowest micro-batches per schedule run; the slowest rank takes at
-    least the mean, and at least what the rank holding the most expensive document takes."""
-    capacity, stages = target.capacities[0], target.pipeline_stages
+    least the mean, and at least what the rank holding the most expensive document takes. With context
+    parallelism a document is split over at most the ranks whose chunks of a ring's row it can cover (at most cp:
+    its busiest rank takes at least that share of its attention), and a ring's rank does the linear work of a
+    whole capacity (ring_time), at least the document's or a capacity's."""
+    capacity, stages, cp = target.capacities[0], target.pipeline_stages, target.cp
     count = math.ceil(math.ceil(sum(lengths) / (capacity * target.ranks)) / target.group) * target.group
     per_micro_batch = cost.c + (cost.b * capacity if target.padded else 0.0)
     base = per_micro_batch * (count + (stages - 1) * count // target.group)
     work = [cost.a * n * n + (0.0 if target.padded else cost.b * n) for n in lengths]
-    return max(base + sum(work) / target.ranks, base + stages * max(work))
+    spread = [1 if cp == 1 else min(cp, (n - 1) // (capacity // 2) + 2) for n in lengths]
+    least = [
+        cost.a * n * n / m + (0.0 if target.padded else cost.b * min(n, capacity)) for n, m in zip(lengths, spread)
+    ]
+    return max(base + sum(work) / target.ranks, base + stages * max(least))
 
 
 def simulate(s: PackingScenario) -> dict[str, float]:
@@ -100,3 +119,52 @@ def simulate(s: PackingScenario) -> dict[str, float]:
         "cost_imbalance": statistics.mean(imbalance["cost"]),
         "plan_ms": 1e3 * statistics.median(assign_s),  # named as the trainer's metric of the same time
     }
+
+
+CP_POLICIES = {
+    "tokens": "token-balanced, static CP (every micro-batch a ring)",
+    "cost": "cost-balanced, static CP",
+    "placed": "cost-balanced with CP placement",
+    "cut": "cost-balanced, documents cut at one rank's capacity (no CP; other math)",
+}
+
+
+def simulate_cp(s: PackingScenario) -> dict[str, dict[str, float]]:
+    """The same documents each step under each of CP_POLICIES: mean predicted step time, its ratio to the lower
+    bound (of the documents uncut), imbalance, and the median time each takes to assign a step; and the bound."""
+    rng, cost, target = random.Random(s.seed), s.cost_model(), s.target()
+    local = dataclasses.replace(target, cp=1)
+    policies = {
+        "tokens": lambda lengths: balance_by_tokens(lengths, cost, target),
+        "cost": lambda lengths: balance_by_cost(lengths, cost, target, place=False),
+        "placed": lambda lengths: balance_by_cost(lengths, cost, target),
+        "cut": lambda lengths: balance_by_cost(cut(lengths, s.capacity), cost, local),
+    }
+    runs: dict[str, dict[str, list[float]]] = {name: {"step": [], "imbalance": [], "ms": []} for name in policies}
+    bounds = []
+    for _ in range(s.steps):
+        lengths = documents(s, rng)
+        bounds.append(lower_bound(lengths, cost, target))
+        for name, balance in policies.items():
+            start = time.perf_counter()
+            assignment = balance(lengths)
+            runs[name]["ms"].append(1e3 * (time.perf_counter() - start))
+            runs[name]["step"].append(assignment.step_time)
+            runs[name]["imbalance"].append(assignment.imbalance)
+    bound = statistics.mean(bounds)
+    results = {
+        name: {
+            "step_s": statistics.mean(run["step"]),
+            "over_bound": statistics.mean(run["step"]) / bound,
+            "imbalance": statistics.mean(run["imbalance"]),
+            "plan_ms": statistics.median(run["ms"]),
+        }
+        for name, run in runs.items()
+    }
+    results["bound"] = {"step_s": bound}
+    return results
+
+
+def cut(lengths: list[int], capacity: int) -> list[int]:
+    """The documents cut into pieces of at most `capacity` tokens."""
+    return [min(capacity, s - start) for s in lengths for start in range(0, s, capacity)]
