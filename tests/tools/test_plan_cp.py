@@ -137,26 +137,26 @@ def test_a_cp_rank_s_flops_are_its_chunk_pairs(tmp_path):
 
 @pytest.mark.slow
 def test_titan_plan_compares_cp_degrees_and_picks_the_fastest_that_fits(tmp_path):
-    """`titan plan --cp`: a line per degree on the same 4 devices (dp_shard takes what each leaves); a degree the
-    recipe cannot be cut into says why; on a device between the cp 2 and cp 4 peaks only cp 4 fits, and it is
-    chosen, though cp 2 is faster."""
-    extra = {"training.global_batch_size": "2", "training.local_batch_size": "1", "training.seq_len": "256"}
+    """`titan plan --cp`: a line per degree on the same 8 devices (dp_shard takes what each leaves); a degree the
+    recipe cannot be cut into says why; on a device between the cp 2 and cp 4 peaks (a rank's micro-batch: 1 row
+    of 128 tokens, or 2 of 1 x 64) only cp 4 fits, and it is chosen, though cp 2 is faster."""
+    extra = {"training.global_batch_size": "4", "training.local_batch_size": "1", "training.seq_len": "256"}
     peaks, steps = {}, {}
     for cp in (2, 4):
-        config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra, **{"parallel.cp": str(cp)}), world_size=4)
-        estimate = plan_run(config, 4)
+        config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra, **{"parallel.cp": str(cp)}), world_size=8)
+        estimate = plan_run(config, 8)
         peaks[cp], steps[cp] = estimate.ranks[0].peak, estimate.step_seconds
     assert peaks[4] < peaks[2] and steps[2] < steps[4]
     memory_gib = (peaks[2] + peaks[4]) / 2 / 2**30 / (1 - config.plan.headroom_fraction)
-    args = ["--world-size", "4", "--cp", "4,1,2,3", "--plan.memory_gib", str(memory_gib)]
+    args = ["--world-size", "8", "--cp", "4,1,2,3", "--plan.memory_gib", str(memory_gib)]
     result = run_titan("plan", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra), *args)
     assert result.returncode == 0, result.stderr
     lines = {int(line.split()[0]): line for line in result.stdout.splitlines() if re.match(r"\s+\d+\s", line)}
     assert list(lines) == [1, 2, 3, 4]
-    assert "cannot: training.global_batch_size (2) over 4 data-parallel ranks" in lines[1]
+    assert "cannot: training.global_batch_size (4) over 8 data-parallel ranks" in lines[1]
     assert "cannot: training.seq_len 256 must divide into 2 x parallel.cp = 6" in lines[3]
     assert "short" in lines[2] and "fits" in lines[4] and f"{steps[4]:.3g}s" in lines[4]
-    assert f"fastest that fits on 4 x NVIDIA H100 SXM 80GB: cp 4 ({steps[4]:.3g} s a step)" in result.stdout
+    assert f"fastest that fits on 8 x NVIDIA H100 SXM 80GB: cp 4 ({steps[4]:.3g} s a step)" in result.stdout
     too_small = run_titan("plan", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra), *args[:-1], "0.01")
     assert too_small.returncode == 1 and "no degree fits" in too_small.stdout
     wrong = run_titan("plan", "--config", str(DEBUG_RECIPE), "--cp", "2,x")
