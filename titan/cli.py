@@ -497,7 +497,9 @@ def plan(
     config: Path = CONFIG_OPTION,
     world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
     device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
-    json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    json_path: Path = typer.Option(
+        None, "--json", help="Also write the figures to this JSON file (with --cp: each degree's, by degree)."
+    ),
     graph: bool = typer.Option(
         False, "--graph", help="Instead: one block's operator order and memory layouts, traced and reordered."
     ),
@@ -523,7 +525,15 @@ def plan(
             typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
                        "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
     degrees = _cp_degrees(cp) if cp is not None else []
+    if degrees and graph:
+        raise UserError("give --cp or --graph, not both: --cp plans whole steps, --graph one block")
     cfg = load_config(config, overrides, world_size=world_size)
+    if graph and cfg.parallel.cp > 1:
+        share = cfg.training.seq_len // cfg.parallel.cp
+        raise UserError(
+            f"--graph traces one block on whole rows with plain attention, not a parallel.cp rank's share; to see a "
+            f"block at that share, give --parallel.cp 1 --training.seq_len {share}"
+        )
     from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
     from titan.tools.plan.graph import analyse_recipe
     from titan.tools.plan.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
@@ -537,6 +547,9 @@ def plan(
             except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
                 plans[degree] = str(e)
         typer.echo(format_cp_comparison(plans, world_size))
+        if json_path is not None:
+            by_degree = {d: {"error": p} if isinstance(p, str) else plan_json(p) for d, p in plans.items()}
+            json_path.write_text(json.dumps({"cp": by_degree}, indent=2) + "\n")
         if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
             raise typer.Exit(code=1)
         return

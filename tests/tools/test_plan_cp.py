@@ -2,6 +2,7 @@
 ring on this CPU; its FLOPs against the chunk pairs by hand; and `titan plan --cp`, which compares degrees."""
 
 import copy
+import json
 import re
 
 import pytest
@@ -149,8 +150,13 @@ def test_titan_plan_compares_cp_degrees_and_picks_the_fastest_that_fits(tmp_path
     assert peaks[4] < peaks[2] and steps[2] < steps[4]
     memory_gib = (peaks[2] + peaks[4]) / 2 / 2**30 / (1 - config.plan.headroom_fraction)
     args = ["--world-size", "8", "--cp", "4,1,2,3", "--plan.memory_gib", str(memory_gib)]
-    result = run_titan("plan", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra), *args)
+    figures = tmp_path / "plans.json"
+    result = run_titan(
+        "plan", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra), *args, "--json", str(figures)
+    )
     assert result.returncode == 0, result.stderr
+    by_degree = json.loads(figures.read_text())["cp"]
+    assert by_degree["4"]["step_seconds"] == pytest.approx(steps[4]) and "error" in by_degree["1"]
     lines = {int(line.split()[0]): line for line in result.stdout.splitlines() if re.match(r"\s+\d+\s", line)}
     assert list(lines) == [1, 2, 3, 4]
     assert "cannot: training.global_batch_size (4) over 8 data-parallel ranks" in lines[1]
@@ -159,7 +165,17 @@ def test_titan_plan_compares_cp_degrees_and_picks_the_fastest_that_fits(tmp_path
     assert f"fastest that fits on 8 x NVIDIA H100 SXM 80GB: cp 4 ({steps[4]:.3g} s a step)" in result.stdout
     too_small = run_titan("plan", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra), *args[:-1], "0.01")
     assert too_small.returncode == 1 and "no degree fits" in too_small.stdout
-    wrong = run_titan("plan", "--config", str(DEBUG_RECIPE), "--cp", "2,x")
-    assert wrong.returncode == 2 and wrong.stderr.strip() == (
-        "error: --cp 2,x: give context-parallel degrees separated by commas, e.g. --cp 1,2,4,8"
-    )
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--cp", "2,x"], "--cp 2,x: give context-parallel degrees separated by commas, e.g. --cp 1,2,4,8"),
+        (["--cp", "2", "--graph"], "give --cp or --graph, not both"),
+        (["--parallel.cp", "2", "--world-size", "2", "--graph"], "give --parallel.cp 1 --training.seq_len 128"),
+    ],
+    ids=["not_degrees", "cp_and_graph", "graph_of_a_cp_recipe"],
+)
+def test_wrong_cp_inputs_are_one_line_errors(args, error):
+    result = run_titan("plan", "--config", str(DEBUG_RECIPE), *args)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and error in result.stderr

@@ -62,7 +62,8 @@ class Links:
     def seconds(self, cost: Cost, groups: dict[str, tuple[int, ...]]) -> float:
         """A phase's time: its compute, the collectives it waits for, what FSDP's do not hide, and what context
         parallelism's ring does not hide behind the attention kernels (each block in flight while the one before
-        it is computed: over the phase, as every hop carries as much and computes as much)."""
+        it is computed). The ring's is taken over the phase, not hop by hop: a lower bound, as the hops carry
+        alike and compute about alike (each step after the first computes two chunk pairs)."""
         hidden = exposed = ring = 0.0
         for (kind, role), nbytes in cost.traffic.items():
             seconds = self.collective(kind, nbytes, groups.get(role, tuple(range(self.world_size))))

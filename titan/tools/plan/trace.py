@@ -2,7 +2,8 @@
 memory, FLOPs, roofline time and collective traffic, with nothing allocated.
 
 The rank's stages are built on the meta device and parallelised by titan's own build steps
-(titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP), materialised as fake tensors
+(titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP; context parallelism's ring, whose
+point-to-point sends the fake process group takes as it takes collectives), materialised as fake tensors
 (FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
 (as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
 AdamW. titan/tools/plan/counters.py measures.
@@ -92,7 +93,7 @@ def trace_rank(
     forward only, for its activations) through the stages of pipeline rank `pp_rank`, each cut to its first
     `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on `mesh` of the fake world.
     The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
-    first is the largest)."""
+    first is the largest), and every cp rank as much of each row."""
     layers, n_stages, ids = plan.stage_layers, plan.n_stages, list(plan.stages(pp_rank))
     longest = max(ids, key=lambda s: len(layers[s]))
     blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
