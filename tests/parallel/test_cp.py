@@ -19,7 +19,6 @@ from helpers import (
     GLOBAL_BATCH,
     STEPS,
     assert_matches_one_process,
-    assert_one_line_error,
     full_weights,
     layout_overrides,
     torchrun,

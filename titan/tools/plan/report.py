@@ -37,8 +37,8 @@ def format_plan(estimate: StepEstimate) -> str:
         f"{c.model.name} {c.model.flavor}, {_params(estimate.params)} parameters, on {layout.world_size} x "
         f"{device.name} ({degrees})",
         f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(estimate.microbatches)} of "
-        f"{estimate.rows} per rank{_share(estimate)}{schedule}{_runs(estimate.runs)}; {_size(estimate.usable_bytes)} of "
-        f"{device.memory_gib:g} GiB usable "
+        f"{estimate.rows} per rank{_share(estimate)}{schedule}{_runs(estimate.runs)}; "
+        f"{_size(estimate.usable_bytes)} of {device.memory_gib:g} GiB usable "
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
         f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, estimate.block_activations)}",
     ]
