@@ -87,13 +87,14 @@ def format_cp_comparison(plans: dict[int, StepEstimate | str], world_size: int) 
             lines.append(f"{degree:>4}  cannot: {plan}")
             continue
         peak = max(rank.peak for rank in plan.ranks)
-        fits = "fits" if shortfall(plan) is None else f"{_size(peak - plan.usable_bytes)} short"
-        if shortfall(plan) is None:
+        fits = shortfall(plan) is None
+        if fits:
             fitting[degree] = plan.step_seconds
         seq, tokens = plan.config.training.seq_len, plan.run.tokens_per_step
         micro_batches = f"{plan.microbatches * plan.runs} of {plan.rows} x {seq // degree:,} tokens"
         lines.append(
-            f"{degree:>4}{plan.layout.dp_shard:>10}  {micro_batches:<24}{_size(peak):>15}  {fits:<16}"
+            f"{degree:>4}{plan.layout.dp_shard:>10}  {micro_batches:<24}{_size(peak):>15}  "
+            f"{'fits' if fits else _size(peak - plan.usable_bytes) + ' short':<16}"
             f"{plan.step_seconds:>8.3g}s{tokens / plan.step_seconds:>12,.0f}{plan.mfu:>7.1%}"
         )
     planned = [plan for plan in plans.values() if not isinstance(plan, str)]
