@@ -15,7 +15,7 @@ import typer
 
 from titan import __version__
 from titan.config import Config, degrees_world_size, load_config, read_config, to_toml
-from titan.errors import UserError
+from titan.errors import ConfigError, UserError
 from titan.files import WRITE_ERRORS, write_error
 from titan.run_plan import run_plan
 
@@ -174,7 +174,6 @@ def config_show(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = _preflight(config, ctx.args, world_size)
-    from titan.errors import ConfigError
     from titan.train.build import check_run, pick_device  # imported late: torch takes a while to import
 
     try:
@@ -499,16 +498,25 @@ def plan(
     config: Path = CONFIG_OPTION,
     world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
     device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
-    json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    json_path: Path = typer.Option(
+        None, "--json", help="Also write the figures to this JSON file (with --cp: each degree's, by degree)."
+    ),
     graph: bool = typer.Option(
         False, "--graph", help="Instead: one block's operator order and memory layouts, traced and reordered."
+    ),
+    cp: str = typer.Option(
+        None,
+        "--cp",
+        help="Instead: compare these context-parallel degrees, e.g. 1,2,4,8, on the same devices (parallel.dp_shard "
+        "takes what each leaves).",
     ),
 ) -> None:
     """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
 
     On this CPU: the model is built and parallelised as for training, on a fake process group of the run's world
     size, and one step of each pipeline rank is traced under fake tensors, so nothing is allocated. Prints a table
-    per pipeline rank; exit status 1 when a rank's peak does not fit. The plan.* recipe keys set the device.
+    per pipeline rank; exit status 1 when a rank's peak does not fit (with --cp: when no degree fits). The plan.*
+    recipe keys set the device.
     """
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:
@@ -517,16 +525,35 @@ def plan(
         if p.dp_shard == -1:  # it takes what the world size leaves: plan the smallest world
             typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
                        "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
+    degrees = _cp_degrees(cp) if cp is not None else []
+    if degrees and graph:
+        raise UserError("give --cp or --graph, not both: --cp plans whole steps, --graph one block")
     cfg = load_config(config, overrides, world_size=world_size)
-    if cfg.parallel.cp > 1:
+    if graph and cfg.parallel.cp > 1:
+        share = cfg.training.seq_len // cfg.parallel.cp
         raise UserError(
-            "titan plan does not model parallel.cp > 1 yet (each rank's share of the sequence and the ring's "
-            "traffic); plan the layout with parallel.cp = 1 for now"
+            f"--graph traces one block on whole rows with plain attention, not a parallel.cp rank's share; to see a "
+            f"block at that share, give --parallel.cp 1 --training.seq_len {share}"
         )
     from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
     from titan.tools.plan.graph import analyse_recipe
-    from titan.tools.plan.report import format_graph, format_plan, plan_json, shortfall
+    from titan.tools.plan.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
 
+    if degrees:
+        plans = {}
+        for degree in degrees:
+            try:
+                layout = ["--parallel.cp", str(degree), "--parallel.dp_shard", "-1"]
+                plans[degree] = plan_run(load_config(config, [*overrides, *layout], world_size=world_size), world_size)
+            except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
+                plans[degree] = str(e)
+        typer.echo(format_cp_comparison(plans, world_size))
+        if json_path is not None:
+            by_degree = {d: {"error": p} if isinstance(p, str) else plan_json(p) for d, p in plans.items()}
+            json_path.write_text(json.dumps({"cp": by_degree}, indent=2) + "\n")
+        if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
+            raise typer.Exit(code=1)
+        return
     if graph:
         analysis, what = analyse_recipe(cfg, world_size)
         typer.echo(format_graph(analysis, what))
@@ -541,6 +568,17 @@ def plan(
     if short:
         typer.secho(f"error: {short}", err=True, fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _cp_degrees(text: str) -> list[int]:
+    """`titan plan --cp 1,2,4,8`: the degrees to compare."""
+    try:
+        degrees = [int(item) for item in text.split(",")]
+    except ValueError:
+        degrees = []
+    if not degrees or min(degrees) < 1:
+        raise UserError(f"--cp {text}: give context-parallel degrees separated by commas, e.g. --cp 1,2,4,8")
+    return sorted(set(degrees))
 
 
 @simulate_app.command("stragglers")

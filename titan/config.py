@@ -732,10 +732,6 @@ def validate(config: Config, world_size: int) -> None:
             ),
             "compile.enable": (config.compile.enable, "the ring's point-to-point sends are not traced yet"),
             "float8.enable": (config.float8.enable, "float8 matmuls have not been checked against the ring yet"),
-            "activation_checkpoint.mode = 'auto'": (
-                config.activation_checkpoint.mode == "auto",
-                "the memory planner does not model a rank's share of the sequence yet",
-            ),
         }
         for what, (used, why) in unsupported.items():
             require(

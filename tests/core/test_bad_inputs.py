@@ -279,7 +279,6 @@ CASES = [
             ("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),
             ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
             ("float8.enable", ["--float8.enable", "true"], "2", "float8"),
-            ("activation_checkpoint.mode = 'auto'", ["--activation_checkpoint.mode", "auto"], "2", "planner"),
         )
     ),
     ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),

@@ -19,7 +19,6 @@ from helpers import (
     GLOBAL_BATCH,
     STEPS,
     assert_matches_one_process,
-    assert_one_line_error,
     full_weights,
     layout_overrides,
     torchrun,
@@ -247,7 +246,16 @@ def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, data):
         assert_close_losses(losses(tmp_path / name), reference, name)
 
 
-def test_titan_plan_refuses_cp_until_it_models_it():
-    """A plan that traced every rank with the whole sequence would overstate its memory by about cp times."""
-    result = run_titan("plan", "--config", str(DEBUG_RECIPE), "--parallel.cp", "2")
-    assert_one_line_error(result, "titan plan does not model parallel.cp > 1 yet", "parallel.cp = 1")
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_titan_train_with_cp_plans_auto_checkpointing_on_a_rank_s_share(tmp_path):
+    """activation_checkpoint.mode = "auto" with budget_gib = 0 under cp 2: `titan train` resolves the budget as
+    `titan plan` does (its trace runs the ring on a fake process group), and the trainer measures a block at a
+    rank's share of each row, seq_len / cp tokens."""
+    auto = {"parallel.cp": "2", "activation_checkpoint.mode": "auto", "training.steps": "2",
+            "training.seq_len": "32", "training.local_batch_size": "4"}  # fmt: skip
+    result = torchrun(2, recipe(tmp_path, "cp2_auto", **auto))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "activation_checkpoint.budget_gib = 0: the blocks may keep" in result.stderr
+    assert "activation_checkpoint auto, one block at 4 x 16 tokens keeps" in result.stderr
+    assert len(losses(tmp_path / "cp2_auto")) == 2

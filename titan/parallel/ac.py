@@ -64,7 +64,7 @@ def block_choices(
     log.info(
         "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
         rows,
-        config.training.seq_len,
+        config.training.seq_len // plan.layout.cp,
         ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
     )
     chosen = fastest_choices([options] * n_blocks, int(cfg.budget_gib * GIB))
@@ -173,7 +173,11 @@ def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layo
     a micro-batch of `rows` x seq_len tokens: (block, hidden states, the other positional and keyword arguments,
     the precision context to run it in). The model's own forward makes the inputs, so the attention mask,
     positions and dtype are those of training. Each row is one document, the most attention can cost: with shorter
-    documents a block recomputes faster than measured."""
+    documents a block recomputes faster than measured.
+
+    Under context parallelism a rank's share of each row, seq_len / cp tokens, with plain attention over them: its
+    block keeps what a ring's keeps (queries, keys, values, output and log-sum-exp of its tokens), while its
+    recomputation leaves out the ring's other pairs and sends (measured faster than the ring's)."""
     stage = spec.pipeline_stage(model, [0], True, False)  # the embedding and the first block
     stage.to_empty(device=device)
     stage.init_weights(config.job.seed)
@@ -182,7 +186,7 @@ def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layo
         for p in stage.parameters():
             p.data = p.data.to(torch.bfloat16)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rule.autocast else nullcontext()
-    seq = config.training.seq_len
+    seq = config.training.seq_len // layout.cp
     tokens = torch.zeros(rows, seq, dtype=torch.long, device=device)
     document_ids = tokens if config.data.document_mask else None
     block = spec.blocks(stage)[0]

@@ -25,6 +25,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 aten = torch.ops.aten
+c10d = torch.ops.c10d
+RECEIVES = {c10d.recv_.default, c10d.recv_any_source_.default}
 NO_TRAFFIC = {aten._unsafe_view}  # a view, though its schema does not say so
 ALLOCATIONS = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}  # write nothing
 # FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as).
@@ -37,6 +39,11 @@ FLOPS = {
         lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v)
     ),
 }
+# The attention kernels, behind which context parallelism's ring sends its next block.
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+}
 
 
 @dataclass
@@ -46,10 +53,12 @@ class Cost:
     flops: float = 0.0
     seconds: float = 0.0
     traffic: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    attention_seconds: float = 0.0  # the part of `seconds` in attention kernels
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         self.flops += times * other.flops
         self.seconds += times * other.seconds
+        self.attention_seconds += times * other.attention_seconds
         for key, value in other.traffic.items():
             self.traffic[key] += times * value
 
@@ -81,7 +90,8 @@ class StepCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in collective_ops:
-            if func not in sync_ops:
+            # Point to point, a rank receives what its neighbour sends: its sends count the traffic, as "send/recv".
+            if func not in sync_ops and func not in RECEIVES:
                 group = CollectiveOp.get_process_group(func, args)
                 role = self.roles.get(tuple(sorted(dist.get_process_group_ranks(group))), "world")
                 kind = _collective_kind(func.__name__)
@@ -92,7 +102,10 @@ class StepCounter(TorchDispatchMode):
         if outputs and not func.is_view and func._overloadpacket not in NO_TRAFFIC:
             moved = 0 if func._overloadpacket in ALLOCATIONS else sum(map(nbytes, tree_leaves((args, kwargs, out))))
             self.cost.flops += flops
-            self.cost.seconds += max(flops / self.peak_flops, moved / self.hbm)
+            seconds = max(flops / self.peak_flops, moved / self.hbm)
+            self.cost.seconds += seconds
+            if func._overloadpacket in ATTENTION:
+                self.cost.attention_seconds += seconds
             biggest = max(map(nbytes, outputs))
             if biggest > self.largest[0]:
                 self.largest = (biggest, str(func._overloadpacket))
@@ -148,6 +161,8 @@ def nbytes(t) -> int:
 
 
 def _collective_kind(name: str) -> str:
+    if name.startswith("send"):
+        return "send/recv"
     for pattern, kind in (("gather", "all-gather"), ("scatter", "reduce-scatter"), ("reduce", "all-reduce")):
         if pattern in name:
             return kind

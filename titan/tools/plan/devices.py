@@ -54,16 +54,24 @@ class Links:
     def collective(self, kind: str, nbytes: float, ranks: tuple[int, ...]) -> float:
         """A ring collective over `ranks` of a tensor of `nbytes` (whole: gathered, or before reducing): each rank
         sends (n - 1) / n of it, twice for an all-reduce (a reduce-scatter, then an all-gather)."""
+        if kind == "send/recv":  # point to point: all of it to one neighbour
+            return self.transfer(nbytes, ranks)
         n = len(ranks)
         return self.transfer(nbytes * (2 if kind == "all-reduce" else 1) * (n - 1) / n, ranks)
 
     def seconds(self, cost: Cost, groups: dict[str, tuple[int, ...]]) -> float:
-        """A phase's time: its compute, the collectives it waits for, and what FSDP's do not hide."""
-        hidden = exposed = 0.0
+        """A phase's time: its compute, the collectives it waits for, what FSDP's do not hide, and what context
+        parallelism's ring does not hide behind the attention kernels (each block in flight while the one before
+        it is computed). The ring's is taken over the phase, not hop by hop: a lower bound, as the hops carry
+        alike and compute about alike (each step after the first computes two chunk pairs)."""
+        hidden = exposed = ring = 0.0
         for (kind, role), nbytes in cost.traffic.items():
             seconds = self.collective(kind, nbytes, groups.get(role, tuple(range(self.world_size))))
             if role in OVERLAPPED:
                 hidden += seconds
+            elif role == "cp" and kind == "send/recv":
+                ring += seconds
             else:
                 exposed += seconds
-        return cost.seconds + exposed + max(0.0, hidden - cost.seconds)
+        ring_exposed = max(0.0, ring - cost.attention_seconds)
+        return cost.seconds + exposed + ring_exposed + max(0.0, hidden - cost.seconds)

@@ -37,8 +37,8 @@ def format_plan(estimate: StepEstimate) -> str:
         f"{c.model.name} {c.model.flavor}, {_params(estimate.params)} parameters, on {layout.world_size} x "
         f"{device.name} ({degrees})",
         f"global batch {global_batch} x {c.training.seq_len} tokens: {_micro_batches(estimate.microbatches)} of "
-        f"{estimate.rows} per rank{schedule}{_runs(estimate.runs)}; {_size(estimate.usable_bytes)} of "
-        f"{device.memory_gib:g} GiB usable "
+        f"{estimate.rows} per rank{_share(estimate)}{schedule}{_runs(estimate.runs)}; "
+        f"{_size(estimate.usable_bytes)} of {device.memory_gib:g} GiB usable "
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
         f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, estimate.block_activations)}",
     ]
@@ -65,6 +65,45 @@ def format_plan(estimate: StepEstimate) -> str:
         f"{device.peak_flops / 1e12:g} TFLOP/s and {device.hbm_gbs:g} GB/s of HBM, links at {device.intra_node_gbs:g} "
         f"GB/s within a node of {device.gpus_per_node} and {device.inter_node_gbs:g} GB/s between nodes",
     ]
+    return "\n".join(lines)
+
+
+def _share(estimate: StepEstimate) -> str:
+    """Under context parallelism, what a rank computes of each row."""
+    cp = estimate.layout.cp
+    return f" ({estimate.config.training.seq_len // cp:,} tokens of each, its 2 of 2·cp chunks)" if cp > 1 else ""
+
+
+def format_cp_comparison(plans: dict[int, StepEstimate | str], world_size: int) -> str:
+    """`titan plan --cp`: a line per context-parallel degree (its plan, or why the recipe cannot take it), and the
+    fastest that fits."""
+    lines = [
+        f"{'cp':>4}{'dp_shard':>10}  {'micro-batches per rank':<24}{'peak per rank':>15}  {'fits':<16}{'step':>9}"
+        f"{'tokens/s':>12}{'MFU':>7}"
+    ]
+    fitting = {}
+    for degree, plan in plans.items():
+        if isinstance(plan, str):
+            lines.append(f"{degree:>4}  cannot: {plan}")
+            continue
+        peak = max(rank.peak for rank in plan.ranks)
+        fits = shortfall(plan) is None
+        if fits:
+            fitting[degree] = plan.step_seconds
+        seq, tokens = plan.config.training.seq_len, plan.run.tokens_per_step
+        micro_batches = f"{plan.microbatches * plan.runs} of {plan.rows} x {seq // degree:,} tokens"
+        lines.append(
+            f"{degree:>4}{plan.layout.dp_shard:>10}  {micro_batches:<24}{_size(peak):>15}  "
+            f"{'fits' if fits else _size(peak - plan.usable_bytes) + ' short':<16}"
+            f"{plan.step_seconds:>8.3g}s{tokens / plan.step_seconds:>12,.0f}{plan.mfu:>7.1%}"
+        )
+    planned = [plan for plan in plans.values() if not isinstance(plan, str)]
+    where = f"{world_size} x {planned[0].device.name}" if planned else f"{world_size} devices"
+    if fitting:
+        best = min(fitting, key=fitting.get)
+        lines.append(f"fastest that fits on {where}: cp {best} ({fitting[best]:.3g} s a step)")
+    else:
+        lines.append(f"no degree fits on {where}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 memory, FLOPs, roofline time and collective traffic, with nothing allocated.
 
 The rank's stages are built on the meta device and parallelised by titan's own build steps
-(titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP), materialised as fake tensors
+(titan/parallel/parallelize.py: float8, TP, activation checkpointing, FSDP; context parallelism's ring, whose
+point-to-point sends the fake process group takes as it takes collectives), materialised as fake tensors
 (FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
 (as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
 AdamW. titan/tools/plan/counters.py measures.
@@ -27,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.optim import build_optimizer, ensure_adamw_state
+from titan.parallel.cp import all_reduce_gradients, apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
@@ -91,14 +93,16 @@ def trace_rank(
     forward only, for its activations) through the stages of pipeline rank `pp_rank`, each cut to its first
     `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on `mesh` of the fake world.
     The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
-    first is the largest)."""
+    first is the largest), and every cp rank as much of each row."""
     layers, n_stages, ids = plan.stage_layers, plan.n_stages, list(plan.stages(pp_rank))
     longest = max(ids, key=lambda s: len(layers[s]))
     blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
     stages = {s: _stage(spec, args, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
     for part in stages.values():
         parallelize(part, spec, config, plan, mesh)
-    counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh))
+        if plan.layout.cp > 1:
+            apply_context_parallel(part, plan, 0, mesh["cp"], CPU)
+    counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh, plan.layout))
     with FakeTensorMode(allow_non_fake_inputs=True), unobserved_shape_propagation():
         step = _RankStep(config, spec, args, plan, mesh, stages, counter, rows)
         step.trace = RankTrace(ids, n_stages, blocks, **step.sizes(), groups=counter.groups)
@@ -119,11 +123,14 @@ def _stage(spec: ModelSpec, args, blocks: int, first: bool, last: bool) -> nn.Mo
     return spec.pipeline_stage(model, list(range(blocks)), first, last)
 
 
-def mesh_groups(mesh) -> dict[str, tuple[int, ...]]:
+def mesh_groups(mesh, layout: Layout) -> dict[str, tuple[int, ...]]:
     """The ranks of each mesh dimension's process group around this rank, by the dimension's name; HSDP's 2-D
-    FSDP mesh gives its dp_replicate and dp_shard groups."""
+    FSDP mesh gives its dp_replicate and dp_shard groups. Without data parallelism there is no FSDP, though the mesh
+    has its dimension (the cp ranks alone, under context parallelism)."""
     groups = {}
     for name, sub in mesh.items():
+        if name == "fsdp" and layout.dp == 1:
+            continue
         for dim in range(sub.ndim):
             key = name if sub.ndim == 1 else sub.mesh_dim_names[dim]
             groups[key] = tuple(sorted(dist.get_process_group_ranks(sub.get_group(dim))))
@@ -231,6 +238,8 @@ class _RankStep:
         tracker.track_external(*self.stages.values(), self.optimizer)
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         with tracker, self.counter, self.counter.phase(trace.optimizer):
+            if self.layout.cp > 1 and self.layout.dp == 1:  # as the trainer does without FSDP, which sums them
+                all_reduce_gradients(self.params, self.mesh["cp"].get_group())
             update(self.params, self.optimizer, self.config.training.max_grad_norm, pp_group)
         trace.optimizer_peak = total_bytes(tracker, "peak")
 
@@ -256,9 +265,10 @@ class _RankStep:
 
 def _inputs(config: Config, spec: ModelSpec, args, plan: RunPlan, rows: int) -> dict[str, torch.Tensor | None]:
     """A micro-batch as the trainer hands it to the first stage (tokens, row ids, document ids: one document per
-    row), and the hidden states the other stages receive."""
+    row), and the hidden states the other stages receive. Under context parallelism the tokens are this rank's
+    share of each row, the document ids the whole rows'."""
     t = config.training
-    tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len))
+    tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len // plan.layout.cp))
     later_stage = stage_batch(plan, config.data.document_mask, rows, t.seq_len, stage=1)
     hidden = spec.pipeline_io(args, later_stage).inputs[0]
     return {
