@@ -277,8 +277,6 @@ CASES = [
         )
         for what, flags, world, why in (
             ("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),
-            ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
-            ("float8.enable", ["--float8.enable", "true"], "2", "float8"),
             ("activation_checkpoint.mode = 'auto'", ["--activation_checkpoint.mode", "auto"], "2", "planner"),
         )
     ),
