@@ -22,16 +22,20 @@ shards buffers by DTensor placements and swaps SDPA for its ring only on CUDA, w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan import rng
 from titan.run_plan import RunPlan
 
+aten = torch.ops.aten
 NEG_INF = float("-inf")
+LSE_TILE = 32  # CUDA's memory-efficient kernel pads its log-sum-exp to whole tiles of this many queries
 KV_TAG, GRAD_TAG = 0, 1  # the two streams of one backward step may be in flight between the same pair of ranks
 
 
@@ -63,8 +67,12 @@ class ContextParallel:
         self.chunk = seq_len // (2 * cp)
         self.chunks = tuple(r.start // self.chunk for r in sequence)  # this rank's chunks, by global index
         self.positions = torch.cat([torch.arange(r.start, r.stop) for r in sequence]).to(device)
-        self.next = dist.get_global_rank(group, (cp_rank + 1) % cp)
-        self.prev = dist.get_global_rank(group, (cp_rank - 1) % cp)
+
+    @cached_property
+    def neighbours(self) -> tuple[int, int]:
+        """The global ranks of the next cp rank, which this rank sends to, and of the previous one, which sends here
+        (looked up at the first exchange: a ring whose exchange is replaced needs no process group)."""
+        return tuple(dist.get_global_rank(self.group, (self.cp_rank + step) % self.cp) for step in (1, -1))
 
     def owned(self, cp_rank: int) -> tuple[int, int]:
         """The chunks that cp rank `cp_rank` holds."""
@@ -115,9 +123,10 @@ class ContextParallel:
         """Send `send` to the next rank and receive the previous rank's into a new tensor (in flight: wait on the
         works before reading it)."""
         recv = torch.empty_like(send)
+        next_rank, prev_rank = self.neighbours
         ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+            dist.P2POp(dist.isend, send, next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, recv, prev_rank, self.group, tag),
         ]
         return recv, dist.batch_isend_irecv(ops)
 
@@ -208,11 +217,12 @@ class _Ring(torch.autograd.Function):
 
 class Blocks:
     """One block pair's attention, forward (its output and log-sum-exp) and backward (given the merged output and
-    log-sum-exp): by the CPU flash-attention kernels, or explicitly with dropout or off the CPU."""
+    log-sum-exp), by the kernel `kernel` picks."""
 
     def __init__(self, ring: ContextParallel, mask: RingMask, rows: Tensor, dropout, groups: int, scale: float):
         self.ring, self.mask, self.rows, self.drop = ring, mask, rows, dropout
         self.groups, self.scale = groups, scale
+        self.state: dict[tuple[int, int], tuple] = {}  # a CUDA kernel's forward outputs that its backward takes
 
     def _expand(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.groups, dim=1) if self.groups > 1 else x
@@ -221,8 +231,22 @@ class Blocks:
         """A gradient of expanded key or value heads, summed back onto the kv heads."""
         return grad.unflatten(1, (-1, self.groups)).sum(2) if self.groups > 1 else grad
 
-    def _flash(self, q: Tensor) -> bool:
-        return q.device.type == "cpu" and self.drop is None
+    def kernel(self, pair: PairMask, q: Tensor, k: Tensor) -> str:
+        """Which kernel computes this block: the CPU's flash kernel ("cpu_flash"), CUDA's "flash" or "efficient" (for
+        a block without a mask, where torch's checks accept its shapes and dtype: flash takes bf16 and fp16), or
+        "explicit": dropout needs the probabilities (its masks are titan's), and a masked block may hold queries that
+        attend to nothing, whose log-sum-exp the CUDA kernels do not define."""
+        if self.drop is not None:
+            return "explicit"
+        if q.device.type == "cpu":
+            return "cpu_flash"
+        if q.device.type == "cuda" and pair.kind != "masked":
+            params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, pair.kind == "causal", False)
+            if torch.backends.cuda.can_use_flash_attention(params):
+                return "flash"
+            if torch.backends.cuda.can_use_efficient_attention(params):
+                return "efficient"
+        return "explicit"
 
     def _keep(self, a: int, b: int, shape) -> Tensor:
         ring, device = self.ring, self.rows.device
@@ -246,10 +270,20 @@ class Blocks:
     def forward(self, a: int, b: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if self._flash(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, pair.kind == "causal", attn_mask=self._bias(pair, q), scale=self.scale
+        kernel, causal = self.kernel(pair, q, k), pair.kind == "causal"
+        if kernel == "cpu_flash":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=self._bias(pair, q), scale=self.scale
             )
+        elif kernel == "flash":
+            out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=self.scale)
+            self.state[a, b] = tuple(rest[:6])  # cumulative lengths, max lengths, philox seed and offset
+        elif kernel == "efficient":
+            out, lse, *philox = aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=self.scale
+            )
+            lse = lse[..., : q.shape[2]]  # padded to whole tiles of queries
+            self.state[a, b] = tuple(philox)
         else:
             scores = self._scores(pair, q, k)
             lse = scores.logsumexp(-1)
@@ -263,9 +297,21 @@ class Blocks:
     def backward(self, a, b, q, k, v, out, lse, grad_out) -> tuple[Tensor, Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if self._flash(q):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, q, k, v, out, lse, 0.0, pair.kind == "causal", attn_mask=self._bias(pair, q), scale=self.scale
+        kernel, causal = self.kernel(pair, q, k), pair.kind == "causal"
+        if kernel == "cpu_flash":
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=self._bias(pair, q), scale=self.scale
+            )
+        elif kernel == "flash":
+            lengths, philox = self.state[a, b][:4], self.state[a, b][4:]
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k, v, out, lse, *lengths, 0.0, causal, *philox, scale=self.scale
+            )
+        elif kernel == "efficient":
+            padded = F.pad(lse, (0, -lse.shape[-1] % LSE_TILE))  # the kernel reads the log-sum-exp by whole tiles
+            grads = [True, True, True, False]  # q, k, v; no bias
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, q, k, v, None, out, padded, *self.state[a, b], 0.0, grads, causal, scale=self.scale
             )
         else:
             grad_out, out = grad_out.float(), out.float()
