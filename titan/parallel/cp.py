@@ -13,10 +13,21 @@ in part takes a mask. RoPE positions and document ids are the whole row's (the m
 takes this rank's positions), and dropout masks are keyed by global position (rng.Dropout.sequence and
 keep_mask), so every mask is bitwise the one a single process draws.
 
-On the CPU the blocks run on the CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and
-its backward, which take and return the log-sum-exp the merge needs); with attention dropout, or off the CPU,
-they are computed explicitly. torch's `torch.distributed.tensor.experimental.context_parallel` is not used: it
-shards buffers by DTensor placements and swaps SDPA for its ring only on CUDA, without document masks.
+Each block runs on a kernel that returns the log-sum-exp the merge needs (Blocks.kernel). On the CPU: the CPU
+flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and its backward), masks included. On CUDA, a
+block without a mask (causal on the diagonal, or whole): the kernels torch's own context parallelism runs its blocks
+on, `_scaled_dot_product_flash_attention` (bf16, fp16) or else `_scaled_dot_product_efficient_attention` (fp32),
+with their backwards, where torch's SDPA checks accept the shapes. A masked block is explicit there: flash takes no
+mask, and what the memory-efficient kernel gives a query that a document mask leaves nothing to attend to is not yet
+checked on a GPU. With attention dropout every block is explicit: its masks are titan's, drawn by global position.
+
+torch's context-parallel API (`torch.distributed.tensor.experimental.context_parallel`) is not used, on any backend;
+the ring shares only its CUDA kernels. Its SDPA ring takes no mask (no documents, no dropout of titan's) and dispatches only
+CUDA's kernels; where it applies, it computes what this ring computes, with the same kernels and the same head-and-tail
+chunks (its load balancer's), so a second ring would only add a path the CPU tests cannot run. Its flex-attention path
+takes document masks, but by all-gathering every rank's keys and values at each layer: the whole sequence's keys and
+values on every rank, which the ring exists to avoid. So one ring serves every backend, masks, dropout and tensor
+parallelism included, and only the block kernel depends on the device.
 """
 
 from __future__ import annotations
@@ -234,8 +245,7 @@ class Blocks:
     def kernel(self, pair: PairMask, q: Tensor, k: Tensor) -> str:
         """Which kernel computes this block: the CPU's flash kernel ("cpu_flash"), CUDA's "flash" or "efficient" (for
         a block without a mask, where torch's checks accept its shapes and dtype: flash takes bf16 and fp16), or
-        "explicit": dropout needs the probabilities (its masks are titan's), and a masked block may hold queries that
-        attend to nothing, whose log-sum-exp the CUDA kernels do not define."""
+        "explicit" (the module docstring says why)."""
         if self.drop is not None:
             return "explicit"
         if q.device.type == "cpu":
