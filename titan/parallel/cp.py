@@ -22,12 +22,12 @@ mask, and what the memory-efficient kernel gives a query that a document mask le
 checked on a GPU. With attention dropout every block is explicit: its masks are titan's, drawn by global position.
 
 torch's context-parallel API (`torch.distributed.tensor.experimental.context_parallel`) is not used, on any backend;
-the ring shares only its CUDA kernels. Its SDPA ring takes no mask (no documents, no dropout of titan's) and dispatches only
-CUDA's kernels; where it applies, it computes what this ring computes, with the same kernels and the same head-and-tail
-chunks (its load balancer's), so a second ring would only add a path the CPU tests cannot run. Its flex-attention path
-takes document masks, but by all-gathering every rank's keys and values at each layer: the whole sequence's keys and
-values on every rank, which the ring exists to avoid. So one ring serves every backend, masks, dropout and tensor
-parallelism included, and only the block kernel depends on the device.
+the ring shares only its CUDA kernels. Its SDPA ring takes no mask (no documents, no dropout of titan's) and
+dispatches only CUDA's kernels; where it applies, it computes what this ring computes, with the same kernels and the
+same head-and-tail chunks (its load balancer's), so a second ring would only add a path the CPU tests cannot run.
+Its flex-attention path takes document masks, but by all-gathering every rank's keys and values at each layer: the
+whole sequence's keys and values on every rank, which the ring exists to avoid. So one ring serves every backend,
+masks, dropout and tensor parallelism included, and only the block kernel depends on the device.
 """
 
 from __future__ import annotations
