@@ -1,5 +1,6 @@
 """titan's CUDA paths, on a real GPU: flex attention, bf16 through FSDP, the counter-based RNG, Float8, compile,
-the memory plan, the profiler, checkpoints, CUDA-event timing and Triton. Every test skips without CUDA;
+the memory plan, the profiler, checkpoints, CUDA-event timing, Triton, and context parallelism's ring on CUDA's fused
+attention kernels. Every test skips without CUDA;
 scripts/gpu_check.sh runs them (`pytest -m cuda`).
 
 Tolerances marked "to confirm on the first GPU run" are bounds argued from the arithmetic, not yet measured: each

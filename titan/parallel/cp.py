@@ -314,8 +314,10 @@ class Blocks:
             )
         elif kernel == "flash":
             lengths, philox = self.state[a, b][:4], self.state[a, b][4:]
+            # This chunk's log-sum-exp on its own, not a view into the rank's: the kernel takes it contiguous (torch's
+            # ring makes it so too).
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                grad_out, q, k, v, out, lse, *lengths, 0.0, causal, *philox, scale=self.scale
+                grad_out, q, k, v, out, lse.contiguous(), *lengths, 0.0, causal, *philox, scale=self.scale
             )
         elif kernel == "efficient":
             padded = F.pad(lse, (0, -lse.shape[-1] % LSE_TILE))  # the kernel reads the log-sum-exp by whole tiles
