@@ -117,8 +117,8 @@ class ContextParallel:
                 pairs[a, b] = PairMask("masked", bias[:, None], empty[:, None] if empty.any() else None)
         return RingMask(pairs)
 
-    # Compiled blocks call the ring eagerly (a graph break on each side): its sends are not traceable, and its plan of
-    # chunk pairs changes with every micro-batch's documents, which guards would recompile for.
+    # Compiled blocks call the ring eagerly (a graph break on each side): dynamo breaks at its sends anyway, and its
+    # plan of chunk pairs changes with every micro-batch's documents, which guards would recompile for.
     @torch.compiler.disable
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: RingMask, rows: Tensor, dropout: rng.Dropout | None
