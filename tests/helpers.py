@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,9 @@ from safetensors.torch import load_file
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
 from titan.data.order import block_documents, block_offsets
+from titan.parallel.cp import GRAD_TAG, KV_TAG, Blocks, ContextParallel, _Ring
 from titan.rng.shards import full_tensor
+from titan.run_plan import run_plan
 from titan.train.step import StepHook
 from titan.train.stop import Preempted
 from titan.train.trainer import Trainer
@@ -323,3 +327,115 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+# -- the ring against full attention: inputs, the brute-force reference, and a ring of threads on one device
+
+
+def attention_inputs(cp: int, documents: bool, device="cpu", dtype=torch.float32):
+    """Seeded q (2 rows, 4 heads, 8·cp positions, head dim 16), k and v (2 kv heads), the weights of a loss on the
+    output, and document ids of 1 to ~2 chunks of tokens, so that some documents meet across chunks and some pairs of
+    chunks never do (None: one causal sequence). The same on every rank."""
+    batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 8 * cp, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen) for _ in range(2))
+    weights = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    ids = torch.sort(torch.randint(0, 2 * cp + 1, (batch, seq), generator=gen), dim=1).values if documents else None
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return *(t.to(device, dtype) for t in (q, k, v, weights)), move(ids)
+
+
+def cp_sequence(cp: int, seq: int, cp_rank: int) -> tuple[range, ...]:
+    """The positions cp rank `cp_rank` holds of a sequence of `seq` tokens, by the run plan."""
+    config = load_config(DEBUG_RECIPE, ["--parallel.cp", str(cp), "--training.seq_len", str(seq)], cp)
+    return run_plan(config, cp).rank(cp_rank).sequence
+
+
+def full_attention(q, k, v, documents, dropout=None, rows=None):
+    """Brute force on the whole sequence: every score, the causal (and document) mask, softmax, and dropout by the
+    module as one process applies it to the probabilities."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    seq = q.shape[2]
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    if documents is not None:
+        allowed = (allowed & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    if dropout is not None:
+        probs = dropout(probs, rows)
+    return probs @ v
+
+
+class ThreadRing:
+    """cp ranks as threads of one process, their exchanges through queues: a whole ring on one device, where a process
+    group of several ranks cannot be had (NCCL takes one GPU per rank; gloo cannot send a rank to itself)."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+        self.inboxes = {(r, tag): queue.Queue() for r in range(cp) for tag in (KV_TAG, GRAD_TAG)}
+
+    def ring(self, cp_rank: int, seq: int, device) -> ContextParallel:
+        sequence = cp_sequence(self.cp, seq, cp_rank)
+        ring = ContextParallel(None, cp_rank, self.cp, sequence, seq, device)
+        inboxes = self.inboxes
+
+        def exchange(send, tag):
+            inboxes[(cp_rank + 1) % self.cp, tag].put(send.clone())
+            recv = torch.empty_like(send)
+            return recv, [Arrival(recv, inboxes[cp_rank, tag])]
+
+        ring.exchange = exchange
+        return ring
+
+    def attend(self, q, k, v, ids, grad_out) -> tuple[torch.Tensor, ...]:
+        """Every rank's output and q, k, v gradients (for a loss whose gradient on the output is `grad_out`), put
+        back at their positions of the sequence.
+
+        Each thread calls the ring's forward and backward itself: autograd runs the CUDA nodes of every thread's
+        backward on one thread per device, where one rank's backward would wait on a message from a rank queued
+        behind it."""
+        seq, rows = q.shape[2], torch.arange(q.shape[0], device=q.device)
+
+        def run(cp_rank):
+            ring = self.ring(cp_rank, seq, q.device)
+            here, ctx = ring.positions, _Saved()
+            out = _Ring.forward(ctx, *(t[:, :, here] for t in (q, k, v)), ring, ring.mask(ids), rows, None)
+            return here, out, *_Ring.backward(ctx, grad_out[:, :, here])[:3]
+
+        results = [torch.empty_like(t) for t in (q, q, k, v)]
+        with ThreadPoolExecutor(self.cp) as pool:
+            for here, *parts in pool.map(run, range(self.cp)):
+                for whole, part in zip(results, parts):
+                    whole[:, :, here] = part
+        return tuple(results)
+
+
+def record_kernels(monkeypatch) -> list[str]:
+    """The kernel of each block the ring computes from now on, forward and backward, in a list."""
+    kernels, kernel = [], Blocks.kernel
+
+    def recorded(self, *args):
+        kernels.append(kernel(self, *args))
+        return kernels[-1]
+
+    monkeypatch.setattr(Blocks, "kernel", recorded)
+    return kernels
+
+
+class Arrival:
+    """A tensor from the previous rank's thread, copied in when waited on."""
+
+    def __init__(self, recv: torch.Tensor, inbox: queue.Queue):
+        self.recv, self.inbox = recv, inbox
+
+    def wait(self):
+        self.recv.copy_(self.inbox.get(timeout=60))
+
+
+class _Saved:
+    """What autograd hands the ring's forward and backward: the tensors saved between them."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors

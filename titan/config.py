@@ -730,8 +730,6 @@ def validate(config: Config, world_size: int) -> None:
                 d.batching == "tokens",
                 "packing does not place documents on context-parallel groups yet",
             ),
-            "compile.enable": (config.compile.enable, "the ring's point-to-point sends are not traced yet"),
-            "float8.enable": (config.float8.enable, "float8 matmuls have not been checked against the ring yet"),
         }
         for what, (used, why) in unsupported.items():
             require(

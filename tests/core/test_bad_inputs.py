@@ -275,11 +275,7 @@ CASES = [
             {"WORLD_SIZE": world},
             [f"parallel.cp > 1 with {what}", "not supported yet", why],
         )
-        for what, flags, world, why in (
-            ("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),
-            ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
-            ("float8.enable", ["--float8.enable", "true"], "2", "float8"),
-        )
+        for what, flags, world, why in (("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),)
     ),
     ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),
     (

@@ -1,5 +1,6 @@
 """titan's CUDA paths, on a real GPU: flex attention, bf16 through FSDP, the counter-based RNG, Float8, compile,
-the memory plan, the profiler, checkpoints, CUDA-event timing and Triton. Every test skips without CUDA;
+the memory plan, the profiler, checkpoints, CUDA-event timing, Triton, and context parallelism's ring on CUDA's fused
+attention kernels. Every test skips without CUDA;
 scripts/gpu_check.sh runs them (`pytest -m cuda`).
 
 Tolerances marked "to confirm on the first GPU run" are bounds argued from the arithmetic, not yet measured: each
@@ -235,3 +236,53 @@ def test_inductor_compiles_a_triton_kernel():
 
     check = runpy.run_path(str(ROOT / "scripts" / "triton_check.py"))
     assert check["compile_a_triton_kernel"]() < 1e-5
+
+
+# -- context parallelism's ring on torch's fused attention kernels
+
+FUSED = {torch.bfloat16: "flash", torch.float32: "efficient"}
+# To confirm on the first GPU run, relative to the largest value of each (|out| ~3, gradients ~5). bf16: the inputs
+# are the reference's exactly; the kernels round each block's output (and flash its probabilities) to bf16, 2^-9
+# relative each, a few times over: 2e-2 is ~5x that. fp32: the memory-efficient kernel keeps fp32 throughout, as the
+# CPU ring does (1.7e-6 measured there of values ~3): 1e-5.
+FUSED_RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", list(FUSED), ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["causal", "full"])
+def test_the_rings_fused_block_kernels_give_the_explicit_output_log_sum_exp_and_gradients(dtype, kind):
+    from titan.parallel.cp import Blocks, PairMask, RingMask
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    # 40 queries: not a whole number of the memory-efficient kernel's 32-query tiles of log-sum-exp.
+    q, k, v, grad = (torch.randn(2, 4, 40, 16, device="cuda", generator=gen).to(dtype) for _ in range(4))
+    fused, explicit = (Blocks(None, RingMask({(0, 0): PairMask(kind)}), None, None, 1, 16**-0.5) for _ in range(2))
+    explicit.kernel = lambda *args: "explicit"
+    assert fused.kernel(q, k, kind == "causal") == FUSED[dtype]
+    out, lse = explicit.forward(0, 0, q, k, v)
+    results = {}
+    for name, blocks in (("fused", fused), ("explicit", explicit)):
+        fwd = blocks.forward(0, 0, q, k, v)
+        results[name] = (*fwd, *blocks.backward(0, 0, q, k, v, out.to(dtype), lse, grad))
+    errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(results["fused"], results["explicit"])]
+    print(f"{kind} block, {dtype}: fused against explicit, out, lse, dq, dk, dv: {errors}")
+    assert max(errors) < FUSED_RTOL[dtype], errors
+
+
+@pytest.mark.parametrize("dtype", list(FUSED), ids=["bf16", "fp32"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_a_cp2_ring_on_one_gpu_matches_full_attention(dtype, documents, monkeypatch):
+    """Both cp ranks as threads of this process (tests/helpers.ThreadRing): every block on the fused kernels (a pair
+    where documents meet in part once per shared document), merged and sent round as on several GPUs."""
+    from helpers import ThreadRing, attention_inputs, full_attention, record_kernels
+
+    kernels = record_kernels(monkeypatch)
+    q, k, v, weights, ids = attention_inputs(2, documents, "cuda", dtype)
+    ring = ThreadRing(2).attend(q, k, v, ids, weights)
+    whole = [t.float().requires_grad_() for t in (q, k, v)]
+    expected = full_attention(*whole, ids)
+    expected_grads = torch.autograd.grad(expected, whole, weights.float())
+    errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(ring, (expected, *expected_grads))]
+    print(f"CP2 ring, {dtype}, documents {documents}: against full attention, out, dq, dk, dv: {errors}")
+    assert max(errors) < FUSED_RTOL[dtype], errors
+    assert set(kernels) == {FUSED[dtype]}

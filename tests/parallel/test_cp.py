@@ -17,15 +17,21 @@ from conftest import DEBUG_RECIPE, run_titan
 from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
+    LOSS_RTOL,
     STEPS,
+    ThreadRing,
     assert_matches_one_process,
+    attention_inputs,
+    cp_sequence,
+    full_attention,
     full_weights,
     layout_overrides,
+    record_kernels,
     torchrun,
 )
 from titan import rng
 from titan.config import load_config
-from titan.parallel.cp import ContextParallel
+from titan.parallel.cp import Blocks, ContextParallel, PairMask, RingMask
 from titan.run_plan import run_plan
 from titan.train.trainer import Trainer
 
@@ -46,41 +52,19 @@ def test_each_rank_holds_a_chunk_from_each_end_of_the_sequence():
 # -- the ring against full attention
 
 
-def full_attention(q, k, v, documents, dropout, rows):
-    """Brute force on the whole sequence: every score, the causal (and document) mask, softmax, and dropout by the
-    module as one process applies it to the probabilities."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    seq = q.shape[2]
-    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
-    if documents is not None:
-        allowed = (allowed & (documents[:, :, None] == documents[:, None, :]))[:, None]
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    if dropout is not None:
-        probs = dropout(probs, rows)
-    return probs @ v
-
-
 def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: bool = False):
     """This rank's outputs and q, k, v gradients by the ring, less those of full attention at its positions (the
     largest absolute difference of each), how many chunk pairs it computed, and of which kinds."""
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     rank = dist.get_rank()
-    batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 8 * cp, 16
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, seq, head_dim, generator=gen)
-    k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen) for _ in range(2))
-    weights = torch.randn(batch, heads, seq, head_dim, generator=gen)
-    # Documents of 1 to ~2·chunk tokens: some meet across chunks, some pairs of chunks never meet.
-    ids = torch.sort(torch.randint(0, 2 * cp + 1, (batch, seq), generator=gen), dim=1).values if documents else None
+    q, k, v, weights, ids = attention_inputs(cp, documents)
     rows = torch.tensor([3, 5])  # rows of a global batch: dropout is keyed by them
     dropout = None
     if p:
         dropout = rng.Dropout(p)
         dropout.stream, dropout.seed = "layers.0.attention.dropout", 7
-    plan = run_plan(load_config(DEBUG_RECIPE, ["--parallel.cp", str(cp), "--training.seq_len", str(seq)], cp), cp)
-    ring = ContextParallel(mesh.get_group(), rank, cp, plan.rank(rank).sequence, seq, "cpu")
+    seq = q.shape[2]
+    ring = ContextParallel(mesh.get_group(), rank, cp, cp_sequence(cp, seq, rank), seq, "cpu")
     here = ring.positions
     mask = ring.mask(ids)
     if drop_pair:  # a ring that loses a block: every pair with key chunk (rank + 1) % cp, held by another rank
@@ -124,6 +108,47 @@ def test_a_ring_that_drops_a_block_is_caught():
     """The comparison above can fail: without one block of keys, outputs and gradients move far outside it."""
     for diffs, _, _ in run_distributed(ring_against_full_attention, 2, 2, False, 0.0, True):
         assert max(diffs) > 100 * RING_ATOL, diffs
+
+
+# -- the ring on one device, its cp ranks as threads (how tests/cuda/test_cuda.py runs it on one GPU)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_a_ring_of_threads_matches_full_attention(cp, documents, monkeypatch):
+    kernels = record_kernels(monkeypatch)
+    q, k, v, weights, ids = attention_inputs(cp, documents)
+    ring = ThreadRing(cp).attend(q, k, v, ids, weights)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = full_attention(*whole, ids)
+    expected_grads = torch.autograd.grad(expected, whole, weights)
+    diffs = [(a - b).abs().max().item() for a, b in zip(ring, (expected, *expected_grads))]
+    assert max(diffs) < RING_ATOL, diffs
+    assert set(kernels) == {"cpu_flash"}  # without dropout, every block on the CPU's flash kernels
+
+
+def test_each_block_runs_on_the_cpus_flash_kernel_unless_dropout_needs_its_probabilities():
+    q = torch.zeros(1, 2, 4, 16)
+    blocks = lambda dropout: Blocks(None, RingMask({}), None, dropout, 1, 0.25)  # noqa: E731
+    assert blocks(None).kernel(q, q, True) == blocks(None).kernel(q, q, False) == "cpu_flash"
+    assert blocks(rng.Dropout(0.1)).kernel(q, q, True) == "explicit"
+    meta = q.to("meta")  # neither CPU nor CUDA
+    assert blocks(None).kernel(meta, meta, True) == "explicit"
+
+
+@pytest.mark.parametrize("kernel,dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])
+@pytest.mark.parametrize("kind", ["causal", "full"])
+def test_the_cuda_kernels_take_the_rings_arguments_on_meta_tensors(kernel, dtype, kind):
+    """CUDA's fused kernels cannot run here, but their meta versions (shapes only) check the same arguments: the ring
+    calls them as torch defines them and gets the shapes its merge needs (tests/cuda/test_cuda.py checks the values)."""
+    blocks = Blocks(None, RingMask({(0, 0): PairMask(kind)}), None, None, 2, 0.25)
+    blocks.kernel = lambda *args: kernel
+    # 40 queries: not a whole number of the memory-efficient kernel's tiles of log-sum-exp.
+    q, k = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype), torch.empty(2, 2, 40, 16, device="meta", dtype=dtype)
+    out, lse = blocks.forward(0, 0, q, k, k)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, torch.float32, (2, 4, 40), torch.float32)
+    grads = blocks.backward(0, 0, q, k, k, out.to(dtype), lse, q)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
 # -- dropout masks: bitwise those of one process
@@ -210,6 +235,89 @@ def test_initial_weights_are_bitwise_and_training_matches_one_process(one_proces
         assert initial.keys() == ref_initial.keys(), name
         assert all(torch.equal(initial[key], value) for key, value in ref_initial.items()), name
         assert_matches_one_process(ranks[0][name][1], ref_losses, weights, ref_weights, name=name)  # global losses
+
+
+# -- float8 and compiled blocks on the ring
+
+# One micro-batch a step, as the one process takes: tensorwise float8 scales each tensor by its amax over the
+# micro-batch, so micro-batches of half the rows would scale differently whatever the ring does.
+FLOAT8 = {"float8.enable": "true", "training.local_batch_size": str(GLOBAL_BATCH)}
+
+
+def float8_on_the_ring(tmp):
+    """CP2 float8 as titan runs it (each rank scales by the amax of its own tokens), and with torchao's amax reduced
+    over the cp group, so that every cast scales as one process's does."""
+    from torchao.float8 import float8_utils
+
+    results = initial_weights_and_training(tmp, {"cp2_float8": {"parallel.cp": "2", **FLOAT8}})
+    amax = float8_utils.tensor_to_amax
+
+    def shared_amax(x, reduce_amax=False, device_mesh=None, *args):
+        return amax(x, True, None, *args)  # reduced over the default group: the world is the cp group here
+
+    float8_utils.tensor_to_amax = shared_amax
+    try:
+        results |= initial_weights_and_training(tmp, {"cp2_float8_shared_amax": {"parallel.cp": "2", **FLOAT8}})
+    finally:
+        float8_utils.tensor_to_amax = amax
+    return results
+
+
+# Measured (5 steps, tensorwise): with the amax shared, CP2 differs from one float8 process by 1.2e-7 in the loss
+# (relative), fp32 rounding as without float8; the weights are not compared, since that rounding flips a few float8
+# roundings, which Adam turns into steps of up to lr on the elements concerned (46 of 459k elements move by more than
+# 1e-5, up to 1.3e-4). Each rank scaling by its own tokens' amax, as titan runs, gives 7.0e-5: every cast rounds
+# otherwise, about as far as float8 is from fp32 itself over these steps (5.0e-5). Bound ~5x that.
+FLOAT8_PER_RANK_RTOL = 3.5e-4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_float8_with_cp_matches_one_float8_process(tmp_path):
+    ref_initial, ref_losses, _ = initial_weights_and_training(tmp_path / "single", {"float8": FLOAT8})["float8"]
+    results = run_distributed(float8_on_the_ring, 2, tmp_path)[0]
+    for name, rtol in (("cp2_float8_shared_amax", LOSS_RTOL), ("cp2_float8", FLOAT8_PER_RANK_RTOL)):
+        initial, losses, _ = results[name]
+        assert all(torch.equal(initial[key], value) for key, value in ref_initial.items()), name
+        assert_matches_one_process(losses, ref_losses, loss_rtol=rtol, name=name)
+    # The ranks' own scales really differ from one process's: the shared amax is what closes the gap.
+    per_rank = results["cp2_float8"][1]
+    assert max(abs(a - b) / b for a, b in zip(per_rank, ref_losses)) > 10 * LOSS_RTOL
+
+
+def compiled_on_the_ring(tmp):
+    """CP2 with compiled blocks, any recompilation an error: its losses, weights, how many graphs were compiled, and
+    how many different plans of chunk pairs the micro-batches had."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    layout = {"parallel.cp": "2", "compile.enable": "true", "validation.interval": "0"}
+    trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / "cp2_compile", layout)))
+    ring, plans = trainer.model_parts.parts[0].context_parallel, set()
+    plan = ring.mask
+
+    def spy_mask(document_ids):
+        mask = plan(document_ids)
+        plans.add(tuple(sorted((pair, m.kind) for pair, m in mask.pairs.items())))
+        return mask
+
+    ring.mask = spy_mask
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses = trainer.train(until=STEPS)
+    return losses, full_weights(trainer), counters["stats"]["unique_graphs"], len(plans)
+
+
+# Measured: 2.4e-7 (losses, relative) and 1.3e-6 (weights) from the eager one process, as eager CP2.
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_blocks_with_cp_match_one_process_and_compile_once(one_process, tmp_path):
+    losses, weights, graphs, plans = run_distributed(compiled_on_the_ring, 2, tmp_path)[0]
+    _, ref_losses, ref_weights = one_process["plain"]  # eager
+    assert_matches_one_process(losses, ref_losses, weights, ref_weights, name="cp2_compile")
+    # The ring runs eagerly between the compiled parts of each block, so its plan, which changes with the
+    # micro-batches' documents, is never guarded on: the graphs of the first micro-batch serve every later one.
+    # (Traced, the ring's per-pair branches recompiled up to dynamo's limit within the first step.)
+    assert plans > 1 and graphs > 0, (plans, graphs)
 
 
 # 20 fp32 steps at seq 1,024 on the tiny model. Measured on this machine: CP2, CP2 x FSDP2, CP2 x TP2 and CP2 x PP2

@@ -15,26 +15,40 @@ ids are the whole row's (the model computes them on the row and takes this rank'
 are keyed by global position (rng.Dropout.sequence and keep_mask), so every mask is bitwise the one a single
 process draws.
 
-On the CPU the blocks run on the CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and
-its backward, which take and return the log-sum-exp the merge needs); with attention dropout, or off the CPU,
-they are computed explicitly. torch's `torch.distributed.tensor.experimental.context_parallel` is not used: it
-shards buffers by DTensor placements and swaps SDPA for its ring only on CUDA, without document masks.
+Each block runs on a kernel that returns the log-sum-exp the merge needs (Blocks.kernel), never with a mask: a
+pair where documents meet in part runs it once per shared document. On the CPU: the CPU flash-attention kernels
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward). On CUDA: the kernels torch's own context
+parallelism runs its blocks on, `_scaled_dot_product_flash_attention` (bf16, fp16) or else
+`_scaled_dot_product_efficient_attention` (fp32), with their backwards, where torch's SDPA checks accept the
+shapes. With attention dropout every block is explicit: its masks are titan's, drawn by global position.
+
+torch's context-parallel API (`torch.distributed.tensor.experimental.context_parallel`) is not used, on any backend;
+the ring shares only its CUDA kernels. Its SDPA ring takes no mask (no documents, no dropout of titan's) and
+dispatches only CUDA's kernels; where it applies, it computes what this ring computes, with the same kernels and the
+same head-and-tail chunks (its load balancer's), so a second ring would only add a path the CPU tests cannot run.
+Its flex-attention path takes document masks, but by all-gathering every rank's keys and values at each layer: the
+whole sequence's keys and values on every rank, which the ring exists to avoid. So one ring serves every backend,
+masks, dropout and tensor parallelism included, and only the block kernel depends on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan import rng
 from titan.run_plan import RunPlan
 
+aten = torch.ops.aten
 NEG_INF = float("-inf")
+LSE_TILE = 32  # CUDA's memory-efficient kernel pads its log-sum-exp to whole tiles of this many queries
 KV_TAG, GRAD_TAG = 0, 1  # the two streams of one backward step may be in flight between the same pair of ranks
 
 
@@ -85,8 +99,12 @@ class ContextParallel:
         self.chunk = seq_len // (2 * cp)
         self.chunks = tuple(r.start // self.chunk for r in sequence)  # this rank's chunks, by global index
         self.positions = torch.cat([torch.arange(r.start, r.stop) for r in sequence]).to(device)
-        self.next = dist.get_global_rank(group, (cp_rank + 1) % cp)
-        self.prev = dist.get_global_rank(group, (cp_rank - 1) % cp)
+
+    @cached_property
+    def neighbours(self) -> tuple[int, int]:
+        """The global ranks of the next cp rank, which this rank sends to, and of the previous one, which sends here
+        (looked up at the first exchange: a ring whose exchange is replaced needs no process group)."""
+        return tuple(dist.get_global_rank(self.group, (self.cp_rank + step) % self.cp) for step in (1, -1))
 
     def owned(self, cp_rank: int) -> tuple[int, int]:
         """The chunks that cp rank `cp_rank` holds."""
@@ -135,6 +153,9 @@ class ContextParallel:
                 spans.append((row, 0, min(stop, (a + 1) * c) - a * c, max(start, b * c) - b * c, c))
         return spans
 
+    # Compiled blocks call the ring eagerly (a graph break on each side): dynamo breaks at its sends anyway, and its
+    # plan of chunk pairs changes with every micro-batch's documents, which guards would recompile for.
+    @torch.compiler.disable
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: RingMask, rows: Tensor, dropout: rng.Dropout | None
     ) -> Tensor:
@@ -149,9 +170,10 @@ class ContextParallel:
         """Send `send` to the next rank and receive the previous rank's into a new tensor (in flight: wait on the
         works before reading it)."""
         recv = torch.empty_like(send)
+        next_rank, prev_rank = self.neighbours
         ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+            dist.P2POp(dist.isend, send, next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, recv, prev_rank, self.group, tag),
         ]
         return recv, dist.batch_isend_irecv(ops)
 
@@ -242,11 +264,12 @@ class _Ring(torch.autograd.Function):
 
 class Blocks:
     """One block pair's attention, forward (its output and log-sum-exp) and backward (given the merged output and
-    log-sum-exp): by the CPU flash-attention kernels, or explicitly with dropout or off the CPU."""
+    log-sum-exp), by the kernel `kernel` picks; a pair of "spans" runs it once per shared document."""
 
     def __init__(self, ring: ContextParallel, mask: RingMask, rows: Tensor, dropout, groups: int, scale: float):
         self.ring, self.mask, self.rows, self.drop = ring, mask, rows, dropout
         self.groups, self.scale = groups, scale
+        self.state: dict[tuple, tuple] = {}  # a CUDA kernel's forward outputs that its backward takes, by call
 
     def _expand(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.groups, dim=1) if self.groups > 1 else x
@@ -255,9 +278,21 @@ class Blocks:
         """A gradient of expanded key or value heads, summed back onto the kv heads."""
         return grad.unflatten(1, (-1, self.groups)).sum(2) if self.groups > 1 else grad
 
-    def _on_kernels(self, q: Tensor) -> bool:
-        """Whether blocks run on the CPU flash-attention kernels (else explicitly: dropout, or off the CPU)."""
-        return q.device.type == "cpu" and self.drop is None
+    def kernel(self, q: Tensor, k: Tensor, causal: bool) -> str:
+        """Which kernel computes this block: the CPU's flash kernel ("cpu_flash"), CUDA's "flash" or "efficient"
+        (where torch's checks accept its shapes and dtype: flash takes bf16 and fp16), or "explicit" (with attention
+        dropout, whose masks are titan's; the module docstring says why)."""
+        if self.drop is not None:
+            return "explicit"
+        if q.device.type == "cpu":
+            return "cpu_flash"
+        if q.device.type == "cuda":
+            params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, causal, False)
+            if torch.backends.cuda.can_use_flash_attention(params):
+                return "flash"
+            if torch.backends.cuda.can_use_efficient_attention(params):
+                return "efficient"
+        return "explicit"
 
     def _keep(self, a: int, b: int, shape) -> Tensor:
         ring, device = self.ring, self.rows.device
@@ -276,19 +311,48 @@ class Blocks:
             return scores + pair.bias(q.shape[0], self.ring.chunk, a == b, scores.device)
         return scores
 
-    def _flash(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
-        return out, lse
-
-    def _flash_backward(self, grad_out, q, k, v, out, lse, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, scale=self.scale
+    def _fused(self, kernel: str, call: tuple, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+        if kernel == "cpu_flash":
+            return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
+        if kernel == "flash":
+            out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=self.scale)
+            self.state[call] = tuple(rest[:6])  # cumulative lengths, max lengths, philox seed and offset
+            return out, lse
+        out, lse, *philox = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=self.scale
         )
+        self.state[call] = tuple(philox)
+        return out, lse[..., : q.shape[2]]  # padded to whole tiles of queries
+
+    def _fused_backward(self, kernel: str, call: tuple, grad_out, q, k, v, out, lse, causal: bool):
+        if kernel == "cpu_flash":
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, k, v, out, lse, 0.0, causal, scale=self.scale
+            )
+        if kernel == "flash":
+            lengths, philox = self.state[call][:4], self.state[call][4:]
+            # This block's log-sum-exp on its own, not a view into the rank's: the kernel takes it contiguous (torch's
+            # ring makes it so too).
+            return aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k, v, out, lse.contiguous(), *lengths, 0.0, causal, *philox, scale=self.scale
+            )
+        padded = F.pad(lse, (0, -lse.shape[-1] % LSE_TILE))  # the kernel reads the log-sum-exp by whole tiles
+        grads = [True, True, True, False]  # q, k, v; no bias
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, padded, *self.state[call], 0.0, grads, causal, scale=self.scale
+        )
+        return dq, dk, dv
+
+    @staticmethod
+    def _at(row: int, start: int, stop: int) -> tuple:
+        """Index of one row's positions [start, stop) of a (batch, heads, seq, ...) tensor, the row kept."""
+        return slice(row, row + 1), slice(None), slice(start, stop)
 
     def forward(self, a: int, b: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if not self._on_kernels(q):
+        kernel = self.kernel(q, k, a == b)
+        if kernel == "explicit":
             scores = self._scores(a, b, pair, q, k)
             lse = scores.logsumexp(-1)
             probs = (scores - lse.masked_fill(lse == NEG_INF, 0)[..., None]).exp_()
@@ -296,22 +360,21 @@ class Blocks:
                 probs = probs * self._keep(a, b, probs.shape) / (1 - self.drop.p)
             return probs @ v.float(), lse
         if pair.kind != "spans":
-            out, lse = self._flash(q, k, v, pair.kind == "causal")
+            out, lse = self._fused(kernel, (a, b), q, k, v, a == b)
             return out.float(), lse
         # Queries of no shared document keep a log-sum-exp of -inf: they weigh nothing in the merge.
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
-        for row, qs, qe, ks, ke in pair.spans:
-            o, o_lse = self._flash(
-                q[row : row + 1, :, qs:qe], k[row : row + 1, :, ks:ke], v[row : row + 1, :, ks:ke], a == b
-            )
-            out[row, :, qs:qe], lse[row, :, qs:qe] = o[0], o_lse[0]
+        for i, (row, qs, qe, ks, ke) in enumerate(pair.spans):
+            at_q, at_k = self._at(row, qs, qe), self._at(row, ks, ke)
+            out[at_q], lse[at_q] = self._fused(kernel, (a, b, i), q[at_q], k[at_k], v[at_k], a == b)
         return out, lse
 
     def backward(self, a, b, q, k, v, out, lse, grad_out) -> tuple[Tensor, Tensor, Tensor]:
         pair = self.mask.pairs[a, b]
         k, v = self._expand(k), self._expand(v)
-        if not self._on_kernels(q):
+        kernel = self.kernel(q, k, a == b)
+        if kernel == "explicit":
             grad_out, out = grad_out.float(), out.float()
             probs = (self._scores(a, b, pair, q, k) - lse[..., None]).exp_()
             grad_probs = grad_out @ v.float().transpose(-1, -2)
@@ -323,18 +386,17 @@ class Blocks:
             grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True)) * self.scale
             dq, dk = grad_scores @ k.float(), grad_scores.transpose(-1, -2) @ q.float()
         elif pair.kind != "spans":
-            dq, dk, dv = self._flash_backward(grad_out, q, k, v, out, lse, pair.kind == "causal")
+            dq, dk, dv = self._fused_backward(kernel, (a, b), grad_out, q, k, v, out, lse, a == b)
         else:
             dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-            for row, qs, qe, ks, ke in pair.spans:
-                at_q, at_k = (row, slice(None), slice(qs, qe)), (row, slice(None), slice(ks, ke))
-                grads = self._flash_backward(
-                    grad_out[row : row + 1, :, qs:qe], q[row : row + 1, :, qs:qe], k[row : row + 1, :, ks:ke],
-                    v[row : row + 1, :, ks:ke], out[row : row + 1, :, qs:qe], lse[row : row + 1, :, qs:qe], a == b,
-                )  # fmt: skip
-                dq[at_q] += grads[0][0]
-                dk[at_k] += grads[1][0]
-                dv[at_k] += grads[2][0]
+            for i, (row, qs, qe, ks, ke) in enumerate(pair.spans):
+                at_q, at_k = self._at(row, qs, qe), self._at(row, ks, ke)
+                grads = self._fused_backward(
+                    kernel, (a, b, i), grad_out[at_q], q[at_q], k[at_k], v[at_k], out[at_q], lse[at_q], a == b
+                )
+                dq[at_q] += grads[0]
+                dk[at_k] += grads[1]
+                dv[at_k] += grads[2]
         return dq.float(), self._reduce(dk).float(), self._reduce(dv).float()
 
 
