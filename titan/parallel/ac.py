@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
@@ -87,8 +88,11 @@ def apply_choice(block: nn.Module, choice: str, save_ops: list[str]) -> None:
     if choice == FULL:
         checkpoint(block)
     elif choice == SELECTIVE:
-        policy = partial(_policy, frozenset(save_ops))
-        checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, policy))
+        # torch.utils.checkpoint inside the block's forward rather than the composable checkpoint's hooks around it:
+        # a compiled block then traces the policy into its graph, while the hooks' dispatch mode would see the
+        # compiled kernels and keep buffers that they reuse (torch 2.13: "Tensor cached ... has been mutated").
+        context = partial(create_selective_checkpoint_contexts, partial(_policy, frozenset(save_ops)))
+        block.forward = partial(torch_checkpoint, block.forward, use_reentrant=False, context_fn=context)
     elif choice == OFFLOAD:
         _offload(block)
 
