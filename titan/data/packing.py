@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,12 +44,15 @@ class Target:
     """What the micro-batches run on: `capacities` (tokens per micro-batch, per rank), the pipeline depth,
     and `group`: micro-batches come in runs of this many (one pipeline schedule each), so their count is a
     multiple of it. `padded`: every micro-batch is padded to its capacity (pipelines need fixed shapes), so
-    its linear cost is the capacity's whatever it holds."""
+    its linear cost is the capacity's whatever it holds. `cp` > 1: context parallelism, whose ranks are the slots
+    of the dp x cp plane (slot = dp_rank * cp + cp_rank), each capacity one rank's tokens; a cp group may run a
+    document of up to cp times that as a ring."""
 
     capacities: tuple[int, ...]
     pipeline_stages: int = 1
     group: int = 1
     padded: bool = False
+    cp: int = 1
 
     @property
     def ranks(self) -> int:
@@ -59,10 +62,12 @@ class Target:
 @dataclass
 class Assignment:
     """micro_batches[rank][k]: the indices of the documents in that rank's k-th micro-batch (the same count on
-    every rank; some may be empty); times[rank]: its predicted seconds."""
+    every rank; some may be empty); times[rank]: its predicted seconds. rings[g] (Target.cp > 1): the
+    micro-batches in which cp group g runs a ring, the same documents on every slot of the group."""
 
     micro_batches: list[list[list[int]]]
     times: list[float]
+    rings: list[set[int]] = field(default_factory=list)
 
     @property
     def step_time(self) -> float:
@@ -268,3 +273,50 @@ def _first_fit_decreasing(docs: list[int], lengths: list[int], capacity: int, co
         bins[k].append(i)
         room[k] -= lengths[i]
     return bins
+
+
+def place_on_cp_groups(
+    lengths: list[int], cost: CostModel, target: Target, speeds: list[float] | None = None
+) -> Assignment:
+    """A simple placement for context parallelism (Target.cp > 1), until a cost-balanced one: documents longer
+    than a rank's capacity go to ring micro-batches of a cp group (to the group with the fewest ring tokens,
+    first-fit decreasing into rows of cp x capacity), the others to local micro-batches of single slots (to the
+    slot with the fewest tokens, first-fit decreasing). A group runs its rings first, then its slots' local
+    micro-batches; every slot gets as many micro-batches as the busiest group needs. A ring's predicted time is
+    shared by its cp ranks."""
+    speeds = speeds or [1.0] * target.ranks
+    cp, capacity = target.cp, min(target.capacities)
+    if lengths and max(lengths) > cp * capacity:
+        raise ValueError(f"a document of {max(lengths)} tokens fits no ring of {cp} x {capacity} tokens")
+    ring = [i for i in range(len(lengths)) if lengths[i] > capacity]
+    local = [i for i in range(len(lengths)) if lengths[i] <= capacity]
+    rings = [
+        _first_fit_decreasing(docs, lengths, cp * capacity, None)
+        for docs in _least_loaded(ring, lengths, target.ranks // cp)
+    ]
+    own = [_first_fit_decreasing(docs, lengths, capacity, None) for docs in _least_loaded(local, lengths, target.ranks)]
+    count = max(len(rings[s // cp]) + len(own[s]) for s in range(target.ranks))
+    micro_batches = [
+        rings[s // cp] + own[s] + [[] for _ in range(count - len(rings[s // cp]) - len(own[s]))]
+        for s in range(target.ranks)
+    ]
+
+    def seconds(docs: list[int], shared: bool) -> float:
+        return micro_batch_time([lengths[i] for i in docs], cost, capacity, target.padded) / (cp if shared else 1)
+
+    times = [
+        sum(seconds(docs, m < len(rings[s // cp])) for m, docs in enumerate(bins)) / speeds[s]
+        for s, bins in enumerate(micro_batches)
+    ]
+    return Assignment(micro_batches, times, [set(range(len(r))) for r in rings])
+
+
+def _least_loaded(docs: list[int], lengths: list[int], bins: int) -> list[list[int]]:
+    """Longest first, each to the bin with the fewest tokens so far (the first of equals)."""
+    out: list[list[int]] = [[] for _ in range(bins)]
+    load = [0] * bins
+    for i in sorted(docs, key=lambda i: (-lengths[i], i)):
+        k = min(range(bins), key=lambda k: (load[k], k))
+        out[k].append(i)
+        load[k] += lengths[i]
+    return out

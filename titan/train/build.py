@@ -23,7 +23,7 @@ from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
 from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
-from titan.run_plan import Blocks, RunPlan, run_plan
+from titan.run_plan import Blocks, RankPlan, RunPlan, run_plan
 from titan.train.cost_fit import cached_cost_model, collective_seconds
 from titan.train.step import StepHook, TrainStep
 
@@ -160,18 +160,18 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, ste
     )
 
 
-def build_data(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device: torch.device, control_group):
+def build_data(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device: torch.device, control_group):
     """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
-    (None without validation) of data-parallel rank `dp_rank`."""
-    loader, validation = build_loaders(config, plan.global_rows, plan.rows(dp_rank), list(plan.micro_batches[dp_rank]))
+    (None without validation) of the rank `me`."""
+    loader, validation = build_loaders(config, plan.global_rows, me.rows, list(me.micro_batches))
     if config.data.batching == "tokens":  # whole documents, not rows
-        loader = _document_loader(config, plan, dp_rank, spec, args, mesh, device, control_group)
+        loader = _document_loader(config, plan, me, spec, args, mesh, device, control_group)
     return loader, validation
 
 
-def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device, control_group):
+def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device, control_group):
     """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance into micro-batches of
-    the plan's document capacity."""
+    the plan's document capacity (under context parallelism, on the slots of the dp x cp plane)."""
     d, t, layout = config.data, config.training, plan.layout
     if args.has_dropout:
         raise ConfigError(
@@ -180,17 +180,18 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
         )
     pipeline_rows, capacity = plan.pipeline_microbatches, plan.document_capacity
-    max_len = d.max_document_len or t.seq_len
-    target = Target((capacity,) * layout.dp, layout.pp, pipeline_rows or 1, padded=layout.pp > 1)
-    placement = Placement(capacity, pipeline_rows, plan.sequence_shards)
+    target = Target((capacity,) * layout.dp * layout.cp, layout.pp, pipeline_rows or 1, layout.pp > 1, layout.cp)
+    placement = Placement(capacity, pipeline_rows, plan.sequence_shards, layout.cp)
     if d.cost_model:
         cost = CostModel(*d.cost_model)
     else:
         dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
         n_layers = math.ceil(args.n_layers / layout.pp)
-        # Measured by rank 0 alone, so that every rank plans with the same costs.
+        # Measured by rank 0 alone, so that every rank plans with the same costs; on a rank's own micro-batches
+        # (a ring's cost is not modelled yet).
+        longest = min(d.max_document_len or t.seq_len, capacity)
         cost = on_rank_0(
-            lambda: cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, config.job.seed),
+            lambda: cached_cost_model(spec, args, n_layers, longest, capacity, device, dtype, config.job.seed),
             control_group,
         )
         # Each tensor-parallel rank computes its share of every layer's heads and hidden units.
@@ -199,7 +200,7 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
             cost = dataclasses.replace(cost, c=cost.c + seconds)
     loader = DocumentBatchLoader(
-        document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, dp_rank
+        document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, me.dp_rank, me.cp_rank
     )
     loader.speeds = list(plan.dp_weights)
     return loader

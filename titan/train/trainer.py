@@ -69,7 +69,7 @@ class Trainer:
         check_tokenizer(Tokenizer(config.tokenizer), self.model_args, config)
         self.mesh = build_mesh(self.layout, self.device)
         self.loader, self.validation_loader = build_data(
-            config, self.run_plan, self.rank_plan.dp_rank, self.spec, self.model_args, self.mesh, self.device,
+            config, self.run_plan, self.rank_plan, self.spec, self.model_args, self.mesh, self.device,
             self.control_group,
         )  # fmt: skip
         self.documents = config.data.batching == "tokens"
@@ -269,12 +269,21 @@ class Trainer:
         assigned = self.loader.last_assignment
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         mean = sum(measured) / len(measured)
-        self.metrics.log(self.step, {
+        metrics = {
             "micro_batches": len(assigned.micro_batches[0]), "predicted_step_s": assigned.step_time,
             "predicted_imbalance": assigned.imbalance, "measured_step_s": max(measured),
             "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
             "plan_ms": self.loader.assign_seconds * 1e3,
-        })  # fmt: skip
+        }  # fmt: skip
+        if self.layout.cp > 1:  # the cp groups' rings, and the single ranks' micro-batches that hold documents
+            cp = self.layout.cp
+            metrics["ring_micro_batches"] = sum(map(len, assigned.rings))
+            metrics["local_micro_batches"] = sum(
+                bool(docs) and m not in assigned.rings[slot // cp]
+                for slot, bins in enumerate(assigned.micro_batches)
+                for m, docs in enumerate(bins)
+            )
+        self.metrics.log(self.step, metrics)
 
     def _log_validation(self) -> None:
         start = time.perf_counter()
