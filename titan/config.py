@@ -743,10 +743,6 @@ def validate(config: Config, world_size: int) -> None:
                 d.batching == "tokens" and p.pp > 1,
                 "a pipeline's fixed micro-batch shapes do not switch between ring and local micro-batches",
             ),
-            "data.batching = 'tokens' and parallel.tp > 1": (
-                d.batching == "tokens" and p.tp > 1,
-                "local micro-batches have not been checked under tensor parallelism",
-            ),
             "compile.enable": (config.compile.enable, "the ring's point-to-point sends are not traced yet"),
             "float8.enable": (config.float8.enable, "float8 matmuls have not been checked against the ring yet"),
             "activation_checkpoint.mode = 'auto'": (

@@ -282,12 +282,6 @@ CASES = [
                 "4",
                 "pipeline's fixed micro-batch shapes",
             ),
-            (
-                "data.batching = 'tokens' and parallel.tp > 1",
-                ["--data.batching", "tokens", "--training.local_batch_size", "1", "--parallel.tp", "2"],
-                "4",
-                "tensor parallelism",
-            ),
             ("compile.enable", ["--compile.enable", "true"], "2", "traced"),
             ("float8.enable", ["--float8.enable", "true"], "2", "float8"),
             ("activation_checkpoint.mode = 'auto'", ["--activation_checkpoint.mode", "auto"], "2", "planner"),

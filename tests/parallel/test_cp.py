@@ -168,6 +168,7 @@ LAYOUTS = {
     4: {
         "cp2_fsdp2": {"parallel.cp": "2", "parallel.dp_shard": "2", "training.local_batch_size": "2"},
         "cp2_fsdp2_documents": {"parallel.cp": "2", "parallel.dp_shard": "2", **DOCUMENTS},
+        "cp2_tp2_documents": {"parallel.cp": "2", "parallel.tp": "2", **DOCUMENTS},
         # Heads split over tp, sequence chunks kept; residual dropout on sequence-parallel shards of the chunks.
         "cp2_tp2_dropout": {"parallel.cp": "2", "parallel.tp": "2", "model.overrides.attn_dropout": "0.1",
                             "model.overrides.resid_dropout": "0.1"},
