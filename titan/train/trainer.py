@@ -265,7 +265,8 @@ class Trainer:
     def _log_packing(self, compute_s: float) -> None:
         """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
         slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
-        included, so under FSDP every rank reads about the slowest's time)."""
+        included, so under FSDP every rank reads about the slowest's time); under context parallelism, how many
+        micro-batches ran as rings and how many locally."""
         assigned = self.loader.last_assignment
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         mean = sum(measured) / len(measured)
@@ -296,10 +297,13 @@ class Trainer:
     def _log_start(self) -> None:
         c, plan = self.config, self.run_plan
         if self.documents:
-            batching = (
-                f"documents up to {plan.tokens_per_step} tokens/step, placed by {c.data.balance} in "
-                f"micro-batches of at most {self.loader.target.capacities[0]} tokens"
-            )
+            placed = f"placed by {c.data.balance} in micro-batches of at most {plan.document_capacity} tokens"
+            if self.layout.cp > 1:
+                placed = (
+                    f"placed on rings of {plan.seq_len} tokens per cp group and local micro-batches of at most "
+                    f"{plan.document_capacity} tokens per rank"
+                )
+            batching = f"documents up to {plan.tokens_per_step} tokens/step, {placed}"
         else:
             batching = (
                 f"{plan.tokens_per_step} tokens/step ({plan.global_rows} x {c.training.seq_len} seq; this rank "
