@@ -724,11 +724,24 @@ def validate(config: Config, world_size: int) -> None:
             f"training.seq_len {t.seq_len} must divide into 2 x parallel.cp = {2 * p.cp} equal chunks (each rank "
             f"holds two, one from each end, to even out causal attention); use a multiple of {2 * p.cp}",
         )
+        if d.batching == "tokens":
+            require(
+                (d.max_document_len or t.seq_len) <= t.seq_len,
+                f"data.max_document_len {d.max_document_len} is longer than training.seq_len {t.seq_len}: with "
+                "parallel.cp > 1 a document runs whole, at most in one ring row of seq_len tokens; lower "
+                "max_document_len or raise seq_len",
+            )
+            require(
+                t.local_batch_size == 1,
+                f"training.local_batch_size {t.local_batch_size} with parallel.cp > 1 and data.batching = 'tokens': "
+                "a micro-batch is one row of training.seq_len tokens per cp group (a ring, or a row of seq_len / cp "
+                "for each rank); set local_batch_size = 1 (raise seq_len for larger micro-batches)",
+            )
         # What context parallelism does not compose with yet, and why (docs/context-parallel.md).
         unsupported = {
-            "data.batching = 'tokens'": (
-                d.batching == "tokens",
-                "packing does not place documents on context-parallel groups yet",
+            "data.batching = 'tokens' and parallel.pp > 1": (
+                d.batching == "tokens" and p.pp > 1,
+                "a pipeline's fixed micro-batch shapes do not switch between ring and local micro-batches",
             ),
         }
         for what, (used, why) in unsupported.items():

@@ -160,7 +160,9 @@ class RunPlan:
     stage_layers: tuple[tuple[int, ...], ...]
     schedule: str  # parallel.pp_schedule, lower case
     sequence_shards: int  # sequence parallelism cuts the sequence between blocks into this many pieces
-    document_capacity: int  # tokens a micro-batch holds under data.batching = "tokens" (0 with rows)
+    # Tokens a rank's micro-batch holds under data.batching = "tokens" (0 with rows): under context parallelism a
+    # rank's own (local) row, and a ring row, which the cp group shares, cp times as many.
+    document_capacity: int
 
     @property
     def global_rows(self) -> int:
@@ -272,6 +274,7 @@ def run_plan(
                 f"{capacity} tokens ({rows_each} x training.seq_len {t.seq_len}); lower data.max_document_len or "
                 "raise training.local_batch_size"
             )
+        capacity //= layout.cp
     layers: list[list[int]] = []
     if blocks is not None and layout.pp > 1:
         layers = stage_layers(blocks.count, p, blocks.gib, layers_per_stage)

@@ -275,8 +275,40 @@ CASES = [
             {"WORLD_SIZE": world},
             [f"parallel.cp > 1 with {what}", "not supported yet", why],
         )
-        for what, flags, world, why in (("data.batching = 'tokens'", ["--data.batching", "tokens"], "2", "packing"),)
+        for what, flags, world, why in (
+            (
+                "data.batching = 'tokens' and parallel.pp > 1",
+                ["--data.batching", "tokens", "--training.local_batch_size", "1", "--parallel.pp", "2"],
+                "4",
+                "pipeline's fixed micro-batch shapes",
+            ),
+        )
     ),
+    (
+        "cp with a document longer than a ring row",
+        "show",
+        [
+            "--parallel.cp",
+            "2",
+            "--data.batching",
+            "tokens",
+            "--training.local_batch_size",
+            "1",
+            "--data.max_document_len",
+            "512",
+        ],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["data.max_document_len 512", "training.seq_len 256", "one ring row"],
+    ),  # fmt: skip
+    (
+        "cp with documents in micro-batches of several rows",
+        "show",
+        ["--parallel.cp", "2", "--data.batching", "tokens"],
+        None,
+        {"WORLD_SIZE": "2"},
+        ["training.local_batch_size 8", "parallel.cp > 1", "set local_batch_size = 1"],
+    ),  # fmt: skip
     ("zero dp_shard", "show", ["--parallel.dp_shard", "0"], None, {}, ["parallel.dp_shard must be >= 1 or -1"]),
     (
         "tp vs heads",

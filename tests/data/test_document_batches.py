@@ -95,6 +95,42 @@ def test_the_ranks_micro_batches_hold_the_steps_pieces_exactly_once(placement, b
         assert sorted(got) == want
 
 
+def test_under_cp_a_group_reads_its_rings_whole_and_each_rank_its_own_local_rows():
+    """Documents on the dp x cp plane: a ring's row is the group's, the same on each of its ranks and as long as the
+    ring (cp x a rank's capacity); a local row is one rank's own, at most its capacity. Each piece is read once."""
+    dp, cp, capacity = 2, 2, 8
+    _, pieces = pieces_of()
+    target, placement = Target((capacity,) * dp * cp, cp=cp), Placement(capacity, cp=cp)
+    ranks = {
+        (g, c): DocumentBatchLoader(pieces, 200, "cost", COST, target, placement, g, c)
+        for g in range(dp)
+        for c in range(cp)
+    }
+    first, kinds = 0, set()
+    for _ in range(4):
+        step, first = pieces.step(first, 200)
+        want = sorted((doc, start + i) for doc, start, length in step for i in range(length))
+        batches = {rank: next(loader) for rank, loader in ranks.items()}
+        assert len({len(mine) for mine in batches.values()}) == 1  # every rank runs as many micro-batches
+        got = []
+        for (g, c), mine in batches.items():
+            for m, b in enumerate(mine):
+                assert b.step_loss_tokens == len(want)
+                if b.local:
+                    assert b.inputs.shape[0] == 1 and b.inputs.shape[1] <= capacity
+                else:
+                    assert b.inputs.shape == (1, cp * capacity)
+                    group = [batches[g, other][m] for other in range(cp)]
+                    assert all(not x.local and torch.equal(x.inputs, b.inputs) for x in group)
+                    if c > 0:  # the group's row: counted once
+                        continue
+                kinds.add(b.local)
+                real = b.labels != IGNORE
+                got += [(token // 1000, token % 1000) for token in b.inputs[real].tolist()]
+        assert sorted(got) == want
+    assert kinds == {True, False}  # rings and local rows both occurred
+
+
 def test_a_resumed_loader_reads_the_batches_it_would_have_read():
     straight = loaders(Placement(64), 2)[1]
     for _ in range(3):

@@ -6,6 +6,11 @@ The documents of a step depend on (seed, step) only; where they go may differ be
 document masking makes irrelevant to the math (each document attends only to itself, the loss is divided
 by the step's token count). Every rank computes the whole assignment from the step's lengths, so they agree
 without a collective; a worker thread builds the next step's micro-batches while this one trains.
+
+Under context parallelism the documents go to the slots of the dp x cp plane: a document longer than one rank's
+capacity to a cp group's ring micro-batch (one row of cp times the capacity, which every rank of the group reads
+whole and the step cuts to the rank's positions), the others to single ranks' local micro-batches (a row of the
+rank's own, attended without the ring).
 """
 
 from __future__ import annotations
@@ -88,15 +93,18 @@ class Placement:
     """The shape of this rank's Batches. Under a pipeline (`pipeline_rows` > 0) a Batch holds one schedule's
     micro-batches, a row each, padded to `capacity` tokens (the stages' buffers take one shape); otherwise a
     Batch is one micro-batch, one row of its own length padded to a multiple of `pad_multiple` (sequence
-    parallelism splits the sequence over the tensor-parallel ranks)."""
+    parallelism splits the sequence over the tensor-parallel ranks). Under context parallelism (`cp` > 1) a ring
+    micro-batch's row is padded to cp x capacity tokens, the length the ring cuts into chunks."""
 
     capacity: int
     pipeline_rows: int = 0
     pad_multiple: int = 1
+    cp: int = 1
 
 
 class DocumentBatchLoader:
-    """This rank's micro-batches of each step's documents, placed by `balance` ("cost" or "tokens")."""
+    """This rank's micro-batches of each step's documents, placed by `balance` ("cost" or "tokens"); the rank is
+    data-parallel rank `dp_rank` and, under context parallelism (target.cp > 1), cp rank `cp_rank` of its group."""
 
     def __init__(
         self,
@@ -107,11 +115,14 @@ class DocumentBatchLoader:
         target: Target,
         placement: Placement,
         dp_rank: int,
+        cp_rank: int = 0,
     ):
         self.pieces, self.budget, self.cost, self.target = pieces, budget, cost, target
         self.balance = balance_by_cost if balance == "cost" else balance_by_tokens
         self.placement, self.dp_rank = placement, dp_rank
-        self.speeds = [1.0] * target.ranks  # data-parallel ranks' relative speeds (a straggler re-plan sets them)
+        self.slot = dp_rank * target.cp + cp_rank  # this rank's micro-batches in the assignment
+        # Data-parallel ranks' relative speeds (a straggler re-plan sets them); a cp group's ranks share theirs.
+        self.speeds = [1.0] * (target.ranks // target.cp)
         self.next_token = 0
         self.last_assignment: Assignment | None = None  # that of the step last returned, and the seconds it took
         self.assign_seconds = 0.0
@@ -146,27 +157,41 @@ class DocumentBatchLoader:
         pieces, following = self.pieces.step(first, self.budget)
         lengths = [length for _, _, length in pieces]
         start = time.perf_counter()
-        assignment = self.balance(lengths, self.cost, self.target, list(speeds))
+        slot_speeds = [s for s in speeds for _ in range(self.target.cp)]
+        assignment = self.balance(lengths, self.cost, self.target, slot_speeds)
         seconds = time.perf_counter() - start
         total = sum(lengths)
-        mine = assignment.micro_batches[self.dp_rank]
-        rows = self.placement.pipeline_rows or 1
-        batches = [self._batch(mine[g : g + rows], pieces, total) for g in range(0, len(mine), rows)]
+        mine = assignment.micro_batches[self.slot]
+        if self.target.cp > 1:  # no pipeline: a Batch per micro-batch
+            rings = assignment.rings[self.dp_rank]
+            batches = [self._batch([docs], pieces, total, ring=m in rings) for m, docs in enumerate(mine)]
+        else:
+            rows = self.placement.pipeline_rows or 1
+            batches = [self._batch(mine[g : g + rows], pieces, total) for g in range(0, len(mine), rows)]
         return batches, following, assignment, seconds
 
-    def _batch(self, micro_batches: list[list[int]], pieces: list[tuple[int, int, int]], step_tokens: int) -> Batch:
-        """One Batch: a row per micro-batch, its pieces one after another, then padding."""
+    def _batch(
+        self, micro_batches: list[list[int]], pieces: list[tuple[int, int, int]], step_tokens: int, ring: bool = False
+    ) -> Batch:
+        """One Batch: a row per micro-batch, its pieces one after another, then padding. `ring`: a cp group's row,
+        padded to the ring's length."""
         p = self.placement
         rows = [self._row([pieces[i] for i in docs]) for docs in micro_batches]
         longest = max(len(r[0]) for r in rows)
-        width = p.capacity if p.pipeline_rows else max(p.pad_multiple, -(-longest // p.pad_multiple) * p.pad_multiple)
+        if ring:
+            width = p.cp * p.capacity
+        elif p.pipeline_rows:
+            width = p.capacity
+        else:
+            width = max(p.pad_multiple, -(-longest // p.pad_multiple) * p.pad_multiple)
         inputs = torch.zeros(len(rows), width, dtype=torch.int64)
         labels = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
         ids = (-1 - torch.arange(width) // PAD_BLOCK).repeat(len(rows), 1)
         for r, (x, y, d) in enumerate(rows):
             inputs[r, : len(x)], labels[r, : len(x)], ids[r, : len(x)] = x, y, d
         loss_tokens = int((labels != IGNORE).sum())
-        return Batch(inputs, labels, torch.arange(len(rows)), ids, loss_tokens, step_tokens)
+        local = p.cp > 1 and not ring
+        return Batch(inputs, labels, torch.arange(len(rows)), ids, loss_tokens, step_tokens, local)
 
     def _row(self, pieces: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not pieces:

@@ -36,6 +36,9 @@ class Batch:
     document_ids: torch.Tensor | None
     loss_tokens: int  # labels of this micro-batch that carry a loss
     step_loss_tokens: int  # ... of the step's whole global batch: every rank divides its loss sum by this
+    # Under context parallelism: rows of this rank's own (tokens batching's local micro-batches), attended without
+    # the ring, rather than rows its cp group shares, of which the step takes this rank's positions.
+    local: bool = False
 
     def to(self, device: torch.device) -> Batch:
         # From pinned memory the copy to a GPU runs in the background; from pageable memory the host waits.
@@ -48,6 +51,7 @@ class Batch:
             move(self.document_ids),
             self.loss_tokens,
             self.step_loss_tokens,
+            self.local,
         )
 
 

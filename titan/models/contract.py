@@ -40,7 +40,8 @@ class Model(Protocol):
     args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
     # Context parallelism's slot (titan/parallel/cp.py installs its ring in it, on the model and on every module of it
     # with the slot): the model reads `positions` (this rank's positions of each row) and `mask(document_ids)`, and
-    # its attention modules call `attend(q, k, v, mask, rows, dropout)`. None: the model holds whole sequences.
+    # its attention modules call `attend(q, k, v, mask, rows, dropout)` when `is_ring(mask)`. None: the model holds
+    # whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
 
     def __call__(
@@ -49,11 +50,13 @@ class Model(Protocol):
         rows: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: Any = None,
+        local: bool = False,
     ) -> Any:
         """tokens (batch, seq) -> logits (batch, seq, vocab). rows: each sample's row in the step's global batch,
         which dropout masks are keyed by (default 0..batch-1). document_ids (batch, seq): packed documents, each
         attending only to itself. A pipeline stage other than the first takes hidden states for `tokens`; one other
-        than the last returns what the next stage takes (see StageIO). cache: from kv_cache, when decoding."""
+        than the last returns what the next stage takes (see StageIO). cache: from kv_cache, when decoding. local:
+        under context parallelism, whole rows of this rank's own rather than its positions of its cp group's rows."""
         ...
 
     def init_weights(self, seed: int) -> None:

@@ -110,6 +110,12 @@ class ContextParallel:
         """The chunks that cp rank `cp_rank` holds."""
         return cp_rank, 2 * self.cp - 1 - cp_rank
 
+    @staticmethod
+    def is_ring(mask) -> bool:
+        """Whether attention with `mask` runs as the ring: a mask this made (a micro-batch the cp group shares),
+        not a local micro-batch's own."""
+        return isinstance(mask, RingMask)
+
     def span(self, chunk: int, device=None) -> Tensor:
         return torch.arange(chunk * self.chunk, (chunk + 1) * self.chunk, device=device)
 

@@ -23,8 +23,13 @@ from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
 from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
-from titan.run_plan import Blocks, RunPlan, run_plan
-from titan.train.cost_fit import cached_cost_model, collective_seconds
+from titan.run_plan import Blocks, RankPlan, RunPlan, run_plan
+from titan.train.cost_fit import (
+    cached_cost_model,
+    collective_seconds,
+    ring_bytes_per_second,
+    ring_bytes_per_token,
+)
 from titan.train.step import StepHook, TrainStep
 
 log = logging.getLogger("titan")
@@ -160,18 +165,18 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, ste
     )
 
 
-def build_data(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device: torch.device, control_group):
+def build_data(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device: torch.device, control_group):
     """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
-    (None without validation) of data-parallel rank `dp_rank`."""
-    loader, validation = build_loaders(config, plan.global_rows, plan.rows(dp_rank), list(plan.micro_batches[dp_rank]))
+    (None without validation) of the rank `me`."""
+    loader, validation = build_loaders(config, plan.global_rows, me.rows, list(me.micro_batches))
     if config.data.batching == "tokens":  # whole documents, not rows
-        loader = _document_loader(config, plan, dp_rank, spec, args, mesh, device, control_group)
+        loader = _document_loader(config, plan, me, spec, args, mesh, device, control_group)
     return loader, validation
 
 
-def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, mesh, device, control_group):
+def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device, control_group):
     """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance into micro-batches of
-    the plan's document capacity."""
+    the plan's document capacity (under context parallelism, on the slots of the dp x cp plane)."""
     d, t, layout = config.data, config.training, plan.layout
     if args.has_dropout:
         raise ConfigError(
@@ -180,17 +185,18 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
             "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
         )
     pipeline_rows, capacity = plan.pipeline_microbatches, plan.document_capacity
-    max_len = d.max_document_len or t.seq_len
-    target = Target((capacity,) * layout.dp, layout.pp, pipeline_rows or 1, padded=layout.pp > 1)
-    placement = Placement(capacity, pipeline_rows, plan.sequence_shards)
+    target = Target((capacity,) * layout.dp * layout.cp, layout.pp, pipeline_rows or 1, layout.pp > 1, layout.cp)
+    placement = Placement(capacity, pipeline_rows, plan.sequence_shards, layout.cp)
     if d.cost_model:
         cost = CostModel(*d.cost_model)
     else:
         dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
         n_layers = math.ceil(args.n_layers / layout.pp)
-        # Measured by rank 0 alone, so that every rank plans with the same costs.
+        # Measured by rank 0 alone, so that every rank plans with the same costs, on a rank's own micro-batches;
+        # a ring adds its traffic (below).
+        longest = min(d.max_document_len or t.seq_len, capacity)
         cost = on_rank_0(
-            lambda: cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, config.job.seed),
+            lambda: cached_cost_model(spec, args, n_layers, longest, capacity, device, dtype, config.job.seed),
             control_group,
         )
         # Each tensor-parallel rank computes its share of every layer's heads and hidden units.
@@ -198,8 +204,12 @@ def _document_loader(config: Config, plan: RunPlan, dp_rank: int, spec, args, me
         if layout.dp > 1:
             seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
             cost = dataclasses.replace(cost, c=cost.c + seconds)
+        if layout.cp > 1:
+            group = mesh["cp"].get_group()
+            r = _ring_seconds_per_token(args, n_layers, dtype, layout.tp, group, device, control_group)
+            cost = dataclasses.replace(cost, r=r)
     loader = DocumentBatchLoader(
-        document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, dp_rank
+        document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, me.dp_rank, me.cp_rank
     )
     loader.speeds = list(plan.dp_weights)
     return loader
@@ -215,6 +225,18 @@ def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch
     seconds = torch.tensor(collective_seconds(share, mesh["dp"].get_group(), device, dtype))
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     log.info("data.cost_model: c + %.3g s per micro-batch for FSDP's collectives (measured)", float(seconds))
+    return float(seconds)
+
+
+def _ring_seconds_per_token(args, n_layers: int, dtype, tp: int, group, device: torch.device, control_group) -> float:
+    """The cost model's ring term: the seconds one hop of a ring adds per token of a block (keys, values and their
+    gradients over the stage's layers and this rank's heads), at the cp group's bandwidth, timed; the slowest
+    rank's, so that every rank plans with the same cost model."""
+    kv_dim = args.n_kv_heads * (args.dim // args.n_heads) // tp
+    per_token = ring_bytes_per_token(kv_dim, n_layers, torch.empty((), dtype=dtype).element_size())
+    seconds = torch.tensor(per_token / ring_bytes_per_second(group, device))
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
+    log.info("data.cost_model: r = %.3g s per token and ring hop (the cp group's link, measured)", float(seconds))
     return float(seconds)
 
 

@@ -153,7 +153,28 @@ def _describe(record: dict) -> str:
 def ring_bytes_per_token(kv_dim: int, n_layers: int, dtype_bytes: int) -> int:
     """Bytes one ring hop carries per token of the block it passes on (titan/parallel/cp.py), over all layers:
     forward, the block's keys and values; backward, them again and their gradients (float32). The cost model's
-    ring term r is these bytes over the cp link's bandwidth: timing one process (measure) cannot see the link, so r
-    is derived, not fitted; on a real group the bandwidth would come from timing a send, as collective_seconds
-    times FSDP's collectives."""
+    ring term r is these bytes over the cp link's bandwidth (ring_bytes_per_second): timing one process cannot see
+    the link, so r is derived, not fitted."""
     return n_layers * kv_dim * (2 * dtype_bytes + 2 * dtype_bytes + 2 * 4)
+
+
+def ring_bytes_per_second(group, device: torch.device, nbytes: int = 16 * 2**20) -> float:
+    """The bandwidth of one ring hop on this cp group, timed: each rank sends `nbytes` to the next rank and
+    receives as many from the previous one, as the ring does (the best of 4)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    best, timer = math.inf, DeviceTimer(device)
+    for _ in range(4):
+        ops = [
+            dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % world), group),
+            dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % world), group),
+        ]
+        timer.start()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        timer.stop()
+        best = min(best, timer.seconds())
+    return nbytes / best

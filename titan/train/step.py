@@ -78,7 +78,8 @@ class TrainStep:
         self.parts, self.optimizer, self.lr_scheduler = parts, optimizer, lr_scheduler
         self.plan, self.config, self.mesh, self.device, self.clock, self.hook = plan, config, mesh, device, clock, hook
         self.schedule = None  # the pipeline schedule, under a pipeline (build.build_step sets it)
-        # Under context parallelism, the positions of each row this rank computes (build.build_step sets them).
+        # Under context parallelism, the positions of each row its cp group shares that this rank computes
+        # (build.build_step sets them).
         self.sequence: torch.Tensor | None = None
         self.loss_parallel = plan.layout.tp > 1 and config.parallel.loss_parallel
         self.precision = compute_precision(plan.precision, device.type)
@@ -143,7 +144,7 @@ class TrainStep:
 
     def _micro_batch(self, batch: Batch, train: bool) -> torch.Tensor:
         """Forward (and backward, when training) one micro-batch; returns its scaled loss sum, detached."""
-        if self.sequence is not None:
+        if self.sequence is not None and not batch.local:
             batch = self.this_ranks_positions(batch)
         batch = batch.to(self.device)
         # A fresh context per micro-batch: loss_parallel() is a generator-based context, usable once.
@@ -152,7 +153,7 @@ class TrainStep:
                 return self._pipeline(batch, train)
             with self.clock.phase("forward"):
                 with self.precision:
-                    logits = self.parts.parts[0](batch.inputs, batch.rows, batch.document_ids)
+                    logits = self.parts.parts[0](batch.inputs, batch.rows, batch.document_ids, local=batch.local)
                 loss = self.loss(logits, batch.labels)
             if train:
                 with self.clock.phase("backward"):

@@ -69,7 +69,7 @@ class Trainer:
         check_tokenizer(Tokenizer(config.tokenizer), self.model_args, config)
         self.mesh = build_mesh(self.layout, self.device)
         self.loader, self.validation_loader = build_data(
-            config, self.run_plan, self.rank_plan.dp_rank, self.spec, self.model_args, self.mesh, self.device,
+            config, self.run_plan, self.rank_plan, self.spec, self.model_args, self.mesh, self.device,
             self.control_group,
         )  # fmt: skip
         self.documents = config.data.batching == "tokens"
@@ -265,16 +265,26 @@ class Trainer:
     def _log_packing(self, compute_s: float) -> None:
         """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
         slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
-        included, so under FSDP every rank reads about the slowest's time)."""
+        included, so under FSDP every rank reads about the slowest's time); under context parallelism, how many
+        micro-batches ran as rings and how many locally."""
         assigned = self.loader.last_assignment
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         mean = sum(measured) / len(measured)
-        self.metrics.log(self.step, {
+        metrics = {
             "micro_batches": len(assigned.micro_batches[0]), "predicted_step_s": assigned.step_time,
             "predicted_imbalance": assigned.imbalance, "measured_step_s": max(measured),
             "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
             "plan_ms": self.loader.assign_seconds * 1e3,
-        })  # fmt: skip
+        }  # fmt: skip
+        if self.layout.cp > 1:  # the cp groups' rings, and the single ranks' micro-batches that hold documents
+            cp = self.layout.cp
+            metrics["ring_micro_batches"] = sum(map(len, assigned.rings))
+            metrics["local_micro_batches"] = sum(
+                bool(docs) and m not in assigned.rings[slot // cp]
+                for slot, bins in enumerate(assigned.micro_batches)
+                for m, docs in enumerate(bins)
+            )
+        self.metrics.log(self.step, metrics)
 
     def _log_validation(self) -> None:
         start = time.perf_counter()
@@ -287,10 +297,13 @@ class Trainer:
     def _log_start(self) -> None:
         c, plan = self.config, self.run_plan
         if self.documents:
-            batching = (
-                f"documents up to {plan.tokens_per_step} tokens/step, placed by {c.data.balance} in "
-                f"micro-batches of at most {self.loader.target.capacities[0]} tokens"
-            )
+            placed = f"placed by {c.data.balance} in micro-batches of at most {plan.document_capacity} tokens"
+            if self.layout.cp > 1:
+                placed = (
+                    f"placed on rings of {plan.seq_len} tokens per cp group and local micro-batches of at most "
+                    f"{plan.document_capacity} tokens per rank"
+                )
+            batching = f"documents up to {plan.tokens_per_step} tokens/step, {placed}"
         else:
             batching = (
                 f"{plan.tokens_per_step} tokens/step ({plan.global_rows} x {c.training.seq_len} seq; this rank "

@@ -269,7 +269,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.extend(k, v)
-        if self.context_parallel is not None:  # this rank's chunks of the sequence; the others' come round a ring
+        if self.context_parallel is not None and self.context_parallel.is_ring(mask):
+            # This rank's chunks of the sequence; the others' come round a ring.
             out = self.context_parallel.attend(q, k, v, mask, rows, self.dropout if self.training else None)
         elif isinstance(mask, BlockMask):
             out = attend_flex(q, k, v, mask)
@@ -365,6 +366,7 @@ class Transformer(nn.Module):
         rows: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: list[KVCache] | None = None,
+        local: bool = False,
     ):
         """tokens: (batch, seq) ids -> logits (batch, seq, vocab).
 
@@ -374,7 +376,8 @@ class Transformer(nn.Module):
         other than the first take hidden states for `tokens`, and stages other than the last return their
         hidden states and the other arguments given, for the next stage. cache: a KVCache per layer, for
         decoding (one causal sequence, no document_ids; see kv_cache): `tokens` follow the cached ones, which they
-        attend to, and are added to the cache.
+        attend to, and are added to the cache. local: under context parallelism, `tokens` are whole rows of this
+        rank's own, attended without the ring (default: this rank's positions of rows its cp group shares).
         """
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
@@ -384,7 +387,7 @@ class Transformer(nn.Module):
             # non-square one top-left.
             positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
             rope = self.rope[positions]
-        elif self.context_parallel is not None:
+        elif self.context_parallel is not None and not local:
             # `tokens` are this rank's positions of each row: RoPE and documents follow from the whole row's.
             here = self.context_parallel.positions
             rope = (
