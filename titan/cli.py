@@ -498,25 +498,21 @@ def plan(
     config: Path = CONFIG_OPTION,
     world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
     device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
-    json_path: Path = typer.Option(
-        None, "--json", help="Also write the figures to this JSON file (with --cp: each degree's, by degree)."
-    ),
+    json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
     graph: bool = typer.Option(
         False, "--graph", help="Instead: one block's operator order and memory layouts, traced and reordered."
     ),
     cp: str = typer.Option(
         None,
         "--cp",
-        help="Instead: compare these context-parallel degrees, e.g. 1,2,4,8, on the same devices (parallel.dp_shard "
-        "takes what each leaves).",
+        help="Instead: compare these cp degrees, e.g. 1,2,4,8 (dp_shard takes what each leaves).",
     ),
 ) -> None:
     """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
 
-    On this CPU: the model is built and parallelised as for training, on a fake process group of the run's world
-    size, and one step of each pipeline rank is traced under fake tensors, so nothing is allocated. Prints a table
-    per pipeline rank; exit status 1 when a rank's peak does not fit (with --cp: when no degree fits). The plan.*
-    recipe keys set the device.
+    On this CPU: one step of each pipeline rank, built and parallelised as for training, is traced under fake
+    tensors on a fake process group of the run's world size. Prints a table per pipeline rank; exit status 1 when
+    a rank's peak (with --cp: every degree) does not fit.
     """
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:

@@ -25,6 +25,7 @@ def _llama3() -> ModelSpec:
         flavors=llama.FLAVORS,
         build=llama.Transformer,
         flops_per_token=llama.flops_per_token,
+        kv_width=llama.kv_width,
         check_parallelism=parallelize.check_parallelism,
         tp_plan=parallelize.tp_plan,
         blocks=parallelize.blocks,

@@ -130,6 +130,8 @@ class ModelSpec:
     # branch on input values, as compiled blocks and titan plan's fake tensors need (document masks as tensors).
     build: Callable[..., Model]
     flops_per_token: Callable[[Args, int], float]  # (args, seq_len) -> training FLOPs per token: MFU, titan plan
+    # (args) -> the width of one token's keys (as of its values) in one layer: context parallelism's ring traffic
+    kv_width: Callable[[Args], int]
     # Parallelism, applied from outside by titan/parallel:
     check_parallelism: Callable[[Args, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}

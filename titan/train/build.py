@@ -206,7 +206,7 @@ def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, me
             cost = dataclasses.replace(cost, c=cost.c + seconds)
         if layout.cp > 1:
             group = mesh["cp"].get_group()
-            r = _ring_seconds_per_token(args, n_layers, dtype, layout.tp, group, device, control_group)
+            r = _ring_seconds_per_token(spec, args, n_layers, dtype, layout.tp, group, device, control_group)
             cost = dataclasses.replace(cost, r=r)
     loader = DocumentBatchLoader(
         document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, me.dp_rank, me.cp_rank
@@ -228,12 +228,11 @@ def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch
     return float(seconds)
 
 
-def _ring_seconds_per_token(args, n_layers: int, dtype, tp: int, group, device: torch.device, control_group) -> float:
+def _ring_seconds_per_token(spec, args, n_layers: int, dtype, tp: int, group, device, control_group) -> float:
     """The cost model's ring term: the seconds one hop of a ring adds per token of a block (keys, values and their
     gradients over the stage's layers and this rank's heads), at the cp group's bandwidth, timed; the slowest
     rank's, so that every rank plans with the same cost model."""
-    kv_dim = args.n_kv_heads * (args.dim // args.n_heads) // tp
-    per_token = ring_bytes_per_token(kv_dim, n_layers, torch.empty((), dtype=dtype).element_size())
+    per_token = ring_bytes_per_token(spec.kv_width(args) // tp, n_layers, torch.empty((), dtype=dtype).element_size())
     seconds = torch.tensor(per_token / ring_bytes_per_second(group, device))
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     log.info("data.cost_model: r = %.3g s per token and ring hop (the cp group's link, measured)", float(seconds))

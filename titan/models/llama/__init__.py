@@ -1,7 +1,7 @@
 from titan.models.llama.flavors import FLAVORS
 from titan.models.llama.model import ModelArgs, Transformer
 
-__all__ = ["FLAVORS", "ModelArgs", "Transformer", "flops_per_token"]
+__all__ = ["FLAVORS", "ModelArgs", "Transformer", "flops_per_token", "kv_width"]
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -12,3 +12,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     ffn = 3 * args.dim * args.ffn_hidden_dim
     matmul_weights = args.n_layers * (attention + ffn) + args.dim * args.vocab_size
     return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
+
+
+def kv_width(args: ModelArgs) -> int:
+    """One token's keys (or values) in one layer: its kv heads' dimensions."""
+    return args.n_kv_heads * args.head_dim

@@ -51,8 +51,7 @@ class PackingScenario:
         per_token = spec.flops_per_token(args, 0)
         per_pair = (spec.flops_per_token(args, 1) - per_token) / 2  # causal: half the pairs
         share = 1 / self.pp  # one stage's layers
-        kv_dim = args.n_kv_heads * args.dim // args.n_heads
-        ring = ring_bytes_per_token(kv_dim, args.n_layers, 2) * share / self.link_bytes_per_s  # bf16
+        ring = ring_bytes_per_token(spec.kv_width(args), args.n_layers, 2) * share / self.link_bytes_per_s  # bf16
         return CostModel(
             per_pair * share / self.flops_per_s, per_token * share / self.flops_per_s, self.micro_batch_s, ring
         )
