@@ -153,9 +153,11 @@ def test_speeds_move_work_to_the_faster_rank():
     assert tokens[0] > 2 * tokens[1]
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
-    """c + a·Σs² + b·Σs against forward and backward times of micro-batches of 32 to 2048 tokens."""
+    """c + a·Σs² + b·Σs against forward and backward times of micro-batches of 32 to 2048 tokens: real timings, so
+    a benchmark (a loaded machine's noise leaves R² anywhere from 0.2 to 0.99); the fit itself is tested on given
+    times below."""
     from titan import models
     from titan.train.cost_fit import measure
 
