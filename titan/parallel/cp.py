@@ -34,7 +34,6 @@ masks, dropout and tensor parallelism included, and only the block kernel depend
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -99,12 +98,6 @@ class ContextParallel:
         self.chunk = seq_len // (2 * cp)
         self.chunks = tuple(r.start // self.chunk for r in sequence)  # this rank's chunks, by global index
         self.positions = torch.cat([torch.arange(r.start, r.stop) for r in sequence]).to(device)
-
-    @cached_property
-    def neighbours(self) -> tuple[int, int]:
-        """The global ranks of the next cp rank, which this rank sends to, and of the previous one, which sends here
-        (looked up at the first exchange: a ring whose exchange is replaced needs no process group)."""
-        return tuple(dist.get_global_rank(self.group, (self.cp_rank + step) % self.cp) for step in (1, -1))
 
     def owned(self, cp_rank: int) -> tuple[int, int]:
         """The chunks that cp rank `cp_rank` holds."""
@@ -173,20 +166,24 @@ class ContextParallel:
     # -- the ring's steps
 
     def exchange(self, send: Tensor, tag: int) -> tuple[Tensor, list]:
-        """Send `send` to the next rank and receive the previous rank's into a new tensor (in flight: wait on the
-        works before reading it)."""
-        recv = torch.empty_like(send)
-        next_rank, prev_rank = self.neighbours
-        ops = [
-            dist.P2POp(dist.isend, send, next_rank, self.group, tag),
-            dist.P2POp(dist.irecv, recv, prev_rank, self.group, tag),
-        ]
-        return recv, dist.batch_isend_irecv(ops)
+        return ring_hop(send, self.group, tag)
 
     def steps(self):
         """(ring step, the cp rank whose keys and values this rank holds at that step)."""
         for s in range(self.cp):
             yield s, (self.cp_rank - s) % self.cp
+
+
+def ring_hop(send: Tensor, group, tag: int = 0) -> tuple[Tensor, list]:
+    """One hop of a ring over `group`: send `send` to the next rank and receive the previous rank's into a new tensor
+    (in flight: wait on the works before reading it)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    recv = torch.empty_like(send)
+    ops = [
+        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group, tag),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group, tag),
+    ]
+    return recv, dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list) -> None:

@@ -22,6 +22,7 @@ import torch
 from titan.data.packing import CostModel
 from titan.files import cache_root
 from titan.observe.profiling import DeviceTimer
+from titan.parallel.cp import ring_hop
 
 log = logging.getLogger("titan")
 
@@ -161,19 +162,11 @@ def ring_bytes_per_token(kv_dim: int, n_layers: int, dtype_bytes: int) -> int:
 def ring_bytes_per_second(group, device: torch.device, nbytes: int = 16 * 2**20) -> float:
     """The bandwidth of one ring hop on this cp group, timed: each rank sends `nbytes` to the next rank and
     receives as many from the previous one, as the ring does (the best of 4)."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
     best, timer = math.inf, DeviceTimer(device)
     for _ in range(4):
-        ops = [
-            dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % world), group),
-            dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % world), group),
-        ]
         timer.start()
-        for work in dist.batch_isend_irecv(ops):
+        for work in ring_hop(send, group)[1]:
             work.wait()
         timer.stop()
         best = min(best, timer.seconds())
