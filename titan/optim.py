@@ -8,7 +8,6 @@ from collections import deque
 import torch
 
 from titan.config import LRScheduler, Optimizer
-from titan.rng.shards import full_tensor
 
 
 def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.Optimizer:
@@ -105,11 +104,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip by the norm of all gradients of the whole model, however they are sharded; returns the norm.
+    """Clip by the norm of all gradients of the whole model, however they are sharded; returns the norm (fp64).
+
+    The norm must not depend on the layout, or two layouts that agree on the loss would log different norms and,
+    where clipping is active, take different steps. fp32 accumulation over a large tensor is off by about 1e-5
+    relative, by an amount that depends on how the tensor is split; so each shard's sum of squares is taken in
+    fp64, and the shards' sums are added in fp64, where the order of the additions no longer shows.
 
     torch's clip_grad_norm_ cannot mix DTensor gradients on different meshes (FSDP-only norm weights next to
-    FSDP x TP matrices) or plain tensors with DTensors, nor see other pipeline stages. So: one norm per group
-    of equally placed gradients, made whole with full_tensor(), combined, summed over pipeline stages.
+    FSDP x TP matrices) or plain tensors with DTensors, nor see other pipeline stages. So: one sum of squares per
+    group of equally placed gradients, summed over the mesh dims they are sharded on, combined, summed over
+    pipeline stages.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -118,11 +123,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) 
         if p.grad is not None:
             g = p.grad
             groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device, []).append(g)
-    squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        squares.append(full_tensor(norm) ** 2)
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    squares = [_sum_of_squares(grads) for grads in groups.values()]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
     if pp_group is not None:
         torch.distributed.all_reduce(total, group=pp_group)
     total = total.sqrt()
@@ -130,9 +132,29 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) 
         return total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads in groups.values():
+        scale = coef.to(grads[0].dtype)
         if isinstance(grads[0], DTensor):
             mesh = grads[0].device_mesh
-            torch._foreach_mul_(grads, DTensor.from_local(coef, mesh, [Replicate()] * mesh.ndim))
+            torch._foreach_mul_(grads, DTensor.from_local(scale, mesh, [Replicate()] * mesh.ndim))
         else:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(grads, scale)
     return total
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The fp64 sum of squares of equally placed gradients, whole: a DTensor's local sums are added over the mesh
+    dims it is sharded on (a replicated dim holds copies, which are not added)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(grads[0], DTensor):
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
+    placements = grads[0].placements
+    if any(p.is_partial() for p in placements):  # not seen after FSDP or TP, but a pending sum must be done first
+        whole = [Replicate() if p.is_partial() else p for p in placements]
+        grads = [g.redistribute(placements=whole) for g in grads]
+        placements = grads[0].placements
+    local = [g.to_local() for g in grads]
+    norms = torch._foreach_norm(local, 2, dtype=torch.float64)
+    local_sum = torch.stack(norms).square().sum()
+    summed = [Partial() if p.is_shard() else Replicate() for p in placements]
+    return DTensor.from_local(local_sum, grads[0].device_mesh, summed).full_tensor()

@@ -9,7 +9,7 @@ import torch
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from titan.config import LRScheduler, load_config
 from titan.observe.metrics import RemainingTime, due_after, format_line, peak_flops
-from titan.optim import lr_factor
+from titan.optim import clip_grad_norm_, lr_factor
 from titan.train.trainer import Trainer
 
 
@@ -136,6 +136,22 @@ def test_lr_schedules_by_hand():
     assert lr_factor(7, 10, LRScheduler(warmup_steps=2, decay="constant")) == 1.0
     wsd = LRScheduler(warmup_steps=2, decay="wsd", min_lr_ratio=0.0, wsd_decay_ratio=0.2)
     assert [lr_factor(s, 10, wsd) for s in range(2, 10)] == pytest.approx([1, 1, 1, 1, 1, 1, 0.5, 0.0])
+
+
+def test_the_gradient_norm_is_exact_to_fp64_and_clips_to_the_bound():
+    """A 1M-element gradient, where an fp32 norm is ~1e-5 off: the norm is the fp64 norm of the fp32 values
+    (summed exactly by math.fsum), and clipping scales every gradient to it."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1 << 20, 1000)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    exact = math.sqrt(math.fsum(x * x for p in params for x in p.grad.double().tolist()))
+    grads = [p.grad.clone() for p in params]
+    assert torch.linalg.vector_norm(torch.cat(grads)).item() != pytest.approx(exact, rel=1e-6)  # fp32's is not
+    norm = clip_grad_norm_(params, max_norm=0.5)
+    assert norm.item() == pytest.approx(exact, rel=1e-12)
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g * (0.5 / (exact + 1e-6)))
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
