@@ -1,6 +1,7 @@
 """`titan plan`: the planned step against a real one on this CPU, the production recipes' figures against hand
 arithmetic, and the command's verdicts and errors."""
 
+import dataclasses
 import json
 import time
 import typing
@@ -12,10 +13,11 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import Layout, PlanTarget, load_config
 from titan.parallel.memory_plan import GIB
-from titan.tools.plan.counters import StepPeak, total_bytes
+from titan.tools.plan.counters import Cost, StepCounter, StepPeak, total_bytes
 from titan.tools.plan.devices import DEVICES
 from titan.tools.plan.estimate import plan_run
 from titan.tools.plan.pipeline import replay
+from titan.tools.plan.trace import mesh_groups
 from titan.train.build import resolve_model
 
 # The debug recipe on every kind of layout: (world size, overrides).
@@ -472,3 +474,58 @@ def test_no_rank_of_a_tp_fsdp_pipeline_materialises_the_whole_vocabulary(tmp_pat
     whole = vocab * dim * 4  # in fp32; a TP rank's slice is half of it
     for rank in estimate.ranks:
         assert rank.trace.largest[0] < whole, (rank.pp_rank, rank.trace.largest)
+
+
+# Layouts where the step decides something beyond the model's forward and backward: the cp ranks sum their
+# gradients (no FSDP), the gradient norm sums over pipeline stages, FSDP's float8 scales are precomputed.
+AFTER_BACKWARD = {
+    "cp2": ({"parallel.cp": "2"}, "cp_gradient_group"),
+    "pp2": ({"parallel.pp": "2"}, "pp_group"),
+    "fsdp2_float8": (
+        {
+            "parallel.dp_shard": "2",
+            "float8.enable": "true",
+            "float8.enable_fsdp_float8_all_gather": "true",
+            "float8.precompute_dynamic_scale": "true",
+        },
+        "float8_scales",
+    ),
+}
+
+
+def traffic_after_backward(overrides: list[str], planted: str | None) -> dict:
+    """The collective bytes rank 0's real TrainStep moves beyond its forward_backward, by kind and group, with the
+    step's own StepRules decision `planted` turned off (the trace keeps deciding it)."""
+    from titan.train.trainer import Trainer
+
+    trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
+    stepper = trainer.stepper
+    if planted:
+        stepper.rules = dataclasses.replace(stepper.rules, **{planted: None if planted.endswith("group") else False})
+    counter = StepCounter(1.0, 1.0, mesh_groups(trainer.mesh, trainer.run_plan.layout))
+    after, model = Cost(), Cost()
+    forward_backward = stepper.forward_backward
+
+    def uncounted(batches, step):
+        with counter.phase(model):
+            return forward_backward(batches, step)
+
+    stepper.forward_backward = uncounted
+    with counter, counter.phase(after):
+        stepper(next(trainer.loader), trainer.step)
+    return dict(after.traffic)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", AFTER_BACKWARD)
+def test_the_trace_moves_what_the_step_moves_after_the_backward_and_a_step_only_decision_shows(layout, tmp_path):
+    """The plan's optimizer phase and the real step after its backwards decide the same: the same collectives of
+    the same bytes on the same groups (the float8 precompute's all-reduce included). Turning a decision off in the
+    real step alone makes them differ, so a decision written in the step and not in StepRules would fail here."""
+    extra, decision = AFTER_BACKWARD[layout]
+    overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **extra})
+    planned = dict(plan_run(load_config(DEBUG_RECIPE, overrides, world_size=2), 2).ranks[0].trace.optimizer.traffic)
+    assert planned  # each of these layouts moves something after the backward
+    assert run_distributed(traffic_after_backward, 2, overrides, None)[0] == planned
+    assert run_distributed(traffic_after_backward, 2, overrides, decision)[0] != planned

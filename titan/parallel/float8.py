@@ -184,14 +184,17 @@ def tp_styles(blocks: list[nn.Module], config: Config, tp_mesh):
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
-@torch.no_grad()
-def precompute_scales(config: Config, layout: Layout, parts: list[nn.Module]) -> None:
-    """Called after each optimizer step: with float8 all-gather and float8.precompute_dynamic_scale, the
-    scales of the next forward's float8 all-gathers, for every FSDP-sharded weight in one all-reduce
-    (instead of one per weight); otherwise nothing."""
+def precomputes_scales(config: Config, layout: Layout) -> bool:
+    """Whether each optimizer step ends by computing the next forward's float8 all-gather scales: with float8
+    all-gather and float8.precompute_dynamic_scale, under FSDP."""
     f8 = config.float8
-    if not (f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_dynamic_scale and layout.dp > 1):
-        return
+    return f8.enable and f8.enable_fsdp_float8_all_gather and f8.precompute_dynamic_scale and layout.dp > 1
+
+
+@torch.no_grad()
+def precompute_scales(parts: list[nn.Module]) -> None:
+    """The scales of the next forward's float8 all-gathers, for every FSDP-sharded weight in one all-reduce
+    (instead of one per weight)."""
     precompute = _torchao().precompute_float8_dynamic_scale_for_fsdp
     for part in parts:
         precompute(part)

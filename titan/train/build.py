@@ -30,7 +30,7 @@ from titan.train.cost_fit import (
     ring_bytes_per_second,
     ring_bytes_per_token,
 )
-from titan.train.step import StepHook, TrainStep
+from titan.train.step import StepHook, StepLoss, StepRules, TrainStep
 
 log = logging.getLogger("titan")
 
@@ -130,16 +130,19 @@ def build_step(
     parts = build_model_parts(config, spec, args, plan, rank, mesh, device)
     optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
-    step = TrainStep(parts, optimizer, lr_scheduler, plan, config, mesh, device, clock, hook)
+    loss = StepLoss(hook)
+    schedule = (
+        _pipeline_schedule(config, spec, args, plan, rank, parts, loss, mesh, device) if plan.layout.pp > 1 else None
+    )
+    sequence = None
     if plan.layout.cp > 1:
-        step.sequence = torch.cat([torch.arange(r.start, r.stop) for r in plan.rank(rank).sequence])
-    if plan.layout.pp > 1:
-        step.schedule = _pipeline_schedule(config, spec, args, plan, rank, step, mesh, device)
-    return step
+        sequence = torch.cat([torch.arange(r.start, r.stop) for r in plan.rank(rank).sequence])
+    rules = StepRules.of(plan, config, mesh)
+    return TrainStep(parts, optimizer, lr_scheduler, rules, loss, schedule, sequence, device=device, clock=clock)
 
 
-def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, step: TrainStep, mesh, device):
-    parts, n_microbatches = step.parts, plan.pipeline_microbatches
+def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, parts, loss: StepLoss, mesh, device):
+    n_microbatches = plan.pipeline_microbatches
     documents = config.data.batching == "tokens"
     # What the stages exchange for one micro-batch, so that the schedule need not run one to find out. Packed
     # documents come as one row of as many tokens, but evaluation reads rows: with both, torch finds the shapes of
@@ -159,7 +162,7 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, ste
         io,
         plan.n_stages,
         n_microbatches,
-        step.loss,
+        loss,
         device,
         mesh["pp"].get_group(),
     )

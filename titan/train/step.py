@@ -1,6 +1,6 @@
 """One training step: each micro-batch forward and backward (or through the pipeline schedule), the loss as this
-rank's share of the step's global mean, then clipping and the optimizer. `titan plan`'s trace runs the same
-pieces: token_loss, compute_precision and update."""
+rank's share of the step's global mean, then clipping and the optimizer. What the step decides around the model
+lives in StepRules, which `titan plan`'s trace follows too, with token_loss."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.config import Config
@@ -20,10 +21,11 @@ from titan.observe.profiling import StepClock
 from titan.optim import FiniteFlags, clip_grad_norm_, skip_if_nonfinite
 from titan.parallel.cp import all_reduce_gradients
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
+from titan.parallel.float8 import precomputes_scales
 from titan.parallel.parallelize import ModelParts
 from titan.rng import dropout_step
 from titan.rng.shards import full_tensor
-from titan.run_plan import Precision, RunPlan
+from titan.run_plan import RunPlan
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -31,20 +33,80 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE)
 
 
-def compute_precision(rule: Precision, device_type: str):
-    """The context the model runs in: autocast where the precision rule asks for it (bf16 without FSDP; with FSDP
-    its mixed-precision policy casts the parameters itself)."""
-    return torch.autocast(device_type, dtype=torch.bfloat16) if rule.autocast else contextlib.nullcontext()
+@dataclasses.dataclass(frozen=True)
+class StepRules:
+    """What a step does around the model's forward and backward, decided once from the run plan, the recipe and the
+    mesh: the trainer's TrainStep and `titan plan`'s trace both follow these, so the plan costs the step that runs.
+    A decision added to the step goes here, or the trace cannot see it."""
+
+    loss_parallel: bool  # the output projection's logits stay sharded over tp into the loss
+    autocast: bool  # bf16 matmuls on fp32 parameters (bf16 without FSDP; with FSDP its policy casts)
+    cp_gradient_group: dist.ProcessGroup | None  # without FSDP, the cp ranks sum their gradients themselves
+    pp_group: dist.ProcessGroup | None  # the gradient norm sums over pipeline stages
+    loss_groups: tuple[dist.ProcessGroup, ...]  # where the ranks' loss shares are summed
+    max_grad_norm: float  # inf: no clipping
+    float8_scales: bool  # each update ends by computing the next float8 all-gathers' scales
+
+    @classmethod
+    def of(cls, plan: RunPlan, config: Config, mesh) -> StepRules:
+        layout = plan.layout
+        # FSDP sums gradients over dp_shard x cp; the pipeline's stages without the loss hold 0 of it.
+        return cls(
+            loss_parallel=layout.tp > 1 and config.parallel.loss_parallel,
+            autocast=plan.precision.autocast,
+            cp_gradient_group=mesh["cp"].get_group() if layout.cp > 1 and layout.dp == 1 else None,
+            pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
+            loss_groups=tuple(mesh[d].get_group() for d in ("dp", "cp", "pp") if getattr(layout, d) > 1),
+            max_grad_norm=config.training.max_grad_norm or math.inf,
+            float8_scales=precomputes_scales(config, layout),
+        )
+
+    def loss_context(self):
+        """A fresh context per use: loss_parallel() is a generator-based context, usable once."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def precision(self, device_type: str):
+        """The context the model runs in."""
+        return torch.autocast(device_type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> torch.Tensor:
+        """After the step's backwards: sum the gradients where FSDP did not, clip by the global gradient norm, step,
+        drop the gradients, precompute float8's scales, advance the lr; returns the norm. A NaN or inf norm leaves
+        the weights and optimizer state as they were, decided on the device (the host reads the norm later)."""
+        params = [p for part in parts for p in part.parameters()]
+        if self.cp_gradient_group is not None:
+            with clock.phase("backward"):
+                all_reduce_gradients(params, self.cp_gradient_group)
+        with clock.phase("optimizer"):  # with the gradient-norm all-reduce
+            grad_norm = clip_grad_norm_(params, self.max_grad_norm, self.pp_group)
+            skip_if_nonfinite(optimizer, grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if self.float8_scales:
+                precompute_float8_scales(parts)
+            lr_scheduler.step()
+        return grad_norm
+
+    def global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' shares of the loss over data-, context- and pipeline-parallel ranks."""
+        for group in self.loss_groups:
+            dist.all_reduce(local, group=group)
+        return local
 
 
-def update(params: list[torch.Tensor], optimizer, max_grad_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip by the global gradient norm, step, drop the gradients; returns the norm. A NaN or inf norm leaves the
-    weights and optimizer state as they were, decided on the device (the host reads the norm later)."""
-    grad_norm = clip_grad_norm_(params, max_grad_norm or math.inf, pp_group)
-    skip_if_nonfinite(optimizer, grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+class StepLoss:
+    """Each micro-batch's loss as its rank's share of the step's mean token loss. `scale` is 1 / the step's
+    loss-bearing tokens: each rank's summed token loss times it is its share, and gradients are then summed over
+    data-parallel ranks, so every layout computes the gradient of the same global mean. The pipeline schedule
+    calls it too, so it is made before the schedule and shared with it."""
+
+    def __init__(self, hook: StepHook):
+        self.hook = hook
+        self.scale = 1.0
+        self.step = 0  # the steps taken before the one running
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.hook.loss(self.step, token_loss(logits, labels) * self.scale)
 
 
 class StepHook:
@@ -61,63 +123,46 @@ class StepHook:
 
 
 class TrainStep:
-    """A rank's model parts, optimizer and lr schedule, and the step that trains them."""
+    """A rank's model parts, optimizer and lr schedule, and the step that trains them. Under a pipeline `schedule`
+    runs the micro-batches (it was built with `loss`); under context parallelism `sequence` holds the positions of
+    each row its cp group shares that this rank computes."""
 
     def __init__(
         self,
         parts: ModelParts,
         optimizer,
         lr_scheduler,
-        plan: RunPlan,
-        config: Config,
-        mesh,
+        rules: StepRules,
+        loss: StepLoss,
+        schedule=None,
+        sequence: torch.Tensor | None = None,
+        *,
         device: torch.device,
         clock: StepClock,
-        hook: StepHook,
     ):
         self.parts, self.optimizer, self.lr_scheduler = parts, optimizer, lr_scheduler
-        self.plan, self.config, self.mesh, self.device, self.clock, self.hook = plan, config, mesh, device, clock, hook
-        self.schedule = None  # the pipeline schedule, under a pipeline (build.build_step sets it)
-        # Under context parallelism, the positions of each row its cp group shares that this rank computes
-        # (build.build_step sets them).
-        self.sequence: torch.Tensor | None = None
-        self.loss_parallel = plan.layout.tp > 1 and config.parallel.loss_parallel
-        self.precision = compute_precision(plan.precision, device.type)
-        # Each rank's summed token loss times this is its share of the step's mean loss (1 / the step's loss-bearing
-        # tokens); gradients are then summed over data-parallel ranks, so every layout computes the gradient of
-        # the same global mean.
-        self.loss_scale = 1.0
-        self.step = 0  # the steps taken before the one running
+        self.rules, self.loss, self.schedule, self.sequence = rules, loss, schedule, sequence
+        self.device, self.clock = device, clock
 
     def __call__(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step + 1`: returns (this rank's share of the loss, gradient norm), both on the device. The loop sums
         the shares over ranks only when it logs or saves: one collective per window rather than per step."""
-        return self.hook.step(step, batches, lambda b: self._step(b, step))
+        return self.loss.hook.step(step, batches, lambda b: self._step(b, step))
 
     def _step(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.forward_backward(batches, step)
-        layout = self.plan.layout
-        if layout.cp > 1 and layout.dp == 1:  # FSDP sums them over dp_shard x cp; without it, the cp ranks do
-            with self.clock.phase("backward"):
-                all_reduce_gradients(list(self.parts.parameters()), self.mesh["cp"].get_group())
-        with self.clock.phase("optimizer"):  # with the gradient-norm all-reduce
-            pp_group = self.mesh["pp"].get_group() if self.plan.layout.pp > 1 else None
-            grad_norm = update(list(self.parts.parameters()), self.optimizer, self.config.training.max_grad_norm,
-                               pp_group)  # fmt: skip
-            precompute_float8_scales(self.config, self.plan.layout, self.parts.parts)  # no-op unless fp8 AG
-            self.lr_scheduler.step()
-        return local, grad_norm
+        return local, self.rules.update(self.parts.parts, self.optimizer, self.lr_scheduler, self.clock)
 
     def forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         """Accumulate the step's gradients; returns this rank's share of the step's loss."""
-        self.loss_scale, self.step = 1.0 / batches[0].step_loss_tokens, step
+        self.loss.scale, self.loss.step = 1.0 / batches[0].step_loss_tokens, step
         with dropout_step(step):
             return sum((self._micro_batch(b, train=True) for b in batches), torch.zeros((), device=self.device))
 
     @torch.no_grad()
     def evaluate(self, steps: list[list[Batch]]) -> torch.Tensor:
         """The mean token loss over the steps' batches, summed over the ranks."""
-        self.loss_scale = 1.0 / sum(batches[0].step_loss_tokens for batches in steps)
+        self.loss.scale = 1.0 / sum(batches[0].step_loss_tokens for batches in steps)
         self.parts.train(False)
         loss = sum(
             (self._micro_batch(b, train=False) for batches in steps for b in batches),
@@ -127,32 +172,19 @@ class TrainStep:
         self.parts.train()
         return self.global_loss(loss)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the step's mean token loss (see loss_scale)."""
-        return self.hook.loss(self.step, token_loss(logits, labels) * self.loss_scale)
-
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Sum the shares over data- and context-parallel ranks, and take it from the last pipeline stage."""
-        layout = self.plan.layout
-        if layout.dp > 1:
-            dist.all_reduce(local, group=self.mesh["dp"].get_group())
-        if layout.cp > 1:
-            dist.all_reduce(local, group=self.mesh["cp"].get_group())
-        if layout.pp > 1:
-            dist.all_reduce(local, group=self.mesh["pp"].get_group())  # stages without the loss hold 0
-        return local
+        return self.rules.global_loss(local)
 
     def _micro_batch(self, batch: Batch, train: bool) -> torch.Tensor:
         """Forward (and backward, when training) one micro-batch; returns its scaled loss sum, detached."""
         if self.sequence is not None and not batch.local:
             batch = self.this_ranks_positions(batch)
         batch = batch.to(self.device)
-        # A fresh context per micro-batch: loss_parallel() is a generator-based context, usable once.
-        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+        with self.rules.loss_context():
             if self.schedule is not None:
                 return self._pipeline(batch, train)
             with self.clock.phase("forward"):
-                with self.precision:
+                with self.rules.precision(self.device.type):
                     logits = self.parts.parts[0](batch.inputs, batch.rows, batch.document_ids, local=batch.local)
                 loss = self.loss(logits, batch.labels)
             if train:
@@ -174,7 +206,7 @@ class TrainStep:
         if self.parts.has_first_stage:
             args = tuple(x for x in (batch.inputs, batch.rows, batch.document_ids) if x is not None)
         run = self.schedule.step if train else self.schedule.eval
-        with self.clock.phase("forward_backward"), self.precision:  # the schedule interleaves them
+        with self.clock.phase("forward_backward"), self.rules.precision(self.device.type):  # interleaved
             run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
         if not last:
             return torch.zeros((), device=self.device)

@@ -136,7 +136,6 @@ class Trainer:
             counts = [len(layers) for layers in plan.stage_layers]
             log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, counts, how)
         self.run_plan, self.rank_plan = plan, plan.rank(self.rank)
-        self.stepper.plan = plan
         for loader in (self.loader, self.validation_loader):
             if isinstance(loader, DocumentBatchLoader):
                 loader.speeds = list(plan.dp_weights)  # the next step's documents are dispatched by these speeds

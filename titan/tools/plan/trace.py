@@ -12,7 +12,7 @@ AdamW. titan/tools/plan/counters.py measures.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -21,20 +21,19 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.optim import build_optimizer, ensure_adamw_state
-from titan.parallel.cp import all_reduce_gradients, apply_context_parallel
+from titan.optim import build_lr_scheduler, build_optimizer, ensure_adamw_state
+from titan.parallel.cp import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
 from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
 from titan.tools.plan.devices import Device
-from titan.train.step import compute_precision, token_loss, update
+from titan.train.step import StepRules, token_loss
 
 CPU = torch.device("cpu")
 
@@ -150,6 +149,8 @@ class _RankStep:
         self.params = [p for part in stages.values() for p in part.parameters()]
         self.optimizer = build_optimizer(self.params, config.optimizer)
         ensure_adamw_state(self.optimizer, self.params)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.rules = StepRules.of(plan, config, mesh)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
         self.inputs = _inputs(config, spec, args, plan, rows)
         self.trace: RankTrace
@@ -167,16 +168,12 @@ class _RankStep:
         """`count` micro-batches forward and backward (0: one forward), then FSDP's gradient reduction under a
         pipeline. The last micro-batch is the one measured: after the first, it finds the gradients and FSDP's
         gathered weights of the earlier ones (the steady state of gradient accumulation and pipelines)."""
-        trace, parallel = self.trace, self.config.parallel
+        trace = self.trace
         self.tracker = StepPeak()
         self.tracker.track_external(*self.stages.values(), self.optimizer)
         self._record_blocks(max((self.spec.blocks(part) for part in self.stages.values()), key=len))
         first = Cost()
-        with (
-            self.tracker,
-            self.counter,
-            loss_parallel() if self.layout.tp > 1 and parallel.loss_parallel else nullcontext(),
-        ):
+        with self.tracker, self.counter, self.rules.loss_context():
             for micro_batch in range(max(count, 1)):
                 outputs = self._forward()
                 if count:
@@ -202,7 +199,7 @@ class _RankStep:
         for stage, part in self.stages.items():
             before = self._activations()
             self.trace.forward[stage] = Cost()
-            with self.counter.phase(self.trace.forward[stage]), compute_precision(self.plan.precision, "cpu"):
+            with self.counter.phase(self.trace.forward[stage]), self.rules.precision("cpu"):
                 x = inputs["tokens"] if stage == 0 else inputs["hidden"].clone()
                 out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
                 outputs[stage] = token_loss(out, inputs["tokens"]) if stage == last else out[0]
@@ -232,15 +229,13 @@ class _RankStep:
                 PipelineStage(part, stage, self.trace.n_stages, CPU, group=group).perform_reduce_grad(1)
 
     def optimizer_step(self) -> None:
-        """The trainer's step after the backwards: clip by the global gradient norm, AdamW, drop the gradients."""
+        """The trainer's step after the backwards (StepRules.update): gradients summed where FSDP did not, clipping
+        by the global gradient norm, AdamW, float8's scales, the lr."""
         trace = self.trace
         tracker = StepPeak()  # FSDP's unsharded gradients are gone: the parameters hold all there is
         tracker.track_external(*self.stages.values(), self.optimizer)
-        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        with tracker, self.counter, self.counter.phase(trace.optimizer):
-            if self.layout.cp > 1 and self.layout.dp == 1:  # as the trainer does without FSDP, which sums them
-                all_reduce_gradients(self.params, self.mesh["cp"].get_group())
-            update(self.params, self.optimizer, self.config.training.max_grad_norm, pp_group)
+        with tracker, self.counter:
+            self.rules.update(list(self.stages.values()), self.optimizer, self.lr_scheduler, _Into(self.counter, trace))
         trace.optimizer_peak = total_bytes(tracker, "peak")
 
     def _activations(self) -> int:
@@ -261,6 +256,16 @@ class _RankStep:
                     self._block_starts and self.trace.block_held.append(self._activations() - self._block_starts.pop())
                 )
             )
+
+
+class _Into:
+    """StepRules.update's phases, counted into the trace's optimizer cost whatever their name."""
+
+    def __init__(self, counter: StepCounter, trace: RankTrace):
+        self.counter, self.trace = counter, trace
+
+    def phase(self, _name: str):
+        return self.counter.phase(self.trace.optimizer)
 
 
 def _inputs(config: Config, spec: ModelSpec, args, plan: RunPlan, rows: int) -> dict[str, torch.Tensor | None]:
