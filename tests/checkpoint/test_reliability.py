@@ -43,19 +43,74 @@ HUGE_LR = {"optimizer.lr": "1e4", "checkpoint.interval": "1", "checkpoint.keep_l
 
 def test_a_nan_run_stops_with_one_line_and_keeps_its_good_checkpoints(tmp_path):
     failed = train(tmp_path, **HUGE_LR)
-    good = max(checkpoints(tmp_path))
+    newest = max(checkpoints(tmp_path))
+    good = newest - 1  # the newest holds the weights that the NaN step started from
     last_good = checkpoints(tmp_path)[good]
-    assert_one_line_error(failed, f"step {good + 1}", "nan", str(last_good), "--checkpoint.allow_changes optimizer.lr")
+    assert_one_line_error(
+        failed, f"step {newest + 1}", "nan", str(last_good), f"--checkpoint.load_step {good}",
+        "--checkpoint.allow_changes optimizer.lr",
+    )  # fmt: skip
     # Nothing was saved from the NaN step on, nothing good was pruned, and what is kept holds finite losses.
-    assert sorted(checkpoints(tmp_path)) == [good - 1, good]
+    assert sorted(checkpoints(tmp_path)) == [good, newest]
     assert all(saved_loss(p) is not None for p in checkpoints(tmp_path).values())
     lower = {**HUGE_LR, "optimizer.lr": "1e-3"}
     refused = train(tmp_path, **lower)
     assert_one_line_error(refused, "optimizer.lr 10000.0 -> 0.001", "--checkpoint.allow_changes optimizer.lr")
     # (That lr left weights too large to recover, so this resumed run soon stops again: a rerun only shows
     # where it resumes from; the next test trains on to the end.)
-    resumed = train(tmp_path, **lower, **{"checkpoint.allow_changes": "optimizer.lr"})
+    resumed = train(
+        tmp_path, **lower, **{"checkpoint.allow_changes": "optimizer.lr", "checkpoint.load_step": str(good)}
+    )
     assert f"resumed from {last_good}" in resumed.stderr
+
+
+def stopped_at(result) -> int:
+    """The step a NaN stop names."""
+    return int(re.search(r"^error: step (\d+):", result.stderr, re.MULTILINE).group(1))
+
+
+# The NaN comes at step 9: every 8 steps, the only checkpoint holds the weights it came from.
+@pytest.mark.parametrize("interval", ["1", "8"], ids=["a checkpoint known good", "none known good"])
+def test_following_the_nan_stops_advice_trains_past_the_step_that_failed(tmp_path, interval):
+    # An lr high enough to end in a NaN, not so high that the weights are ruined before any checkpoint.
+    high = {**HUGE_LR, "optimizer.lr": "300", "training.steps": "12", "checkpoint.interval": interval}
+    failed = train(tmp_path, **high)
+    assert_one_line_error(failed, "nan", "lower learning rate")
+    advice = re.search(r"adding (.+) to the command", failed.stderr).group(1).split()
+    # The same command with the advice added, as the line says: it resumes from weights whose next step was
+    # finite, so the lower lr decides what follows (resuming from the step before the NaN would meet it again).
+    followed = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **high}),
+                         *advice)  # fmt: skip
+    assert followed.returncode == 0 or stopped_at(followed) > stopped_at(failed), followed.stderr
+
+
+def proven(path) -> bool:
+    return (path / "NEXT_STEP_FINITE").is_file()
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_pruning_keeps_the_checkpoint_whose_next_step_was_finite_and_never_names_the_poisoned_one(tmp_path, async_save):
+    trainer = trainer_for(tmp_path, **{**HUGE_LR, "checkpoint.keep_latest_k": "1", "checkpoint.async_save": async_save})
+    with pytest.raises(NonFinite) as stop:
+        trainer.train()
+    nan_step = trainer.step
+    found = checkpoints(tmp_path)
+    # step-(nan_step - 1) holds the weights the NaN step started from; the one before is the last good one.
+    good, poisoned = found[nan_step - 2], found[nan_step - 1]
+    assert sorted(found) == [nan_step - 2, nan_step - 1]
+    assert f"last good checkpoint is {good}:" in str(stop.value)
+    assert f"--checkpoint.load_step {nan_step - 2}" in str(stop.value)
+    assert proven(good) and not proven(poisoned)
+    assert verify(good) is None  # the mark is no file of the checkpoint's
+
+
+def test_a_checkpoint_is_good_once_the_step_after_it_ran_finite_in_this_run_or_a_resumed_one(tmp_path):
+    schedule = {"checkpoint.interval": "1", "checkpoint.keep_latest_k": "0"}
+    trainer_for(tmp_path, **schedule, **{"training.steps": "3"}).train()
+    # The final step's checkpoint is not known good: its next step has not run.
+    assert [proven(p) for p in checkpoints(tmp_path).values()] == [True, True, False]
+    trainer_for(tmp_path, **schedule, **{"training.steps": "4", "checkpoint.allow_changes": "training.steps"}).train()
+    assert [proven(p) for p in checkpoints(tmp_path).values()] == [True, True, True, False]
 
 
 class NanLoss(StepHook):
@@ -152,8 +207,9 @@ def test_skip_mode_stops_after_max_skipped_steps_and_pruning_spares_the_last_fin
     found = checkpoints(tmp_path)
     finite = [s for s, p in found.items() if saved_loss(p) is not None]
     skipped = [s for s, p in found.items() if saved_loss(p) is None]
-    # keep_latest_k = 2 keeps the two skipped steps' checkpoints, and the newest finite one besides.
-    assert len(skipped) == 2 and finite == [min(skipped) - 1], found
+    # keep_latest_k = 2 keeps the two skipped steps' checkpoints, and the last good one besides: not the one
+    # before the first skipped step, whose weights made it non-finite.
+    assert len(skipped) == 2 and finite == [min(skipped) - 2], found
     assert f"last good checkpoint is {found[finite[0]]}" in failed.stderr  # not the newest, a skipped step's
     assert f"--checkpoint.load_step {finite[0]}" in failed.stderr
 

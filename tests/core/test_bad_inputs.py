@@ -18,7 +18,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, torchrun, trainer_for
-from titan.checkpoint.format import INDEX, MANIFEST, MARKER, CheckpointReader, sha256_files
+from titan.checkpoint.format import INDEX, MANIFEST, MARKER, PROVEN, CheckpointReader, sha256_files
 
 
 def recipe_file(text: str | bytes):
@@ -955,6 +955,11 @@ CRAFTED = [
      ["__1_0.distcp is missing"], None),
     ("manifest listing a path outside", edit_manifest(lambda files: files.update({"../../etc/passwd": files[INDEX]})),
      ["manifest.json lists '../../etc/passwd', which is not a file name of a checkpoint"], None),
+    # The next-step mark is outside the manifest, but no less a plain file of the folder.
+    ("symlinked next-step mark", lambda folder, _: (folder / PROVEN).symlink_to(folder / "data.json"),
+     [f"{PROVEN} is a symbolic link"], None),
+    ("manifest listing the next-step mark", edit_manifest(lambda files: files.update({PROVEN: files["data.json"]})),
+     [f"manifest.json lists '{PROVEN}', which is not a file name of a checkpoint"], None),
 ]  # fmt: skip
 READERS = ("resume", "dcp-to-hf", "generate")
 

@@ -7,6 +7,7 @@ Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format.p
     data.json               the data loader's position: the next global sample (the same on every rank)
     manifest.json           every other file's size and SHA-256
     COMPLETE                written last; a folder without it is never loaded
+    NEXT_STEP_FINITE        added once the step after it ran finite: a checkpoint known to train on (last_good)
 
 A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
 the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest.
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan.checkpoint.format import (
     MARKER,
+    PROVEN,
     CheckpointReader,
     CheckpointWriter,
     dcp_error,
@@ -201,6 +203,10 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         self.resumed_state: dict = {}  # the loaded train_state.json
         self._pending: tuple[Future | None, Path, Path] | None = None
+        # The step of the checkpoint this run saved or resumed from whose next step has not run yet, and whether
+        # that step ran finite before the checkpoint's save was sealed (see step_ran).
+        self._unproven: int | None = None
+        self._prove_when_sealed = False
         if self.rank == 0:
             self._tidy()
         self._barrier()
@@ -254,6 +260,7 @@ class Checkpointer:
         """Save (in the background with async_save, unless `wait`); returns the metrics to log. An existing
         checkpoint of the same step is replaced once the new one is complete."""
         self.finish_pending()  # one save in flight at a time
+        self._unproven, self._prove_when_sealed = step, False
         final, tmp = self.folder / f"step-{step}", self.folder / f".tmp-step-{step}"
         start = time.perf_counter()
         try:
@@ -314,16 +321,17 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
+        proven, self._prove_when_sealed = self._prove_when_sealed, False
         try:
             if future is not None:
                 future.result()
             self._barrier()
-            self._seal(tmp, final)
+            self._seal(tmp, final, proven)
         except (OSError, CheckpointException) as e:
             raise self._save_error(e, int(final.name.removeprefix("step-"))) from None
         self._barrier()
 
-    def _seal(self, tmp: Path, final: Path) -> None:
+    def _seal(self, tmp: Path, final: Path, proven: bool) -> None:
         # Every rank hashes its share of the files (a shared file system, as the rename below needs already).
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         mine = sha256_files(tmp, names[self.rank :: self.world])
@@ -340,18 +348,40 @@ class Checkpointer:
         tmp.rename(final)  # atomic: the checkpoint appears complete or not at all
         fsync(self.folder)
         shutil.rmtree(replaced, ignore_errors=True)
+        if proven:
+            self._prove(final)
         self._prune()
 
+    def step_ran(self, step: int, finite: bool) -> None:
+        """Step `step` ran, finite or not (every rank calls this, in step order). Its loss and gradient norm were
+        computed from the weights of checkpoint `step - 1`, if this run saved or resumed from one: finite, they
+        prove it good (last_good), whatever came of the update. A save still in flight is proven once sealed.
+        (Step `step - 1`'s own loss says nothing of the weights its update produced.)"""
+        if self._unproven != step - 1:
+            return
+        self._unproven = None
+        if not finite:
+            return
+        if self._pending is not None and self._pending[2].name == f"step-{step - 1}":
+            self._prove_when_sealed = True
+        elif self.rank == 0:
+            self._prove(self.folder / f"step-{step - 1}")
+
+    def _prove(self, path: Path) -> None:
+        # An empty file outside the manifest: created or not, the checkpoint stays whole and verifiable.
+        write_synced(path / PROVEN, b"")
+        fsync(path)
+
     def last_good(self) -> Path | None:
-        """The newest complete checkpoint whose step's loss was finite."""
+        """The newest complete checkpoint whose next step ran finite: resuming from it does not meet the same NaN.
+        (The final step's checkpoint, whose next step never ran, is not one until a later run proves it.)"""
         for path in reversed(complete_checkpoints(self.folder).values()):
-            loss = _saved_loss(path)
-            if loss is not None and math.isfinite(loss):
+            if (path / PROVEN).is_file():
                 return path
         return None
 
     def _prune(self) -> None:
-        """Keep the newest keep_latest_k checkpoints, and always the newest one whose loss was finite."""
+        """Keep the newest keep_latest_k checkpoints, and always the last good one."""
         if not self.cfg.keep_latest_k:
             return
         found = list(complete_checkpoints(self.folder).values())
@@ -436,8 +466,11 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {path} is corrupt: cannot read data.json ({e})") from None
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
         self.resumed_from = path
-        if self.rank == 0 and path.parent.resolve() == self.folder.resolve():
-            self._set_aside_newer(step)
+        if path.parent.resolve() == self.folder.resolve():
+            if "train_state" in parts:
+                self._unproven = step  # the step it resumes at proves it, as for a checkpoint this run saved
+            if self.rank == 0:
+                self._set_aside_newer(step)
         return step
 
     def _set_aside_newer(self, step: int) -> None:
@@ -525,11 +558,3 @@ class Checkpointer:
                 log.info("no checkpoint in %s: starting from step 0", self.folder)
             return 0
         return self.load(path, tuple(self.cfg.load_only) or PARTS)
-
-
-def _saved_loss(path: Path) -> float | None:
-    try:
-        loss = json.loads((path / "train_state.json").read_text()).get("loss")
-    except (OSError, ValueError):
-        return None
-    return loss if isinstance(loss, (int, float)) else None

@@ -2,7 +2,8 @@
 
 A checkpoint folder holds DCP's tensor shards (`*.distcp`), their index `tensors.json`, titan's JSON files
 (train_state.json, data.json), `manifest.json` (every other file's size and SHA-256) and, written last, the
-`COMPLETE` marker. Nothing in it is code:
+`COMPLETE` marker (and later, once the step after it ran finite, the `NEXT_STEP_FINITE` mark). Nothing in it is
+code:
 
 * DCP's own writer pickles its index (`.metadata`) and its reader unpickles it, so a shared checkpoint could run
   code on whoever loads it. titan writes the same index as JSON (CheckpointWriter) and turns it back into DCP's
@@ -51,6 +52,9 @@ from titan.files import fsync, write_synced
 from titan.progress import Progress
 
 MARKER = "COMPLETE"
+# Written into a complete checkpoint once the step after it ran finite: its weights are known to train on. Its
+# presence is all it says (it is empty and outside the manifest, so writing it never changes the checkpoint).
+PROVEN = "NEXT_STEP_FINITE"
 MANIFEST = "manifest.json"
 INDEX = "tensors.json"
 LEGACY_INDEX = ".metadata"  # DCP's pickled index, written by titan before tensors.json
@@ -97,7 +101,7 @@ def read_manifest(folder: Path) -> dict[str, dict] | str:
     if not isinstance(files, dict):
         return f"{MANIFEST} is malformed"
     for name, entry in files.items():
-        if not _PLAIN_NAME.fullmatch(name) or name in (MANIFEST, MARKER):
+        if not _PLAIN_NAME.fullmatch(name) or name in (MANIFEST, MARKER, PROVEN):
             return f"{MANIFEST} lists {name!r}, which is not a file name of a checkpoint"
         if not (isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("sha256"), str)):
             return f"{MANIFEST} is malformed (the entry of {name})"
@@ -112,7 +116,7 @@ def folder_problems(folder: Path, files: dict[str, dict]) -> list[str]:
         name = path.name
         if path.is_symlink() or not path.is_file():
             problems.append(f"{name} is {'a symbolic link' if path.is_symlink() else 'not a regular file'}")
-        elif name not in files and name not in (MANIFEST, MARKER):
+        elif name not in files and name not in (MANIFEST, MARKER, PROVEN):
             problems.append(f"{name} is not listed in {MANIFEST}")
         elif name in files and path.stat().st_size != files[name]["size"]:
             problems.append(f"{name} has {path.stat().st_size} bytes, {files[name]['size']} were saved")

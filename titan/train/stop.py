@@ -1,6 +1,7 @@
 """Stopping early. SIGTERM or SIGUSR1 (a SLURM preemption notice) on any rank stops every rank at the same step,
 after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it. A NaN or inf gradient
-norm stops the run without saving (or skips the step, as the recipe says)."""
+norm stops the run without saving (or skips the step, as the recipe says), naming the last checkpoint whose next
+step was finite: the checkpoint of the step before the NaN holds the weights the NaN came from."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class NonFiniteSteps:
         self.skipped_in_a_row = 0
 
     def check(self, step: int, loss: float, grad_norm: float) -> None:
+        self.checkpointer.step_ran(step, math.isfinite(loss) and math.isfinite(grad_norm))
         if math.isfinite(grad_norm):
             self.skipped_in_a_row = 0
             return
@@ -97,9 +99,15 @@ class NonFiniteSteps:
             what += f" ({self.skipped_in_a_row} steps in a row skipped, training.max_skipped_steps)"
         lr = f"--optimizer.lr {self.config.optimizer.lr / 2:.3g}"
         good = self.checkpointer.last_good()
+        saved = complete_checkpoints(self.checkpointer.folder)
+        if good is None and saved:
+            raise NonFinite(
+                f"{what}; no checkpoint is known good (none whose next step was finite): start again with a lower "
+                f"learning rate, adding {lr} --checkpoint.resume never to the command"
+            )
         if good is None:
             raise NonFinite(f"{what}; no checkpoint was saved before: start again with a lower learning rate ({lr})")
-        newest = max(complete_checkpoints(self.checkpointer.folder))
+        newest = max(saved)
         good_step = int(good.name.removeprefix("step-"))
         rewind = f" --checkpoint.load_step {good_step}" if good_step != newest else ""
         raise NonFinite(

@@ -196,7 +196,7 @@ class Trainer:
                 if validated:
                     self._log_validation()
                     window.restart()  # evaluation is not steps
-                # A skipped step's state is saved, but not as a finite one (see Checkpointer._prune).
+                # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if saving:  # its blocking time is not step time: the ETA counts it apart
                     window.start += self._save(saved_loss(), wait=self.step == total)
