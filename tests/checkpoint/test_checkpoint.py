@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
 
+import math
 import signal
 import subprocess
 import sys
@@ -348,3 +349,51 @@ def test_a_blocking_save_and_a_load_report_their_bytes(tmp_path, monkeypatch, ca
     loading = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines() if "loading checkpoint" in line]
     assert loading[-2].startswith(f"loading checkpoint step-2: {size(read)} of {size(read)} (100%)"), loading
     assert loading[-1].startswith("loading checkpoint step-2: done")
+
+
+def _boxes_index(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> dict:
+    """A tensors.json of one fp32 tensor of `shape` saved in chunks (offsets, sizes), each over the same bytes."""
+    from titan.checkpoint.format import FORMAT, VERSION
+
+    length = 4 * math.prod(shape)
+    chunks = [{"offsets": o, "sizes": s, "file": "__0_0.distcp", "start": 0, "length": length} for o, s in boxes]
+    tensor = {"dtype": "float32", "shape": shape, "chunks": chunks}
+    return {"format": FORMAT, "version": VERSION, "tensors": {"t": tensor}}
+
+
+GRID = [([r, c], [1, 1]) for r in range(128) for c in range(128)]  # 16,384 chunks: pairs would be 1.3e8
+TILINGS = {
+    "2-D grid": ([4, 6], [([0, 0], [2, 3]), ([0, 3], [2, 3]), ([2, 0], [2, 3]), ([2, 3], [2, 3])]),
+    "pinwheel, no grid": ([4, 4], [([0, 0], [1, 3]), ([0, 3], [3, 1]), ([3, 1], [1, 3]), ([1, 0], [3, 1]),
+                                   ([1, 1], [2, 2])]),
+    "an empty chunk": ([4, 2], [([0, 0], [4, 2]), ([2, 0], [0, 2])]),
+    "a scalar": ([], [([], [])]),
+    "many chunks": ([128, 128], GRID),
+}  # fmt: skip
+OCTANTS = [([a, b, c], [1, 1, 1]) for a in (0, 1) for b in (0, 1) for c in (0, 1)]
+OVERLAPS = {
+    "the same half twice": ([4, 6], [([0, 0], [2, 6]), ([0, 0], [2, 6])]),
+    "2-D boxes sharing a cell": ([3, 3], [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])]),
+    "3-D, an octant twice": ([2, 2, 2], [*OCTANTS[:-1], OCTANTS[0]]),
+    "many chunks, one moved": ([128, 128], [*GRID[:-1], ([5, 7], [1, 1])]),
+}
+
+
+@pytest.mark.parametrize("shape,boxes", TILINGS.values(), ids=TILINGS.keys())
+def test_chunks_that_tile_their_tensor_are_read(shape, boxes, tmp_path):
+    from titan.checkpoint.format import metadata_of
+
+    metadata = metadata_of(_boxes_index(shape, boxes), {"__0_0.distcp": 4 * math.prod(shape)}, tmp_path)
+    assert len(metadata.state_dict_metadata["t"].chunks) == len(boxes)
+
+
+@pytest.mark.parametrize("shape,boxes", OVERLAPS.values(), ids=OVERLAPS.keys())
+def test_chunks_that_overlap_are_refused_though_their_elements_add_up(shape, boxes, tmp_path):
+    """Elements covered twice and others never, in the same count: a volume check passes them, a reader would
+    leave the others as the memory they were loaded into held."""
+    from titan.checkpoint.format import metadata_of
+    from titan.errors import ConfigError
+
+    assert sum(math.prod(sizes) for _, sizes in boxes) == math.prod(shape)
+    with pytest.raises(ConfigError, match="overlap"):
+        metadata_of(_boxes_index(shape, boxes), {"__0_0.distcp": 4 * math.prod(shape)}, tmp_path)

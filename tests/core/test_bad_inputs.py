@@ -904,6 +904,14 @@ def symlinked(name: str):
     return damage
 
 
+def same_half_twice(index, folder, marker) -> None:
+    """Two chunks over the embedding's first half: their elements add up to the tensor's, its second half is in
+    none of them."""
+    entry = index["tensors"]["model.tok_embeddings.weight"]
+    half = {**entry["chunks"][0], "sizes": [entry["shape"][0] // 2, entry["shape"][1]]}
+    entry["chunks"] = [half, dict(half)]
+
+
 def replace_index(payload):
     def damage(folder: Path, marker: Path) -> None:
         (folder / INDEX).write_bytes(payload(marker))
@@ -955,6 +963,7 @@ CRAFTED = [
      ["__1_0.distcp is missing"], None),
     ("manifest listing a path outside", edit_manifest(lambda files: files.update({"../../etc/passwd": files[INDEX]})),
      ["manifest.json lists '../../etc/passwd', which is not a file name of a checkpoint"], None),
+    ("chunks over the same half", edit_index(same_half_twice), ["corrupt", "overlap"], None),
 ]  # fmt: skip
 READERS = ("resume", "dcp-to-hf", "generate")
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
 import pickle
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -236,8 +238,28 @@ def metadata_of(index: Any, sizes: dict[str, int], folder: Path) -> Metadata:
             storage[MetadataIndex(fqn, torch.Size(offsets), i)] = _StorageInfo(file, start, length)
         if elements != math.prod(shape):
             refuse(f"gives {fqn} chunks of {elements} elements in all, for a tensor of shape {shape}")
+        if not _tile(shape, [(c.offsets, c.sizes) for c in chunks]):
+            refuse(f"gives {fqn} chunks that overlap (some of its elements are in two, others in none)")
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
     return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+
+def _tile(shape: list[int], boxes: list[tuple[Sequence[int], Sequence[int]]]) -> bool:
+    """Whether the boxes (offsets, sizes) inside a tensor of `shape` hold each of its elements exactly once. A box's
+    indicator is the signed sum of the orthants at its 2^d corners (+ at an even number of far ends, - at an odd),
+    and distinct orthants are linearly independent: the boxes tile the tensor iff the signed counts of their
+    corners are the tensor's own. O(boxes x 2^d), where comparing boxes pairwise would be O(boxes^2)."""
+    counts: Counter[tuple[int, ...]] = Counter()
+
+    def add(offsets: Sequence[int], sizes: Sequence[int], sign: int) -> None:
+        for far in itertools.product((0, 1), repeat=len(sizes)):
+            corner = tuple(o + n * f for o, n, f in zip(offsets, sizes, far))
+            counts[corner] += -sign if sum(far) % 2 else sign
+
+    for offsets, sizes in boxes:
+        add(offsets, sizes, 1)
+    add([0] * len(shape), shape, -1)
+    return not any(counts.values())
 
 
 class _Counted:
