@@ -912,6 +912,15 @@ def same_half_twice(index, folder, marker) -> None:
     entry["chunks"] = [half, dict(half)]
 
 
+def build_on_a_class(marker: Path) -> bytes:
+    """BUILD on the admitted class PosixPath, setting its is_symlink to torch.Size (whose empty call is falsy: no
+    path would read as a link for the rest of the process), then the checkpoint's true index."""
+    metadata = CheckpointReader(marker.parent / "step-2").read_metadata()
+    state = b"N}" + _text("is_symlink") + _text("torch") + _text("Size") + b"\x93s\x86"  # (None, {name: value})
+    sets = _text("pathlib") + _text("PosixPath") + b"\x93" + state + b"b0"  # BUILD, POP
+    return b"\x80\x04" + sets + pickle.dumps(metadata, protocol=2)[2:]
+
+
 def replace_index(payload):
     def damage(folder: Path, marker: Path) -> None:
         (folder / INDEX).write_bytes(payload(marker))
@@ -964,6 +973,7 @@ CRAFTED = [
     ("manifest listing a path outside", edit_manifest(lambda files: files.update({"../../etc/passwd": files[INDEX]})),
      ["manifest.json lists '../../etc/passwd', which is not a file name of a checkpoint"], None),
     ("chunks over the same half", edit_index(same_half_twice), ["corrupt", "overlap"], None),
+    ("BUILD on an admitted class", legacy_pickle(build_on_a_class), OLDER, ["not trusted", "pathlib.PosixPath"]),
 ]  # fmt: skip
 READERS = ("resume", "dcp-to-hf", "generate")
 

@@ -361,8 +361,14 @@ def _first_line(e: BaseException) -> str:
 # -- checkpoints of titan before tensors.json ----------------------------------------------------------------
 
 
-class _LegacyIndexUnpickler(pickle.Unpickler):
-    """Exactly the classes DCP's pickled index is made of; a name is looked up whole, never as a dotted path."""
+class _LegacyIndexUnpickler(pickle._Unpickler):
+    """Exactly the classes DCP's pickled index is made of; a name is looked up whole, never as a dotted path. BUILD
+    (setting an object's state) only on the index's own objects, which this pickle made: on an admitted class or
+    a shared object (an enum member) it would change that for the rest of the process (PosixPath.is_symlink, say).
+    pickle's Python unpickler, as its C one has no hook per opcode: an index is read once, by `convert upgrade`."""
+
+    _BUILT = (Metadata, TensorStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex, StorageMeta,
+              _StorageInfo)  # fmt: skip
 
     _ALLOWED = {
         *(("torch.distributed.checkpoint.metadata", name) for name in (
@@ -380,6 +386,16 @@ class _LegacyIndexUnpickler(pickle.Unpickler):
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
         return super().find_class(module, name)
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # under the state
+        if type(target) not in self._BUILT:
+            kind = target if isinstance(target, type) else type(target)
+            what = f"{kind.__module__}.{kind.__qualname__}" + ("" if kind is target else " object")
+            raise pickle.UnpicklingError(f"sets the state of {what}, which is not an object of a DCP index")
+        super().load_build()
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
 def legacy_index(folder: Path) -> dict:
