@@ -1,8 +1,12 @@
 """Checkpoints: bitwise resume, crash safety, resharding on load, and clear errors for bad checkpoints."""
 
+import io
+import math
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -348,3 +352,109 @@ def test_a_blocking_save_and_a_load_report_their_bytes(tmp_path, monkeypatch, ca
     loading = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines() if "loading checkpoint" in line]
     assert loading[-2].startswith(f"loading checkpoint step-2: {size(read)} of {size(read)} (100%)"), loading
     assert loading[-1].startswith("loading checkpoint step-2: done")
+
+
+def _boxes_index(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> dict:
+    """A tensors.json of one fp32 tensor of `shape` saved in chunks (offsets, sizes), each over the same bytes."""
+    from titan.checkpoint.format import FORMAT, VERSION
+
+    length = 4 * math.prod(shape)
+    chunks = [{"offsets": o, "sizes": s, "file": "__0_0.distcp", "start": 0, "length": length} for o, s in boxes]
+    tensor = {"dtype": "float32", "shape": shape, "chunks": chunks}
+    return {"format": FORMAT, "version": VERSION, "tensors": {"t": tensor}}
+
+
+GRID = [([r, c], [1, 1]) for r in range(128) for c in range(128)]  # 16,384 chunks: pairs would be 1.3e8
+TILINGS = {
+    "2-D grid": ([4, 6], [([0, 0], [2, 3]), ([0, 3], [2, 3]), ([2, 0], [2, 3]), ([2, 3], [2, 3])]),
+    "pinwheel, no grid": ([4, 4], [([0, 0], [1, 3]), ([0, 3], [3, 1]), ([3, 1], [1, 3]), ([1, 0], [3, 1]),
+                                   ([1, 1], [2, 2])]),
+    "an empty chunk": ([4, 2], [([0, 0], [4, 2]), ([2, 0], [0, 2])]),
+    "a scalar": ([], [([], [])]),
+    "many chunks": ([128, 128], GRID),
+}  # fmt: skip
+OCTANTS = [([a, b, c], [1, 1, 1]) for a in (0, 1) for b in (0, 1) for c in (0, 1)]
+OVERLAPS = {
+    "the same half twice": ([4, 6], [([0, 0], [2, 6]), ([0, 0], [2, 6])]),
+    "2-D boxes sharing a cell": ([3, 3], [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])]),
+    "3-D, an octant twice": ([2, 2, 2], [*OCTANTS[:-1], OCTANTS[0]]),
+    "many chunks, one moved": ([128, 128], [*GRID[:-1], ([5, 7], [1, 1])]),
+}
+
+
+@pytest.mark.parametrize("shape,boxes", TILINGS.values(), ids=TILINGS.keys())
+def test_chunks_that_tile_their_tensor_are_read(shape, boxes, tmp_path):
+    from titan.checkpoint.format import metadata_of
+
+    metadata = metadata_of(_boxes_index(shape, boxes), {"__0_0.distcp": 4 * math.prod(shape)}, tmp_path)
+    assert len(metadata.state_dict_metadata["t"].chunks) == len(boxes)
+
+
+@pytest.mark.parametrize("shape,boxes", OVERLAPS.values(), ids=OVERLAPS.keys())
+def test_chunks_that_overlap_are_refused_though_their_elements_add_up(shape, boxes, tmp_path):
+    """Elements covered twice and others never, in the same count: a volume check passes them, a reader would
+    leave the others as the memory they were loaded into held."""
+    from titan.checkpoint.format import metadata_of
+    from titan.errors import ConfigError
+
+    assert sum(math.prod(sizes) for _, sizes in boxes) == math.prod(shape)
+    with pytest.raises(ConfigError, match="overlap"):
+        metadata_of(_boxes_index(shape, boxes), {"__0_0.distcp": 4 * math.prod(shape)}, tmp_path)
+
+
+def _saved(tensor: torch.Tensor) -> bytes:
+    plain = io.BytesIO()
+    torch.save(tensor, plain)
+    return plain.getvalue()
+
+
+def _rezipped(archive: bytes, compression: int = zipfile.ZIP_STORED) -> bytes:
+    """The archive's records written anew by Python's zipfile."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as saved, zipfile.ZipFile(out, "w", compression) as packed:
+        for info in saved.infolist():
+            packed.writestr(info.filename, saved.read(info))
+    return out.getvalue()
+
+
+def _storage_listed_twice(saved: bytes) -> bytes:
+    """The archive (rewritten by zipfile: no zip64 records) with a second directory entry, data/1, for the storage
+    record data/0: one record's bytes, two records' sizes."""
+    archive = _rezipped(saved)
+    end = archive.rindex(zipfile.stringEndArchive)
+    sig, disk, disk_dir, count, total, size, offset, _ = struct.unpack(zipfile.structEndArchive, archive[end:])
+    at = archive.rindex(zipfile.stringCentralDir, offset, archive.index(b"archive/data/0", offset))
+    fields = struct.unpack(zipfile.structCentralDir, archive[at : at + zipfile.sizeCentralDir])
+    entry = archive[at : at + zipfile.sizeCentralDir + sum(fields[12:15])]  # name, extra and comment lengths
+    copy = entry.replace(b"archive/data/0", b"archive/data/1")
+    tail = struct.pack(zipfile.structEndArchive, sig, disk, disk_dir, count + 1, total + 1, size + len(copy), offset, 0)
+    return archive[:end] + copy + tail
+
+
+def test_chunk_archives_as_torch_save_writes_them_pass():
+    from titan.checkpoint.format import archive_problem
+
+    saved = _saved(torch.arange(8.0))  # with zip64 end records, as torch.save writes every archive
+    for archive in (saved, _rezipped(saved)):  # and without them
+        for before in (b"", b"the chunks before it"):  # a chunk inside its file
+            assert archive_problem(io.BytesIO(before + archive), len(before), len(archive)) is None
+        assert torch.equal(torch.load(io.BytesIO(archive), weights_only=True), torch.arange(8.0))
+
+
+ARCHIVES = {
+    "deflated storage": (lambda saved: _rezipped(saved, zipfile.ZIP_DEFLATED), "holds compressed records"),
+    "bytes before it": (lambda saved: b"\0" * 64 + saved, "not where its end record says"),
+    "a comment after it": (lambda saved: saved[:-2] + b"\3\0abc", "not where its end record says"),
+    "the storage listed twice": (_storage_listed_twice, "declares records of"),
+    "truncated": (lambda saved: saved[:100], "not where its end record says"),
+}
+
+
+@pytest.mark.parametrize("craft,words", ARCHIVES.values(), ids=ARCHIVES.keys())
+def test_chunk_archives_that_torch_load_would_read_past_their_bytes_are_refused(craft, words):
+    """torch.load allocates each record at the size the zip directory declares: stored records only, no larger
+    together than the chunk, in a directory that zipfile and torch's zip reader find alike."""
+    from titan.checkpoint.format import archive_problem
+
+    archive = craft(_saved(torch.zeros(2**16)[:64]))
+    assert words in archive_problem(io.BytesIO(archive), 0, len(archive))

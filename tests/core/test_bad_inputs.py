@@ -7,10 +7,12 @@ process group is joined)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -904,6 +906,34 @@ def symlinked(name: str):
     return damage
 
 
+def same_half_twice(index, folder, marker) -> None:
+    """Two chunks over the embedding's first half: their elements add up to the tensor's, its second half is in
+    none of them."""
+    entry = index["tensors"]["model.tok_embeddings.weight"]
+    half = {**entry["chunks"][0], "sizes": [entry["shape"][0] // 2, entry["shape"][1]]}
+    entry["chunks"] = [half, dict(half)]
+
+
+def inflating_chunk(index, folder, marker) -> None:
+    """The final norm's 64 floats as a view of a 2^24-float storage (64 MiB) whose record is deflated to ~64 KB."""
+    plain = io.BytesIO()
+    torch.save(torch.zeros(2**24)[:64], plain)
+    with zipfile.ZipFile(plain) as saved, zipfile.ZipFile(folder / "__0_1.distcp", "w") as packed:
+        for info in saved.infolist():
+            packed.writestr(info.filename, saved.read(info), zipfile.ZIP_DEFLATED)
+    chunk = index["tensors"]["model.norm.weight"]["chunks"][0]
+    chunk.update(file="__0_1.distcp", start=0, length=(folder / "__0_1.distcp").stat().st_size)
+
+
+def build_on_a_class(marker: Path) -> bytes:
+    """BUILD on the admitted class PosixPath, setting its is_symlink to torch.Size (whose empty call is falsy: no
+    path would read as a link for the rest of the process), then the checkpoint's true index."""
+    metadata = CheckpointReader(marker.parent / "step-2").read_metadata()
+    state = b"N}" + _text("is_symlink") + _text("torch") + _text("Size") + b"\x93s\x86"  # (None, {name: value})
+    sets = _text("pathlib") + _text("PosixPath") + b"\x93" + state + b"b0"  # BUILD, POP
+    return b"\x80\x04" + sets + pickle.dumps(metadata, protocol=2)[2:]
+
+
 def replace_index(payload):
     def damage(folder: Path, marker: Path) -> None:
         (folder / INDEX).write_bytes(payload(marker))
@@ -960,6 +990,9 @@ CRAFTED = [
      [f"{PROVEN} is a symbolic link"], None),
     ("manifest listing the next-step mark", edit_manifest(lambda files: files.update({PROVEN: files["data.json"]})),
      [f"manifest.json lists '{PROVEN}', which is not a file name of a checkpoint"], None),
+    ("chunks over the same half", edit_index(same_half_twice), ["corrupt", "overlap"], None),
+    ("chunk whose storage inflates", edit_index(inflating_chunk), ["corrupt", "compressed"], None),
+    ("BUILD on an admitted class", legacy_pickle(build_on_a_class), OLDER, ["not trusted", "pathlib.PosixPath"]),
 ]  # fmt: skip
 READERS = ("resume", "dcp-to-hf", "generate")
 

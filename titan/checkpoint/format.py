@@ -8,29 +8,35 @@ code:
 * DCP's own writer pickles its index (`.metadata`) and its reader unpickles it, so a shared checkpoint could run
   code on whoever loads it. titan writes the same index as JSON (CheckpointWriter) and turns it back into DCP's
   Metadata itself (CheckpointReader), after checking every entry against the folder: plain file names that the
-  manifest lists, byte ranges inside those files, chunks inside their tensor that add up to it. A tensor's
-  declared size is therefore bounded by the bytes on disk.
-* Each shard entry is a tensor saved with torch.save, which DCP reads with torch.load(weights_only=True).
+  manifest lists, byte ranges inside those files, chunks that tile their tensor (each element in exactly one).
+  A tensor's declared size is therefore bounded by the bytes on disk.
+* Each shard entry is a tensor saved with torch.save, which DCP reads with torch.load(weights_only=True), once
+  its zip records are known to be stored and no larger than its bytes (archive_problem).
 * DCP stores values that are not tensors as "bytes" entries and reads them with torch.load(weights_only=False),
   which runs code. titan never writes them (its state is tensors and JSON), and the JSON index cannot express one.
 
 Checkpoints of titan before this format hold the pickled `.metadata`; `titan convert upgrade` rewrites one to
-`tensors.json` once, reading the pickle through an allow-list of DCP's exact metadata classes (legacy_index).
+`tensors.json` once, reading the pickle through an allow-list of DCP's exact metadata classes, setting the state
+of no object but those it made (legacy_index).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
 import pickle
 import re
-from collections.abc import Callable
+import struct
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -240,8 +246,28 @@ def metadata_of(index: Any, sizes: dict[str, int], folder: Path) -> Metadata:
             storage[MetadataIndex(fqn, torch.Size(offsets), i)] = _StorageInfo(file, start, length)
         if elements != math.prod(shape):
             refuse(f"gives {fqn} chunks of {elements} elements in all, for a tensor of shape {shape}")
+        if not _tile(shape, [(c.offsets, c.sizes) for c in chunks]):
+            refuse(f"gives {fqn} chunks that overlap (some of its elements are in two, others in none)")
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
     return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+
+def _tile(shape: list[int], boxes: list[tuple[Sequence[int], Sequence[int]]]) -> bool:
+    """Whether the boxes (offsets, sizes) inside a tensor of `shape` hold each of its elements exactly once. A box's
+    indicator is the signed sum of the orthants at its 2^d corners (+ at an even number of far ends, - at an odd),
+    and distinct orthants are linearly independent: the boxes tile the tensor iff the signed counts of their
+    corners are the tensor's own. O(boxes x 2^d), where comparing boxes pairwise would be O(boxes^2)."""
+    counts: Counter[tuple[int, ...]] = Counter()
+
+    def add(offsets: Sequence[int], sizes: Sequence[int], sign: int) -> None:
+        for far in itertools.product((0, 1), repeat=len(sizes)):
+            corner = tuple(o + n * f for o, n, f in zip(offsets, sizes, far))
+            counts[corner] += -sign if sum(far) % 2 else sign
+
+    for offsets, sizes in boxes:
+        add(offsets, sizes, 1)
+    add([0] * len(shape), shape, -1)
+    return not any(counts.values())
 
 
 class _Counted:
@@ -300,11 +326,25 @@ class CheckpointReader(dcp.FileSystemReader):
         self.sealed, self.progress = sealed, progress
 
     def read_data(self, plan: LoadPlan, planner):
+        self._check_archives(plan)
         if self.progress is None:
             return super().read_data(plan, planner)
         size = lambda item: self.storage_data[item.storage_index].length  # noqa: E731
         with Progress(self.progress, sum(map(size, plan.items)), "B") as progress:
             return super().read_data(plan, _Counted(planner, progress, size))
+
+    def _check_archives(self, plan: LoadPlan) -> None:
+        """ConfigError unless each chunk the plan reads is an archive that torch.load reads within its bytes."""
+        chunks: dict[str, dict[tuple[int, int], str]] = {}  # {file: {(start, length): tensor}}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            chunks.setdefault(info.relative_path, {})[info.offset, info.length] = item.storage_index.fqn
+        for name, spans in chunks.items():
+            with open(Path(self.path) / name, "rb") as file:
+                for (start, length), fqn in sorted(spans.items()):
+                    problem = archive_problem(file, start, length)
+                    if problem:
+                        raise ConfigError(f"the chunk of {fqn} at bytes {start}+{length} of {name} {problem}")
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         folder = Path(self.path)
@@ -325,6 +365,93 @@ class CheckpointReader(dcp.FileSystemReader):
         return metadata
 
 
+class _ByteRange(io.RawIOBase):
+    """Bytes [start, start + length) of an open file as a file of their own: a chunk's zip directory is read
+    through it without reading the chunk."""
+
+    def __init__(self, file: BinaryIO, start: int, length: int):
+        super().__init__()
+        self._file, self._start, self.length, self._at = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        at = offset + (0, self._at, self.length)[whence]
+        if at < 0:
+            raise ValueError(f"seek to byte {at}, before the chunk")
+        self._at = at
+        return at
+
+    def readinto(self, buffer) -> int:
+        self._file.seek(self._start + self._at)
+        read = self._file.readinto(memoryview(buffer)[: max(0, self.length - self._at)])
+        self._at += read
+        return read
+
+
+def archive_problem(file: BinaryIO, start: int, length: int) -> str | None:
+    """What would make torch.load take more memory for the torch.save archive at bytes [start, start + length) of
+    `file` than those bytes, or None.
+
+    torch.load allocates each record it reads at the size the zip directory declares, and a deflated record
+    declares what it likes (a 64-float view of a 100M-float storage in 390 KB took 394 MiB): the records must be
+    stored, no larger together than the chunk. Checked, then read by torch.load rather than by titan, so that
+    torch's own weights-only unpickler still rebuilds the tensor (storage, view, dtype). zipfile reads the
+    directory it finds right before the end record, torch's zip reader (miniz) the one at the offset the end
+    record states: the archive must end with its directory and end record, so that both read the same."""
+    chunk = _ByteRange(file, start, length)
+    entries = _directory_entries(chunk)
+    if entries is None:
+        return "is not a torch.save archive (its zip directory is not where its end record says)"
+    try:
+        with zipfile.ZipFile(chunk) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        return f"is not a torch.save archive ({e})"
+    if len(records) != entries:
+        return f"is not a torch.save archive (its zip directory holds {len(records)} records, its end record {entries})"
+    if any(r.compress_type != zipfile.ZIP_STORED or r.compress_size != r.file_size for r in records):
+        return "holds compressed records (torch.save writes none; torch.load would inflate them whole)"
+    if sum(r.file_size for r in records) > chunk.length:
+        return f"declares records of {sum(r.file_size for r in records)} bytes, more than its {chunk.length}"
+    return None
+
+
+def _directory_entries(chunk: _ByteRange) -> int | None:
+    """The number of records the archive's end record (zip64's where there is one) declares, if the archive ends
+    with it (no comment) and its central directory lies right before it; else None."""
+    end = chunk.length - zipfile.sizeEndCentDir
+    try:
+        chunk.seek(end)
+        sig, *_, entries, size, offset, comment = struct.unpack(
+            zipfile.structEndArchive, chunk.read(zipfile.sizeEndCentDir)
+        )
+        if sig != zipfile.stringEndArchive or comment:
+            return None
+        chunk.seek(end - zipfile.sizeEndCentDir64Locator)
+        sig, _, record, _ = struct.unpack(
+            zipfile.structEndArchive64Locator, chunk.read(zipfile.sizeEndCentDir64Locator)
+        )
+        if sig == zipfile.stringEndArchive64Locator:  # zip64: its end record, right before the locator
+            end = end - zipfile.sizeEndCentDir64Locator - zipfile.sizeEndCentDir64
+            chunk.seek(end)
+            sig, *_, entries, size, offset = struct.unpack(
+                zipfile.structEndArchive64, chunk.read(zipfile.sizeEndCentDir64)
+            )
+            if sig != zipfile.stringEndArchive64 or record != end:
+                return None
+    except (struct.error, ValueError):  # too short for the records
+        return None
+    return entries if offset + size == end else None
+
+
 def dcp_error(e: BaseException) -> str:
     """One line for a DCP failure: the first failing rank's error, never the tracebacks DCP's text embeds."""
     failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
@@ -343,8 +470,14 @@ def _first_line(e: BaseException) -> str:
 # -- checkpoints of titan before tensors.json ----------------------------------------------------------------
 
 
-class _LegacyIndexUnpickler(pickle.Unpickler):
-    """Exactly the classes DCP's pickled index is made of; a name is looked up whole, never as a dotted path."""
+class _LegacyIndexUnpickler(pickle._Unpickler):
+    """Exactly the classes DCP's pickled index is made of; a name is looked up whole, never as a dotted path. BUILD
+    (setting an object's state) only on the index's own objects, which this pickle made: on an admitted class or
+    a shared object (an enum member) it would change that for the rest of the process (PosixPath.is_symlink, say).
+    pickle's Python unpickler, as its C one has no hook per opcode: an index is read once, by `convert upgrade`."""
+
+    _BUILT = (Metadata, TensorStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex, StorageMeta,
+              _StorageInfo)  # fmt: skip
 
     _ALLOWED = {
         *(("torch.distributed.checkpoint.metadata", name) for name in (
@@ -362,6 +495,16 @@ class _LegacyIndexUnpickler(pickle.Unpickler):
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
         return super().find_class(module, name)
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # under the state
+        if type(target) not in self._BUILT:
+            kind = target if isinstance(target, type) else type(target)
+            what = f"{kind.__module__}.{kind.__qualname__}" + ("" if kind is target else " object")
+            raise pickle.UnpicklingError(f"sets the state of {what}, which is not an object of a DCP index")
+        super().load_build()
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
 def legacy_index(folder: Path) -> dict:

@@ -449,7 +449,8 @@ def load_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
 
 def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
     """The full parameters `saved` names ({name: (shape, dtype)}), as saved."""
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
+    # Zeros, not empty: were an element ever left unread, the export would hold no stale process memory.
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
     load_tensors(path, tensors)
     return tensors
 

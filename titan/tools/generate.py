@@ -193,6 +193,8 @@ def load_model(
         model.to_empty(device=device)
         model.init_buffers()
         model.requires_grad_(False)
+        for param in model.parameters():
+            param.zero_()  # were an element ever left unread, it would not be stale process memory
         load_weights(found, model, progress)
     return Loaded(found, model.eval(), world, time.perf_counter() - start, peak)
 
