@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from titan.config import load_config
 from titan.data.order import block_documents, block_offsets
-from titan.parallel.cp import GRAD_TAG, KV_TAG, Blocks, ContextParallel, _Ring
+from titan.parallel.cp.blocks import BlockAttention, BlockKernel
+from titan.parallel.cp.ring import GRAD_TAG, KV_TAG, ContextParallel, _Ring
 from titan.rng.shards import full_tensor
 from titan.run_plan import run_plan
 from titan.train.step import StepHook
@@ -412,15 +413,15 @@ class ThreadRing:
         return tuple(results)
 
 
-def record_kernels(monkeypatch) -> list[str]:
+def record_kernels(monkeypatch) -> list[BlockKernel]:
     """The kernel of each block the ring computes from now on, forward and backward, in a list."""
-    kernels, kernel = [], Blocks.kernel
+    kernels, kernel = [], BlockAttention.kernel
 
     def recorded(self, *args):
         kernels.append(kernel(self, *args))
         return kernels[-1]
 
-    monkeypatch.setattr(Blocks, "kernel", recorded)
+    monkeypatch.setattr(BlockAttention, "kernel", recorded)
     return kernels
 
 

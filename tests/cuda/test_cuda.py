@@ -16,7 +16,8 @@ import torch.distributed as dist
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from helpers import straight_and_resumed
 from titan.config import load_config
-from titan.models.llama.model import attend_flex, attend_per_document, document_mask, flex_length
+from titan.models.llama.model import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
+from titan.parallel.cp.blocks import BlockKernel
 from titan.train.trainer import Trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -47,9 +48,9 @@ def test_flex_attention_with_document_masks_matches_per_document_sdpa_forward_an
         q = torch.randn(1, 8, seq, 64, device="cuda", generator=generator, requires_grad=True)
         k, v = (torch.randn(1, 2, seq, 64, device="cuda", generator=generator, requires_grad=True) for _ in "kv")
         grad = torch.randn(1, 8, seq, 64, device="cuda", generator=generator)
-        flex = attend_flex(q, k, v, document_mask(ids, flex=True, dense=False))
+        flex = attend_flex(q, k, v, document_mask(ids, MaskForm.FLEX))
         flex_grads = torch.autograd.grad(flex, (q, k, v), grad)
-        reference = attend_per_document(q, k, v, document_mask(ids, flex=False, dense=False))
+        reference = attend_per_document(q, k, v, document_mask(ids, MaskForm.SPANS))
         reference_grads = torch.autograd.grad(reference, (q, k, v), grad)
         errors = [(a - b).abs().max().item() for a, b in zip((flex, *flex_grads), (reference, *reference_grads))]
         print(f"seq {seq}: max |flex - SDPA| of out, dq, dk, dv: {errors}")
@@ -240,7 +241,7 @@ def test_inductor_compiles_a_triton_kernel():
 
 # -- context parallelism's ring on torch's fused attention kernels
 
-FUSED = {torch.bfloat16: "flash", torch.float32: "efficient"}
+FUSED = {torch.bfloat16: BlockKernel.FLASH, torch.float32: BlockKernel.EFFICIENT}
 # To confirm on the first GPU run, relative to the largest value of each (|out| ~3, gradients ~5). bf16: the inputs
 # are the reference's exactly; the kernels round each block's output (and flash its probabilities) to bf16, 2^-9
 # relative each, a few times over: 2e-2 is ~5x that. fp32: the memory-efficient kernel keeps fp32 throughout, as the
@@ -251,13 +252,15 @@ FUSED_RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 @pytest.mark.parametrize("dtype", list(FUSED), ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["causal", "full"])
 def test_the_rings_fused_block_kernels_give_the_explicit_output_log_sum_exp_and_gradients(dtype, kind):
-    from titan.parallel.cp import Blocks, PairMask, RingMask
+    from titan.parallel.cp.blocks import BlockAttention
+    from titan.parallel.cp.masks import PairKind, PairMask, RingMask
 
     gen = torch.Generator("cuda").manual_seed(0)
     # 40 queries: not a whole number of the memory-efficient kernel's 32-query tiles of log-sum-exp.
     q, k, v, grad = (torch.randn(2, 4, 40, 16, device="cuda", generator=gen).to(dtype) for _ in range(4))
-    fused, explicit = (Blocks(None, RingMask({(0, 0): PairMask(kind)}), None, None, 1, 16**-0.5) for _ in range(2))
-    explicit.kernel = lambda *args: "explicit"
+    pairs = {(0, 0): PairMask(PairKind(kind))}
+    fused, explicit = (BlockAttention(None, RingMask(pairs), None, None, 1, 16**-0.5) for _ in range(2))
+    explicit.kernel = lambda *args: BlockKernel.EXPLICIT
     assert fused.kernel(q, k, kind == "causal") == FUSED[dtype]
     out, lse = explicit.forward(0, 0, q, k, v)
     results = {}

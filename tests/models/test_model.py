@@ -7,7 +7,14 @@ import torch
 
 from titan import models
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.model import attend_flex, attend_per_document, document_mask, document_positions, flex_length
+from titan.models.llama.model import (
+    MaskForm,
+    attend_flex,
+    attend_per_document,
+    document_mask,
+    document_positions,
+    flex_length,
+)
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -174,14 +181,14 @@ def test_document_masking_gives_each_document_the_loss_it_has_alone(path):
 def test_document_mask_never_lets_a_token_attend_across_a_boundary():
     model = _small_model()
     _, tokens, positions, ids = _packed([5, 9, 3])
-    mask = document_mask(ids, flex=False, dense=True)[0, 0]
+    mask = document_mask(ids, MaskForm.DENSE)[0, 0]
     for q in range(17):
         for k in range(17):
             assert bool(mask[q, k]) == (k <= q and int(ids[0, q]) == int(ids[0, k])), (q, k)
     # The CPU's per-document path attends within these spans only; padding added after them changes nothing.
-    assert document_mask(ids, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2)]]
+    assert document_mask(ids, MaskForm.SPANS) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2)]]
     padded = torch.cat([ids, torch.full((1, 4), -1)], dim=1)
-    assert document_mask(padded, flex=False, dense=False) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2), (17, 21, -1)]]
+    assert document_mask(padded, MaskForm.SPANS) == [[(0, 5, 0), (5, 14, 1), (14, 17, 2), (17, 21, -1)]]
     with_padding = model(torch.cat([tokens, torch.zeros(1, 4, dtype=tokens.dtype)], dim=1), None, padded)
     torch.testing.assert_close(with_padding[:, :17], model(tokens, None, ids), rtol=0, atol=1e-6)
     # Changing one document leaves every other document's logits unchanged.
@@ -210,7 +217,7 @@ def test_flex_attention_padded_to_its_length_bucket_equals_attention_per_documen
     ids = torch.searchsorted(lengths, torch.arange(seq), right=True)[None]  # documents of 1 to 59 tokens
     q = torch.randn(1, 4, seq, 16, generator=generator)
     k, v = (torch.randn(1, 2, seq, 16, generator=generator) for _ in range(2))
-    flex = attend_flex(q, k, v, document_mask(ids, flex=True, dense=False), attention=flex_attention)
-    per_document = attend_per_document(q, k, v, document_mask(ids, flex=False, dense=False))
+    flex = attend_flex(q, k, v, document_mask(ids, MaskForm.FLEX), attention=flex_attention)
+    per_document = attend_per_document(q, k, v, document_mask(ids, MaskForm.SPANS))
     assert flex.shape == per_document.shape
     torch.testing.assert_close(flex, per_document, rtol=1e-5, atol=1e-5)

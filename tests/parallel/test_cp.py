@@ -32,7 +32,9 @@ from helpers import (
 )
 from titan import rng
 from titan.config import load_config
-from titan.parallel.cp import Blocks, ContextParallel, PairMask, RingMask
+from titan.parallel.cp.blocks import BlockAttention, BlockKernel
+from titan.parallel.cp.masks import PairKind, PairMask, RingMask
+from titan.parallel.cp.ring import ContextParallel
 from titan.run_plan import run_plan
 from titan.train.trainer import Trainer
 
@@ -101,7 +103,7 @@ def test_ring_attention_matches_full_attention_forward_and_backward(cp, document
         assert pairs == [2 * cp + 1] * cp
     else:  # documents that never meet across chunks skip more, and pairs where they meet in part run by document
         assert sum(pairs) < cp * (2 * cp + 1)
-        assert all("spans" in kinds for _, _, kinds in results)
+        assert all(PairKind.SPANS in kinds for _, _, kinds in results)
 
 
 @pytest.mark.distributed
@@ -125,16 +127,16 @@ def test_a_ring_of_threads_matches_full_attention(cp, documents, monkeypatch):
     expected_grads = torch.autograd.grad(expected, whole, weights)
     diffs = [(a - b).abs().max().item() for a, b in zip(ring, (expected, *expected_grads))]
     assert max(diffs) < RING_ATOL, diffs
-    assert set(kernels) == {"cpu_flash"}  # without dropout, every block on the CPU's flash kernels
+    assert set(kernels) == {BlockKernel.CPU_FLASH}  # without dropout, every block on the CPU's flash kernels
 
 
 def test_each_block_runs_on_the_cpus_flash_kernel_unless_dropout_needs_its_probabilities():
     q = torch.zeros(1, 2, 4, 16)
-    blocks = lambda dropout: Blocks(None, RingMask({}), None, dropout, 1, 0.25)  # noqa: E731
-    assert blocks(None).kernel(q, q, True) == blocks(None).kernel(q, q, False) == "cpu_flash"
-    assert blocks(rng.Dropout(0.1)).kernel(q, q, True) == "explicit"
+    blocks = lambda dropout: BlockAttention(None, RingMask({}), None, dropout, 1, 0.25)  # noqa: E731
+    assert blocks(None).kernel(q, q, True) == blocks(None).kernel(q, q, False) == BlockKernel.CPU_FLASH
+    assert blocks(rng.Dropout(0.1)).kernel(q, q, True) == BlockKernel.EXPLICIT
     meta = q.to("meta")  # neither CPU nor CUDA
-    assert blocks(None).kernel(meta, meta, True) == "explicit"
+    assert blocks(None).kernel(meta, meta, True) == BlockKernel.EXPLICIT
 
 
 @pytest.mark.parametrize("kernel,dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])
@@ -142,8 +144,8 @@ def test_each_block_runs_on_the_cpus_flash_kernel_unless_dropout_needs_its_proba
 def test_the_cuda_kernels_take_the_rings_arguments_on_meta_tensors(kernel, dtype, kind):
     """CUDA's fused kernels cannot run here, but their meta versions (shapes only) check the same arguments: the ring
     calls them as torch defines them and gets the shapes its merge needs (tests/cuda/test_cuda.py checks the values)."""
-    blocks = Blocks(None, RingMask({(0, 0): PairMask(kind)}), None, None, 2, 0.25)
-    blocks.kernel = lambda *args: kernel
+    blocks = BlockAttention(None, RingMask({(0, 0): PairMask(PairKind(kind))}), None, None, 2, 0.25)
+    blocks.kernel = lambda *args: BlockKernel(kernel)
     # 40 queries: not a whole number of the memory-efficient kernel's tiles of log-sum-exp.
     q, k = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype), torch.empty(2, 2, 40, 16, device="meta", dtype=dtype)
     out, lse = blocks.forward(0, 0, q, k, k)

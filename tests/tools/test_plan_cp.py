@@ -13,7 +13,7 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import load_config
 from titan.parallel import ac
-from titan.parallel.cp import apply_context_parallel
+from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import build_model_parts, model_blocks
 from titan.run_plan import run_plan

@@ -18,7 +18,7 @@ a candidate, so the cost-balanced assignment is never predicted slower than it. 
 deterministic: every rank computes the same assignment from the same lengths.
 
 With context parallelism (`Target.cp` > 1) the ranks come in cp groups, one per data-parallel rank. A ring
-micro-batch is one row of up to cp x capacity tokens split over a group (titan/parallel/cp.py): each of its ranks
+micro-batch is one row of up to cp x capacity tokens split over a group (titan/parallel/cp/): each of its ranks
 does the linear work of its chunks and the attention of their queries while keys and values go round
 (ring_time). Without placement (static CP, what titan does without it) every micro-batch is a ring. Placement,
 after Hydraulis, gives long documents more parallelism and short ones less: a document longer than one rank's

@@ -38,7 +38,7 @@ class Model(Protocol):
     has them) with these besides."""
 
     args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
-    # Context parallelism's slot (titan/parallel/cp.py installs its ring in it, on the model and on every module of it
+    # Context parallelism's slot (titan/parallel/cp/ring.py puts its ring in it, on the model and on every module of it
     # with the slot): the model reads `positions` (this rank's positions of each row) and `mask(document_ids)`, and
     # its attention modules call `attend(q, k, v, mask, rows, dropout)` when `is_ring(mask)`. None: the model holds
     # whole sequences, as it does under it for a micro-batch called with local=True.

@@ -18,7 +18,7 @@ from titan.errors import ConfigError
 from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
-from titan.parallel.cp import apply_context_parallel
+from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.fsdp import apply_fsdp
 from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
 

@@ -98,7 +98,7 @@ class Dropout(torch.nn.Module):
     def __init__(self, p: float):
         super().__init__()
         self.p, self.stream, self.seed = p, "", 0
-        # Under context parallelism (set by titan/parallel/cp.py): (the sequence's length, the positions along dim
+        # Under context parallelism (set by titan/parallel/cp/ring.py): (the sequence's length, the positions along dim
         # 1 that this rank holds), as its chunks of the sequence are not one slice that a placement could describe.
         self.sequence: tuple[int, Tensor] | None = None
 

@@ -22,7 +22,7 @@ import torch
 from titan.data.packing import CostModel
 from titan.files import cache_root
 from titan.observe.profiling import DeviceTimer
-from titan.parallel.cp import ring_hop
+from titan.parallel.cp.ring import ring_hop
 
 log = logging.getLogger("titan")
 
@@ -152,7 +152,7 @@ def _describe(record: dict) -> str:
 
 
 def ring_bytes_per_token(kv_dim: int, n_layers: int, dtype_bytes: int) -> int:
-    """Bytes one ring hop carries per token of the block it passes on (titan/parallel/cp.py), over all layers:
+    """Bytes one ring hop carries per token of the block it passes on (titan/parallel/cp/ring.py), over all layers:
     forward, the block's keys and values; backward, them again and their gradients (float32). The cost model's
     ring term r is these bytes over the cp link's bandwidth (ring_bytes_per_second): timing one process cannot see
     the link, so r is derived, not fitted."""

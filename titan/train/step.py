@@ -19,7 +19,7 @@ from titan.config import Config
 from titan.data import IGNORE, Batch
 from titan.observe.profiling import StepClock
 from titan.optim import FiniteFlags, clip_grad_norm_, skip_if_nonfinite
-from titan.parallel.cp import all_reduce_gradients
+from titan.parallel.cp.ring import all_reduce_gradients
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.float8 import precomputes_scales
 from titan.parallel.parallelize import ModelParts

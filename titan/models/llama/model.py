@@ -7,6 +7,7 @@ Build it on the meta device, move it with `to_empty`, then call `init_weights` (
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass
@@ -142,18 +143,26 @@ def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
     return out[:, :, :seq]
 
 
-def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.Tensor | BlockMask | list:
+class MaskForm(enum.Enum):
+    """The form of a document mask (see document_mask)."""
+
+    FLEX = "flex"  # a flex attention block mask (GPUs)
+    DENSE = "dense"  # a boolean (batch, 1, seq, seq) mask
+    SPANS = "spans"  # each row's document spans, attended one document at a time
+
+
+def document_mask(document_ids: torch.Tensor, form: MaskForm) -> torch.Tensor | BlockMask | list:
     """Where a query may attend to a key: earlier or same position, same document.
 
-    On GPUs a flex attention block mask, whose kernel skips the blocks that are all masked, for flex_length(seq)
-    tokens: each padding token is a document of its own, so it attends to itself alone and no real token sees it,
-    and the padding's blocks off the diagonal are skipped. When `dense` (attention dropout materialises the
-    probabilities; compiled blocks) a boolean (batch, 1, seq, seq) mask. Otherwise (the CPU, where flex attention
-    has no backward in torch 2.13) each row's document spans [(start, stop, id)], attended one document at a time:
-    a document of s tokens then costs s² rather than the row's seq², which is what cost-balanced packing
+    FLEX (on GPUs): a flex attention block mask, whose kernel skips the blocks that are all masked, for
+    flex_length(seq) tokens: each padding token is a document of its own, so it attends to itself alone and no real
+    token sees it, and the padding's blocks off the diagonal are skipped. DENSE (attention dropout materialises the
+    probabilities; compiled blocks): a boolean (batch, 1, seq, seq) mask. SPANS (the CPU, where flex attention has
+    no backward in torch 2.13): each row's document spans [(start, stop, id)], attended one document at a time: a
+    document of s tokens then costs s² rather than the row's seq², which is what cost-balanced packing
     (titan/data/packing.py) assumes."""
     batch, seq = document_ids.shape
-    if flex:
+    if form is MaskForm.FLEX:
         length = flex_length(seq)
         padding = -1 - torch.arange(length - seq, device=document_ids.device)  # ids no real document has
         ids = torch.cat([document_ids, padding.expand(batch, -1)], dim=1)
@@ -162,7 +171,7 @@ def document_mask(document_ids: torch.Tensor, flex: bool, dense: bool) -> torch.
             return (q >= kv) & (ids[b, q] == ids[b, kv])
 
         return create_block_mask(same_document_causal, batch, None, length, length, device=document_ids.device)
-    if dense:
+    if form is MaskForm.DENSE:
         causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
         return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
     spans = []
@@ -248,7 +257,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # Context parallelism installs its ring here (titan/parallel/cp.py): attend(q, k, v, mask, rows, dropout).
+        # Context parallelism installs its ring here (titan/parallel/cp/ring.py): attend(q, k, v, mask, rows, dropout).
         self.context_parallel = None
 
     def forward(
@@ -346,7 +355,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args), persistent=False)
-        # Context parallelism's view of the sequence (titan/parallel/cp.py): `positions`, the positions of each row
+        # Context parallelism's view of the sequence (titan/parallel/cp/ring.py): `positions`, the positions of each row
         # that this rank's tokens hold, and mask(document_ids), what its attention's ring needs of the documents.
         self.context_parallel = None
         for name, module in self.named_modules():
@@ -403,8 +412,11 @@ class Transformer(nn.Module):
         else:
             rope = self.rope[document_positions(document_ids)]
             explicit = self.training and self.args.attn_dropout > 0  # dropout on the probabilities needs them all
-            flex = tokens.is_cuda and not explicit
-            mask = document_mask(document_ids, flex, dense=explicit or self.traceable)
+            if tokens.is_cuda and not explicit:
+                form = MaskForm.FLEX
+            else:
+                form = MaskForm.DENSE if explicit or self.traceable else MaskForm.SPANS
+            mask = document_mask(document_ids, form)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, rope, rows, mask, None if cache is None else cache[i])

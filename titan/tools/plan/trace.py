@@ -27,7 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.optim import build_lr_scheduler, build_optimizer, ensure_adamw_state
-from titan.parallel.cp import apply_context_parallel
+from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
