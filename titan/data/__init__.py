@@ -22,6 +22,7 @@ __all__ = [
     "build_loaders",
     "document_pieces",
     "open_prepared",
+    "prepared_record",
     "validation_source",
 ]
 log = logging.getLogger("titan")
@@ -46,6 +47,28 @@ def split(config: Config, documents) -> tuple[Split, Split]:
     reads a source of its own."""
     v = config.validation
     return hold_out(documents, v.fraction if not v.source else 0.0)
+
+
+def prepared_record(config: Config) -> dict:
+    """What a checkpoint records of the documents the run reads, checked on resume like the recipe's math keys
+    (config.PREPARED_KEYS): each training source's prepared tokens, by their key (which hashes the source's
+    contents and the tokenizer) and document count, so a source whose files changed or grew behind the same path
+    differs; and, when validation runs, its held-out split: the fraction of each training source, or the prepared
+    tokens of its own source."""
+    record = {"data.prepared": [_prepared_identity(config, source) for source in config.data.source_list()]}
+    v = config.validation
+    if v.interval:
+        own = validation_source(config)
+        record["validation.prepared"] = {
+            "fraction": 0.0 if own else v.fraction,
+            "source": _prepared_identity(config, own) if own else None,
+        }
+    return record
+
+
+def _prepared_identity(config: Config, source: DataSource) -> dict:
+    documents = open_prepared(config, source)
+    return {"source": source.source, "key": documents.fingerprint, "documents": documents.n_documents}
 
 
 def build_loaders(
