@@ -88,20 +88,19 @@ def memory() -> dict:
 
 def measure(folder: Path, seq_len: int, global_batch: int, ranks: int, fraction: float, restore_at: int) -> dict:
     from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples
-    from titan.data.order import held_out
+    from titan.data.order import ORDER_VERSION, hold_out
     from titan.data.prepared import PreparedDocuments
 
     imported = memory()
     start = time.perf_counter()
     documents = PreparedDocuments(folder)
-    validation = held_out(len(documents.block_offsets) - 1, fraction)
-    samples = PackedSamples(documents, np.flatnonzero(~validation), seq_len, 0, True)
+    samples = PackedSamples(documents, hold_out(documents, fraction)[0], seq_len, 0, True)
     rows = global_batch // ranks  # rank 0's rows, in one micro-batch
     loader = GlobalBatchLoader([samples], Blend([1.0]), global_batch, range(rows), [rows], True)
     next(loader)
     started = time.perf_counter() - start
     start = time.perf_counter()
-    loader.load_state_dict({"next_sample": restore_at, "order": 2})
+    loader.load_state_dict({"next_sample": restore_at, "order": ORDER_VERSION})
     next(loader)
     restored = time.perf_counter() - start
     return {

@@ -124,7 +124,7 @@ class Validation:
     interval: int = 0  # evaluate every N steps (and at the end); 0 disables validation
     steps: int = 4  # global batches per evaluation (the same batches every time)
     # Held-out documents: this fraction of every training source, chosen by a hash of the document's index
-    # (the same split for every seed), or a separate source when `source` is set.
+    # (the same split for every seed, and for a source that grows), or a separate source when `source` is set.
     fraction: float = 0.05
     source: str = ""  # a separate source of validation documents; "" = hold out `fraction` of the training ones
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
@@ -294,8 +294,9 @@ class Checkpoint:
     load_step: int = -1  # with resume = auto: this step instead of the newest
     load_only: list[str] = field(default_factory=list)  # e.g. ["model"]: weights only, a fresh optimizer and data
     async_save: bool = False  # overlap writing with training
-    # On resume, the recipe keys that change the math (see MATH_KEYS) must equal the checkpoint's; list the
-    # ones meant to change, e.g. ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
+    # On resume, the recipe keys that change the math or the tokens (see MATH_KEYS), and the prepared data
+    # (data.prepared, validation.prepared), must equal the checkpoint's; list the ones meant to change, e.g.
+    # ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
     allow_changes: list[str] = field(default_factory=list)
     verify: bool = True  # check every file against the checkpoint's SHA-256 manifest before loading
     # Start from a HF Llama checkpoint folder (config.json + *.safetensors) when not resuming.
@@ -668,14 +669,23 @@ def validate(config: Config, world_size: int) -> None:
         0 <= v.fraction < 1,
         f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}",
     )
+    for i, source in enumerate(d.source_list()):
+        key = f"data.sources[{i}].source" if d.sources else "data.source"
+        require(
+            not _same_documents(v, source),
+            f"validation.source {v.source!r} reads the documents that {key} {source.source!r} trains on, so "
+            "validation would measure memorisation; name a source of held-out documents, or leave validation.source "
+            "empty to hold out validation.fraction of the training documents",
+        )
     require(t.max_skipped_steps >= 1, f"training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
-    unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in MATH_KEYS)]
+    checked = MATH_KEYS + PREPARED_KEYS
+    unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in checked)]
     require(
         not unknown,
         f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: "
-        f"{', '.join(MATH_KEYS)}",
+        f"{', '.join(checked)}",
     )
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
@@ -767,6 +777,19 @@ def validate(config: Config, world_size: int) -> None:
         )
 
 
+def _same_documents(v: Validation, source: DataSource) -> bool:
+    """Whether validation.source names a training source's documents: the same local file or folder (or titan
+    corpus), whatever the split, or the same split and revision of the same hub dataset."""
+    if not v.source:
+        return False
+    mine, theirs = Path(v.source).expanduser(), Path(source.source).expanduser()
+    if mine.exists() and theirs.exists():
+        return mine.resolve() == theirs.resolve()
+    if v.source.startswith("titan:"):  # a local file titan fetches: one split
+        return v.source == source.source
+    return (v.source, v.split, v.revision, "") == (source.source, source.split, source.revision, source.subset)
+
+
 def degrees_world_size(p: Parallel) -> int:
     """The world the recipe's parallel degrees make by themselves; dp_shard = -1 (whatever is left) counts as 1."""
     return p.dp_replicate * abs(p.dp_shard) * p.cp * p.tp * p.pp
@@ -821,17 +844,24 @@ class Layout:
         return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items() if v != 1) or "single"
 
 
-# The recipe keys that change what a resumed run computes: a resume checks them against the checkpoint's.
-# training.global_batch is the global batch in rows, whatever global_batch_size and the layout say.
+# The recipe keys that change what a resumed run computes, or which tokens it trains or validates on: a resume
+# checks them against the checkpoint's. training.global_batch is the global batch in rows, whatever
+# global_batch_size and the layout say.
 MATH_KEYS = (
     "job.seed",
     "model.name",
     "model.flavor",
     "model.overrides",
     "tokenizer.path",
+    "tokenizer.bos_token",
+    "tokenizer.eos_token",
     "data.source",
     "data.sources",
+    "data.format",
     "data.text_field",
+    "data.split",
+    "data.subset",
+    "data.revision",
     "data.shuffle",
     "data.document_mask",
     "data.batching",
@@ -841,6 +871,13 @@ MATH_KEYS = (
     "training.steps",
     "training.max_grad_norm",
     "training.mixed_precision",
+    "validation.fraction",
+    "validation.source",
+    "validation.format",
+    "validation.text_field",
+    "validation.split",
+    "validation.revision",
+    "validation.steps",
     "optimizer.name",
     "optimizer.lr",
     "optimizer.beta1",
@@ -853,7 +890,12 @@ MATH_KEYS = (
     "lr_scheduler.wsd_decay_ratio",
     "float8.enable",
     "float8.recipe",
+    "float8.skip",
 )
+# What a checkpoint records of the data the run read (titan.data.prepared_record), checked on resume like
+# MATH_KEYS: each source's prepared tokens (a source whose files changed or grew behind the same path, or another
+# tokenizer, has others) and validation's held-out split.
+PREPARED_KEYS = ("data.prepared", "validation.prepared")
 
 
 def math_values(config: Config, global_batch: int) -> dict[str, Any]:

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
-from helpers import SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints
-from titan.checkpoint.format import verify
+from helpers import SAVED, SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
+from titan.checkpoint.checkpointer import Checkpointer, changed_keys, complete_checkpoints
+from titan.checkpoint.format import seal, verify
+from titan.config import load_config, math_values
+from titan.errors import ConfigError
 from titan.optim import FiniteFlags
 from titan.train.step import StepHook
 from titan.train.stop import NonFinite
@@ -254,6 +256,72 @@ def test_a_finished_run_says_so_and_exits_0(tmp_path):
     assert done.returncode == again.returncode == 0, again.stderr
     assert "already at step 2 of training.steps 2: nothing to train" in again.stderr
     assert sorted(checkpoints(tmp_path)) == [2]
+
+
+def test_every_key_that_changes_which_tokens_train_or_validate_is_checked_on_resume():
+    base = math_values(load_config(DEBUG_RECIPE), 8)
+    changes = {
+        "validation.fraction": "0.1",
+        "validation.source": "data/held_out.jsonl",
+        "validation.format": "json",
+        "validation.text_field": "body",
+        "validation.split": "test",
+        "validation.revision": "main",
+        "validation.steps": "8",
+        "tokenizer.bos_token": "<|end_of_text|>",
+        "tokenizer.eos_token": "<|begin_of_text|>",
+        "data.format": "json",
+        "data.split": "test",
+        "data.subset": "en",
+        "data.revision": "main",
+        "float8.skip": "output,w2",
+    }
+    for key, value in changes.items():
+        refused, _ = changed_keys(base, math_values(load_config(DEBUG_RECIPE, [f"--{key}", value]), 8), [])
+        assert [change.split(" ")[0] for change in refused] == [key]
+
+
+def grown(corpus) -> None:
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "One more story, appended after the run began."}) + "\n")
+
+
+def test_a_source_that_grew_behind_the_same_path_is_refused_and_resumes_with_allow_changes(tmp_path, capsys):
+    corpus = tmp_path / "stories.jsonl"
+    shutil.copy(ROOT / "data" / "stories.jsonl", corpus)
+    run = {**SAVED, "data.source": str(corpus)}
+    trainer_for(tmp_path, **run).train()
+    grown(corpus)
+    with pytest.raises(ConfigError) as refused:
+        trainer_for(tmp_path, **run)
+    message = str(refused.value)
+    assert "data.prepared" in message and "\n" not in message
+    assert "'documents': 2600" in message and "'documents': 2601" in message
+    assert "--checkpoint.allow_changes data.prepared" in message
+    capsys.readouterr()
+    resumed = trainer_for(tmp_path, **run, **{"checkpoint.allow_changes": "data.prepared"})
+    assert resumed.step == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "allow_changes" in line]
+    assert "data.prepared" in line and "'documents': 2601" in line
+
+
+def test_a_checkpoint_without_the_data_record_resumes_with_one_warning(tmp_path, capsys):
+    """A checkpoint of a titan that recorded neither the prepared data nor the validation keys: nothing to compare
+    them with, so the run resumes and says once what it could not check."""
+    trainer_for(tmp_path, **SAVED).train()
+    (path,) = checkpoints(tmp_path).values()
+    state = json.loads((path / "train_state.json").read_text())
+    for key in ("data.prepared", "validation.fraction", "validation.source"):
+        state["math"].pop(key, None)
+    (path / "train_state.json").write_text(json.dumps(state))
+    (path / "manifest.json").unlink()
+    (path / "COMPLETE").unlink()
+    seal(path)
+    capsys.readouterr()
+    resumed = trainer_for(tmp_path, **SAVED, **{"validation.fraction": "0.1"})
+    assert resumed.step == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "older titan" in line]
+    assert "validation.fraction" in line and "data.prepared" in line and "not checked" in line
 
 
 # -- rewinding and replacing

@@ -709,6 +709,38 @@ CASES = [
         {},
         ["step", "nan", "lower learning rate"],
     ),  # fmt: skip
+    (
+        "validation source is the training source",
+        "show",
+        ["--data.source", "data/stories.jsonl", "--validation.source", "./data/stories.jsonl"],
+        None,
+        {},
+        ["validation.source", "./data/stories.jsonl", "data.source", "trains on"],
+    ),  # fmt: skip
+    (
+        "changed validation fraction",
+        "train",
+        {},
+        resume_saved(**{"validation.fraction": "0.1"}),
+        {},
+        ["validation.fraction 0.05 -> 0.1", "--checkpoint.allow_changes validation.fraction"],
+    ),  # fmt: skip
+    (
+        "changed data format",
+        "train",
+        {},
+        resume_saved(**{"data.format": "json"}),
+        {},
+        ["data.format 'auto' -> 'json'", "--checkpoint.allow_changes data.format"],
+    ),  # fmt: skip
+    (
+        "changed float8 skip",
+        "train",
+        {},
+        resume_saved(**{"float8.skip": "output,w2"}),
+        {},
+        ["float8.skip ['output'] -> ['output', 'w2']"],
+    ),  # fmt: skip
 ]
 
 

@@ -10,9 +10,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from conftest import ROOT
+import titan.data
+from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from helpers import numbered_documents
 from titan.balance import micro_batch_sizes
+from titan.config import load_config
 from titan.data import order
 from titan.data.document_batches import DocumentBatchLoader, DocumentPieces, Placement
 from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples
@@ -25,20 +27,24 @@ SEQ = 15  # windows of 16 tokens
 @pytest.fixture
 def small_blocks(monkeypatch):
     """The order's limits scaled down, so a corpus of a few thousand documents takes the path of billions:
-    at most 64 blocks of several documents, shuffled within windows of 3 blocks."""
+    at most 64 blocks of several documents, shuffled within windows of 3 blocks, validation holding out runs of 4
+    documents past the first 64."""
     monkeypatch.setattr(order, "MAX_BLOCKS", 64)
     monkeypatch.setattr(order, "WINDOW_DOCUMENTS", 256)
+    monkeypatch.setattr(order, "HOLD_OUT_RUN", 4)
 
 
 def split(docs, fraction=0.1):
-    """(training blocks, held-out blocks) as titan.data.build_loaders makes them."""
-    held = order.held_out(len(docs.block_offsets) - 1, fraction)
-    return np.flatnonzero(~held), np.flatnonzero(held)
+    """(training, held-out) splits as titan.data.build_loaders makes them."""
+    return order.hold_out(docs, fraction)
 
 
-def documents_of(docs, blocks) -> set[int]:
+def documents_of(docs, split) -> set[int]:
+    """The documents of a split, or of every block of a list of block ids."""
+    split = split if isinstance(split, order.Split) else order.whole_blocks(docs, split)
     per = docs.block_documents
-    return {d for b in blocks for d in range(b * per, min((b + 1) * per, docs.n_documents))}
+    every = [d for b in split.blocks for d in range(b * per, min((b + 1) * per, docs.n_documents))]
+    return set(split.keep(np.array(every, dtype=np.int64)).tolist())
 
 
 def epoch_documents(samples: PackedSamples, epoch: int) -> tuple[list[int], np.ndarray]:
@@ -64,7 +70,7 @@ def test_each_epoch_reads_every_training_document_once_and_no_held_out_one(block
     docs = numbered_documents(3000, max_len=12)
     assert (docs.block_documents > 1) == (blocks == "several_documents")
     train, held = split(docs)
-    assert len(held) and len(train)
+    assert len(held.blocks) and len(train.blocks)
     samples = PackedSamples(docs, train, SEQ, seed=5, shuffle=True)
     expected = documents_of(docs, train)
     orders = []
@@ -87,7 +93,7 @@ def test_a_small_corpus_keeps_a_full_shuffle_of_its_documents():
     train, _ = split(docs)
     samples = PackedSamples(docs, train, SEQ, seed=3, shuffle=True, stream=2)
     for epoch in range(2):
-        brute = train[np.random.default_rng([3, 2, epoch]).permutation(len(train))]
+        brute = train.blocks[np.random.default_rng([3, 2, epoch]).permutation(len(train.blocks))]
         read, _ = epoch_documents(samples, epoch)
         assert read == brute[: len(read)].tolist()
 
@@ -102,13 +108,31 @@ def test_blocks_are_mixed_within_windows_not_read_in_stored_order(small_blocks):
     assert unshuffled == list(range(len(unshuffled))) and len(unshuffled) >= docs.n_documents - 2
 
 
-def test_validation_holds_out_whole_blocks(small_blocks):
+def test_validation_holds_out_documents_that_training_never_reads(small_blocks):
     docs = numbered_documents(3000, max_len=12)
     train, held = split(docs, fraction=0.2)
     assert documents_of(docs, train).isdisjoint(documents_of(docs, held))
     assert len(documents_of(docs, train) | documents_of(docs, held)) == docs.n_documents
     validation = PackedSamples(docs, held, SEQ, 0, False)
     assert set(epoch_documents(validation, 0)[0]) <= documents_of(docs, held)
+
+
+@pytest.mark.parametrize("n", [65, 301, 3000])
+@pytest.mark.parametrize("run", [4, 5])
+def test_a_splits_block_counts_are_those_of_its_documents(small_blocks, monkeypatch, n, run):
+    """Each block's documents and tokens on either side, worked out from the held-out ranges' ends, against a
+    count of the documents held_out picks one by one (runs of 5 straddle the first 64 documents' end)."""
+    monkeypatch.setattr(order, "HOLD_OUT_RUN", run)
+    docs = numbered_documents(n, max_len=12)
+    held = order.held_out(n, 0.3)
+    block = np.arange(n) // docs.block_documents
+    for split, side in zip(order.hold_out(docs, 0.3), (False, True)):
+        counts = np.bincount(block[held == side], minlength=len(docs.block_offsets) - 1)
+        tokens = np.bincount(block[held == side], docs.lengths[held == side], minlength=len(counts))
+        assert split.blocks.tolist() == np.flatnonzero(counts).tolist()
+        assert split.counts.tolist() == counts[split.blocks].tolist()
+        assert split.tokens.tolist() == tokens[split.blocks].tolist()
+        assert documents_of(docs, split) == set(np.flatnonzero(held == side).tolist())
 
 
 def test_samples_read_in_any_order_by_fresh_readers_are_the_same(small_blocks):
@@ -240,7 +264,7 @@ def test_a_ranks_memory_does_not_grow_with_the_number_of_documents(tmp_path):
 
         tracemalloc.start()
         documents = PreparedDocuments(folder)
-        train = np.flatnonzero(~order.held_out(len(documents.block_offsets) - 1, 0.01))
+        train = order.hold_out(documents, 0.01)[0]
         loader = GlobalBatchLoader(
             [PackedSamples(documents, train, 2047, 0, True)], Blend([1.0]), 64, range(8), [8], True
         )
@@ -252,3 +276,56 @@ def test_a_ranks_memory_does_not_grow_with_the_number_of_documents(tmp_path):
         del loader, documents
     assert peaks[10**7] < 1.25 * peaks[2 * 10**6], peaks
     assert peaks[10**7] < 0.5 * 24 * 10**7, peaks
+
+
+def split_by_build_loaders(documents, monkeypatch, tmp_path) -> tuple[set[int], set[int]]:
+    """(training, validation) documents of a source as titan.data.build_loaders splits it."""
+    overrides = tiny_overrides(tmp_path, **{"validation.interval": "1", "training.seq_len": "15"})
+    monkeypatch.setattr(titan.data, "open_prepared", lambda config, source: documents)
+    loaders = titan.data.build_loaders(load_config(DEBUG_RECIPE, overrides), 4, range(4), [4])
+    read = lambda loader: {int(d) for docs, _ in loader.sources[0].order.windows(0) for d in docs}  # noqa: E731
+    return read(loaders[0]), read(loaders[1])
+
+
+@pytest.mark.parametrize("n", [64, 64 * 40], ids=["one_document_per_block", "several_documents_per_block"])
+def test_appending_a_document_keeps_every_old_document_on_its_side_of_the_split(small_blocks, monkeypatch, tmp_path, n):
+    """A source that grows by one document: at 64 (here MAX_BLOCKS) documents the blocks go from one document
+    to two, at 64 x 40 from 40 to 41, and neither moves an old document between training and validation."""
+    train, validation = split_by_build_loaders(numbered_documents(n, max_len=12), monkeypatch, tmp_path)
+    assert validation and train | validation == set(range(n)) and not train & validation
+    grown = split_by_build_loaders(numbered_documents(n + 1, max_len=12), monkeypatch, tmp_path)
+    assert grown[0] - {n} == train and grown[1] - {n} == validation
+
+
+def test_a_checkpoint_of_data_order_2_resumes_and_says_so_only_where_the_split_changed(small_blocks, caplog):
+    """Order 3 holds validation out by document, not by block: the split of a source of more than MAX_BLOCKS
+    documents changed, so its checkpoint resumes with one warning; a smaller source's did not, so silently."""
+    for n, warned in ((40, False), (3000, True)):
+        docs = numbered_documents(n, max_len=12)
+        loader = GlobalBatchLoader(
+            [PackedSamples(docs, np.arange(len(docs.block_offsets) - 1), SEQ, 0, True)], Blend([1.0]), 4, range(4),
+            [4], True,
+        )  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="titan"):
+            loader.load_state_dict({"next_sample": 40, "global_batch": 4, "order": 2})
+        assert loader.next_sample == 40
+        assert [r.getMessage().startswith("data order changed") for r in caplog.records] == [True] * warned
+
+
+def test_at_2_20_documents_one_more_moves_no_document_between_training_and_validation(monkeypatch, tmp_path):
+    """The real sizes: 2^20 documents in blocks of one, then one more in blocks of two (synthetic indexes of the
+    same lengths)."""
+    from titan.data.prepared import PreparedDocuments
+
+    splits = []
+    for n in (order.MAX_BLOCKS, order.MAX_BLOCKS + 1):
+        folder = tmp_path / f"index-{n}"
+        subprocess.run(
+            [sys.executable, "scripts/synthetic_index.py", "make", str(folder), "--documents", str(n)],
+            cwd=ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+        splits.append(split_by_build_loaders(PreparedDocuments(folder), monkeypatch, tmp_path))
+    (train, validation), (grown_train, grown_validation) = splits
+    assert abs(len(validation) / order.MAX_BLOCKS - 0.05) < 0.002
+    assert grown_train - {order.MAX_BLOCKS} == train and grown_validation - {order.MAX_BLOCKS} == validation

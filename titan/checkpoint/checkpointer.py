@@ -3,7 +3,8 @@
 Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format.py: why nothing in it is code):
     *.distcp, tensors.json  model weights and optimizer state, one shard file per rank (DCP), and their JSON index
     train_state.json        step, tokens seen, the step's loss, lr schedule, the model's parameter shapes, the
-                            recipe's math-changing values and the whole resolved recipe
+                            recipe's math-changing values with the prepared data's keys and document counts,
+                            and the whole resolved recipe
     data.json               the data loader's position: the next global sample (the same on every rank)
     manifest.json           every other file's size and SHA-256
     COMPLETE                written last; a folder without it is never loaded
@@ -189,7 +190,8 @@ class Checkpointer:
     ):
         """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML;
         replan: the re-plan in force (state_dict/load_state_dict), saved in train_state.json as `plan`;
-        math_values: the recipe's math-changing values (config.math_values), compared on resume.
+        math_values: the recipe's math-changing values (config.math_values) and the record of the prepared data
+        (titan.data.prepared_record), compared on resume.
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
         interleave with the main thread's (on gloo that aborts the job or deadlocks)."""
@@ -496,13 +498,20 @@ class Checkpointer:
         saved = train_state.get("math")
         if not saved:
             return  # saved by a titan that did not record them
+        if "data.prepared" in self.math_values and "data.prepared" not in saved:  # saved before titan recorded it
+            unchecked = [key for key in self.math_values if key not in saved]
+            log.warning(
+                "checkpoint %s was saved by an older titan that did not record %s: not checked on this resume",
+                path,
+                ", ".join(unchecked),
+            )
         refused, accepted = changed_keys(saved, self.math_values, self.cfg.allow_changes)
         if refused:
             keys = ",".join(change.split(" ")[0] for change in refused)
             raise ConfigError(
-                f"the recipe differs from checkpoint {path} in keys that change the training math: "
-                f"{'; '.join(refused)}; restore them, or pass --checkpoint.allow_changes {keys} to resume with the "
-                "new values"
+                f"the recipe or its data differ from checkpoint {path} in what changes the training math or the "
+                f"tokens: {'; '.join(refused)}; restore them, or pass --checkpoint.allow_changes {keys} to resume "
+                "with the new values"
             )
         for change in accepted:
             log.warning("resuming with a changed recipe (checkpoint.allow_changes): %s", change)

@@ -9,7 +9,7 @@ import numpy as np
 from titan.config import Config, DataSource
 from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
 from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens
-from titan.data.order import held_out
+from titan.data.order import Split, hold_out
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
 
@@ -22,6 +22,7 @@ __all__ = [
     "build_loaders",
     "document_pieces",
     "open_prepared",
+    "prepared_record",
     "validation_source",
 ]
 log = logging.getLogger("titan")
@@ -41,11 +42,33 @@ def validation_source(config: Config) -> DataSource | None:
     return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision) if v.source else None
 
 
-def held_out_blocks(config: Config, documents) -> np.ndarray:
-    """Which of a source's blocks of documents (titan.data.order) validation holds out: none when it reads a
-    source of its own."""
+def split(config: Config, documents) -> tuple[Split, Split]:
+    """(training, validation) documents of a training source (titan.data.order): validation holds out none when it
+    reads a source of its own."""
     v = config.validation
-    return held_out(len(documents.block_offsets) - 1, v.fraction if not v.source else 0.0)
+    return hold_out(documents, v.fraction if not v.source else 0.0)
+
+
+def prepared_record(config: Config) -> dict:
+    """What a checkpoint records of the documents the run reads, checked on resume like the recipe's math keys
+    (config.PREPARED_KEYS): each training source's prepared tokens, by their key (which hashes the source's
+    contents and the tokenizer) and document count, so a source whose files changed or grew behind the same path
+    differs; and, when validation runs, its held-out split: the fraction of each training source, or the prepared
+    tokens of its own source."""
+    record = {"data.prepared": [_prepared_identity(config, source) for source in config.data.source_list()]}
+    v = config.validation
+    if v.interval:
+        own = validation_source(config)
+        record["validation.prepared"] = {
+            "fraction": 0.0 if own else v.fraction,
+            "source": _prepared_identity(config, own) if own else None,
+        }
+    return record
+
+
+def _prepared_identity(config: Config, source: DataSource) -> dict:
+    documents = open_prepared(config, source)
+    return {"source": source.source, "key": documents.fingerprint, "documents": documents.n_documents}
 
 
 def build_loaders(
@@ -60,20 +83,17 @@ def build_loaders(
     train, held = [], []
     for stream, source in enumerate(sources):
         documents = open_prepared(config, source)
-        in_validation = held_out_blocks(config, documents)
+        training, validation = split(config, documents)
+        holds_out = len(validation.blocks) > 0
         if train_rows:
-            samples = PackedSamples(
-                documents, np.flatnonzero(~in_validation), t.seq_len, config.job.seed, d.shuffle, stream
-            )
+            samples = PackedSamples(documents, training, t.seq_len, config.job.seed, d.shuffle, stream)
             what = f"data source {source.source}" + (
-                f" after holding out validation.fraction = {v.fraction}" if in_validation.any() else ""
+                f" after holding out validation.fraction = {v.fraction}" if holds_out else ""
             )
             check_enough_tokens(samples, what)
             train.append(samples)
-        if in_validation.any():
-            held.append(
-                (source.weight, PackedSamples(documents, np.flatnonzero(in_validation), t.seq_len, 0, False, stream))
-            )
+        if holds_out:
+            held.append((source.weight, PackedSamples(documents, validation, t.seq_len, 0, False, stream)))
     loader = None
     if train_rows:
         blend = Blend([s.weight for s in sources])
@@ -112,9 +132,8 @@ def document_pieces(config: Config) -> DocumentPieces:
     d = config.data
     source = d.source_list()[0]
     documents = open_prepared(config, source)
-    in_validation = held_out_blocks(config, documents)
     pieces = DocumentPieces(
-        documents, np.flatnonzero(~in_validation), d.max_document_len or config.training.seq_len, config.job.seed,
+        documents, split(config, documents)[0], d.max_document_len or config.training.seq_len, config.job.seed,
         d.shuffle,
     )  # fmt: skip
     if pieces.tokens_per_epoch == 0:

@@ -40,9 +40,9 @@ class DocumentPieces:
     max_len pairs from its start; piece (doc, start, length) reads its tokens [start, start + length + 1).
     A position in the stream is counted in pairs across epochs, at a piece's start."""
 
-    def __init__(self, documents, blocks, max_len: int, seed: int, shuffle: bool, stream: int = 0):
+    def __init__(self, documents, split, max_len: int, seed: int, shuffle: bool, stream: int = 0):
         self.documents, self.max_len = documents, max_len
-        self.order = EpochOrder(documents, blocks, seed, stream, shuffle, less=1)
+        self.order = EpochOrder(documents, split, seed, stream, shuffle, less=1)
         self.tokens_per_epoch = self.order.tokens_per_epoch  # pairs
 
     def step(self, first: int, budget: int) -> tuple[list[tuple[int, int, int]], int]:

@@ -60,12 +60,12 @@ class PackedSamples:
     (titan.data.order).
 
     `documents` is anything EpochOrder reads (such as PreparedDocuments) that also gives
-    `tokens(doc, start, stop)`; `blocks` picks the split (a train or validation one) by block id.
+    `tokens(doc, start, stop)`; `split` picks the documents (a train or validation split, or block ids).
     """
 
-    def __init__(self, documents, blocks, seq_len: int, seed: int, shuffle: bool, stream: int = 0):
+    def __init__(self, documents, split, seq_len: int, seed: int, shuffle: bool, stream: int = 0):
         self.documents = documents
-        self.order = EpochOrder(documents, blocks, seed, stream, shuffle)
+        self.order = EpochOrder(documents, split, seed, stream, shuffle)
         self.window = seq_len + 1
         self.samples_per_epoch = self.order.tokens_per_epoch // self.window
 

@@ -13,7 +13,7 @@ import torch
 
 from titan.checkpoint.checkpointer import Checkpointer, model_shapes
 from titan.config import Config, math_values, to_toml
-from titan.data import DocumentBatchLoader, Tokenizer
+from titan.data import DocumentBatchLoader, Tokenizer, prepared_record
 from titan.observe.metrics import (
     MetricsLogger,
     RemainingTime,
@@ -94,7 +94,7 @@ class Trainer:
             config.checkpoint, self.run_dir / "checkpoints", model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, loader=self.loader, rank=self.rank, recipe=to_toml(config), model=model,
             save_group=new_gloo_group(), control_group=self.control_group, replan=self.replanner,
-            math_values=math_values(config, self.run_plan.global_rows),
+            math_values=math_values(config, self.run_plan.global_rows) | prepared_record(config),
         )  # fmt: skip
         v, c = config.validation, config.checkpoint
         self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
