@@ -1,0 +1,54 @@
+"""`titan config show` and `titan config keys`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from titan.cli.common import CONFIG_OPTION, config_app, preflight, recipe_command
+from titan.config import degrees_world_size, read_config, to_toml
+from titan.errors import ConfigError, UserError
+
+
+@recipe_command("show", config_app)
+def config_show(
+    ctx: typer.Context,
+    config: Path = CONFIG_OPTION,
+    world_size: int = typer.Option(
+        None, "--world-size", help="Check for this many processes; default: $WORLD_SIZE, else the recipe's degrees."
+    ),
+) -> None:
+    """Print the fully resolved recipe (defaults and overrides applied) as TOML, once it passes what `titan train`
+    checks before it reads any data: the keys, the model, the parallel layout and the run plan (and, where the
+    recipe's device is on this machine, what the layout asks of it)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
+    cfg = preflight(config, ctx.args, world_size)
+    from titan.train.build import check_run, pick_device  # imported late: torch takes a while to import
+
+    try:
+        device, _ = pick_device(cfg.training.device)
+    except ConfigError:  # a GPU recipe on a machine without one (a login node): the device's checks wait for the run
+        device = None
+    check_run(cfg, world_size, device)
+    typer.echo(to_toml(cfg), nl=False)
+
+
+@config_app.command("keys")
+def config_keys(
+    section: str = typer.Argument(None, help="Only this section's keys, e.g. training."),
+    markdown: bool = typer.Option(False, "--markdown", help="As Markdown tables, as in docs/config.md."),
+) -> None:
+    """Every recipe key: its type, default and what it does."""
+    import shutil
+
+    from titan.config_keys import keys_markdown, keys_text, recipe_keys
+
+    keys = [k for k in recipe_keys() if section is None or k.name.split(".")[0] == section]
+    if not keys:
+        sections = sorted({k.name.split(".")[0] for k in recipe_keys()})
+        raise UserError(f"no section {section!r}; sections: {', '.join(sections)}")
+    width = min(shutil.get_terminal_size().columns, 100)
+    typer.echo(keys_markdown(keys) if markdown else keys_text(keys, width), nl=False)

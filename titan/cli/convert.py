@@ -1,0 +1,75 @@
+"""`titan convert hf-to-dcp`, `titan convert dcp-to-hf` and `titan convert upgrade`, and `titan download`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from titan.cli.common import app, convert_app
+
+
+@convert_app.command("hf-to-dcp")
+def convert_hf_to_dcp(
+    hf_dir: Path = typer.Argument(
+        ..., help="A Hugging Face model folder: config.json and *.safetensors (sharded or not)."
+    ),
+    out_dir: Path = typer.Argument(..., help="The titan checkpoint folder to write (must not exist, or be empty)."),
+    model: str = typer.Option("llama3", "--model", help="titan model family (model.name)."),
+    flavor: str = typer.Option(
+        "", "--flavor", help="Express the model as this flavor + overrides; default: the closest."
+    ),
+) -> None:
+    """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
+    from titan.checkpoint.hf import hf_to_dcp  # imported late: torch takes a while to import
+
+    typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
+
+
+@convert_app.command("dcp-to-hf")
+def convert_dcp_to_hf(
+    checkpoint: Path = typer.Argument(
+        ..., help="A titan checkpoint (step-N), or a checkpoints/ or run folder: its newest."
+    ),
+    out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    tokenizer: Path = typer.Option(
+        None, "--tokenizer", help="A tokenizer.json to export instead of the one the checkpoint's recipe names."
+    ),
+) -> None:
+    """Export a titan checkpoint's model and tokenizer as an HF folder (config.json, safetensors, tokenizer and
+    generation config) that transformers' AutoModelForCausalLM and AutoTokenizer load."""
+    from titan.checkpoint.hf import dcp_to_hf
+
+    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype, tokenizer))
+
+
+@convert_app.command("upgrade")
+def convert_upgrade(
+    path: Path = typer.Argument(
+        ..., help="A checkpoint of an older titan (step-N), or a checkpoints/ or run folder: all of its checkpoints."
+    ),
+) -> None:
+    """Rewrite checkpoints of an older titan (DCP's pickled .metadata) to titan's JSON index, in place, once."""
+    from titan.checkpoint.checkpointer import checkpoints_at
+    from titan.checkpoint.format import upgrade
+
+    for folder in checkpoints_at(path):
+        typer.echo(upgrade(folder))
+
+
+@app.command()
+def download(
+    name: str = typer.Argument(..., help="A Hugging Face hub model, e.g. meta-llama/Llama-3.2-1B."),
+    weights: bool = typer.Option(False, "--weights", help="Also fetch its safetensors weights."),
+    revision: str = typer.Option(None, "--revision", help="A branch, tag or commit; default: main."),
+) -> None:
+    """Fetch a hub model's config and tokenizer (and with --weights its safetensors) into the local HF cache,
+    where titan finds them offline: tokenizer.path = NAME, checkpoint.init_from_hf, titan convert hf-to-dcp.
+
+    A gated model needs its terms accepted on the hub and a login (hf auth login, or HF_TOKEN).
+    """
+    from titan.tools.download import download as fetch
+
+    typer.echo(fetch(name, weights, revision))

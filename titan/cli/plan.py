@@ -1,0 +1,97 @@
+"""`titan plan`, and its --cp and --graph modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from titan.cli.common import CONFIG_OPTION, recipe_command
+from titan.config import degrees_world_size, load_config, read_config
+from titan.errors import ConfigError, UserError
+
+
+@recipe_command()
+def plan(
+    ctx: typer.Context,
+    config: Path = CONFIG_OPTION,
+    world_size: int = typer.Option(None, "--world-size", help="Devices the run uses; default: the recipe's degrees."),
+    device: str = typer.Option(None, "--device", help="h100, h200, a100 or mi300x (plan.device)."),
+    json_path: Path = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    graph: bool = typer.Option(
+        False, "--graph", help="Instead: one block's operator order and memory layouts, traced and reordered."
+    ),
+    cp: str = typer.Option(
+        None,
+        "--cp",
+        help="Instead: compare these cp degrees, e.g. 1,2,4,8 (dp_shard takes what each leaves).",
+    ),
+) -> None:
+    """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
+
+    On this CPU: one step of each pipeline rank, built and parallelised as for training, is traced under fake
+    tensors on a fake process group of the run's world size. Prints a table per pipeline rank; exit status 1 when
+    a rank's peak (with --cp: every degree) does not fit.
+    """
+    overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
+    if world_size is None:
+        p = read_config(config, overrides).parallel
+        world_size = degrees_world_size(p)
+        if p.dp_shard == -1:  # it takes what the world size leaves: plan the smallest world
+            typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
+                       "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
+    degrees = _cp_degrees(cp) if cp is not None else []
+    if degrees and graph:
+        raise UserError("give --cp or --graph, not both: --cp plans whole steps, --graph one block")
+    cfg = load_config(config, overrides, world_size=world_size)
+    if graph and cfg.parallel.cp > 1:
+        share = cfg.training.seq_len // cfg.parallel.cp
+        raise UserError(
+            f"--graph traces one block on whole rows with plain attention, not a parallel.cp rank's share; to see a "
+            f"block at that share, give --parallel.cp 1 --training.seq_len {share}"
+        )
+    from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
+    from titan.tools.plan.graph import analyse_recipe
+    from titan.tools.plan.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
+
+    if degrees:
+        plans = {}
+        for degree in degrees:
+            try:
+                layout = ["--parallel.cp", str(degree), "--parallel.dp_shard", "-1"]
+                plans[degree] = plan_run(load_config(config, [*overrides, *layout], world_size=world_size), world_size)
+            except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
+                plans[degree] = str(e)
+        typer.echo(format_cp_comparison(plans, world_size))
+        if json_path is not None:
+            by_degree = {d: {"error": p} if isinstance(p, str) else plan_json(p) for d, p in plans.items()}
+            json_path.write_text(json.dumps({"cp": by_degree}, indent=2) + "\n")
+        if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
+            raise typer.Exit(code=1)
+        return
+    if graph:
+        analysis, what = analyse_recipe(cfg, world_size)
+        typer.echo(format_graph(analysis, what))
+        if json_path is not None:
+            json_path.write_text(json.dumps(analysis.as_json(), indent=2) + "\n")
+        return
+    result = plan_run(cfg, world_size)
+    typer.echo(format_plan(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(plan_json(result), indent=2) + "\n")
+    short = shortfall(result)
+    if short:
+        typer.secho(f"error: {short}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(code=1)
+
+
+def _cp_degrees(text: str) -> list[int]:
+    """`titan plan --cp 1,2,4,8`: the degrees to compare."""
+    try:
+        degrees = [int(item) for item in text.split(",")]
+    except ValueError:
+        degrees = []
+    if not degrees or min(degrees) < 1:
+        raise UserError(f"--cp {text}: give context-parallel degrees separated by commas, e.g. --cp 1,2,4,8")
+    return sorted(set(degrees))

@@ -1,0 +1,52 @@
+"""`titan train`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from titan.cli.common import CONFIG_OPTION, preflight, recipe_command
+from titan.config import Config
+from titan.errors import UserError
+from titan.files import WRITE_ERRORS, write_error
+
+# Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
+PREEMPTED_EXIT_CODE = 75
+
+
+@recipe_command()
+def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
+    """Train a model from a recipe, e.g. titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3.
+
+    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed
+    below the options, with its type, default and meaning.
+    """
+    try:
+        cfg = preflight(config, ctx.args)
+        from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
+        from titan.train.trainer import Trainer
+
+        if cfg.activation_checkpoint.mode == "auto" and not cfg.activation_checkpoint.budget_gib:
+            cfg = _with_device_budget(cfg)
+        try:
+            Trainer(cfg).train()
+        except Preempted as e:
+            typer.echo(f"titan: {e}", err=True)
+            raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
+    except OSError as e:  # a full, read-only or forbidden disk is the machine's state: one line, not a traceback
+        if e.errno not in WRITE_ERRORS:
+            raise
+        raise UserError(write_error(e)) from None
+
+
+def _with_device_budget(config: Config) -> Config:
+    """activation_checkpoint.budget_gib = 0: the budget that this rank's device leaves, as `titan plan` works it out."""
+    from titan.observe.metrics import setup_logging
+    from titan.tools.plan.estimate import with_activation_budget
+    from titan.train.build import device_memory, pick_device
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    device, _ = pick_device(config.training.device)
+    return with_activation_budget(config, int(os.environ.get("WORLD_SIZE", "1")), device_memory(device))
