@@ -26,6 +26,7 @@ from titan.data.loader import IGNORE, Batch
 from titan.data.order import ORDER_VERSION, EpochOrder, warn_if_order_changed
 from titan.data.packing import Assignment, CostModel, Target, balance_by_cost, balance_by_tokens
 from titan.errors import ConfigError
+from titan.run_plan import RankPlan, RunPlan
 
 # Padding carries no loss and is cut into "documents" of PAD_BLOCK tokens with ids -1, -2, ...: its attention
 # then costs little, its positions stay within the RoPE table, and every weight still gets a gradient on every
@@ -128,6 +129,14 @@ class DocumentBatchLoader:
         self.assign_seconds = 0.0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="titan-batches")
         self._ahead = None  # (first piece, speeds, future of the step starting there)
+
+    def follow(self, plan: RunPlan, me: RankPlan) -> None:
+        """Dispatch the next step's documents by `plan`'s data-parallel speeds."""
+        self.speeds = list(plan.dp_weights)
+
+    def step_tokens(self, batches: list[Batch]) -> int:
+        """The tokens of the step these batches belong to: its whole documents'."""
+        return batches[0].step_loss_tokens
 
     def state_dict(self) -> dict:
         return {"next_token": self.next_token, "budget": self.budget, "order": ORDER_VERSION}

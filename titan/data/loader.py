@@ -20,6 +20,7 @@ import torch
 from titan.config import blend_period
 from titan.data.order import ORDER_VERSION, EpochOrder, warn_if_order_changed
 from titan.errors import ConfigError
+from titan.run_plan import RankPlan, RunPlan
 
 IGNORE = -100  # label of a token that carries no loss (F.cross_entropy's default ignore_index)
 
@@ -134,9 +135,18 @@ class GlobalBatchLoader:
         document_mask: bool,
     ):
         self.sources, self.blend, self.global_batch = sources, blend, global_batch
+        self.seq_len = sources[0].window - 1
         self.document_mask = document_mask
         self.assign(rows, micro_batches)
         self.next_sample = 0
+
+    def follow(self, plan: RunPlan, me: RankPlan) -> None:
+        """Read this rank's rows of `plan` from the next step on."""
+        self.assign(me.rows, list(me.micro_batches))
+
+    def step_tokens(self, batches: list[Batch]) -> int:
+        """The tokens of the step these batches belong to: the whole global batch's."""
+        return self.global_batch * self.seq_len
 
     def assign(self, rows: range, micro_batches: list[int]) -> None:
         if sum(micro_batches) != len(rows) or not 0 <= rows.start <= rows.stop <= self.global_batch:

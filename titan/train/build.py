@@ -18,6 +18,7 @@ from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
+from titan.models import Args, ModelSpec
 from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
@@ -96,15 +97,26 @@ def resolve_model(config: Config):
     return spec, dataclasses.replace(args, max_seq_len=longest)
 
 
-def check_run(config: Config, world_size: int, device: torch.device | None) -> tuple:
-    """What the recipe asks of the model and the device, checked before any process group is joined (the
-    trainer, and `titan config show`): the model, the layout for it, and the run plan with its blocks. Returns
-    (spec, args, layout, blocks, run plan)."""
+@dataclasses.dataclass(frozen=True)
+class CheckedRun:
+    """What the recipe asks of the model and the device, checked: the model, the layout for it, and the run plan
+    with its blocks."""
+
+    spec: ModelSpec
+    args: Args
+    layout: Layout
+    blocks: Blocks
+    plan: RunPlan
+
+
+def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
+    """Everything the recipe asks, checked before any process group is joined (the trainer, and `titan config
+    show`)."""
     spec, args = resolve_model(config)
     layout = Layout.from_config(config.parallel, world_size)
     check_layout(config, spec, args, layout, device)
     blocks = model_blocks(spec, args)
-    return spec, args, layout, blocks, run_plan(config, layout.world_size, blocks)
+    return CheckedRun(spec, args, layout, blocks, run_plan(config, layout.world_size, blocks))
 
 
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:

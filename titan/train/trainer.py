@@ -8,6 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -44,15 +45,29 @@ from titan.train.straggler import gather_times
 log = logging.getLogger("titan")
 
 
+@dataclass(frozen=True)
+class Due:
+    """What follows a step: logging it, a re-plan check, validation, a checkpoint."""
+
+    log: bool
+    replan: bool
+    validate: bool
+    save: bool
+
+    @property
+    def anything(self) -> bool:
+        return self.log or self.replan or self.validate or self.save
+
+
 class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
         self.config, t = config, config.training
         self.device, device_reason = pick_device(t.device)
         # Everything that can be wrong with the recipe is checked before joining the other processes.
-        self.spec, self.model_args, self.layout, self.blocks, self.run_plan = check_run(
-            config, int(os.environ.get("WORLD_SIZE", "1")), self.device
-        )
+        checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
+        self.spec, self.model_args, self.layout = checked.spec, checked.args, checked.layout
+        self.run_plan = checked.plan
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)
@@ -72,7 +87,6 @@ class Trainer:
             config, self.run_plan, self.rank_plan, self.spec, self.model_args, self.mesh, self.device,
             self.control_group,
         )  # fmt: skip
-        self.documents = config.data.batching == "tokens"
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
         self.hook = hook or StepHook()
         self.stepper = self._build_step(self.run_plan)
@@ -87,7 +101,7 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
+        self.replanner = Replanner(config, self.run_plan, checked.blocks, rank_devices(self.control_group), self.device)
         model = {"name": config.model.name, "flavor": config.model.flavor,
                  "shapes": model_shapes(self.spec, self.model_args)}  # fmt: skip
         self.checkpointer = Checkpointer(
@@ -136,11 +150,8 @@ class Trainer:
             counts = [len(layers) for layers in plan.stage_layers]
             log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, counts, how)
         self.run_plan, self.rank_plan = plan, plan.rank(self.rank)
-        for loader in (self.loader, self.validation_loader):
-            if isinstance(loader, DocumentBatchLoader):
-                loader.speeds = list(plan.dp_weights)  # the next step's documents are dispatched by these speeds
-            elif loader is not None:
-                loader.assign(self.rank_plan.rows, list(self.rank_plan.micro_batches))
+        for loader in filter(None, (self.loader, self.validation_loader)):
+            loader.follow(plan, self.rank_plan)
         return how
 
     def train(self, until: int | None = None) -> list[float]:
@@ -174,31 +185,26 @@ class Trainer:
                 compute.stop()
                 self.step += 1
                 unsettled.add(self.step, local_loss, grad_norm)
-                # Tokens batching takes whole documents up to the budget: count the tokens it took.
-                step_tokens = batches[0].step_loss_tokens if self.documents else self.run_plan.tokens_per_step
+                step_tokens = self.loader.step_tokens(batches)
                 self.tokens_seen += step_tokens
                 window.add(step_tokens)
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
-                logged = self.step % self.config.metrics.log_freq == 0 or self.step in (total, first_step + 1)
-                checked = self.replanner.due(self.step)
-                interval = self.config.validation.interval
-                validated = bool(interval) and (self.step % interval == 0 or self.step == total)
-                saving = self.checkpointer.due(self.step, final=self.step == total)
-                if logged or checked or validated or saving:
+                due = self._due(total, first_step)
+                if due.anything:
                     loss = unsettled.settle()
-                if logged:
+                if due.log:
                     self._log_step(loss, grad_norm, lr, window, phases)
-                    if self.documents:
+                    if isinstance(self.loader, DocumentBatchLoader):
                         self._log_packing(compute.seconds())
                     window.restart()
-                if checked:
+                if due.replan:
                     self._replan()
-                if validated:
+                if due.validate:
                     self._log_validation()
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
-                if saving:  # its blocking time is not step time: the ETA counts it apart
+                if due.save:  # its blocking time is not step time: the ETA counts it apart
                     window.start += self._save(saved_loss(), wait=self.step == total)
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
@@ -217,6 +223,16 @@ class Trainer:
         if self.step >= self.config.training.steps:
             self.metrics.close()
         return unsettled.losses
+
+    def _due(self, total: int, first_step: int) -> Due:
+        """What the step just taken is followed by."""
+        step, interval = self.step, self.config.validation.interval
+        return Due(
+            log=step % self.config.metrics.log_freq == 0 or step in (total, first_step + 1),
+            replan=self.replanner.due(step),
+            validate=bool(interval) and (step % interval == 0 or step == total),
+            save=self.checkpointer.due(step, final=step == total),
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -295,7 +311,7 @@ class Trainer:
 
     def _log_start(self) -> None:
         c, plan = self.config, self.run_plan
-        if self.documents:
+        if isinstance(self.loader, DocumentBatchLoader):
             placed = f"placed by {c.data.balance} in micro-batches of at most {plan.document_capacity} tokens"
             if self.layout.cp > 1:
                 placed = (
