@@ -552,11 +552,26 @@ def _parse_cli_literal(text: str):
 
 
 def validate(config: Config, world_size: int) -> None:
-    def require(ok: bool, message: str):
-        if not ok:
-            raise ConfigError(message)
+    """Check the values of a recipe whose types are right, section by section; the first wrong one raises a
+    ConfigError that names its key."""
+    _validate_run(config)
+    _validate_parallel(config.parallel)
+    _validate_data(config)
+    _validate_recovery(config)
+    _validate_performance(config)
+    _validate_context_parallel(config)
+    _validate_layout(config, world_size)
 
-    t, p = config.training, config.parallel
+
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate_run(config: Config) -> None:
+    """The job, the step's sizes, the optimizer and its lr schedule, metrics and profiling."""
+    t = config.training
     require(
         config.job.name.strip() != "" and "/" not in config.job.name,
         f"job.name must be a non-empty folder name, got {config.job.name!r}",
@@ -593,6 +608,10 @@ def validate(config: Config, world_size: int) -> None:
         f"profiling.wait and warmup must be >= 0 and active >= 1, got {f.wait}, {f.warmup}, {f.active}",
     )
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
+
+
+def _validate_parallel(p: Parallel) -> None:
+    """The parallel degrees and the pipeline's stage hints, whatever the world size."""
     for name in ("dp_replicate", "cp", "tp", "pp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     require(
@@ -612,6 +631,10 @@ def validate(config: Config, world_size: int) -> None:
         p.dp_shard >= 1 or p.dp_shard == -1,
         f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
     )
+
+
+def _validate_data(config: Config) -> None:
+    """The tokenizer, the data sources and their batching, and the held-out validation share."""
     require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     d, v = config.data, config.validation
     require(d.source != "", "data.source must name a local file, folder or hub dataset")
@@ -677,6 +700,11 @@ def validate(config: Config, world_size: int) -> None:
             "validation would measure memorisation; name a source of held-out documents, or leave validation.source "
             "empty to hold out validation.fraction of the training documents",
         )
+
+
+def _validate_recovery(config: Config) -> None:
+    """Skipped steps and checkpoints."""
+    t = config.training
     require(t.max_skipped_steps >= 1, f"training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
@@ -691,6 +719,10 @@ def validate(config: Config, world_size: int) -> None:
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
     require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
+
+
+def _validate_performance(config: Config) -> None:
+    """float8, the plan's device, activation checkpointing and the straggler probe."""
     f8 = config.float8
     require(
         not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
@@ -728,6 +760,11 @@ def validate(config: Config, world_size: int) -> None:
     require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
     require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
     require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """What parallel.cp > 1 asks of the sequence length and the batching."""
+    t, p, d = config.training, config.parallel, config.data
     if p.cp > 1:
         require(
             t.seq_len % (2 * p.cp) == 0,
@@ -758,6 +795,11 @@ def validate(config: Config, world_size: int) -> None:
             require(
                 not used, f"parallel.cp > 1 with {what} is not supported yet: {why}; set parallel.cp = 1 or drop it"
             )
+
+
+def _validate_layout(config: Config, world_size: int) -> None:
+    """What depends on the world size: the data-parallel weights and the straggler re-plan."""
+    p, g = config.parallel, config.straggler
     # The parallel layout and the batch arithmetic both depend on the world size.
     dp = Layout.from_config(p, world_size).dp
     require(

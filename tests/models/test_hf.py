@@ -29,7 +29,8 @@ from titan.models.llama.hf import (  # noqa: E402
     to_hf_state_dict,
     to_hf_tensor,
 )
-from titan.models.llama.model import Transformer, rope_frequencies  # noqa: E402
+from titan.models.llama.model import Transformer  # noqa: E402
+from titan.models.llama.rope import rope_frequencies  # noqa: E402
 
 BATCH, SEQ = 2, 24
 

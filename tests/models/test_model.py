@@ -7,14 +7,8 @@ import torch
 
 from titan import models
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.model import (
-    MaskForm,
-    attend_flex,
-    attend_per_document,
-    document_mask,
-    document_positions,
-    flex_length,
-)
+from titan.models.llama.attention import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
+from titan.models.llama.rope import document_positions
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {

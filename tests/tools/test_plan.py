@@ -285,7 +285,7 @@ def test_backward_re_holds_a_recomputing_block_s_activations_once_later_blocks_f
     """Keep 10 bytes a block, full 1. Backward runs the last block first: recomputing, it holds its 10 bytes again
     beside the 21 the others keep, 9 more than the blocks keep; placed first, the recomputing blocks re-hold theirs
     once the kept blocks have freed 20, adding nothing to the peak."""
-    from titan.tools.plan.estimate import _recomputed
+    from titan.tools.plan.activations import _recomputed
 
     assert _recomputed(10, [[10, 10, 1, 1]]) == 9 and _recomputed(10, [[1, 1, 10, 10]]) == 0
     assert _recomputed(10, [[10, 1], [1, 10]]) == 9  # stages: the worst one's
@@ -351,7 +351,7 @@ def test_auto_with_budget_0_takes_the_fastest_ways_that_fit_the_device(pp, tmp_p
     budget is shared by the micro-batches in flight."""
     import itertools
 
-    from titan.tools.plan.estimate import _peak_with
+    from titan.tools.plan.activations import peak_with as _peak_with
 
     extra = {"parallel.pp": str(pp), "parallel.pp_microbatches": "4", "training.local_batch_size": "4"}
     world = pp

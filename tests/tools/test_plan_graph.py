@@ -11,7 +11,8 @@ from torch import fx
 from conftest import DEBUG_RECIPE, run_titan
 from titan import models
 from titan.models.llama.flavors import FLAVORS
-from titan.models.llama.model import TransformerBlock, rope_table
+from titan.models.llama.model import TransformerBlock
+from titan.models.llama.rope import rope_table
 from titan.tools.plan.graph import (
     PLACEMENTS,
     analyse,

@@ -9,7 +9,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import TINY_MODEL
-from titan.tools.verify import PHASES, Records, assemble, compare
+from titan.tools.verify.comparison import PHASES, Records, assemble, compare
 
 
 def whole(t):

@@ -24,7 +24,7 @@ def verify(
     Give the layout as overrides, e.g. --parallel.dp_shard 2 --parallel.tp 2; the processes are started for you.
     Exit status 1 when the layout is not equivalent.
     """
-    from titan.tools.verify import verify as run_verify  # imported late: torch takes a while to import
+    from titan.tools.verify.runs import verify as run_verify  # imported late: torch takes a while to import
 
     report, equivalent = run_verify(config, ctx.args, steps, out, reuse_reference)
     typer.echo(report)

@@ -1,7 +1,7 @@
 """Document-level global batches (`data.batching = "tokens"`).
 
 Each step takes whole documents from the shuffled stream until the next would pass a token budget, and a
-balancer (titan/data/packing.py) decides which data-parallel rank trains each one and in which micro-batch.
+balancer (titan/data/packing/) decides which data-parallel rank trains each one and in which micro-batch.
 The documents of a step depend on (seed, step) only; where they go may differ between layouts, which
 document masking makes irrelevant to the math (each document attends only to itself, the loss is divided
 by the step's token count). Every rank computes the whole assignment from the step's lengths, so they agree

@@ -1,5 +1,6 @@
+from titan.models.llama.args import ModelArgs
 from titan.models.llama.flavors import FLAVORS
-from titan.models.llama.model import ModelArgs, Transformer
+from titan.models.llama.model import Transformer
 
 __all__ = ["FLAVORS", "ModelArgs", "Transformer", "flops_per_token", "kv_width"]
 

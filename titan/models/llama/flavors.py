@@ -1,6 +1,6 @@
 """Every Llama 3 size in one place. The published sizes use Meta's hyper-parameters."""
 
-from titan.models.llama.model import ModelArgs
+from titan.models.llama.args import ModelArgs
 
 FLAVORS: dict[str, ModelArgs] = {
     # Tiny, for laptops and tests: a step takes well under a second on a CPU. Vocabulary of the project's tokenizer.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titan.models.llama.model import ModelArgs
+from titan.models.llama.args import ModelArgs
 
 # HF's default when a config names no rope_theta (transformers' LlamaConfig).
 _HF_DEFAULT_ROPE_THETA = 10000.0

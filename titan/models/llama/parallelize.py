@@ -24,7 +24,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.models.contract import StageBatch, StageIO
-from titan.models.llama.model import ModelArgs, Transformer, rope_table
+from titan.models.llama.args import ModelArgs
+from titan.models.llama.model import Transformer
+from titan.models.llama.rope import rope_table
 
 
 def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:

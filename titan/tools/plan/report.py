@@ -3,7 +3,8 @@ not fit."""
 
 from __future__ import annotations
 
-from titan.tools.plan.estimate import GIB, RankEstimate, StepEstimate
+from titan.parallel.memory_plan import GIB
+from titan.tools.plan.figures import RankEstimate, StepEstimate
 from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
 
 

@@ -1,7 +1,7 @@
 """Cost-balanced against token-balanced packing at scales this machine cannot reach (`titan simulate packing`).
 
 Each step draws documents with long-tailed lengths (lognormal, clipped) up to a token budget, and both
-balancers of titan/data/packing.py place them on the data-parallel replicas; a step takes as long as the
+balancers of titan/data/packing/ place them on the data-parallel replicas; a step takes as long as the
 slowest replica's predicted time. The cost model comes from a model flavor's FLOPs at a fixed rate: b from
 the weight matmuls per token (6 x weights), a from causal attention (6 x layers x dim per pair of tokens), c
 a fixed cost per micro-batch. Under a pipeline each micro-batch is padded to its capacity and one replica's

@@ -1,0 +1,58 @@
+"""Llama's hyper-parameters (ModelArgs): its sizes, RoPE's frequencies and dropout, checked once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    multiple_of: int = 1024  # the FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 long-context frequency scaling; factor 0 disables it.
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192  # RoPE table length
+    tie_embeddings: bool = False
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.attn_dropout > 0 or self.resid_dropout > 0
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads "
+                f"({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        for name in ("attn_dropout", "resid_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

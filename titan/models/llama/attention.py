@@ -1,0 +1,164 @@
+"""Grouped-query attention under a document mask: the mask in each of its forms, the kernels that run it (flex
+attention, one document at a time, SDPA, or explicit probabilities for titan's dropout), and the Attention
+module."""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from titan import rng
+from titan.models.llama.args import ModelArgs
+from titan.models.llama.kv_cache import KVCache
+from titan.models.llama.rope import apply_rope
+
+
+@functools.cache
+def compiled_flex_attention():
+    """Flex attention is fast only compiled (eager, it materialises the scores); built on first use, as
+    torch.compile imports dynamo, which CPU runs never need. Compiled for fixed shapes: packed micro-batches come in
+    the few lengths of flex_length, so it compiles once per length bucket (see attend_flex)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+# Flex attention's block size: lengths are padded to a power of two from here.
+FLEX_MIN_LENGTH = 128
+# Compiles of flex attention allowed in one process: one per power-of-two length from 128 to 2**20 tokens, where
+# dynamo's default (8) would stop at 16,384 and fall back to the unfused, materialising eager kernel.
+FLEX_RECOMPILE_LIMIT = 16
+
+
+def flex_length(seq: int) -> int:
+    """The length flex attention runs a micro-batch of `seq` tokens at: the next power of two from 128. Packed
+    micro-batches have a new length every step; bucketed, the compiled kernel sees at most log2(seq / 128) + 1
+    shapes and recompiles only for those (the padding costs little but its memory: see document_mask)."""
+    return max(FLEX_MIN_LENGTH, 1 << (seq - 1).bit_length())
+
+
+def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
+    """Flex attention of (batch, heads, seq, head_dim) q, k, v under a document mask built for flex_length(seq)
+    tokens: padded to that length, attended, cut back. `attention`: the kernel (default the compiled one)."""
+    seq = q.shape[2]
+    pad = flex_length(seq) - seq
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    if attention is None:
+        attention = compiled_flex_attention()
+    limit = max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        out = attention(q, k, v, block_mask=mask, enable_gqa=True)
+    return out[:, :, :seq]
+
+
+class MaskForm(enum.Enum):
+    """The form of a document mask (see document_mask)."""
+
+    FLEX = "flex"  # a flex attention block mask (GPUs)
+    DENSE = "dense"  # a boolean (batch, 1, seq, seq) mask
+    SPANS = "spans"  # each row's document spans, attended one document at a time
+
+
+def document_mask(document_ids: torch.Tensor, form: MaskForm) -> torch.Tensor | BlockMask | list:
+    """Where a query may attend to a key: earlier or same position, same document.
+
+    FLEX (on GPUs): a flex attention block mask, whose kernel skips the blocks that are all masked, for
+    flex_length(seq) tokens: each padding token is a document of its own, so it attends to itself alone and no real
+    token sees it, and the padding's blocks off the diagonal are skipped. DENSE (attention dropout materialises the
+    probabilities; compiled blocks): a boolean (batch, 1, seq, seq) mask. SPANS (the CPU, where flex attention has
+    no backward in torch 2.13): each row's document spans [(start, stop, id)], attended one document at a time: a
+    document of s tokens then costs s² rather than the row's seq², which is what cost-balanced packing
+    (titan/data/packing/) assumes."""
+    batch, seq = document_ids.shape
+    if form is MaskForm.FLEX:
+        length = flex_length(seq)
+        padding = -1 - torch.arange(length - seq, device=document_ids.device)  # ids no real document has
+        ids = torch.cat([document_ids, padding.expand(batch, -1)], dim=1)
+
+        def same_document_causal(b, h, q, kv):
+            return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+        return create_block_mask(same_document_causal, batch, None, length, length, device=document_ids.device)
+    if form is MaskForm.DENSE:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+        return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+    spans = []
+    for row in document_ids.cpu():
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        stops = counts.cumsum(0).tolist()
+        spans.append([(stop - n, stop, doc) for stop, n, doc in zip(stops, counts.tolist(), ids.tolist())])
+    return spans
+
+
+def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list) -> torch.Tensor:
+    """Causal attention within each document span of each row (see document_mask). Rows and documents are cut
+    with unbind and split, whose backward is one stack or cat: a slice's would fill a zero tensor of the whole
+    input for every document."""
+    rows = []
+    for q_row, k_row, v_row, row_spans in zip(q.unbind(0), k.unbind(0), v.unbind(0), spans):
+        sizes = [stop - start for start, stop, _ in row_spans]
+        pieces = [
+            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True)
+            for qs, ks, vs in zip(q_row.split(sizes, dim=1), k_row.split(sizes, dim=1), v_row.split(sizes, dim=1))
+        ]
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.dropout = rng.Dropout(args.attn_dropout)  # on the attention probabilities
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Context parallelism installs its ring here (titan/parallel/cp/ring.py): attend(q, k, v, mask, rows, dropout).
+        self.context_parallel = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor | BlockMask | list | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """mask: from document_mask; None: causal. cache: this layer's, when decoding (see Transformer.forward)."""
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        if self.context_parallel is not None and self.context_parallel.is_ring(mask):
+            # This rank's chunks of the sequence; the others' come round a ring.
+            out = self.context_parallel.attend(q, k, v, mask, rows, self.dropout if self.training else None)
+        elif isinstance(mask, BlockMask):
+            out = attend_flex(q, k, v, mask)
+        elif isinstance(mask, list):
+            out = attend_per_document(q, k, v, mask)
+        elif self.training and self.dropout.p:
+            # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            if mask is None:
+                mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            # The mask as the bias and the scale as the alpha of the scores' matmul: two fewer passes over the
+            # (batch, heads, seq, seq) scores each way, which on a CPU cost more than the matmul itself.
+            heads = q.shape[1]
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+            if bias.ndim == 4:  # a mask per row (documents): one per row and head
+                bias = bias.expand(batch, heads, seq, seq).flatten(0, 1)
+            scores = torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=self.head_dim**-0.5)
+            probs = scores.view(batch, heads, seq, seq).softmax(dim=-1, dtype=torch.float32).type_as(q)
+            out = self.dropout(probs, rows) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

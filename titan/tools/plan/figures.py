@@ -1,0 +1,55 @@
+"""What `titan plan` works out of a step (StepEstimate) and of each pipeline rank's share of it (RankEstimate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan.config import Config, Layout
+from titan.parallel.memory_plan import GIB, BlockChoices, Option
+from titan.run_plan import RunPlan
+from titan.tools.plan.devices import Device
+from titan.tools.plan.trace import RankTrace
+
+
+@dataclass
+class RankEstimate:
+    """One pipeline rank's step at its real depth (every rank of that pipeline rank alike)."""
+
+    pp_rank: int
+    stage_ids: list[int]
+    layers: list[list[int]]  # per stage
+    trace: RankTrace  # grown to the stages' real depths
+    in_flight: int  # most micro-batches whose activations the rank holds at once
+    activations: int  # bytes they hold then
+    peak: int
+    peak_by_mode: dict[str, int]  # the peak under each activation checkpointing mode
+    flops: float  # per step, recomputation included
+    traffic: dict[tuple[str, str], float]  # bytes per step, by (collective, mesh dimension)
+    seconds: float = 0.0  # the rank's forwards, backwards and optimizer step, without waiting
+    checkpointing: BlockChoices | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
+    # ... within this many bytes per micro-batch (activation_checkpoint.budget_gib, or with 0 what the device leaves)
+    budget: int = 0
+
+
+@dataclass
+class StepEstimate:
+    config: Config
+    device: Device
+    run: RunPlan  # what each rank computes
+    layout: Layout
+    rows: int  # sequences per micro-batch
+    microbatches: int  # per rank and schedule run (the pipeline's, under a pipeline)
+    runs: int  # schedule runs per step: gradient accumulation under a pipeline, else 1
+    params: int = 0  # the whole model's
+    block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
+    block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
+    # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
+    compiled_saving: int = 0
+    ranks: list[RankEstimate] = field(default_factory=list)
+    order: list | None = None  # under a pipeline, each pipeline rank's schedule actions
+    step_seconds: float = 0.0
+    mfu: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.device.memory_gib * (1 - self.config.plan.headroom_fraction) * GIB

@@ -1,0 +1,24 @@
+"""`titan verify`: train a recipe's parallel layout beside its 1-process reference for a few steps and name
+the first tensor where they part.
+
+Three recorded runs, each a real trainer in its own processes (torchrun for the layout):
+  reference  the recipe on one process;
+  floor      the recipe on one process with half the micro-batch rows (twice the gradient accumulation): a
+             known-good layout whose differences from the reference are reduction order alone;
+  layout     the recipe's layout.
+Each rank records, step by step, the tokens it read, every module's forward output (with the global-batch
+rows it holds), the gradients the optimizer receives and the parameters and Adam moments after its update;
+sharded tensors are gathered to full ones. The comparison walks the steps in the order things happen (data,
+forward by module, backward from the last module, optimizer) and reports the first tensor whose difference
+from the reference, relative to the reference's largest magnitude, exceeds the phase's tolerance: at least
+MIN_TOLERANCE for the dtype, and ten times what the floor run showed in that phase. Tokens and initial
+parameters must be bitwise equal.
+
+A tensor-parallel rank holds a slice of some outputs (a sequence shard, a head or column shard): its record is
+compared with the matching chunk of the reference, found from the one dim whose size is the reference's / tp.
+A context-parallel rank's tokens and outputs hold its positions of each row (the run plan's sequence): they are
+compared with the reference's at those positions.
+
+recording.py records a run inside its processes (started by __main__.py), comparison.py compares the records
+with their tolerances, runs.py starts the three runs and reports.
+"""
