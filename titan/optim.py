@@ -156,5 +156,7 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     local = [g.to_local() for g in grads]
     norms = torch._foreach_norm(local, 2, dtype=torch.float64)
     local_sum = torch.stack(norms).square().sum()
-    summed = [Partial() if p.is_shard() else Replicate() for p in placements]
+    # Every placement but Replicate splits the tensor here (Shard, and FSDP x TP's _StridedShard, which torch does
+    # not count as is_shard()).
+    summed = [Replicate() if p.is_replicate() else Partial() for p in placements]
     return DTensor.from_local(local_sum, grads[0].device_mesh, summed).full_tensor()

@@ -151,6 +151,15 @@ def grad_norms(run_dir) -> dict[int, float]:
 
 
 MAX_NORM = 0.25
+# (world size, parallel overrides, data-parallel size): every way a gradient is split. FSDP2 x TP2 shards the
+# embedding and output over both dims (_StridedShard on dp_shard), which a first fp64 version summed over tp only.
+NORM_LAYOUTS = {
+    "fsdp2": (2, {"parallel.dp_shard": "2"}, 2),
+    "tp2": (2, {"parallel.tp": "2"}, 1),
+    "pp2": (2, {"parallel.pp": "2"}, 1),
+    "fsdp2_tp2": (4, {"parallel.dp_shard": "2", "parallel.tp": "2"}, 2),
+    "cp2": (2, {"parallel.cp": "2"}, 1),
+}
 
 
 @pytest.mark.distributed
@@ -158,7 +167,8 @@ MAX_NORM = 0.25
 def test_the_logged_gradient_norm_is_the_single_process_norm_on_every_layout_while_clipping(tmp_path):
     """The debug model (2 layers, the stories corpus) with clipping active at every step (norms 0.84-1.6 against
     0.25): the logged norms of FSDP2, TP2 and PP2 agree with one process's to 1e-6 relative, and so do the losses
-    the clipped updates lead to. Measured: norms 1.7e-7 at most (TP2; FSDP2 and PP2 within 1e-14), losses 1.5e-7.
+    the clipped updates lead to, and so do FSDP2 x TP2's and CP2's. Measured: norms 1.7e-7 at most (TP2; FSDP2 and
+    PP2 within 1e-14), losses 1.5e-7.
     With the norm accumulated in fp32, FSDP2's norm differed by 7.7e-5 (the output matrix's sum of squares
     rounds otherwise when it is split) and `titan verify` failed."""
     values = {
@@ -175,10 +185,9 @@ def test_the_logged_gradient_norm_is_the_single_process_norm_on_every_layout_whi
     assert single.returncode == 0, single.stderr
     norms = grad_norms(tmp_path / "single")
     assert len(norms) == STEPS and min(norms.values()) > MAX_NORM  # clipping is active at every step
-    for name, layout in {"fsdp2": "parallel.dp_shard", "tp2": "parallel.tp", "pp2": "parallel.pp"}.items():
-        local = GLOBAL_BATCH // 2 if name == "fsdp2" else GLOBAL_BATCH
-        run = {**values, layout: "2", "training.local_batch_size": str(local), "job.name": name}
-        result = torchrun(2, ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **run)])
+    for name, (world, layout, dp) in NORM_LAYOUTS.items():
+        run = {**values, **layout, "training.local_batch_size": str(GLOBAL_BATCH // dp), "job.name": name}
+        result = torchrun(world, ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **run)])
         assert result.returncode == 0, result.stderr[-3000:]
         got = grad_norms(tmp_path / name)
         assert got.keys() == norms.keys(), name
