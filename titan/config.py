@@ -22,6 +22,7 @@ from typing import Any, Literal
 import tomli_w
 
 from titan.errors import ConfigError
+from titan.schema import Integer, Table, parse_toml
 
 log = logging.getLogger("titan")
 
@@ -408,11 +409,11 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path} (pass an existing TOML file to --config)")
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+            raw = parse_toml(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from None
+        except ValueError as e:  # TOMLDecodeError, or nested too deep
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"cannot read the recipe {path}: {e.strerror}") from None
     for key, value in parse_overrides(overrides):
@@ -420,6 +421,13 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     if path is not None and not raw.get("job", {}).get("recipe"):
         raw.setdefault("job", {})["recipe"] = str(path)
     return _build(Config, raw, "")
+
+
+def saved_section(recipe: str, name: str):
+    """Section `name` (e.g. "model") of a recipe saved as TOML text in a checkpoint, typed as load_config types it,
+    its defaults where absent; ValueError naming the key otherwise. A section at a time: what reads a checkpoint's
+    model or tokenizer does not depend on the other sections' keys, which another titan may have named otherwise."""
+    return _convert(typing.get_type_hints(Config)[name], parse_toml(recipe).get(name, {}), name)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -542,8 +550,8 @@ def _convert(tp, value, key: str):
 def _parse_cli_literal(text: str):
     """Read a command-line value as a TOML literal (30, 1e-3, true, [1, 2]); anything else is a string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        return parse_toml(f"v = {text}")["v"]
+    except ValueError:  # not TOML, or nested too deep
         return str(text)
 
 
@@ -561,6 +569,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_performance(config)
     _validate_context_parallel(config)
     _validate_layout(config, world_size)
+    _require_finite(config)  # after the keys' own checks, whose messages say more
 
 
 def require(ok: bool, message: str) -> None:
@@ -819,6 +828,34 @@ def _validate_layout(config: Config, world_size: int) -> None:
         )
 
 
+# The float keys for which infinity means something: no limit (on the size titan prepares itself; on a stage's GiB).
+MAY_BE_INFINITE = ("data.auto_prepare_max_mb", "parallel.pp_stage_memory_gib")
+
+
+def _require_finite(config: Config) -> None:
+    """Every float of the recipe finite (its lists and model.overrides included), but infinity where it means no
+    limit: NaN and infinity pass a range check as `not x < 0`, and a key checked as `x > 0` lets infinity by.
+    After the keys' own checks, whose messages say more."""
+    for key, value in _floats(config, ""):
+        if not (math.isfinite(value) or (value == math.inf and key.split("[")[0] in MAY_BE_INFINITE)):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
+def _floats(value, key: str):
+    """(dotted key, value) of every float in `value`: a dataclass, a table, a list or a number."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _floats(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _floats(item, f"{key}.{name}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _floats(item, f"{key}[{i}]")
+    elif isinstance(value, float):
+        yield key, value
+
+
 def _same_documents(v: Validation, source: DataSource) -> bool:
     """Whether validation.source names a training source's documents: the same local file or folder (or titan
     corpus), whatever the split, or the same split and revision of the same hub dataset."""
@@ -884,6 +921,10 @@ class Layout:
     def name(self) -> str:
         """The degrees other than 1, e.g. 'dp_shard2-tp2'; 'single' when there are none."""
         return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items() if v != 1) or "single"
+
+
+# A layout as files record it (run_info.json, a saved re-plan): degrees of Layout, an absent one 1.
+LAYOUT_SPEC = Table({f.name: Integer(1) for f in dataclasses.fields(Layout)}, closed=True)
 
 
 # The recipe keys that change what a resumed run computes, or which tokens it trains or validates on: a resume

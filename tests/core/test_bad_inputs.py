@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -70,6 +72,23 @@ def reseal(folder: Path) -> None:
     """A manifest of the folder's files as they are now: whoever crafts a checkpoint writes one whose sums pass."""
     names = sorted(p.name for p in folder.iterdir() if p.name not in (MANIFEST, MARKER))
     (folder / MANIFEST).write_text(json.dumps({"files": sha256_files(folder, names)}))
+
+
+def edit_json(name: str, edit):
+    """Damage (folder, *_): the checkpoint's JSON file `name` replaced by `edit(its content)`, the manifest
+    rewritten to match; `edit` returning a str writes that text as it is."""
+
+    def damage(folder: Path, *_) -> None:
+        value = edit(json.loads((folder / name).read_text()))
+        (folder / name).write_text(value if isinstance(value, str) else json.dumps(value))
+        reseal(folder)
+
+    return damage
+
+
+def with_values(name: str, **values):
+    """Damage: the checkpoint's JSON file `name` with these top-level values."""
+    return edit_json(name, lambda content: {**content, **values})
 
 
 def as_written_by_an_older_titan(folder: Path) -> None:
@@ -741,7 +760,31 @@ CASES = [
         {},
         ["float8.skip ['output'] -> ['output', 'w2']"],
     ),  # fmt: skip
-]
+    # -- numbers that are not: every float of the recipe finite, but where infinity means no limit
+    ("lr infinite", "show", ["--optimizer.lr", "inf"], None, {}, ["optimizer.lr must be a finite number", "inf"]),
+    ("clip infinite", "show", ["--training.max_grad_norm", "inf"], None, {}, ["training.max_grad_norm", "finite"]),
+    ("auto-prepare size NaN", "show", ["--data.auto_prepare_max_mb", "nan"], None, {},
+     ["data.auto_prepare_max_mb must be a finite number", "nan"]),
+    ("norm_eps NaN", "show", ["--model.overrides.norm_eps", "nan"], None, {},
+     ["model.overrides.norm_eps must be a finite number", "nan"]),
+    ("rope_theta NaN", "show", [], recipe_file("[model.overrides]\nrope_theta = nan\n"), {},
+     ["model.overrides.rope_theta must be a finite number", "nan"]),
+    ("recipe nested too deep", "show", [], recipe_file("a = " + "[" * 5000 + "]" * 5000 + "\n"), {},
+     ["recipe.toml is not valid TOML", "nests tables or arrays more than 32 deep"]),
+    # -- a checkpoint's data position (data.json), crafted with a manifest to match
+    ("data position negative", "train", {}, damaged_checkpoint(with_values("data.json", next_sample=-8)),
+     {}, ["corrupt", "data.json: next_sample must be an integer in [0, 2^62]", "-8"]),
+    ("data position infinite", "train", {}, damaged_checkpoint(with_values("data.json", next_sample=math.inf)),
+     {}, ["corrupt", "data.json: next_sample must be an integer", "inf"]),
+    ("data position huge", "train", {}, damaged_checkpoint(with_values("data.json", next_sample=10**30)),
+     {}, ["corrupt", "data.json: next_sample must be an integer in [0, 2^62]"]),
+    ("data position as text", "train", {}, damaged_checkpoint(with_values("data.json", next_sample="16")),
+     {}, ["corrupt", "data.json: next_sample must be an integer", "'16'"]),
+    ("data order as a bool", "train", {}, damaged_checkpoint(with_values("data.json", order=True)),
+     {}, ["corrupt", "data.json: order must be an integer", "True"]),
+    ("data position a list", "train", {}, damaged_checkpoint(edit_json("data.json", lambda d: [d])), {},
+     ["corrupt", "data.json must be an object", "[{"]),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -1025,6 +1068,36 @@ CRAFTED = [
     ("chunks over the same half", edit_index(same_half_twice), ["corrupt", "overlap"], None),
     ("chunk whose storage inflates", edit_index(inflating_chunk), ["corrupt", "compressed"], None),
     ("BUILD on an admitted class", legacy_pickle(build_on_a_class), OLDER, ["not trusted", "pathlib.PosixPath"]),
+    # train_state.json: every reader checks all of it (a crafted file is corrupt whoever reads it)
+    ("step as text", with_values("train_state.json", step="2"),
+     ["corrupt", "train_state.json: step must be an integer in [0, 2^62], got '2'"], None),
+    ("negative step", with_values("train_state.json", step=-5),
+     ["corrupt", "train_state.json: step must be an integer in [0, 2^62], got -5"], None),
+    ("step a bool", with_values("train_state.json", step=True),
+     ["corrupt", "train_state.json: step must be an integer", "got True"], None),
+    ("step of 10^30", with_values("train_state.json", step=10**30),
+     ["corrupt", "train_state.json: step must be an integer in [0, 2^62]"], None),
+    ("tokens seen NaN", with_values("train_state.json", tokens_seen=math.nan),
+     ["corrupt", "train_state.json: tokens_seen must be an integer", "nan"], None),
+    ("loss as text", with_values("train_state.json", loss="low"),
+     ["corrupt", "train_state.json: loss must be a number or null, got 'low'"], None),
+    ("no lr schedule", edit_json("train_state.json", lambda s: {k: v for k, v in s.items() if k != "lr_scheduler"}),
+     ["corrupt", "train_state.json has no 'lr_scheduler'"], None),
+    ("lr schedule position as text", with_values("train_state.json", lr_scheduler={"last_epoch": "2"}),
+     ["corrupt", "train_state.json: lr_scheduler.last_epoch must be an integer in [-1, 2^62], got '2'"], None),
+    ("model shapes a list", edit_json("train_state.json", lambda s: {**s, "model": {**s["model"], "shapes": []}}),
+     ["corrupt", "train_state.json: model.shapes must be an object, got []"], None),
+    ("model without a name", with_values("train_state.json", model={"flavor": "debug", "shapes": {}}),
+     ["corrupt", "train_state.json: model has no 'name'"], None),
+    ("recipe not text", with_values("train_state.json", recipe=5),
+     ["corrupt", "train_state.json: recipe must be a string, got 5"], None),
+    ("re-plan a list", with_values("train_state.json", plan=[1.0, 0.5]),
+     ["corrupt", "train_state.json: plan must be an object"], None),
+    ("re-plan on an unknown layout", with_values("train_state.json", plan={"dp_weights": [1.0, 0.5],
+     "measured_on": {"layout": {"ep": 2}, "devices": ["a:0", "a:1"]}}),
+     ["corrupt", "train_state.json: plan.measured_on.layout has 'ep', which is none of dp_replicate"], None),
+    ("train state nested too deep", edit_json("train_state.json", lambda _: "[" * 10**5 + "]" * 10**5),
+     ["corrupt", "train_state.json is not JSON titan reads: nested deeper than"], None),
 ]  # fmt: skip
 READERS = ("resume", "dcp-to-hf", "generate")
 
@@ -1066,3 +1139,175 @@ def test_a_crafted_checkpoint_runs_nothing_and_is_one_line(crafted_results, inde
 
 def test_the_crafted_table_covers_every_way_in():
     assert len(CRAFTED) >= 15 and len({c[0] for c in CRAFTED}) == len(CRAFTED)
+
+
+# -- crafted folders titan reads besides a checkpoint's tensors: a run folder (`titan compare`), an HF folder
+# (`convert hf-to-dcp`, checkpoint.init_from_hf), the recipe a checkpoint saved (`convert dcp-to-hf`, generate),
+# and generate's own options. Every case goes through each command that reads its folder.
+
+
+def file_text(name: str, text: str):
+    """Damage: the folder's file `name` holds `text`."""
+    return lambda folder: (folder / name).write_text(text)
+
+
+def edit_file(name: str, edit):
+    """Damage: the folder's JSON file `name` is `edit(its content)`."""
+    return lambda folder: (folder / name).write_text(json.dumps(edit(json.loads((folder / name).read_text()))))
+
+
+def edit_weight_map(edit):
+    return edit_file("model.safetensors.index.json", lambda index: {**index, "weight_map": edit(index["weight_map"])})
+
+
+def moved_out(absolute: bool):
+    """Damage: the HF folder's first weights file moved to another model's folder beside it, the index naming it
+    there (by a relative path, or an absolute one)."""
+
+    def damage(folder: Path) -> None:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        name = min(index["weight_map"].values())
+        (folder.parent / "other_model").mkdir()
+        (folder / name).rename(folder.parent / "other_model" / name)
+        path = str(folder.parent / "other_model" / name) if absolute else f"../other_model/{name}"
+        edit_weight_map(lambda names: {k: path if v == name else v for k, v in names.items()})(folder)
+
+    return damage
+
+
+def integer_weights(folder: Path) -> None:
+    """Damage: the final norm's weights stored as int32 (safetensors keeps the dtype in the header)."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    file = folder / index["weight_map"]["model.norm.weight"]
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def saved_recipe(edit):
+    """Damage: the checkpoint's saved recipe (the TOML in train_state.json) as `edit(the recipe as a dict)` makes
+    it (a str: that text), the manifest rewritten to match."""
+    import tomli_w
+
+    def damage(folder: Path) -> None:
+        def change(state: dict) -> dict:
+            recipe = edit(tomllib.loads(state["recipe"]))
+            return {**state, "recipe": recipe if isinstance(recipe, str) else tomli_w.dumps(recipe)}
+
+        edit_json("train_state.json", change)(folder)
+
+    return damage
+
+
+def with_overrides(**values):
+    return saved_recipe(lambda r: {**r, "model": {**r["model"], "overrides": {**r["model"]["overrides"], **values}}})
+
+
+def one_record(**values) -> str:
+    return json.dumps({"step": 1, "loss": 2.5, **values}) + "\n"
+
+
+FOLDER_READERS = {"run": ("compare",), "hf": ("hf-to-dcp", "init_from_hf"), "recipe": ("dcp-to-hf", "generate"),
+                  "generate": ("generate",)}  # fmt: skip
+HF_INDEX = "model.safetensors.index.json"
+# (id, folder, damage(folder) or extra command-line arguments, words)
+FOLDERS = [
+    ("step time of text at step 10^6", "run", file_text("metrics.jsonl", one_record(step=10**6, step_time_s="x")),
+     ["metrics.jsonl line 1: step_time_s must be a finite number >= 0, got 'x'"]),
+    ("elapsed time of text", "run", file_text("metrics.jsonl", one_record(elapsed_s="x")),
+     ["metrics.jsonl line 1: elapsed_s must be a finite number >= 0, got 'x'"]),
+    ("elapsed time NaN", "run", file_text("metrics.jsonl", one_record(elapsed_s=math.nan)),
+     ["metrics.jsonl line 1: elapsed_s must be a finite number >= 0, got nan"]),
+    ("step of 5000 digits", "run", file_text("metrics.jsonl", '{"step": 1' + "0" * 5000 + ', "loss": 1.0}\n'),
+     ["metrics.jsonl line 1 is not valid JSON"]),
+    ("layout of an unknown degree", "run", edit_file("run_info.json", lambda info: {**info, "layout": {"ep": 2}}),
+     ["run_info.json: layout has 'ep', which is none of dp_replicate"]),
+    ("recipe of tracking.json a number", "run", edit_file("tracking.json", lambda t: {**t, "recipe": 5}),
+     ["tracking.json: recipe must be a string, got 5"]),
+    ("config.toml of arrays nested deep", "run", file_text("config.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n"),
+     ["config.toml is not valid TOML", "nests tables or arrays more than 32 deep"]),
+    ("config.toml of tables nested deep", "run", file_text("config.toml", f"[{'.'.join(['a'] * 2000)}]\nx = 1\n"),
+     ["config.toml is not valid TOML", "nests tables or arrays more than 32 deep"]),
+    ("index naming a file outside", "hf", moved_out(absolute=False),
+     [f"{HF_INDEX}: weight_map[", "must be a file name in its folder", "got '../other_model/"]),
+    ("index naming an absolute path", "hf", moved_out(absolute=True),
+     [f"{HF_INDEX}: weight_map[", "must be a file name in its folder", "got '/"]),
+    ("index of a list", "hf", edit_weight_map(lambda names: list(names.values())),
+     [f"{HF_INDEX}: weight_map must be a non-empty object, got ['model-"]),
+    ("rms_norm_eps NaN", "hf", edit_file("config.json", lambda c: {**c, "rms_norm_eps": math.nan}),
+     ["config.json: rms_norm_eps must be a finite number > 0, got nan"]),
+    ("10^12 positions", "hf", edit_file("config.json", lambda c: {**c, "max_position_embeddings": 10**12}),
+     ["config.json: max_position_embeddings must be an integer in [1, 2^24], got 1000000000000"]),
+    ("hidden size infinite", "hf", edit_file("config.json", lambda c: {**c, "hidden_size": math.inf}),
+     ["config.json: hidden_size must be an integer in [1, 2^17], got inf"]),
+    ("rope_theta infinite", "hf", edit_file("config.json", lambda c: {**c, "rope_theta": math.inf,
+     "rope_parameters": {**c["rope_parameters"], "rope_theta": math.inf}}),
+     ["config.json: rope_", "rope_theta must be a finite number > 0, got inf"]),
+    ("integer weights", "hf", integer_weights, ["tensor model.norm.weight is I32", "F32, BF16"]),
+    ("saved overrides of text", "recipe", saved_recipe(lambda r: {**r, "model": {**r["model"], "overrides": "big"}}),
+     ["corrupt", "the recipe in train_state.json: model.overrides must be a table, got 'big'"]),
+    ("saved tokenizer path a number", "recipe", saved_recipe(lambda r: {**r, "tokenizer": {"path": 5}}),
+     ["corrupt", "the recipe in train_state.json: tokenizer.path must be str, got 5"]),
+    ("saved norm_eps NaN", "recipe", with_overrides(norm_eps=math.nan),
+     ["its recipe's model is invalid: norm_eps must be a finite number > 0, got nan"]),
+    ("saved max_seq_len 10^12", "recipe", with_overrides(max_seq_len=10**12),
+     ["its recipe's model is invalid: max_seq_len must be at most 16,777,216, got 1,000,000,000,000"]),
+    ("saved recipe nested too deep", "recipe", saved_recipe(lambda _: "a = " + "[" * 5000 + "]" * 5000 + "\n"),
+     ["corrupt", "the recipe in train_state.json: nests tables or arrays more than 32 deep"]),
+    ("temperature NaN", "generate", ["--temperature", "nan"], ["--temperature must be a finite number >= 0", "nan"]),
+    ("temperature infinite", "generate", ["--temperature", "inf"], ["--temperature must be a finite number", "inf"]),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, saved) -> Path:
+    """The saved checkpoint as an HF folder of several weights files and their index."""
+    from titan.checkpoint.hf import dcp_to_hf
+
+    folder = tmp_path_factory.mktemp("hf") / "model"
+    dcp_to_hf(saved, folder, max_shard_size="200KB")
+    assert (folder / HF_INDEX).is_file()
+    return folder
+
+
+def folder_run(case, command: str, tmp: Path, saved: Path, hf: Path) -> tuple[list[str], dict]:
+    """The CLI run of `command` on the case's crafted copy of its folder, in a folder of its own."""
+    _, kind, damage, _ = case
+    tmp.mkdir(parents=True)
+    source = {"run": saved.parent.parent, "hf": hf}.get(kind, saved)
+    folder = tmp / source.name
+    shutil.copytree(source, folder)
+    extra = damage if isinstance(damage, list) else []
+    if callable(damage):
+        damage(folder)
+    if command == "compare":
+        return ["compare", str(folder)], {}
+    if command == "hf-to-dcp":
+        return ["convert", "hf-to-dcp", str(folder), str(tmp / "out")], {}
+    if command == "init_from_hf":
+        overrides = tiny_overrides(tmp, **{**SMALL, **SAVED, "checkpoint.init_from_hf": str(folder)})
+        return ["train", "--config", str(DEBUG_RECIPE), *overrides], {}
+    if command == "dcp-to-hf":
+        return ["convert", "dcp-to-hf", str(folder), str(tmp / "out")], {}
+    return ["generate", "--checkpoint", str(folder), "--prompt", "Once upon a time", *extra], {}
+
+
+@pytest.fixture(scope="module")
+def folder_results(tmp_path_factory, saved, hf_folder) -> dict:
+    root = tmp_path_factory.mktemp("folders")
+    keys = [(i, command) for i, case in enumerate(FOLDERS) for command in FOLDER_READERS[case[1]]]
+    runs = [folder_run(FOLDERS[i], command, root / f"case{i}-{command}", saved, hf_folder) for i, command in keys]
+    return dict(zip(keys, run_titan_forked(runs, root)))
+
+
+@pytest.mark.parametrize("index", range(len(FOLDERS)), ids=[c[0] for c in FOLDERS])
+def test_a_crafted_folder_is_one_line_naming_the_file_and_field(folder_results, index):
+    _, kind, _, words = FOLDERS[index]
+    for command in FOLDER_READERS[kind]:
+        assert_one_line_error(folder_results[(index, command)], *words)
+
+
+def test_the_folders_table_covers_every_reader():
+    assert {c[1] for c in FOLDERS} == set(FOLDER_READERS) and len({c[0] for c in FOLDERS}) == len(FOLDERS) >= 20

@@ -11,12 +11,15 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from distributed import free_port, run_distributed
 from helpers import MODEL, assert_matches_one_process, layout_overrides
 from titan.balance import data_shares
 from titan.config import load_config
+from titan.train.build import check_run
+from titan.train.replan import Replanner
 from titan.train.straggler import StragglerDetector, foreign_plan
 from titan.train.trainer import Trainer
 
@@ -196,3 +199,38 @@ def test_a_plan_holds_only_on_the_layout_and_devices_it_was_measured_on():
         {"layout": {**here["layout"], "dp_shard": 4}, "devices": here["devices"] * 2}, here
     )
     assert foreign_plan(None, here) == "it does not say which devices it was measured on"  # an older checkpoint
+
+
+def replanner(*overrides: str) -> Replanner:
+    """The replanner of a 2-rank FSDP run of the debug recipe with these overrides, on ranks node1:0 and node1:1."""
+    config = load_config(DEBUG_RECIPE, ["--parallel.dp_shard", "2", *overrides], world_size=2)
+    *_, blocks, plan = check_run(config, 2, torch.device("cpu"))
+    return Replanner(config, plan, blocks, ["node1:0", "node1:1"], torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "overrides, weights, why",
+    [
+        ([], [1.0, 1.0], "straggler.enable = false"),
+        (["--straggler.enable", "true", "--parallel.dp_weights", "[2, 1]"], [2.0, 1.0],
+         "the recipe sets other parallel.dp_weights than the run that re-planned"),
+    ],
+    ids=["re-planning off", "other data shares"],
+)  # fmt: skip
+def test_a_saved_replan_is_dropped_when_the_recipe_turns_replanning_off_or_sets_other_shares(
+    overrides, weights, why, caplog
+):
+    """A re-plan saved by a run with re-planning on and even shares holds on the same recipe; a resume whose recipe
+    turns re-planning off, or sets other shares, follows its recipe, and says so once (before, the saved plan
+    silently overrode both)."""
+    saving = replanner("--straggler.enable", "true")
+    saving.dp_weights = [1.0, 0.5]
+    state = json.loads(json.dumps(saving.state_dict()))  # as train_state.json holds it
+    same = replanner("--straggler.enable", "true")
+    same.load_state_dict(state)
+    assert same.plan().dp_weights == (1.0, 0.5)
+    resumed = replanner(*overrides)
+    with caplog.at_level(logging.INFO, logger="titan"):
+        resumed.load_state_dict(state)
+    assert resumed.plan().dp_weights == tuple(weights) and resumed.state_dict() == {}
+    assert caplog.messages == [f"the checkpoint's re-plan is dropped ({why}): starting from the recipe's plan"]

@@ -43,10 +43,11 @@ from titan.checkpoint.format import (
     sha256_files,
     verify,
 )
-from titan.config import Checkpoint
+from titan.config import LAYOUT_SPEC, Checkpoint
 from titan.errors import ConfigError, UserError
 from titan.files import WRITE_ERRORS, fsync, write_error, write_synced
 from titan.optim import ensure_adamw_state
+from titan.schema import Anything, Flag, Integer, Invalid, ListOf, MapOf, Number, Table, Text, optional, read_json
 
 log = logging.getLogger("titan")
 PARTS = ("model", "optimizer", "lr_scheduler", "data", "train_state")
@@ -123,14 +124,51 @@ def write_train_state(
     write_synced(folder / "train_state.json", json.dumps(state, indent=1).encode())
 
 
+# train_state.json and data.json as titan reads them back (titan/schema.py): anything else is a corrupt checkpoint.
+_SCHEDULER = {
+    "last_epoch": Integer(-1),
+    "_step_count": Integer(),
+    "_is_initial": Flag(),
+    "_get_lr_called_within_step": Flag(),
+    "base_lrs": ListOf(Number()),
+    "_last_lr": ListOf(Number()),
+}
+_PLAN = {
+    "dp_weights": ListOf(Number(0, above=True)),
+    "pp_layers_per_stage": ListOf(Integer(1)),
+    "measured_on": Table({"layout": LAYOUT_SPEC, "devices": ListOf(Text())}, required=frozenset({"layout", "devices"})),
+    "recipe": MapOf(Anything()),
+}
+TRAIN_STATE = Table(
+    {
+        "step": Integer(),
+        "tokens_seen": Integer(),
+        "loss": optional(Number(finite=False)),  # None when the step's loss was not finite
+        "lr_scheduler": Table(_SCHEDULER),
+        "model": Table(
+            {"name": Text(), "flavor": Text(), "shapes": MapOf(ListOf(Integer(), most=8))},
+            required=frozenset({"name", "flavor", "shapes"}),
+        ),
+        "recipe": Text(),  # the resolved recipe as TOML; its sections are checked where read (config.saved_section)
+        "math": MapOf(Anything()),
+        "plan": Table(_PLAN),
+    },
+    required=frozenset({"step", "lr_scheduler", "model", "recipe"}),
+)
+DATA_STATE = Table(
+    {key: Integer() for key in ("next_sample", "next_token", "next_piece")}
+    | {key: Integer(1) for key in ("global_batch", "budget", "order")},
+)
+
+
 def read_train_state(path: Path) -> dict:
+    """train_state.json, checked against TRAIN_STATE: ConfigError naming the field otherwise."""
     try:
-        state = json.loads((path / "train_state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: cannot read train_state.json ({e})") from None
-    if not isinstance(state, dict) or not {"step", "model", "recipe"} <= state.keys():
-        raise ConfigError(f"checkpoint {path} is corrupt: train_state.json lacks the step, model or recipe")
-    return state
+        return read_json(path / "train_state.json", TRAIN_STATE)
+    except OSError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: cannot read train_state.json ({e.strerror})") from None
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: {e}") from None
 
 
 def changed_keys(saved: dict, current: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
@@ -463,7 +501,9 @@ class Checkpointer:
             self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:
             try:
-                self.loader.load_state_dict(json.loads((path / "data.json").read_text()))
+                self.loader.load_state_dict(read_json(path / "data.json", DATA_STATE))
+            except Invalid as e:
+                raise ConfigError(f"checkpoint {path} is corrupt: {e}") from None
             except (OSError, ValueError, KeyError) as e:
                 raise ConfigError(f"checkpoint {path} is corrupt: cannot read data.json ({e})") from None
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
@@ -521,7 +561,9 @@ class Checkpointer:
         changed lr or step count applies from the resumed step on."""
         # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
         groups, scheduler = self.optimizer.param_groups, self.lr_scheduler
-        state = {k: v for k, v in state.items() if k not in ("lr_lambdas", "base_lrs", "_last_lr")}
+        # Only the keys the scheduler has: LambdaLR sets every key it is given as an attribute of itself.
+        own = scheduler.state_dict().keys() - {"lr_lambdas", "base_lrs", "_last_lr"}
+        state = {k: v for k, v in state.items() if k in own}
         scheduler.load_state_dict({**state, "base_lrs": scheduler.base_lrs, "lr_lambdas": [None] * len(groups)})
         lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
         for group, lr in zip(groups, lrs):

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import shutil
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,9 +52,10 @@ from titan.checkpoint.checkpointer import (
 )
 from titan.checkpoint.format import CheckpointReader, CheckpointWriter, dcp_error, seal, verify
 from titan.checkpoint.hf_match import check_model_matches, describe_match, model_toml
-from titan.config import Config, Model, to_toml, toml_value
+from titan.config import Config, Model, saved_section, to_toml, toml_value
 from titan.errors import ConfigError
 from titan.progress import Progress
+from titan.schema import FILE_NAME, MapOf, Table, read_json
 
 log = logging.getLogger("titan")
 
@@ -64,6 +64,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# An index names each tensor's file: a plain file name, so that every file read is one of the folder's own.
+WEIGHT_INDEX = Table({"weight_map": MapOf(FILE_NAME, filled=True)}, required=frozenset({"weight_map"}))
+# The safetensors dtypes of weights titan reads (as floats, cast to the model's dtype); an integer tensor is not one.
+FLOAT_WEIGHTS = ("F64", "F32", "BF16", "F16")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,9 +151,9 @@ def hf_weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{index} is not a valid safetensors index (needs a weight_map): {e}") from None
+            weight_map = read_json(index, WEIGHT_INDEX)["weight_map"]
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{folder}: {e}") from None
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -186,6 +190,11 @@ def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], 
                     if name in files:
                         raise ConfigError(f"tensor {name} appears in more than one file of {folder}")
                     part = f.get_slice(name)
+                    if part.get_dtype() not in FLOAT_WEIGHTS:
+                        raise ConfigError(
+                            f"{file}: tensor {name} is {part.get_dtype()}, not weights titan reads "
+                            f"({', '.join(FLOAT_WEIGHTS)})"
+                        )
                     files[name], shapes[name] = file, list(part.get_shape())
                     dtypes.add(part.get_dtype())
         except SafetensorError as e:
@@ -411,15 +420,13 @@ def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None)
     problem = verify(path, rank, world, group)
     if problem:
         raise ConfigError(f"checkpoint {problem}; use another checkpoint")
-    train_state = read_train_state(path)
-    try:
-        model = tomllib.loads(train_state["recipe"])["model"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: cannot read the recipe in train_state.json ({e})") from None
-    spec = hf_spec(model.get("name", "llama3"))
+    model = _saved_section(path, "model")
+    _saved_section(path, "tokenizer")  # read after the weights, checked before them
+    spec = hf_spec(model.name)
     try:
         # The flavor's own max_seq_len (or the recipe's override), not training.seq_len: the model's context length.
-        args = models.model_args(spec, model.get("flavor", "debug"), model.get("overrides", {}))
+        args = models.model_args(spec, model.flavor, model.overrides)
+        args.validate()
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
     metadata = CheckpointReader(path).read_metadata().state_dict_metadata
@@ -433,6 +440,14 @@ def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None)
             )
         saved[name] = (shape, entry.properties.dtype)
     return ModelCheckpoint(path, spec, args, saved)
+
+
+def _saved_section(path: Path, name: str):
+    """A section of the recipe saved in the checkpoint at `path`, typed (config.saved_section)."""
+    try:
+        return saved_section(read_train_state(path)["recipe"], name)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: the recipe in train_state.json: {e}") from None
 
 
 @torch.no_grad()
@@ -484,14 +499,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def checkpoint_tokenizer(path: Path, vocab_size: int, override: Path | None = None):
     """The tokenizer a checkpoint's recipe names (or the tokenizer.json `override`, with the recipe's BOS/EOS), as
     titan.data.Tokenizer; ConfigError when it cannot be read or has more tokens than the model."""
-    from titan.config import Tokenizer as TokenizerConfig
     from titan.data.tokenizer import Tokenizer
 
-    recipe = tomllib.loads(read_train_state(path)["recipe"])
-    try:
-        cfg = TokenizerConfig(**recipe.get("tokenizer", {}))
-    except TypeError as e:
-        raise ConfigError(f"checkpoint {path}: its recipe's [tokenizer] is not titan's: {e}") from None
+    cfg = _saved_section(path, "tokenizer")
     if override is not None:
         cfg = replace(cfg, path=str(override))
     try:

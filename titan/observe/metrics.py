@@ -23,7 +23,8 @@ import torch
 from titan import __version__
 from titan.config import Config, Layout, to_dict
 from titan.errors import import_extra, installed, missing_extra
-from titan.observe.runs import duration, flatten, read_json
+from titan.observe.runs import TRACKING, duration, flatten
+from titan.schema import read_json
 
 log = logging.getLogger("titan")
 
@@ -104,7 +105,7 @@ class MetricsLogger:
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
         names = run_names(config, extra_info)
         try:
-            previous = read_json(run_dir / "tracking.json")
+            previous = read_json(run_dir / "tracking.json", TRACKING)
         except (OSError, ValueError):  # none yet, or torn by a crash: the run starts its tracking afresh
             previous = {}
         tracking = {

@@ -3,19 +3,13 @@ read them. The trackers and `titan compare` share these; torch is not imported, 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from titan.config import LAYOUT_SPEC
+from titan.schema import Integer, Table, Text
 
-
-def read_json(file: Path) -> dict:
-    """The JSON object `file` holds; ValueError saying what is wrong when it holds anything else."""
-    try:
-        value = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{file} is not a JSON object")
-    return value
+ENVIRONMENT = ("titan_version", "torch_version", "python_version", "device")  # what run_info.json says ran the run
+# run_info.json and tracking.json as titan reads them back (titan/schema.py); other keys are left alone.
+RUN_INFO = Table({"world_size": Integer(1), "layout": LAYOUT_SPEC, **dict.fromkeys(ENVIRONMENT, Text())})
+TRACKING = Table({"recipe": Text(), "wandb": Table({"id": Text()})})
 
 
 def flatten(table: dict, prefix: str = "") -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +18,21 @@ import numpy as np
 
 from titan.config import Layout
 from titan.errors import UserError, import_extra
-from titan.observe.runs import duration, flatten, read_json
+from titan.observe.runs import ENVIRONMENT, RUN_INFO, TRACKING, duration, flatten
+from titan.schema import Integer, Number, Table, Text, check, parse_toml, read_json
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
+# metrics.jsonl's records and config.toml as compare reads them (titan/schema.py); other keys are left alone.
+RECORD = Table(
+    {
+        "step": Integer(),
+        **dict.fromkeys(("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_gib"),
+                        Number(finite=False)),  # a loss may be NaN
+        **dict.fromkeys(("tokens_seen", "elapsed_s", "step_time_s"), Number(0)),  # summed and interpolated
+    },
+    required=frozenset({"step"}),
+)  # fmt: skip
+CONFIG = Table({"job": Table({"name": Text()}), "training": Table({"steps": Integer()})})
 
 
 class CompareError(UserError):
@@ -59,15 +70,16 @@ def load_run(path: str | Path) -> Run:
     if missing:
         raise CompareError(f"{path}: not a titan run folder: missing {', '.join(missing)}")
     try:
-        config = flatten(tomllib.loads((path / "config.toml").read_text()))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        config = parse_toml((path / "config.toml").read_text())
+    except ValueError as e:  # TOMLDecodeError, UnicodeDecodeError, nested too deep
         raise CompareError(f"{path / 'config.toml'} is not valid TOML: {e}") from None
     try:
-        info = read_json(path / "run_info.json")
-        tracking = read_json(path / "tracking.json") if (path / "tracking.json").is_file() else {}
+        config = check(config, CONFIG, "config.toml")
+        info = read_json(path / "run_info.json", RUN_INFO)
+        tracking = read_json(path / "tracking.json", TRACKING) if (path / "tracking.json").is_file() else {}
     except ValueError as e:
-        raise CompareError(str(e)) from None
-    return Run(path, config, info, _read_metrics(path / "metrics.jsonl"), tracking)
+        raise CompareError(f"{path}: {e}") from None
+    return Run(path, flatten(config), info, _read_metrics(path / "metrics.jsonl"), tracking)
 
 
 def _read_metrics(file: Path) -> list[dict]:
@@ -79,13 +91,14 @@ def _read_metrics(file: Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, an integer of too many digits, nested too deep
             if number == len(lines) and not text.endswith("\n"):
                 break  # a run killed mid-write leaves a torn last line: everything before it is good
             raise CompareError(f"{file} line {number} is not valid JSON: {line[:60]!r}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise CompareError(f"{file} line {number} has no 'step'")
-        records.append(record)
+        try:
+            records.append(check(record, RECORD, f"{file} line {number}"))
+        except ValueError as e:
+            raise CompareError(str(e)) from None
     if not any("loss" in r for r in records):
         raise CompareError(f"{file} has no logged steps (did the run reach its first step?)")
     return records
@@ -232,7 +245,7 @@ def format_report(runs: list[Run]) -> str:
 
 def _differing_info(runs: list[Run]) -> dict[str, list]:
     diff = {}
-    for key in ("titan_version", "torch_version", "python_version", "device"):
+    for key in ENVIRONMENT:
         values = [run.info.get(key) for run in runs]
         if any(v != values[0] for v in values[1:]):
             diff[key] = values
@@ -251,7 +264,8 @@ def _num(value, fmt: str) -> str:
 def _value(value) -> str:
     if value is None:
         return "(unset)"
-    return json.dumps(value) if isinstance(value, (str, list, dict, bool)) else str(value)
+    # default=str: TOML's dates, which JSON has not
+    return json.dumps(value, default=str) if isinstance(value, (str, list, dict, bool)) else str(value)
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")

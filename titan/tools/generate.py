@@ -16,6 +16,7 @@ one token per row (the decode). The tokenizer is the one the checkpoint's recipe
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import os
 import sys
@@ -45,8 +46,8 @@ class Sampling:
     seed: int = 0  # of the generator the draws come from, so a run repeats on the same device
 
     def check(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (0: the whole vocabulary), got {self.top_k}")
         if not 0 < self.top_p <= 1:

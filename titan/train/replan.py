@@ -26,6 +26,8 @@ from titan.train.step import TrainStep
 from titan.train.straggler import Probe, StragglerDetector, foreign_plan, gather_times
 
 log = logging.getLogger("titan")
+# The recipe's keys that set the shares a re-plan replaces: a resume with others drops the saved re-plan.
+RECIPE_SHARES = ("dp_weights", "pp_layers_per_stage", "pp_stage_speeds", "pp_stage_memory_gib")
 
 
 class Replanner:
@@ -34,6 +36,7 @@ class Replanner:
         layout = plan.layout
         self.config, self.layout, self.blocks, self.device = config, layout, blocks, device
         self.measured_on = {"layout": dataclasses.asdict(layout), "devices": devices}
+        self.recipe = {f"parallel.{key}": getattr(config.parallel, key) for key in RECIPE_SHARES}
         self.dp_weights: list[float] = []  # the data shares' weights in force; empty: the recipe's
         self.pp_layers_per_stage: list[int] = []  # the pipeline split in force; empty: the recipe's
         g = config.straggler
@@ -48,18 +51,30 @@ class Replanner:
     def state_dict(self) -> dict:
         state = {"dp_weights": self.dp_weights, "pp_layers_per_stage": self.pp_layers_per_stage}
         state = {key: list(value) for key, value in state.items() if value}
-        return {**state, "measured_on": self.measured_on} if state else {}
+        return {**state, "measured_on": self.measured_on, "recipe": self.recipe} if state else {}
 
     def load_state_dict(self, state: dict) -> None:
-        """The saved plan, if it was measured on this layout and these devices; else none, with one log line."""
-        foreign = foreign_plan(state.get("measured_on"), self.measured_on) if state else None
-        if foreign:
-            log.info("the checkpoint's re-plan is dropped (%s): starting from the recipe's plan", foreign)
+        """The saved plan, if re-planning is on, the recipe sets the shares it set when the plan was made, and the
+        plan was measured on this layout and these devices; else none, with one log line."""
+        dropped = self._dropped_because(state) if state else None
+        if dropped:
+            log.info("the checkpoint's re-plan is dropped (%s): starting from the recipe's plan", dropped)
             state = {}
         self.dp_weights = list(state.get("dp_weights", []))
         self.pp_layers_per_stage = list(state.get("pp_layers_per_stage", []))
         if self.detector is not None:
             self._follow_weights()
+
+    def _dropped_because(self, state: dict) -> str | None:
+        """Why the saved re-plan does not hold for this run, or None when it does."""
+        if not self.config.straggler.enable:
+            return "straggler.enable = false"
+        if "recipe" not in state:
+            return "it does not say which shares the recipe set"  # saved by an older titan
+        changed = [key for key, value in self.recipe.items() if state["recipe"].get(key) != value]
+        if changed:
+            return f"the recipe sets other {', '.join(changed)} than the run that re-planned"
+        return foreign_plan(state.get("measured_on"), self.measured_on)
 
     def _follow_weights(self) -> None:
         """The detector starts from the data shares' weights in force (speeds relative to the fastest)."""

@@ -5,6 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The largest of each size: far above any Llama (405B: dim 16,384, 126 layers, 128k positions), low enough that a
+# crafted config or checkpoint is refused before it allocates (a RoPE table of 10^12 positions is 64 TB).
+LIMITS = {
+    "dim": 2**17,
+    "n_layers": 2**12,
+    "n_heads": 2**12,
+    "n_kv_heads": 2**12,
+    "vocab_size": 2**22,
+    "multiple_of": 2**17,
+    "max_seq_len": 2**24,
+    "rope_original_max_seq_len": 2**24,
+}
 
 @dataclass
 class ModelArgs:
@@ -43,9 +55,19 @@ class ModelArgs:
         return self.attn_dropout > 0 or self.resid_dropout > 0
 
     def validate(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        for name, most in LIMITS.items():
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if getattr(self, name) > most:
+                raise ValueError(f"{name} must be at most {most:,}, got {getattr(self, name):,}")
+        for name in ("norm_eps", "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:  # NaN too
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 <= self.rope_scaling_factor < math.inf:
+            raise ValueError(
+                f"rope_scaling_factor must be a finite number >= 0 (0: none), got {self.rope_scaling_factor}"
+            )
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"dim ({self.dim}) must divide by n_heads ({self.n_heads}), and n_heads by n_kv_heads "

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titan.models.llama.args import ModelArgs
+from titan.models.llama.args import LIMITS, ModelArgs
+from titan.schema import Integer, Number, Table, Text, optional
 
 # HF's default when a config names no rope_theta (transformers' LlamaConfig).
 _HF_DEFAULT_ROPE_THETA = 10000.0
@@ -29,6 +30,48 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 # Args that are training choices rather than properties of the weights: the RoPE table's length (titan sizes it by
 # training.seq_len) and dropout.
 TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
+
+
+def _size(arg: str) -> Integer:
+    return Integer(1, LIMITS[arg])
+
+
+# The fields of a config.json titan reads (others are left alone), checked before any is used: sizes within titan's
+# LIMITS, every float finite. The RoPE fields come in either of transformers' shapes (see `_rope_settings`).
+_POSITIVE = Number(0, above=True)
+_ROPE = Table(
+    {
+        "rope_type": Text(),
+        "type": Text(),
+        "rope_theta": _POSITIVE,
+        "factor": Number(0),
+        "low_freq_factor": _POSITIVE,
+        "high_freq_factor": _POSITIVE,
+        "original_max_position_embeddings": _size("rope_original_max_seq_len"),
+        "partial_rotary_factor": Number(),
+    },
+)
+HF_CONFIG = Table(
+    {
+        "model_type": Text(),
+        "hidden_act": Text(),
+        "hidden_size": _size("dim"),
+        "num_hidden_layers": _size("n_layers"),
+        "num_attention_heads": _size("n_heads"),
+        "num_key_value_heads": optional(_size("n_kv_heads")),
+        "head_dim": optional(_size("dim")),
+        "intermediate_size": Integer(1, 8 * LIMITS["dim"]),
+        "vocab_size": _size("vocab_size"),
+        "max_position_embeddings": _size("max_seq_len"),
+        "rms_norm_eps": _POSITIVE,
+        "rope_theta": _POSITIVE,
+        "partial_rotary_factor": Number(),
+        "rope_parameters": optional(_ROPE),
+        "rope_scaling": optional(_ROPE),
+        "attention_dropout": optional(Number(0, 1)),
+    },
+    required=frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"}),
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -89,7 +132,9 @@ def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
-    """`ModelArgs` for an HF Llama `config.json` dict; unsupported features raise ValueError naming the field."""
+    """`ModelArgs` for an HF Llama `config.json` dict; unsupported features and values of the wrong type or out of
+    bounds raise ValueError naming the field."""
+    HF_CONFIG.check(hf, "")
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"model_type: expected 'llama', got {hf['model_type']!r}")
     for field in ("attention_bias", "mlp_bias"):
