@@ -18,6 +18,7 @@ LIMITS = {
     "rope_original_max_seq_len": 2**24,
 }
 
+
 @dataclass
 class ModelArgs:
     dim: int = 4096
