@@ -53,7 +53,7 @@ class Tokenizer:
 
 @dataclass(frozen=True)
 class DataSource:
-    """One source of documents, prepared once into token shards (see titan/data/prepared.py)."""
+    """One source of documents, prepared once into token shards (see titan/data/prepared/)."""
 
     # A local file or folder (text, jsonl/json, parquet), a HF hub dataset name (in the HF cache when offline),
     # or a corpus titan fetches and caches itself ("titan:shakespeare").

@@ -1,4 +1,4 @@
-"""Prepared sources (titan/data/prepared.py): the token shards read back exactly, their folder's name tracks the
+"""Prepared sources (titan/data/prepared/): the token shards read back exactly, their folder's name tracks the
 source and the tokenizer, preparation survives interruption and concurrency, and bad sources give one-line errors."""
 
 import json
@@ -22,6 +22,7 @@ from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data import prepared
 from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
+from titan.data.prepared.cache import _target
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError, UserError
 
@@ -173,7 +174,7 @@ def test_a_copied_source_reuses_its_tokens_and_the_cache_lists_and_cleans_what_i
 
 def test_a_hub_source_s_key_holds_its_revision(tmp_path):
     names = {
-        prepared._target(DataSource("someone/corpus", format="hub", revision=revision), TOKENIZER, tmp_path)[1].name
+        _target(DataSource("someone/corpus", format="hub", revision=revision), TOKENIZER, tmp_path)[1].name
         for revision in ("", "main", "0123abcd")
     }
     assert len(names) == 3
@@ -182,20 +183,20 @@ def test_a_hub_source_s_key_holds_its_revision(tmp_path):
 def test_an_interrupted_prepare_leaves_nothing_that_passes_for_complete_and_a_rerun_completes(tmp_path, monkeypatch):
     source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 10)))
     cache = tmp_path / "cache"
-    monkeypatch.setattr(prepared, "_CHUNK_CHARS", 1000)
-    add = prepared._ShardWriter.add
+    monkeypatch.setattr(prepared.encode, "_CHUNK_CHARS", 1000)
+    add = prepared.write._ShardWriter.add
 
     def add_then_interrupt(self, tokens, lengths):
         add(self, tokens, lengths)
         if self.documents > 50:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepared._ShardWriter, "add", add_then_interrupt)
+    monkeypatch.setattr(prepared.write._ShardWriter, "add", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(source, TOKENIZER, cache, workers=1, progress=False)
     (parts,) = leftovers(cache)  # where a rerun resumes: holding no unit, as the one unit was cut short
     assert parts.endswith(".parts") and not any((p / "COMPLETE").is_file() for p in (cache / parts).iterdir())
-    monkeypatch.setattr(prepared._ShardWriter, "add", add)
+    monkeypatch.setattr(prepared.write._ShardWriter, "add", add)
     path = prepare(source, TOKENIZER, cache, workers=1, progress=False)
     assert PreparedDocuments(path).n_documents == len(TEXTS) * 10
 
@@ -253,7 +254,7 @@ def test_killing_a_real_prepare_midway_then_rerunning_completes(tmp_path):
 
 
 def _prepare_in_child(source: str, cache: str, log: str) -> None:
-    write = prepared._write
+    write = prepared.write._write
 
     def slow_write(*args):
         with open(log, "a") as f:
@@ -261,7 +262,7 @@ def _prepare_in_child(source: str, cache: str, log: str) -> None:
         time.sleep(0.5)  # long enough for the other process to find the lock taken
         write(*args)
 
-    prepared._write = slow_write
+    prepared.write._write = slow_write
     prepare(DataSource(source), TOKENIZER, Path(cache), workers=1, progress=False)
 
 
@@ -475,13 +476,13 @@ def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypa
     kept = done()
     assert 2 <= len(kept) < 6, kept  # killed midway
     written = []
-    write = prepared._write
+    write = prepared.write._write
 
     def counted_write(tmp, documents, unit, *args):
         written.append(unit.name)
         write(tmp, documents, unit, *args)
 
-    monkeypatch.setattr(prepared, "_write", counted_write)
+    monkeypatch.setattr(prepared.write, "_write", counted_write)
     path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, unit_bytes=1)
     assert written and not set(written) & set(kept) and len(written) + len(kept) == 6
     whole = prepare(DataSource(str(corpus)), TOKENIZER, tmp_path / "whole", 1, False, unit_bytes=1)

@@ -1,0 +1,123 @@
+"""A source's texts to tokens: read in chunks, encoded by tokenizer processes that every unit of a preparation
+shares."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import multiprocessing.forkserver
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from titan.data.dataset import Documents, iter_texts
+
+_CHUNK_CHARS = 1 << 18  # text per tokenizer task: enough to amortise the inter-process transfer, little to hold
+
+
+def _text_chunks(
+    documents: Documents, files: list[Path | None], counts: collections.Counter
+) -> Iterator[tuple[list[str], int]]:
+    """The non-empty texts of these files (None: the hub dataset) in chunks of about _CHUNK_CHARS characters,
+    each with the progress it makes in bytes: the text read, as a stand-in for the file bytes it came from,
+    settled at the end of each file."""
+    chunk, chars, read = [], 0, 0
+    for file in files:
+        file_bytes, file_read = (file.stat().st_size if file else None), 0
+        for text in iter_texts(documents, file):
+            counts["records"] += 1
+            if not text or text.isspace():
+                counts["empty"] += 1
+                continue
+            chunk.append(text)
+            chars += len(text)
+            step = len(text) if file_bytes is None else max(0, min(len(text), file_bytes - file_read))
+            file_read, read = file_read + step, read + step
+            if chars >= _CHUNK_CHARS:
+                yield chunk, read
+                chunk, chars, read = [], 0, 0
+        if file_bytes is not None:
+            read += file_bytes - file_read
+    yield chunk, read  # the last chunk, even empty, settles the progress
+
+
+class _Encoder:
+    """Texts -> (their documents' tokens concatenated, each document's length), documents framed by BOS and EOS
+    exactly as Tokenizer.encode frames them."""
+
+    def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, dtype: str):
+        self.tokenizer = HFTokenizer.from_str(tokenizer_json)
+        self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, dtype
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        # One call for the chunk: the tokenizer's own batch API, off the GIL (and on its threads where allowed).
+        bodies = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        lengths = np.fromiter((len(body) + 2 for body in bodies), dtype=np.int64, count=len(bodies))
+        ends = np.cumsum(lengths)
+        ids = np.empty(int(ends[-1]) if len(ends) else 0, dtype=self.dtype)
+        inside = np.ones(len(ids), dtype=bool)
+        inside[ends - lengths] = inside[ends - 1] = False
+        ids[ends - lengths], ids[ends - 1] = self.bos_id, self.eos_id
+        ids[inside] = np.fromiter(
+            itertools.chain.from_iterable(bodies), dtype=self.dtype, count=len(ids) - 2 * len(bodies)
+        )
+        return ids, lengths
+
+
+_worker_encoder: _Encoder | None = None
+
+
+def _init_worker(*args) -> None:
+    global _worker_encoder
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no threads on top
+    _worker_encoder = _Encoder(*args)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_encoder(texts)
+
+
+class _Tokenizers:
+    """`workers` tokenizer processes (1: this one) that every unit of a preparation shares."""
+
+    def __init__(self, encoder_args: tuple, workers: int):
+        self.encoder_args, self.workers = encoder_args, workers
+        self.pool = None
+
+    def __enter__(self) -> _Tokenizers:
+        if self.workers > 1:
+            # Not fork: torch (and CUDA) may live in this process. The fork server imports this module once, and
+            # every worker forks from it instead of importing torch again through titan.data.
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__])
+            multiprocessing.forkserver.ensure_running()
+            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=self.encoder_args)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, chunks: Iterator[tuple[list[str], int]]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        """(tokens, lengths, progress) of each chunk, in order."""
+        if self.pool is None:
+            encode = _Encoder(*self.encoder_args)
+            for texts, read in chunks:
+                yield *encode(texts), read
+            return
+        # apply_async over a bounded window rather than Pool.imap, whose feeder thread would read the whole
+        # source ahead of the tokenizers into memory.
+        pending = collections.deque()
+        for texts, read in chunks:
+            pending.append((self.pool.apply_async(_encode_in_worker, (texts,)), read))
+            if len(pending) >= 2 * self.workers:
+                result, done = pending.popleft()
+                yield *result.get(), done
+        while pending:
+            result, done = pending.popleft()
+            yield *result.get(), done
