@@ -1,4 +1,4 @@
-"""Every recipe key with its type, default and description, read from titan/config.py itself: a field's
+"""Every recipe key with its type, default and description, read from titan/config/schema.py itself: a field's
 description is its trailing comment, or else the comment lines just above it. `titan config keys`, the help of
 every command that takes overrides and docs/config.md print them; a test keeps every key described, so the
 listings cannot fall behind the schema."""
@@ -14,7 +14,7 @@ import tokenize
 import typing
 from dataclasses import dataclass
 
-from titan import config as schema
+from titan.config import load, schema
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _keys(prefix: str, cls) -> list[Key]:
         Key(
             f"{prefix}.{f.name}",
             _type_name(hints[f.name]),
-            schema.toml_value(default_of[f.name]),
+            load.toml_value(default_of[f.name]),
             comments.get(f.name, ""),
         )
         for f in dataclasses.fields(cls)
@@ -92,8 +92,8 @@ def _keys(prefix: str, cls) -> list[Key]:
 def _type_name(tp) -> str:
     """config's name for a type, with a list's or dict's item types spelled out."""
     if typing.get_origin(tp) in (list, dict):
-        return str(tp).replace("typing.", "").replace("titan.config.", "")
-    return schema._type_name(tp)
+        return str(tp).replace("typing.", "").replace(f"{schema.__name__}.", "")
+    return load._type_name(tp)
 
 
 def field_comments(cls) -> dict[str, str]:
