@@ -1,4 +1,4 @@
-"""Every recipe key with its type, default and description, read from titan/config.py itself: a field's
+"""Every recipe key with its type, default and description, read from titan/config/sections.py itself: a field's
 description is its trailing comment, or else the comment lines just above it. `titan config keys`, the help of
 every command that takes overrides and docs/config.md print them; a test keeps every key described, so the
 listings cannot fall behind the schema."""
@@ -14,7 +14,7 @@ import tokenize
 import typing
 from dataclasses import dataclass
 
-from titan import config as schema
+from titan.config import load, sections
 
 
 @dataclass
@@ -33,10 +33,10 @@ class Key:
 
 def recipe_keys() -> list[Key]:
     keys = []
-    for section, cls in typing.get_type_hints(schema.Config).items():
+    for section, cls in typing.get_type_hints(sections.Config).items():
         keys += _keys(section, cls)
-        if cls is schema.Data:  # the tables of a mixture
-            keys += _keys("data.sources[]", schema.DataSource)
+        if cls is sections.Data:  # the tables of a mixture
+            keys += _keys("data.sources[]", sections.DataSource)
     return keys
 
 
@@ -58,7 +58,7 @@ def keys_markdown(keys: list[Key]) -> str:
     out = [
         "# Recipe keys",
         "",
-        "Every key a recipe can set, with its type, default and meaning, generated from `titan/config.py` by",
+        "Every key a recipe can set, with its type, default and meaning, generated from `titan/config/sections.py` by",
         "`titan config keys --markdown > docs/config.md` (see [contributing](contributing.md)); do not edit it by",
         "hand. On the command line a key overrides the recipe as `--section.key value`. Recipes and overrides are",
         "explained in [recipes and config](recipes-and-config.md).",
@@ -75,14 +75,14 @@ def keys_markdown(keys: list[Key]) -> str:
 
 def _keys(prefix: str, cls) -> list[Key]:
     hints, comments = typing.get_type_hints(cls), field_comments(cls)
-    if cls in (schema.Data, schema.Validation):  # their source keys mean what DataSource's do
-        comments = {**field_comments(schema.DataSource), **{k: v for k, v in comments.items() if v}}
-    default_of = schema.to_dict(cls()) if cls is not schema.DataSource else dataclasses.asdict(cls(source=""))
+    if cls in (sections.Data, sections.Validation):  # their source keys mean what DataSource's do
+        comments = {**field_comments(sections.DataSource), **{k: v for k, v in comments.items() if v}}
+    default_of = sections.to_dict(cls()) if cls is not sections.DataSource else dataclasses.asdict(cls(source=""))
     return [
         Key(
             f"{prefix}.{f.name}",
             _type_name(hints[f.name]),
-            schema.toml_value(default_of[f.name]),
+            load.toml_value(default_of[f.name]),
             comments.get(f.name, ""),
         )
         for f in dataclasses.fields(cls)
@@ -92,8 +92,8 @@ def _keys(prefix: str, cls) -> list[Key]:
 def _type_name(tp) -> str:
     """config's name for a type, with a list's or dict's item types spelled out."""
     if typing.get_origin(tp) in (list, dict):
-        return str(tp).replace("typing.", "").replace("titan.config.", "")
-    return schema._type_name(tp)
+        return str(tp).replace("typing.", "").replace(f"{sections.__name__}.", "")
+    return load._type_name(tp)
 
 
 def field_comments(cls) -> dict[str, str]:

@@ -1,0 +1,95 @@
+"""The recipe schema: typed dataclasses, loaded from TOML plus dotted CLI overrides, validated once.
+
+Every user mistake raises `ConfigError` with a one-line message that names the key; the CLI prints it
+and exits with status 2. Nothing else in titan parses recipe text.
+
+sections.py holds the sections, load.py reads and writes recipes, checks.py validates them, layout.py splits the world
+by the parallel degrees and resume_keys.py names the keys a resume checks.
+"""
+
+from __future__ import annotations
+
+from titan.config.checks import MAY_BE_INFINITE, require, validate
+from titan.config.layout import LAYOUT_SPEC, Layout, LayoutError, degrees_world_size
+from titan.config.load import (
+    DEGREES,
+    ELSEWHERE,
+    _all_keys,
+    load_config,
+    parse_overrides,
+    read_config,
+    saved_section,
+    to_toml,
+    toml_value,
+)
+from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS, math_values
+from titan.config.sections import (
+    BLEND_PERIOD,
+    MAX_BLEND_PERIOD,
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    Config,
+    Data,
+    DataSource,
+    Float8,
+    Job,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallel,
+    PlanTarget,
+    Profiling,
+    Straggler,
+    Tokenizer,
+    Training,
+    Validation,
+    blend_period,
+    to_dict,
+)
+
+__all__ = [
+    "BLEND_PERIOD",
+    "DEGREES",
+    "ELSEWHERE",
+    "LAYOUT_SPEC",
+    "MATH_KEYS",
+    "MAX_BLEND_PERIOD",
+    "MAY_BE_INFINITE",
+    "PREPARED_KEYS",
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Compile",
+    "Config",
+    "Data",
+    "DataSource",
+    "Float8",
+    "Job",
+    "LRScheduler",
+    "Layout",
+    "LayoutError",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallel",
+    "PlanTarget",
+    "Profiling",
+    "Straggler",
+    "Tokenizer",
+    "Training",
+    "Validation",
+    "_all_keys",  # tests check that config_keys lists every key
+    "blend_period",
+    "degrees_world_size",
+    "load_config",
+    "math_values",
+    "parse_overrides",
+    "read_config",
+    "require",
+    "saved_section",
+    "to_dict",
+    "to_toml",
+    "toml_value",
+    "validate",
+]

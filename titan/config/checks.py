@@ -1,0 +1,326 @@
+"""The checks of a recipe's values (its types are already right), section by section: the first wrong value
+raises a ConfigError that names its key."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+
+from titan.config.layout import Layout
+from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
+from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
+from titan.errors import ConfigError
+
+log = logging.getLogger("titan")
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check the values of a recipe whose types are right, section by section; the first wrong one raises a
+    ConfigError that names its key."""
+    _validate_run(config)
+    _validate_parallel(config.parallel)
+    _validate_data(config)
+    _validate_recovery(config)
+    _validate_performance(config)
+    _validate_context_parallel(config)
+    _validate_layout(config, world_size)
+    _require_finite(config)  # after the keys' own checks, whose messages say more
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate_run(config: Config) -> None:
+    """The job, the step's sizes, the optimizer and its lr schedule, metrics and profiling."""
+    t = config.training
+    require(
+        config.job.name.strip() != "" and "/" not in config.job.name,
+        f"job.name must be a non-empty folder name, got {config.job.name!r}",
+    )
+    require(t.steps > 0, f"training.steps must be positive, got {t.steps}")
+    require(t.seq_len > 0, f"training.seq_len must be positive, got {t.seq_len}")
+    require(t.local_batch_size > 0, f"training.local_batch_size must be positive, got {t.local_batch_size}")
+    require(
+        t.global_batch_size >= 0,
+        f"training.global_batch_size must be positive (or 0 for local x data-parallel), got {t.global_batch_size}",
+    )
+    require(t.max_grad_norm >= 0, f"training.max_grad_norm must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
+    o = config.optimizer
+    require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    require(
+        0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1 and beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
+    )
+    require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    s = config.lr_scheduler
+    require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
+    if s.warmup_steps > t.steps:
+        log.warning(
+            "lr_scheduler.warmup_steps (%d) is longer than the run (training.steps %d): the learning rate warms up "
+            "over the whole run and never reaches optimizer.lr",
+            s.warmup_steps,
+            t.steps,
+        )
+    require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    require(0 < s.wsd_decay_ratio <= 1, f"lr_scheduler.wsd_decay_ratio must be in (0, 1], got {s.wsd_decay_ratio}")
+    require(config.metrics.log_freq > 0, f"metrics.log_freq must be positive, got {config.metrics.log_freq}")
+    f = config.profiling
+    require(
+        f.wait >= 0 and f.warmup >= 0 and f.active >= 1,
+        f"profiling.wait and warmup must be >= 0 and active >= 1, got {f.wait}, {f.warmup}, {f.active}",
+    )
+    require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
+
+
+def _validate_parallel(p: Parallel) -> None:
+    """The parallel degrees and the pipeline's stage hints, whatever the world size."""
+    for name in ("dp_replicate", "cp", "tp", "pp"):
+        require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    require(
+        all(0 < x < math.inf for x in p.pp_stage_speeds),
+        f"parallel.pp_stage_speeds must all be > 0 and finite (relative speeds), got {p.pp_stage_speeds}",
+    )
+    require(
+        all(x > 0 for x in p.pp_stage_memory_gib),
+        f"parallel.pp_stage_memory_gib must all be GiB > 0, got {p.pp_stage_memory_gib}",
+    )
+    require(
+        not (p.pp_stage_memory_gib and p.pp_layers_per_stage),
+        "parallel.pp_stage_memory_gib caps the layer split titan chooses, but parallel.pp_layers_per_stage sets it; "
+        "leave one of them empty",
+    )
+    require(
+        p.dp_shard >= 1 or p.dp_shard == -1,
+        f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
+    )
+
+
+def _validate_data(config: Config) -> None:
+    """The tokenizer, the data sources and their batching, and the held-out validation share."""
+    require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
+    d, v = config.data, config.validation
+    require(d.source != "", "data.source must name a local file, folder or hub dataset")
+    if d.batching == "tokens":
+        require(
+            d.document_mask,
+            "data.batching = 'tokens' packs whole documents and needs data.document_mask = true",
+        )
+        require(
+            not d.sources,
+            "data.batching = 'tokens' reads one source; blend the sources into one, or use data.batching = 'rows'",
+        )
+        require(d.max_document_len >= 0, f"data.max_document_len must be >= 0 (0 = seq_len), got {d.max_document_len}")
+        require(
+            len(d.cost_model) in (0, 3) and all(0 <= x < math.inf for x in d.cost_model),
+            f"data.cost_model must be [] (measure it) or three finite numbers >= 0 [a, b, c], got {d.cost_model}",
+        )
+        require(
+            d.balance != "cost" or not d.cost_model or d.cost_model[0] > 0 or d.cost_model[1] > 0,
+            f"data.cost_model {d.cost_model} prices every document at 0 s (a·s² + b·s with a = b = 0), so "
+            "data.balance = 'cost' sends them all to rank 0; set a or b > 0 (e.g. [2e-6, 1e-4, 1e-3]), or [] to "
+            "measure them",
+        )
+        require(
+            not config.compile.enable,
+            "compile.enable with data.batching = 'tokens' is not supported: every micro-batch has another length, "
+            "and per-document attention would recompile each block; use one or the other",
+        )
+    for i, source in enumerate(d.sources):
+        require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
+        require(
+            0 < source.weight < math.inf,
+            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
+        )
+    if d.sources:
+        weights = [s.weight for s in d.sources]
+        try:
+            blend_period(weights)
+        except ValueError:
+            i = weights.index(min(weights))
+            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
+            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
+            raise ConfigError(
+                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
+                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
+                f"least {smallest:.3g}, or drop the source"
+            ) from None
+    require(
+        d.prepare_workers >= 0,
+        f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
+    )
+    require(v.interval >= 0, f"validation.interval must be >= 0 (0 disables validation), got {v.interval}")
+    require(v.steps > 0, f"validation.steps must be positive, got {v.steps}")
+    require(
+        0 <= v.fraction < 1,
+        f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}",
+    )
+    for i, source in enumerate(d.source_list()):
+        key = f"data.sources[{i}].source" if d.sources else "data.source"
+        require(
+            not _same_documents(v, source),
+            f"validation.source {v.source!r} reads the documents that {key} {source.source!r} trains on, so "
+            "validation would measure memorisation; name a source of held-out documents, or leave validation.source "
+            "empty to hold out validation.fraction of the training documents",
+        )
+
+
+def _validate_recovery(config: Config) -> None:
+    """Skipped steps and checkpoints."""
+    t = config.training
+    require(t.max_skipped_steps >= 1, f"training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
+    c = config.checkpoint
+    require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
+    checked = MATH_KEYS + PREPARED_KEYS
+    unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in checked)]
+    require(
+        not unknown,
+        f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: "
+        f"{', '.join(checked)}",
+    )
+    require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
+    parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
+    require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
+
+
+def _validate_performance(config: Config) -> None:
+    """float8, the plan's device, activation checkpointing and the straggler probe."""
+    f8 = config.float8
+    require(
+        not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
+        f"float8.enable_fsdp_float8_all_gather needs float8.recipe = 'tensorwise' (torchao all-gathers float8 weights "
+        f"with one scale per tensor), got {f8.recipe!r}",
+    )
+    require(
+        not f8.precompute_dynamic_scale or f8.enable_fsdp_float8_all_gather,
+        "float8.precompute_dynamic_scale only serves float8.enable_fsdp_float8_all_gather; enable that too, or turn "
+        "it off",
+    )
+    require(
+        all(s.strip() for s in f8.skip),
+        f"float8.skip entries must be non-empty module-name substrings, got {f8.skip!r}",
+    )
+    target = config.plan
+    require(
+        0 <= target.headroom_fraction < 1, f"plan.headroom_fraction must be in [0, 1), got {target.headroom_fraction}"
+    )
+    for name in ("peak_flops", "memory_gib", "hbm_gbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node"):
+        require(getattr(target, name) >= 0, f"plan.{name} must be >= 0 (0: the device's), got {getattr(target, name)}")
+    a = config.activation_checkpoint
+    require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
+    require(
+        0 <= a.budget_gib < float("inf"),
+        f"activation_checkpoint.budget_gib must be GiB >= 0 (0: what the device leaves), got {a.budget_gib}",
+    )
+    if a.mode == "auto":
+        require(
+            not config.compile.enable,
+            "activation_checkpoint.mode = 'auto' measures eager blocks, which compiled ones do not match; set "
+            "compile.enable = false, or use mode 'full' or 'selective'",
+        )
+    g = config.straggler
+    require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
+    require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
+    require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """What parallel.cp > 1 asks of the sequence length and the batching."""
+    t, p, d = config.training, config.parallel, config.data
+    if p.cp > 1:
+        require(
+            t.seq_len % (2 * p.cp) == 0,
+            f"training.seq_len {t.seq_len} must divide into 2 x parallel.cp = {2 * p.cp} equal chunks (each rank "
+            f"holds two, one from each end, to even out causal attention); use a multiple of {2 * p.cp}",
+        )
+        if d.batching == "tokens":
+            require(
+                (d.max_document_len or t.seq_len) <= t.seq_len,
+                f"data.max_document_len {d.max_document_len} is longer than training.seq_len {t.seq_len}: with "
+                "parallel.cp > 1 a document runs whole, at most in one ring row of seq_len tokens; lower "
+                "max_document_len or raise seq_len",
+            )
+            require(
+                t.local_batch_size == 1,
+                f"training.local_batch_size {t.local_batch_size} with parallel.cp > 1 and data.batching = 'tokens': "
+                "a micro-batch is one row of training.seq_len tokens per cp group (a ring, or a row of seq_len / cp "
+                "for each rank); set local_batch_size = 1 (raise seq_len for larger micro-batches)",
+            )
+        # What context parallelism does not compose with yet, and why (docs/context-parallel.md).
+        unsupported = {
+            "data.batching = 'tokens' and parallel.pp > 1": (
+                d.batching == "tokens" and p.pp > 1,
+                "a pipeline's fixed micro-batch shapes do not switch between ring and local micro-batches",
+            ),
+        }
+        for what, (used, why) in unsupported.items():
+            require(
+                not used, f"parallel.cp > 1 with {what} is not supported yet: {why}; set parallel.cp = 1 or drop it"
+            )
+
+
+def _validate_layout(config: Config, world_size: int) -> None:
+    """What depends on the world size: the data-parallel weights and the straggler re-plan."""
+    p, g = config.parallel, config.straggler
+    # The parallel layout and the batch arithmetic both depend on the world size.
+    dp = Layout.from_config(p, world_size).dp
+    require(
+        not g.enable or p.pp == 1 or dp == 1,
+        "straggler.enable re-plans the data shares, or with parallel.pp > 1 the layer split; with both data and "
+        "pipeline parallelism it is not supported yet: turn it off, or use one of them",
+    )
+    if p.dp_weights:
+        require(
+            len(p.dp_weights) == dp,
+            f"parallel.dp_weights has {len(p.dp_weights)} entries but there are {dp} data-parallel ranks; "
+            "give one weight per rank",
+        )
+        require(
+            all(0 < w < math.inf for w in p.dp_weights),
+            f"parallel.dp_weights must all be > 0 and finite (relative speeds), got {p.dp_weights}",
+        )
+
+
+# The float keys for which infinity means something: no limit (on the size titan prepares itself; on a stage's GiB).
+MAY_BE_INFINITE = ("data.auto_prepare_max_mb", "parallel.pp_stage_memory_gib")
+
+
+def _require_finite(config: Config) -> None:
+    """Every float of the recipe finite (its lists and model.overrides included), but infinity where it means no
+    limit: NaN and infinity pass a range check as `not x < 0`, and a key checked as `x > 0` lets infinity by.
+    After the keys' own checks, whose messages say more."""
+    for key, value in _floats(config, ""):
+        if not (math.isfinite(value) or (value == math.inf and key.split("[")[0] in MAY_BE_INFINITE)):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
+def _floats(value, key: str):
+    """(dotted key, value) of every float in `value`: a dataclass, a table, a list or a number."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _floats(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _floats(item, f"{key}.{name}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _floats(item, f"{key}[{i}]")
+    elif isinstance(value, float):
+        yield key, value
+
+
+def _same_documents(v: Validation, source: DataSource) -> bool:
+    """Whether validation.source names a training source's documents: the same local file or folder (or titan
+    corpus), whatever the split, or the same split and revision of the same hub dataset."""
+    if not v.source:
+        return False
+    mine, theirs = Path(v.source).expanduser(), Path(source.source).expanduser()
+    if mine.exists() and theirs.exists():
+        return mine.resolve() == theirs.resolve()
+    if v.source.startswith("titan:"):  # a local file titan fetches: one split
+        return v.source == source.source
+    return (v.source, v.split, v.revision, "") == (source.source, source.split, source.revision, source.subset)
