@@ -717,13 +717,6 @@ def _validate_recovery(config: Config) -> None:
     require(t.max_skipped_steps >= 1, f"training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
     c = config.checkpoint
     require(c.interval > 0, f"checkpoint.interval must be positive, got {c.interval}")
-    checked = MATH_KEYS + PREPARED_KEYS
-    unknown = [k for k in c.allow_changes if not any(k == m or m.startswith(k + ".") for m in checked)]
-    require(
-        not unknown,
-        f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: "
-        f"{', '.join(checked)}",
-    )
     require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {c.keep_latest_k}")
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
@@ -925,74 +918,6 @@ class Layout:
 
 # A layout as files record it (run_info.json, a saved re-plan): degrees of Layout, an absent one 1.
 LAYOUT_SPEC = Table({f.name: Integer(1) for f in dataclasses.fields(Layout)}, closed=True)
-
-
-# The recipe keys that change what a resumed run computes, or which tokens it trains or validates on: a resume
-# checks them against the checkpoint's. training.global_batch is the global batch in rows, whatever
-# global_batch_size and the layout say.
-MATH_KEYS = (
-    "job.seed",
-    "model.name",
-    "model.flavor",
-    "model.overrides",
-    "tokenizer.path",
-    "tokenizer.bos_token",
-    "tokenizer.eos_token",
-    "data.source",
-    "data.sources",
-    "data.format",
-    "data.text_field",
-    "data.split",
-    "data.subset",
-    "data.revision",
-    "data.shuffle",
-    "data.document_mask",
-    "data.batching",
-    "data.max_document_len",
-    "training.seq_len",
-    "training.global_batch",
-    "training.steps",
-    "training.max_grad_norm",
-    "training.mixed_precision",
-    "validation.fraction",
-    "validation.source",
-    "validation.format",
-    "validation.text_field",
-    "validation.split",
-    "validation.revision",
-    "validation.steps",
-    "optimizer.name",
-    "optimizer.lr",
-    "optimizer.beta1",
-    "optimizer.beta2",
-    "optimizer.eps",
-    "optimizer.weight_decay",
-    "lr_scheduler.warmup_steps",
-    "lr_scheduler.decay",
-    "lr_scheduler.min_lr_ratio",
-    "lr_scheduler.wsd_decay_ratio",
-    "float8.enable",
-    "float8.recipe",
-    "float8.skip",
-)
-# What a checkpoint records of the data the run read (titan.data.prepared_record), checked on resume like
-# MATH_KEYS: each source's prepared tokens (a source whose files changed or grew behind the same path, or another
-# tokenizer, has others) and validation's held-out split.
-PREPARED_KEYS = ("data.prepared", "validation.prepared")
-
-
-def math_values(config: Config, global_batch: int) -> dict[str, Any]:
-    """The MATH_KEYS' values of a run, as JSON-ready values."""
-    values = to_dict(config)
-    values["training"]["global_batch"] = global_batch
-    values["data"]["sources"] = values["data"]["sources"] if config.data.sources else []
-    if config.lr_scheduler.decay == "constant":
-        values["training"]["steps"] = None  # the only schedule whose lr does not depend on the run's length
-    out = {}
-    for key in MATH_KEYS:
-        section, name = key.split(".")
-        out[key] = values[section][name]
-    return out
 
 
 def to_dict(config: Config) -> dict:

@@ -13,9 +13,11 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer, changed_keys, complete_checkpoints
+from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.format import seal, verify
-from titan.config import load_config, math_values
+from titan.checkpoint.resume import complete_checkpoints
+from titan.checkpoint.resume_keys import changed_keys, math_values
+from titan.config import load_config
 from titan.errors import ConfigError
 from titan.optim import FiniteFlags
 from titan.train.step import StepHook

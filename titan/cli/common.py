@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from titan import __version__
+from titan.checkpoint.resume_keys import check_allow_changes
 from titan.config import Config, load_config
 from titan.run_plan import run_plan
 
@@ -86,5 +87,6 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     recipe that cannot run is refused here, before torch is imported."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(path, overrides, world_size)
+    check_allow_changes(config.checkpoint)
     run_plan(config, world_size)
     return config

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from titan.checkpoint.resume_keys import check_allow_changes
 from titan.cli.common import CONFIG_OPTION, data_app, recipe_command
 from titan.config import degrees_world_size, load_config, read_config
 from titan.errors import UserError
@@ -34,6 +35,7 @@ def data_prepare(
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
+    check_allow_changes(cfg.checkpoint)
     share = _part(part)
     from titan.data import validation_source  # imported late, as in train: titan.data imports torch
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare

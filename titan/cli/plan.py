@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from titan.checkpoint.resume_keys import check_allow_changes
 from titan.cli.common import CONFIG_OPTION, recipe_command
 from titan.config import degrees_world_size, load_config, read_config
 from titan.errors import ConfigError, UserError
@@ -45,6 +46,7 @@ def plan(
     if degrees and graph:
         raise UserError("give --cp or --graph, not both: --cp plans whole steps, --graph one block")
     cfg = load_config(config, overrides, world_size=world_size)
+    check_allow_changes(cfg.checkpoint)
     if graph and cfg.parallel.cp > 1:
         share = cfg.training.seq_len // cfg.parallel.cp
         raise UserError(

@@ -51,7 +51,7 @@ def split(config: Config, documents) -> tuple[Split, Split]:
 
 def prepared_record(config: Config) -> dict:
     """What a checkpoint records of the documents the run reads, checked on resume like the recipe's math keys
-    (config.PREPARED_KEYS): each training source's prepared tokens, by their key (which hashes the source's
+    (resume_keys.PREPARED_KEYS): each training source's prepared tokens, by their key (which hashes the source's
     contents and the tokenizer) and document count, so a source whose files changed or grew behind the same path
     differs; and, when validation runs, its held-out split: the fraction of each training source, or the prepared
     tokens of its own source."""

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from titan.checkpoint.checkpointer import Checkpointer, model_shapes
-from titan.config import Config, math_values, to_toml
+from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.resume_keys import math_values
+from titan.checkpoint.train_state import model_shapes
+from titan.config import Config, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer, prepared_record
 from titan.observe.metrics import (
     MetricsLogger,

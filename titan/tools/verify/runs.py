@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from titan.checkpoint.resume_keys import check_allow_changes
 from titan.config import Config, Layout, read_config, to_toml, validate
 from titan.errors import ConfigError
 from titan.run_plan import run_plan
@@ -83,6 +84,7 @@ def verify(
     config = read_config(recipe, overrides)
     processes = world_size_of(config.parallel)
     validate(config, processes)
+    check_allow_changes(config.checkpoint)
     run_plan(config, processes)
     layout = Layout.from_config(config.parallel, processes)
     if processes == 1:

@@ -1,0 +1,99 @@
+"""What a resume checks of the recipe against the checkpoint: the keys that change the math or the tokens
+(MATH_KEYS), the record of the prepared data (PREPARED_KEYS), their values in a run (math_values), and which of
+them changed (changed_keys). Torch-free: the CLI checks checkpoint.allow_changes against them before torch loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan.config import Checkpoint, Config, to_dict
+from titan.errors import ConfigError
+
+# The recipe keys that change what a resumed run computes, or which tokens it trains or validates on: a resume
+# checks them against the checkpoint's. training.global_batch is the global batch in rows, whatever
+# global_batch_size and the layout say.
+MATH_KEYS = (
+    "job.seed",
+    "model.name",
+    "model.flavor",
+    "model.overrides",
+    "tokenizer.path",
+    "tokenizer.bos_token",
+    "tokenizer.eos_token",
+    "data.source",
+    "data.sources",
+    "data.format",
+    "data.text_field",
+    "data.split",
+    "data.subset",
+    "data.revision",
+    "data.shuffle",
+    "data.document_mask",
+    "data.batching",
+    "data.max_document_len",
+    "training.seq_len",
+    "training.global_batch",
+    "training.steps",
+    "training.max_grad_norm",
+    "training.mixed_precision",
+    "validation.fraction",
+    "validation.source",
+    "validation.format",
+    "validation.text_field",
+    "validation.split",
+    "validation.revision",
+    "validation.steps",
+    "optimizer.name",
+    "optimizer.lr",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay",
+    "lr_scheduler.min_lr_ratio",
+    "lr_scheduler.wsd_decay_ratio",
+    "float8.enable",
+    "float8.recipe",
+    "float8.skip",
+)
+# What a checkpoint records of the data the run read (titan.data.prepared_record), checked on resume like
+# MATH_KEYS: each source's prepared tokens (a source whose files changed or grew behind the same path, or another
+# tokenizer, has others) and validation's held-out split.
+PREPARED_KEYS = ("data.prepared", "validation.prepared")
+
+
+def math_values(config: Config, global_batch: int) -> dict[str, Any]:
+    """The MATH_KEYS' values of a run, as JSON-ready values."""
+    values = to_dict(config)
+    values["training"]["global_batch"] = global_batch
+    values["data"]["sources"] = values["data"]["sources"] if config.data.sources else []
+    if config.lr_scheduler.decay == "constant":
+        values["training"]["steps"] = None  # the only schedule whose lr does not depend on the run's length
+    out = {}
+    for key in MATH_KEYS:
+        section, name = key.split(".")
+        out[key] = values[section][name]
+    return out
+
+
+def check_allow_changes(cfg: Checkpoint) -> None:
+    """ConfigError unless every key of checkpoint.allow_changes is one a resume checks (or a section of them)."""
+    checked = MATH_KEYS + PREPARED_KEYS
+    unknown = [k for k in cfg.allow_changes if not any(k == m or m.startswith(k + ".") for m in checked)]
+    if unknown:
+        raise ConfigError(
+            f"checkpoint.allow_changes: {', '.join(unknown)} not checked on resume; the keys that are: "
+            f"{', '.join(checked)}"
+        )
+
+
+def changed_keys(saved: dict, current: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
+    """(refused, allowed) descriptions of the math-changing keys whose values differ from the checkpoint's."""
+    refused, accepted = [], []
+    for key in current:
+        if key in saved and saved[key] != current[key]:
+            change = f"{key} {saved[key]!r} -> {current[key]!r}"
+            ok = any(key == a or key.startswith(a + ".") for a in allowed)
+            (accepted if ok else refused).append(change)
+    return refused, accepted
