@@ -274,8 +274,8 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     same whatever the bytes, so the files hold random bytes, not a trained model."""
     import math
 
-    from titan.checkpoint.checkpointer import model_shapes
     from titan.checkpoint.format import seal, sha256_files, verify
+    from titan.checkpoint.train_state import model_shapes
     from titan.config import load_config
     from titan.train.build import resolve_model
 

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from helpers import trainer_for  # noqa: E402
-from titan.checkpoint.checkpointer import complete_checkpoints  # noqa: E402
 from titan.checkpoint.format import read_manifest, verify  # noqa: E402
+from titan.checkpoint.resume import complete_checkpoints  # noqa: E402
 
 STEPS = 12
 RUN = {"training.steps": str(STEPS), "checkpoint.interval": "1", "checkpoint.keep_latest_k": "3"}

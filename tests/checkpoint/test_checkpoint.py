@@ -14,7 +14,9 @@ import torch
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SAVED, SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer, complete_checkpoints, single_process_quiet
+from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.format import single_process_quiet
+from titan.checkpoint.resume import complete_checkpoints
 from titan.rng.shards import full_tensor
 
 

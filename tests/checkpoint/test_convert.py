@@ -35,9 +35,9 @@ from helpers import (  # noqa: E402
 )
 from titan import models  # noqa: E402
 from titan.checkpoint import hf as hf_io  # noqa: E402
-from titan.checkpoint import hf_match  # noqa: E402
-from titan.checkpoint.checkpointer import model_shapes, write_train_state  # noqa: E402
 from titan.checkpoint.format import CheckpointWriter, seal  # noqa: E402
+from titan.checkpoint.hf import match as hf_match  # noqa: E402
+from titan.checkpoint.train_state import model_shapes, write_train_state  # noqa: E402
 from titan.config import Config, Model, load_config, to_toml  # noqa: E402
 from titan.data.tokenizer import Tokenizer  # noqa: E402
 from titan.errors import ConfigError  # noqa: E402

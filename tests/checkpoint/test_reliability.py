@@ -13,8 +13,9 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer, changed_keys, complete_checkpoints
+from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.format import seal, verify
+from titan.checkpoint.resume import changed_keys, complete_checkpoints
 from titan.config import load_config, math_values
 from titan.errors import ConfigError
 from titan.optim import FiniteFlags

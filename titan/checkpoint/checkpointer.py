@@ -1,6 +1,6 @@
 """Checkpoints of the whole training state: sharded (DCP), atomic, verified, optionally async, reshardable on load.
 
-Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format.py: why nothing in it is code):
+Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format/: why nothing in it is code):
     *.distcp, tensors.json  model weights and optimizer state, one shard file per rank (DCP), and their JSON index
     train_state.json        step, tokens seen, the step's loss, lr schedule, the model's parameter shapes, the
                             recipe's math-changing values with the prepared data's keys and document counts,
@@ -11,24 +11,21 @@ Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format.p
     NEXT_STEP_FINITE        added once the step after it ran finite: a checkpoint known to train on (last_good)
 
 A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
-the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest.
+the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. This module saves,
+seals, proves (last_good) and prunes them; resume.py resumes from one; train_state.py writes and reads
+train_state.json.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import logging
 import math
-import re
 import shutil
 import time
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -38,148 +35,30 @@ from titan.checkpoint.format import (
     PROVEN,
     CheckpointReader,
     CheckpointWriter,
-    dcp_error,
     seal,
     sha256_files,
+    single_process_quiet,
     verify,
 )
-from titan.config import LAYOUT_SPEC, Checkpoint
-from titan.errors import ConfigError, UserError
+from titan.checkpoint.resume import (
+    PARTS,
+    STEP_DIR,
+    check_math,
+    check_model,
+    complete_checkpoints,
+    find_resume_point,
+    load_data_state,
+    read_tensors,
+    restore_lr_scheduler,
+    set_aside_newer,
+)
+from titan.checkpoint.train_state import read_train_state, write_train_state
+from titan.config import Checkpoint
+from titan.errors import UserError
 from titan.files import WRITE_ERRORS, fsync, write_error, write_synced
 from titan.optim import ensure_adamw_state
-from titan.schema import Anything, Flag, Integer, Invalid, ListOf, MapOf, Number, Table, Text, optional, read_json
 
 log = logging.getLogger("titan")
-PARTS = ("model", "optimizer", "lr_scheduler", "data", "train_state")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-@contextlib.contextmanager
-def single_process_quiet():
-    """DCP warns that it assumes a single process when torch.distributed is not initialised: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """step -> folder of every complete checkpoint under `folder`."""
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for child in folder.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / MARKER).is_file():
-            found[int(match.group(1))] = child
-    return dict(sorted(found.items()))
-
-
-def checkpoints_at(path: Path, key: str = "checkpoint") -> list[Path]:
-    """The complete checkpoint folder `path`, else every one in `path` (a checkpoints/ folder) or in
-    `path/checkpoints` (a run folder), oldest first. `key` names what the user set, for the error."""
-    path = Path(path)
-    if (path / MARKER).is_file():
-        return [path]
-    for folder in (path, path / "checkpoints"):
-        found = complete_checkpoints(folder)
-        if found:
-            return list(found.values())
-    what = (
-        "does not exist"
-        if not path.exists()
-        else f"is not a complete titan checkpoint (no {MARKER} marker), nor a folder of them"
-    )
-    raise ConfigError(f"{key}: {path} {what}")
-
-
-def find_checkpoint(path: Path, key: str = "checkpoint") -> Path:
-    """A complete checkpoint folder as given, else the newest in `path` (a checkpoints/ folder) or in
-    `path/checkpoints` (a run folder)."""
-    return checkpoints_at(path, key)[-1]
-
-
-def model_shapes(spec, args) -> dict[str, list[int]]:
-    """Every parameter's shape, by name, for the whole model (a tied head once): what train_state.json
-    records, so every layout, and the HF import, describe a model alike."""
-    with torch.device("meta"):
-        model = spec.build(args)
-    return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
-# -- what a checkpoint holds besides tensors --------------------------------------------------------
-
-
-def write_train_state(
-    folder: Path, *, step: int, tokens_seen: int, lr_scheduler: dict, model: dict, recipe: str, **extra
-) -> None:
-    """train_state.json. model: {"name", "flavor", "shapes"}; recipe: the resolved recipe as TOML."""
-    state = {
-        "step": step,
-        "tokens_seen": tokens_seen,
-        "lr_scheduler": lr_scheduler,
-        "model": model,
-        "recipe": recipe,
-        **extra,
-    }
-    write_synced(folder / "train_state.json", json.dumps(state, indent=1).encode())
-
-
-# train_state.json and data.json as titan reads them back (titan/schema.py): anything else is a corrupt checkpoint.
-_SCHEDULER = {
-    "last_epoch": Integer(-1),
-    "_step_count": Integer(),
-    "_is_initial": Flag(),
-    "_get_lr_called_within_step": Flag(),
-    "base_lrs": ListOf(Number()),
-    "_last_lr": ListOf(Number()),
-}
-_PLAN = {
-    "dp_weights": ListOf(Number(0, above=True)),
-    "pp_layers_per_stage": ListOf(Integer(1)),
-    "measured_on": Table({"layout": LAYOUT_SPEC, "devices": ListOf(Text())}, required=frozenset({"layout", "devices"})),
-    "recipe": MapOf(Anything()),
-}
-TRAIN_STATE = Table(
-    {
-        "step": Integer(),
-        "tokens_seen": Integer(),
-        "loss": optional(Number(finite=False)),  # None when the step's loss was not finite
-        "lr_scheduler": Table(_SCHEDULER),
-        "model": Table(
-            {"name": Text(), "flavor": Text(), "shapes": MapOf(ListOf(Integer(), most=8))},
-            required=frozenset({"name", "flavor", "shapes"}),
-        ),
-        "recipe": Text(),  # the resolved recipe as TOML; its sections are checked where read (config.saved_section)
-        "math": MapOf(Anything()),
-        "plan": Table(_PLAN),
-    },
-    required=frozenset({"step", "lr_scheduler", "model", "recipe"}),
-)
-DATA_STATE = Table(
-    {key: Integer() for key in ("next_sample", "next_token", "next_piece")}
-    | {key: Integer(1) for key in ("global_batch", "budget", "order")},
-)
-
-
-def read_train_state(path: Path) -> dict:
-    """train_state.json, checked against TRAIN_STATE: ConfigError naming the field otherwise."""
-    try:
-        return read_json(path / "train_state.json", TRAIN_STATE)
-    except OSError as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: cannot read train_state.json ({e.strerror})") from None
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: {e}") from None
-
-
-def changed_keys(saved: dict, current: dict, allowed: list[str]) -> tuple[list[str], list[str]]:
-    """(refused, allowed) descriptions of the math-changing keys whose values differ from the checkpoint's."""
-    refused, accepted = [], []
-    for key in current:
-        if key in saved and saved[key] != current[key]:
-            change = f"{key} {saved[key]!r} -> {current[key]!r}"
-            ok = any(key == a or key.startswith(a + ".") for a in allowed)
-            (accepted if ok else refused).append(change)
-    return refused, accepted
 
 
 def _cause(e: BaseException) -> OSError | None:
@@ -265,7 +144,7 @@ class Checkpointer:
                     shutil.rmtree(final, ignore_errors=True)
                     child.rename(final)
             elif child.name.startswith((".tmp-step-", ".resplit-step-", ".pruned-")) or (
-                _STEP_DIR.match(child.name) and not (child / MARKER).is_file()
+                STEP_DIR.match(child.name) and not (child / MARKER).is_file()
             ):
                 log.info("removing %s, left by an interrupted save", child)
                 shutil.rmtree(child, ignore_errors=True)
@@ -443,55 +322,15 @@ class Checkpointer:
             return None
         return verify(path, self.rank, self.world, self.control_group)
 
-    def find_resume_point(self) -> Path | None:
-        """The checkpoint to resume from: the recipe's path, or with resume = auto the newest complete one that
-        passes verification (a damaged one is skipped with a warning)."""
-        resume = self.cfg.resume
-        if resume == "never":
-            return None
-        if resume != "auto":
-            path = find_checkpoint(Path(resume), "checkpoint.resume")
-            problem = self._verify(path)
-            if problem:
-                raise ConfigError(f"checkpoint {problem}; resume from another checkpoint")
-            return path
-        found = complete_checkpoints(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in found:
-                raise ConfigError(
-                    f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint of that step in "
-                    f"{self.folder} (found: {sorted(found) or 'none'})"
-                )
-            problem = self._verify(found[self.cfg.load_step])
-            if problem:
-                raise ConfigError(f"checkpoint {problem}; choose another checkpoint.load_step")
-            return found[self.cfg.load_step]
-        for step in sorted(found, reverse=True):
-            problem = self._verify(found[step])
-            if problem is None:
-                return found[step]
-            log.warning("skipping damaged checkpoint %s", problem)
-        return None
-
     def load(self, path: Path, parts: tuple[str, ...]) -> int:
         """Load `parts` of the checkpoint at `path`; returns the step to continue from."""
         train_state = read_train_state(path)
-        self._check_model(path, train_state["model"])
+        check_model(path, train_state["model"], self.model)
         if "train_state" in parts:
-            self._check_math(path, train_state)
+            check_math(path, train_state, self.math_values, self.cfg.allow_changes)
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
-            CheckpointReader(path).read_metadata()  # a refused index gets its own message, not DCP's wrapping
-            try:
-                with single_process_quiet():
-                    dcp.load(
-                        tensors,
-                        storage_reader=CheckpointReader(path, progress=f"loading checkpoint {path.name}"),
-                        process_group=self.save_group,
-                        no_dist=self.save_group is None,
-                    )
-            except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
-                raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
+            read_tensors(path, tensors, self.save_group)
         step = train_state["step"] if "train_state" in parts else 0
         if "train_state" in parts:
             if self.replan:
@@ -500,75 +339,19 @@ class Checkpointer:
         if "lr_scheduler" in parts:
             self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:
-            try:
-                self.loader.load_state_dict(read_json(path / "data.json", DATA_STATE))
-            except Invalid as e:
-                raise ConfigError(f"checkpoint {path} is corrupt: {e}") from None
-            except (OSError, ValueError, KeyError) as e:
-                raise ConfigError(f"checkpoint {path} is corrupt: cannot read data.json ({e})") from None
+            load_data_state(path, self.loader)
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
         self.resumed_from = path
         if path.parent.resolve() == self.folder.resolve():
             if "train_state" in parts:
                 self._unproven = step  # the step it resumes at proves it, as for a checkpoint this run saved
             if self.rank == 0:
-                self._set_aside_newer(step)
+                set_aside_newer(self.folder, step)
         return step
 
-    def _set_aside_newer(self, step: int) -> None:
-        """A run resumed at `step` with later checkpoints in its folder (checkpoint.load_step, or the later ones
-        failed verification) goes on from there: the later ones belong to an abandoned future, so they move to
-        checkpoints/rewound/ (kept for inspection, never resumed from by `auto`, never overwritten)."""
-        newer = [p for s, p in complete_checkpoints(self.folder).items() if s > step]
-        if not newer:
-            return
-        aside = self.folder / "rewound" / datetime.datetime.now().strftime(f"from-step-{step}-%Y%m%d-%H%M%S")
-        aside.mkdir(parents=True, exist_ok=True)
-        for path in newer:
-            path.rename(aside / path.name)
-        log.warning(
-            "rewound to step %d: the later checkpoints %s (damaged, or chosen against by checkpoint.load_step) "
-            "moved to %s",
-            step,
-            [p.name for p in newer],
-            aside,
-        )
-
-    def _check_math(self, path: Path, train_state: dict) -> None:
-        saved = train_state.get("math")
-        if not saved:
-            return  # saved by a titan that did not record them
-        if "data.prepared" in self.math_values and "data.prepared" not in saved:  # saved before titan recorded it
-            unchecked = [key for key in self.math_values if key not in saved]
-            log.warning(
-                "checkpoint %s was saved by an older titan that did not record %s: not checked on this resume",
-                path,
-                ", ".join(unchecked),
-            )
-        refused, accepted = changed_keys(saved, self.math_values, self.cfg.allow_changes)
-        if refused:
-            keys = ",".join(change.split(" ")[0] for change in refused)
-            raise ConfigError(
-                f"the recipe or its data differ from checkpoint {path} in what changes the training math or the "
-                f"tokens: {'; '.join(refused)}; restore them, or pass --checkpoint.allow_changes {keys} to resume "
-                "with the new values"
-            )
-        for change in accepted:
-            log.warning("resuming with a changed recipe (checkpoint.allow_changes): %s", change)
-
     def restore_lr_scheduler(self, state: dict) -> None:
-        """The schedule's position from `state`; its shape (base lr, warmup, length) stays the recipe's, so a
-        changed lr or step count applies from the resumed step on."""
-        # The schedule's lambdas are code, not state: LambdaLR expects one placeholder per group.
-        groups, scheduler = self.optimizer.param_groups, self.lr_scheduler
-        # Only the keys the scheduler has: LambdaLR sets every key it is given as an attribute of itself.
-        own = scheduler.state_dict().keys() - {"lr_lambdas", "base_lrs", "_last_lr"}
-        state = {k: v for k, v in state.items() if k in own}
-        scheduler.load_state_dict({**state, "base_lrs": scheduler.base_lrs, "lr_lambdas": [None] * len(groups)})
-        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for group, lr in zip(groups, lrs):
-            group["lr"] = lr
-        scheduler._last_lr = lrs
+        """The schedule's position from `state` (resume.restore_lr_scheduler)."""
+        restore_lr_scheduler(self.optimizer, self.lr_scheduler, state)
 
     # -- moving the state to rebuilt parts (a pipeline re-split) -------------------------------
 
@@ -587,23 +370,9 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _check_model(self, path: Path, saved: dict) -> None:
-        current = self.model
-        if saved["name"] != current["name"] or saved["shapes"] != current["shapes"]:
-            differing = sorted(
-                k
-                for k in set(saved["shapes"]) | set(current["shapes"])
-                if saved["shapes"].get(k) != current["shapes"].get(k)
-            )
-            raise ConfigError(
-                f"checkpoint {path} holds a {saved['name']} {saved['flavor']} model that does not match this recipe's "
-                f"{current['name']} {current['flavor']} ({len(differing)} parameters differ, e.g. {differing[:3]}); "
-                "use a matching recipe, or checkpoint.resume = never to start fresh"
-            )
-
     def resume(self) -> int:
         """Load what the recipe asks for; returns the step to start from (0 for a fresh start)."""
-        path = self.find_resume_point()
+        path = find_resume_point(self.cfg, self.folder, self._verify)
         if path is None:
             if self.cfg.resume == "auto":
                 log.info("no checkpoint in %s: starting from step 0", self.folder)

@@ -52,8 +52,8 @@ def convert_upgrade(
     ),
 ) -> None:
     """Rewrite checkpoints of an older titan (DCP's pickled .metadata) to titan's JSON index, in place, once."""
-    from titan.checkpoint.checkpointer import checkpoints_at
     from titan.checkpoint.format import upgrade
+    from titan.checkpoint.resume import checkpoints_at
 
     for folder in checkpoints_at(path):
         typer.echo(upgrade(folder))

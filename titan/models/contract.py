@@ -105,7 +105,7 @@ class StageIO:
 class HFAdapter:
     """Conversion between the family's args and weights and a Hugging Face checkpoint (config.json + safetensors).
 
-    Pure functions; titan/checkpoint/hf.py reads and writes the files. Weights are mapped tensor by tensor, so a reader
+    Pure functions; titan/checkpoint/hf/ reads and writes the files. Weights are mapped tensor by tensor, so a reader
     can fetch only the part of an HF tensor that one shard needs: titan row r of a parameter is row rows[r] of
     its HF tensor (rows None: the same rows).
     """

@@ -13,7 +13,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from titan.checkpoint.checkpointer import complete_checkpoints
+from titan.checkpoint.resume import complete_checkpoints
 from titan.config import Config
 from titan.errors import UserError
 from titan.observe.metrics import MetricsLogger

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan.checkpoint.checkpointer import Checkpointer, model_shapes
+from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.train_state import model_shapes
 from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, Tokenizer, prepared_record
 from titan.observe.metrics import (

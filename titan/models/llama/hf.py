@@ -4,7 +4,7 @@ Pure functions on config dicts and tensors; reading and writing files is left to
 
 * `args_from_hf_config` / `hf_config_from_args`: a `config.json` dict <-> `ModelArgs`.
 * `hf_sources`: each titan parameter's HF tensor and, for q/k, which HF row each titan row is. It is the
-  mapping in both directions: per tensor (`to_hf_tensor`; titan/checkpoint/hf.py reads just a shard's rows with it)
+  mapping in both directions: per tensor (`to_hf_tensor`; titan/checkpoint/hf/ reads just a shard's rows with it)
   and for whole state dicts (`from_hf_state_dict` / `to_hf_state_dict`, full tensors).
 
 The one non-trivial step is the q/k layout. titan (like Meta's reference code) rotates *interleaved* pairs

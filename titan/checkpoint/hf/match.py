@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from titan import models
-from titan.checkpoint.checkpointer import model_shapes
+from titan.checkpoint.train_state import model_shapes
 from titan.config import toml_value
 from titan.errors import ConfigError
 

@@ -1,0 +1,257 @@
+"""A titan checkpoint's model out: its model and tokenizer as the recipe saved them (open_model_checkpoint,
+checkpoint_tokenizer, load_tensors: dcp-to-hf and titan generate read them), and `titan convert dcp-to-hf`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from titan import models
+from titan.checkpoint.format import CheckpointReader, dcp_error, single_process_quiet, verify
+from titan.checkpoint.hf.files import CONFIG_FILE, INDEX_FILE, atomic_folder, hf_spec
+from titan.checkpoint.hf.memory import PeakMemory
+from titan.checkpoint.resume import find_checkpoint
+from titan.checkpoint.train_state import model_shapes, read_train_state
+from titan.config import saved_section
+from titan.errors import ConfigError
+from titan.progress import Progress
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelCheckpoint:
+    """A titan checkpoint's model as its recipe and DCP index describe it, checked against each other (no tensor
+    is read)."""
+
+    path: Path  # the step-N folder
+    spec: models.ModelSpec
+    args: Any
+    saved: dict[str, tuple[list[int], torch.dtype]]  # parameter -> (shape, dtype as saved)
+
+
+def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None) -> ModelCheckpoint:
+    """The model of the titan checkpoint at `path` (a step-N folder, or a checkpoints/ or run folder: its newest),
+    after verifying the folder's files: with several ranks (and `group`) each hashes its share."""
+    path = find_checkpoint(path)
+    problem = verify(path, rank, world, group)
+    if problem:
+        raise ConfigError(f"checkpoint {problem}; use another checkpoint")
+    model = _saved_section(path, "model")
+    _saved_section(path, "tokenizer")  # read after the weights, checked before them
+    spec = hf_spec(model.name)
+    try:
+        # The flavor's own max_seq_len (or the recipe's override), not training.seq_len: the model's context length.
+        args = models.model_args(spec, model.flavor, model.overrides)
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
+    metadata = CheckpointReader(path).read_metadata().state_dict_metadata
+    saved = {}
+    for name, shape in model_shapes(spec, args).items():
+        entry = metadata.get(f"model.{name}")
+        if entry is None or list(getattr(entry, "size", [])) != shape:
+            found = "absent" if entry is None else f"of shape {list(entry.size)}"
+            raise ConfigError(
+                f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}"
+            )
+        saved[name] = (shape, entry.properties.dtype)
+    return ModelCheckpoint(path, spec, args, saved)
+
+
+def _saved_section(path: Path, name: str):
+    """A section of the recipe saved in the checkpoint at `path`, typed (config.saved_section)."""
+    try:
+        return saved_section(read_train_state(path)["recipe"], name)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: the recipe in train_state.json: {e}") from None
+
+
+@torch.no_grad()
+def load_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Fill `tensors` ({parameter: tensor}) from the checkpoint at `path`: plain tensors whole, DTensors their local
+    shard, each cast to its tensor's dtype and copied to its device. DCP reads only the saved chunks that overlap
+    them, one at a time, whatever layout wrote them: the host holds one saved chunk at most besides."""
+    try:
+        with single_process_quiet():
+            dcp.load({"model": tensors}, storage_reader=CheckpointReader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # assorted errors on truncated or foreign files
+        raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
+
+
+def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
+    """The full parameters `saved` names ({name: (shape, dtype)}), as saved."""
+    # Zeros, not empty: were an element ever left unread, the export would hold no stale process memory.
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
+    load_tensors(path, tensors)
+    return tensors
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in '2GB', '500MB', '1.5GiB', '10KB' or a plain number (decimal units, as transformers reads them)."""
+    scales = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Z]*)", str(text).strip().upper())
+    if not match or match.group(2) not in scales:
+        raise ConfigError(f"--max-shard-size {text!r}: expected a size like 2GB, 500MB, 1GiB or a number of bytes")
+    size = int(float(match.group(1)) * scales[match.group(2)])
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def checkpoint_tokenizer(path: Path, vocab_size: int, override: Path | None = None):
+    """The tokenizer a checkpoint's recipe names (or the tokenizer.json `override`, with the recipe's BOS/EOS), as
+    titan.data.Tokenizer; ConfigError when it cannot be read or has more tokens than the model."""
+    from titan.data.tokenizer import Tokenizer
+
+    cfg = _saved_section(path, "tokenizer")
+    if override is not None:
+        cfg = replace(cfg, path=str(override))
+    try:
+        tokenizer = Tokenizer(cfg)
+    except ConfigError as e:
+        where = "--tokenizer" if override is not None else f"checkpoint {path}'s recipe (or pass --tokenizer)"
+        raise ConfigError(f"{where}: {e}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model only {vocab_size}: "
+            "not the tokenizer it was trained with"
+        )
+    return tokenizer
+
+
+def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
+    """TOKENIZER_FILES for transformers' AutoTokenizer and generate, from titan's tokenizer.
+
+    titan trains on documents framed BOS + text + EOS and continues a prompt as BOS + text; so the tokenizer.json
+    written prepends BOS to what it encodes (a post-processor, as Llama 3's own tokenizer.json has), unless the
+    source tokenizer does so already. Decoding keeps the text as titan decodes it (no clean-up of spaces).
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    hf = HFTokenizer.from_file(str(tokenizer.path))
+    bos, eos = hf.id_to_token(tokenizer.bos_id), hf.id_to_token(tokenizer.eos_id)
+    if hf.encode("a").ids[:1] != [tokenizer.bos_id]:
+        prepend = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
+        )
+        hf.post_processor = prepend if hf.post_processor is None else processors.Sequence([hf.post_processor, prepend])
+    hf.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": bos, "eos_token": eos}
+    files = {
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # the tokenizer.json as it is, as Llama 3 ships it
+            **special,
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"],
+        },
+        "special_tokens_map.json": special,
+        # Greedy, as `titan generate` by default; no pad token of its own: batches pad with EOS.
+        "generation_config.json": {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": tokenizer.eos_id,
+            "pad_token_id": tokenizer.eos_id,
+        },
+    }
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def dcp_to_hf(
+    checkpoint: Path,
+    out_dir: Path,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str = "float32",
+    tokenizer: Path | None = None,
+) -> str:
+    """Export the model of a titan checkpoint, and the tokenizer its recipe names (or `tokenizer`), as an HF folder,
+    one weights file in memory at a time; returns the report to print."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
+    with PeakMemory() as peak:
+        found = open_model_checkpoint(checkpoint)
+        path, spec, args, saved = found.path, found.spec, found.args, found.saved
+        tok, tokenizer_note = _export_tokenizer(path, args.vocab_size, tokenizer)
+        sources = spec.hf.sources(args)
+        titan_names = {sources[name][0]: name for name in saved}
+        # huggingface_hub plans the files and the index from sizes alone (meta tensors: nothing is allocated). Its
+        # save_torch_state_dict would need every tensor in memory at once, so the files are written here, one
+        # at a time.
+        planned = {
+            hf: torch.empty(saved[titan][0], dtype=out_dtype, device="meta") for hf, titan in titan_names.items()
+        }
+        split = split_torch_state_dict_into_shards(planned, max_shard_size=max_bytes)
+        n_params = sum(math.prod(shape) for shape, _ in saved.values())
+        what = f"exporting {path.name} to {Path(out_dir).name}"
+        with atomic_folder(Path(out_dir)) as tmp, Progress(what, split.metadata["total_size"], "B") as progress:
+            config = spec.hf.config_from_args(args, dtype)
+            if tok is not None:
+                config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            for file, hf_names in split.filename_to_tensors.items():
+                tensors = _load_parameters(path, {titan_names[hf]: saved[titan_names[hf]] for hf in hf_names})
+                weights = {}
+                for hf in hf_names:
+                    titan = titan_names[hf]
+                    weights[hf] = spec.hf.to_hf_tensor(tensors.pop(titan), sources[titan][1]).to(out_dtype).contiguous()
+                save_file(weights, str(tmp / file), metadata={"format": "pt"})
+                progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
+                del weights  # before the next file's tensors are loaded, not after
+            if split.is_sharded:
+                index = {
+                    "metadata": {**split.metadata, "total_parameters": n_params},
+                    "weight_map": split.tensor_to_filename,
+                }
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            if tok is not None:
+                write_tokenizer_files(tmp, tok, args.max_seq_len)
+    files = len(split.filename_to_tensors)
+    return (
+        f"wrote {out_dir}: {CONFIG_FILE}, {files} safetensors file{'s' * (files > 1)}"
+        f"{' with ' + INDEX_FILE if split.is_sharded else ''} ({len(saved)} tensors, {n_params / 1e6:.2f}M "
+        f"parameters, {dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}), and "
+        f"{tokenizer_note}"
+    )
+
+
+def _export_tokenizer(path: Path, vocab_size: int, override: Path | None):
+    """(the tokenizer to export with checkpoint `path`, or None; what the report says of it). A recipe's
+    tokenizer that is not here (a checkpoint converted from HF names titan's default) leaves the export without
+    tokenizer files, which the report says; a --tokenizer that fails is an error."""
+    try:
+        tok = checkpoint_tokenizer(path, vocab_size, override)
+    except ConfigError as e:
+        if override is not None:
+            raise ConfigError(f"--tokenizer: {e}") from None
+        return None, f"no tokenizer files ({e}; pass --tokenizer PATH/tokenizer.json)"
+    return tok, f"the tokenizer files ({', '.join(TOKENIZER_FILES)}) from {tok.path}"

@@ -1,0 +1,260 @@
+"""Hugging Face folders: the files (config.json, safetensors weights and their index), their checks against each
+other, reading a tensor's part (a shard's box) into the model, and writing a folder atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from titan import models
+from titan.checkpoint.train_state import model_shapes
+from titan.errors import ConfigError
+from titan.progress import Progress
+from titan.schema import FILE_NAME, MapOf, Table, read_json
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# An index names each tensor's file: a plain file name, so that every file read is one of the folder's own.
+WEIGHT_INDEX = Table({"weight_map": MapOf(FILE_NAME, filled=True)}, required=frozenset({"weight_map"}))
+# The safetensors dtypes of weights titan reads (as floats, cast to the model's dtype); an integer tensor is not one.
+FLOAT_WEIGHTS = ("F64", "F32", "BF16", "F16")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading an HF folder: its headers first, then tensors a slice at a time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_spec(model_name: str) -> models.ModelSpec:
+    try:
+        spec = models.get_model_spec(model_name)
+    except KeyError as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    if spec.hf is None:
+        raise ConfigError(f"model {model_name} has no Hugging Face conversion")
+    return spec
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"HF checkpoint folder {folder} {what}")
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder (config.json + *.safetensors)"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return config
+
+
+def hf_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF folder: those its index names, or the single `model.safetensors`."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = read_json(index, WEIGHT_INDEX)["weight_map"]
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{folder}: {e}") from None
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} names files that are missing: {', '.join(missing)}")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+    hint = (
+        (
+            f" (it has {', '.join(pickled[:3])}: pickle files, which titan does not read; convert them to safetensors "
+            "with transformers' save_pretrained)"
+        )
+        if pickled
+        else ""
+    )
+    raise ConfigError(f"{folder} has no *.safetensors weights{hint}")
+
+
+def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], str]:
+    """({HF tensor: its file}, {HF tensor: shape}, the dtypes) from the safetensors headers; no tensor is read."""
+    from safetensors import SafetensorError, safe_open
+
+    files: dict[str, Path] = {}
+    shapes: dict[str, list[int]] = {}
+    dtypes: set[str] = set()
+    for file in hf_weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in files:
+                        raise ConfigError(f"tensor {name} appears in more than one file of {folder}")
+                    part = f.get_slice(name)
+                    if part.get_dtype() not in FLOAT_WEIGHTS:
+                        raise ConfigError(
+                            f"{file}: tensor {name} is {part.get_dtype()}, not weights titan reads "
+                            f"({', '.join(FLOAT_WEIGHTS)})"
+                        )
+                    files[name], shapes[name] = file, list(part.get_shape())
+                    dtypes.add(part.get_dtype())
+        except SafetensorError as e:
+            raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
+    return files, shapes, ", ".join(sorted(dtypes))
+
+
+@dataclass(frozen=True)
+class HFFolder:
+    """An HF checkpoint as its config and file headers describe it, checked against each other (`open_hf`);
+    its tensors are read later, only the parts a process needs (`read_into`)."""
+
+    path: Path
+    args: Any  # the model's args, from config.json
+    files: dict[str, Path]  # HF tensor -> the file holding it
+    sources: dict[str, tuple[str, Tensor | None]]  # titan parameter -> (HF tensor, rows): the adapter's mapping
+    copies: dict[str, str]  # tied copies the files hold -> the HF tensor each must equal
+    dtypes: str  # the files' dtypes, for reports
+
+
+def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
+    """The HF folder's config and file headers, checked against each other: ConfigError naming the difference."""
+    folder = Path(folder)
+    config = read_hf_config(folder)
+    try:
+        args = spec.hf.args_from_config(config)
+    except (ValueError, KeyError, TypeError) as e:
+        what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+        raise ConfigError(f"{folder / CONFIG_FILE}: {what}") from None
+    files, shapes, dtypes = _read_headers(folder)
+    sources = spec.hf.sources(args)
+    try:
+        copies = spec.hf.check_names(files, args)
+        expected = {sources[name][0]: shape for name, shape in model_shapes(spec, args).items()}
+        expected.update({copy: expected[original] for copy, original in copies.items()})
+        for name, shape in expected.items():
+            if shapes[name] != shape:
+                raise ValueError(f"{name} has shape {shapes[name]}, but the config makes it {shape}")
+    except ValueError as e:
+        raise ConfigError(f"{folder}: the weights do not match its {CONFIG_FILE}: {e}") from None
+    return HFFolder(folder, args, files, sources, copies, dtypes)
+
+
+def _shard_index(name: str, param: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """(the tensor this process holds of `param`, per dim the global indices of its elements): all of a plain
+    tensor; of a DTensor, the local shard, which is the cross product of those index vectors (see ShardIndex)."""
+    from torch.distributed.tensor import DTensor
+
+    from titan.rng.shards import ShardIndex
+
+    if not isinstance(param, DTensor):
+        return param, [torch.arange(n) for n in param.shape]
+    local = param._local_tensor  # to_local() would go through autograd
+    coord = param.device_mesh.get_coordinate()
+    if coord is None:  # a rank outside the mesh holds nothing
+        return local, []
+    shard = ShardIndex(param.shape, param.device_mesh.shape, coord, param.placements)
+    if tuple(local.shape) != shard.local_shape:
+        raise ConfigError(
+            f"parameter {name}: cannot copy a {list(shard.local_shape)} part into a {list(local.shape)} shard"
+        )
+    return local, [torch.arange(n) if v is None else v for n, v in zip(param.shape, shard.vecs)]
+
+
+def _read_box(file: Path, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
+    """(the elements of HF tensor `name` at the cross product of `index`, one vector of indices per dim; bytes read).
+
+    One slice read of their bounding box, then a gather along the dims whose indices are not one ascending run:
+    for the common row or column shard (FSDP, TP) the box is the shard itself and nothing is gathered; q/k rows
+    reordered within heads gather along rows. Index vectors are per dim, never as large as the shard.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    starts = [int(v.min()) for v in index]
+    try:
+        # Opened per read: the tensors safetensors returns map the file, and every page a read touched stays
+        # resident while the file is open, which across reads would add up to this process's whole share.
+        with safe_open(str(file), framework="pt") as f:
+            box = f.get_slice(name)[tuple(slice(s, int(v.max()) + 1) for s, v in zip(starts, index))]
+    except SafetensorError as e:
+        raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
+    read = box.numel() * box.element_size()
+    for dim, (start, v) in enumerate(zip(starts, index)):
+        if not torch.equal(v, torch.arange(start, start + len(v))):
+            box = box.index_select(dim, v - start)
+    return box, read
+
+
+def read_part(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
+    """(the elements of titan parameter `name` at the cross product of `index`, one vector of global indices per
+    dim, as the HF files hold them; bytes read). A tied copy in the files is read alike and must be equal."""
+    hf_name, rows = hf.sources[name]
+    if rows is not None:  # the titan rows wanted, as HF numbers them
+        index = [rows[index[0]], *index[1:]]
+    values, read = _read_box(hf.files[hf_name], hf_name, index)
+    for copy in [c for c, original in hf.copies.items() if original == hf_name]:
+        copied, n = _read_box(hf.files[copy], copy, index)
+        read += n
+        if not torch.equal(copied, values):
+            raise ConfigError(f"{hf.path}: {copy} differs from {hf_name}, of which the model makes it a copy")
+    return values, read
+
+
+@torch.no_grad()
+def read_into(hf: HFFolder, named_tensors, what: str) -> tuple[int, int]:
+    """Fill each (titan name, tensor) with its part of the HF weights, cast to the tensor's dtype: a whole plain
+    tensor, or the local shard of a DTensor of any layout, showing progress as `what`. Returns (tensors written,
+    bytes read from the files)."""
+    named_tensors = list(named_tensors)
+    total = sum(param.numel() * param.element_size() for _, param in named_tensors)  # of the whole model
+    count = read = 0
+    with Progress(what, total, "B") as progress:
+        for name, param in named_tensors:
+            local, index = _shard_index(name, param)
+            if local.numel():
+                values, n = read_part(hf, name, index)
+                local.copy_(values)
+                read += n
+            count += 1
+            progress.update(param.numel() * param.element_size())
+    return count, read
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing a folder atomically
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path):
+    """Yield a temporary folder beside `out`, renamed to `out` when the block succeeds (as checkpoints are)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output folder {out} already exists and is not empty; remove it or choose another")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename does not replace a folder everywhere
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,112 @@
+"""Hugging Face checkpoints into titan: `titan convert hf-to-dcp` writes a titan checkpoint folder holding the model,
+and `checkpoint.init_from_hf` loads an HF folder straight into the trainer's (sharded) model."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from titan import models
+from titan.checkpoint.format import CheckpointWriter, dcp_error, seal, single_process_quiet
+from titan.checkpoint.hf.files import atomic_folder, hf_spec, open_hf, read_into
+from titan.checkpoint.hf.match import check_model_matches, describe_match, model_toml
+from titan.checkpoint.hf.memory import PeakMemory
+from titan.checkpoint.train_state import model_shapes, write_train_state
+from titan.config import Config, Model, to_toml, toml_value
+from titan.errors import ConfigError
+
+log = logging.getLogger("titan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf-to-dcp
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: str | None = None) -> str:
+    """Write the HF folder's weights as a titan checkpoint (model only, fp32); returns the report to print."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    spec = hf_spec(model_name)
+    hf = open_hf(hf_dir, spec)
+    sentence, flavor, overrides = describe_match(spec, hf.args, flavor)
+    shapes = model_shapes(spec, hf.args)
+    # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
+    tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    read_into(hf, tensors.items(), f"reading {hf_dir.name}")
+    recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
+    with atomic_folder(out_dir) as tmp:
+        try:
+            writer = CheckpointWriter(tmp, progress=f"writing {out_dir.name}")
+            with single_process_quiet():
+                dcp.save({"model": tensors}, storage_writer=writer, no_dist=True)
+        except CheckpointException as e:  # DCP wraps the writer's error (a full disk) with every rank's traceback
+            raise ConfigError(f"cannot write {out_dir}: {dcp_error(e)}") from None
+        # Weights only: no optimizer, scheduler or data state (parts), and where they came from (source).
+        write_train_state(
+            tmp,
+            step=0,
+            tokens_seen=0,
+            lr_scheduler={},
+            recipe=to_toml(recipe),
+            model={"name": spec.name, "flavor": flavor, "shapes": shapes},
+            parts=["model"],
+            source={"hf_checkpoint": str(hf_dir.resolve())},
+        )
+        seal(tmp)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    return "\n".join(
+        [
+            f"wrote {out_dir}: a titan checkpoint (model weights only, float32) of the {spec.name} model in {hf_dir} "
+            f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {hf.dtypes} in the HF files)",
+            f"{sentence}. Start a run from it with, in the recipe:",
+            "",
+            model_toml(spec.name, flavor, overrides),
+            "",
+            "[checkpoint]",
+            f"resume = {toml_value(str(out_dir))}",
+            'load_only = ["model"]',
+            "",
+            "(checkpoint.resume names this folder on every start: once the run has checkpoints of its own, set it back "
+            f'to "auto"; or use checkpoint.init_from_hf = {toml_value(str(hf_dir))}, which only applies to a fresh '
+            "start.)",
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoint.init_from_hf
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
+    """Load the HF folder `source` into these parameters (this rank's, of any layout), after checking that
+    it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug").
+    Each rank reads only the parts of the files its shards hold."""
+    source = Path(source)
+    spec = hf_spec(spec.name)
+    with PeakMemory() as peak:
+        try:
+            hf = open_hf(source, spec)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
+        check_model_matches(spec, model_args, hf.args, f"checkpoint.init_from_hf {source}", recipe_model)
+        try:
+            count, read = read_into(hf, named_parameters, f"checkpoint.init_from_hf: reading {source.name}")
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
+    n_params = sum(math.prod(s) for s in model_shapes(spec, hf.args).values())
+    log.info(
+        "initialised the model from HF checkpoint %s: %d parameter tensors on this rank, %.1f MiB read from the "
+        "files, peak host memory added %s (model: %.2fM parameters, %s in the files)",
+        source,
+        count,
+        read / 2**20,
+        peak,
+        n_params / 1e6,
+        hf.dtypes,
+    )
