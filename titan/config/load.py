@@ -176,7 +176,7 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(tp, value, key: str):
+def _convert(tp, value, key: str):  # noqa: C901 (one branch per type a recipe key can have)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     origin = typing.get_origin(tp)

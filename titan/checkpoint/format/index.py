@@ -54,7 +54,7 @@ def index_of(metadata: Metadata, storage: dict[MetadataIndex, _StorageInfo]) -> 
     return {"format": FORMAT, "version": VERSION, "tensors": tensors}
 
 
-def metadata_of(index: Any, sizes: dict[str, int], folder: Path) -> Metadata:
+def metadata_of(index: Any, sizes: dict[str, int], folder: Path) -> Metadata:  # noqa: C901 (one check per field, in order)
     """DCP's Metadata of a JSON index, checked against the folder's files ({name: size}): ConfigError if anything
     in it is not what titan writes, before any tensor is read."""
 
