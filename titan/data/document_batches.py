@@ -120,6 +120,7 @@ class DocumentBatchLoader:
     ):
         self.pieces, self.budget, self.cost, self.target = pieces, budget, cost, target
         self.balance = balance_by_cost if balance == "cost" else balance_by_tokens
+        self.balance_name = balance
         self.placement, self.dp_rank = placement, dp_rank
         self.slot = dp_rank * target.cp + cp_rank  # this rank's micro-batches in the assignment
         # Data-parallel ranks' relative speeds (a straggler re-plan sets them); a cp group's ranks share theirs.
@@ -137,6 +138,39 @@ class DocumentBatchLoader:
     def step_tokens(self, batches: list[Batch]) -> int:
         """The tokens of the step these batches belong to: its whole documents'."""
         return batches[0].step_loss_tokens
+
+    def describe(self, plan: RunPlan, me: RankPlan) -> str:
+        """What a step holds, for the run's first log line."""
+        placed = f"placed by {self.balance_name} in micro-batches of at most {plan.document_capacity} tokens"
+        if self.target.cp > 1:
+            placed = (
+                f"placed on rings of {plan.seq_len} tokens per cp group and local micro-batches of at most "
+                f"{plan.document_capacity} tokens per rank"
+            )
+        return f"documents up to {plan.tokens_per_step} tokens/step, {placed}"
+
+    def packing_metrics(self, measured: list[float]) -> dict[str, float]:
+        """The last step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
+        slowest over mean), and each rank's `measured` time for the step's micro-batches (waits at collectives
+        included, so under FSDP every rank reads about the slowest's time); under context parallelism, how many
+        micro-batches ran as rings and how many locally."""
+        assigned = self.last_assignment
+        mean = sum(measured) / len(measured)
+        metrics = {
+            "micro_batches": len(assigned.micro_batches[0]), "predicted_step_s": assigned.step_time,
+            "predicted_imbalance": assigned.imbalance, "measured_step_s": max(measured),
+            "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
+            "plan_ms": self.assign_seconds * 1e3,
+        }  # fmt: skip
+        cp = self.target.cp
+        if cp > 1:  # the cp groups' rings, and the single ranks' micro-batches that hold documents
+            metrics["ring_micro_batches"] = sum(map(len, assigned.rings))
+            metrics["local_micro_batches"] = sum(
+                bool(docs) and m not in assigned.rings[slot // cp]
+                for slot, bins in enumerate(assigned.micro_batches)
+                for m, docs in enumerate(bins)
+            )
+        return metrics
 
     def state_dict(self) -> dict:
         return {"next_token": self.next_token, "budget": self.budget, "order": ORDER_VERSION}

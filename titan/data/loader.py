@@ -148,6 +148,11 @@ class GlobalBatchLoader:
         """The tokens of the step these batches belong to: the whole global batch's."""
         return self.global_batch * self.seq_len
 
+    def describe(self, plan: RunPlan, me: RankPlan) -> str:
+        """What a step holds, for the run's first log line."""
+        rows = " + ".join(map(str, me.micro_batches))
+        return f"{plan.tokens_per_step} tokens/step ({plan.global_rows} x {self.seq_len} seq; this rank {rows} rows)"
+
     def assign(self, rows: range, micro_batches: list[int]) -> None:
         if sum(micro_batches) != len(rows) or not 0 <= rows.start <= rows.stop <= self.global_batch:
             raise ValueError(f"micro-batches {micro_batches} do not cover rows {rows} of {self.global_batch}")

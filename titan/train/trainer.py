@@ -279,28 +279,9 @@ class Trainer:
         log.info(format_line(self.step, total, metrics, eta_s=self.remaining.eta(self.step, step_time)))
 
     def _log_packing(self, compute_s: float) -> None:
-        """The step's plan against what it took: predicted seconds per data-parallel rank (the slowest, and
-        slowest over mean), and each rank's measured time for the step's micro-batches (waits at collectives
-        included, so under FSDP every rank reads about the slowest's time); under context parallelism, how many
-        micro-batches ran as rings and how many locally."""
-        assigned = self.loader.last_assignment
+        """The step's placement of documents against the time each data-parallel rank took for it."""
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
-        mean = sum(measured) / len(measured)
-        metrics = {
-            "micro_batches": len(assigned.micro_batches[0]), "predicted_step_s": assigned.step_time,
-            "predicted_imbalance": assigned.imbalance, "measured_step_s": max(measured),
-            "measured_imbalance": max(measured) / mean if mean > 0 else 1.0,
-            "plan_ms": self.loader.assign_seconds * 1e3,
-        }  # fmt: skip
-        if self.layout.cp > 1:  # the cp groups' rings, and the single ranks' micro-batches that hold documents
-            cp = self.layout.cp
-            metrics["ring_micro_batches"] = sum(map(len, assigned.rings))
-            metrics["local_micro_batches"] = sum(
-                bool(docs) and m not in assigned.rings[slot // cp]
-                for slot, bins in enumerate(assigned.micro_batches)
-                for m, docs in enumerate(bins)
-            )
-        self.metrics.log(self.step, metrics)
+        self.metrics.log(self.step, self.loader.packing_metrics(measured))
 
     def _log_validation(self) -> None:
         start = time.perf_counter()
@@ -311,20 +292,8 @@ class Trainer:
         log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
 
     def _log_start(self) -> None:
-        c, plan = self.config, self.run_plan
-        if isinstance(self.loader, DocumentBatchLoader):
-            placed = f"placed by {c.data.balance} in micro-batches of at most {plan.document_capacity} tokens"
-            if self.layout.cp > 1:
-                placed = (
-                    f"placed on rings of {plan.seq_len} tokens per cp group and local micro-batches of at most "
-                    f"{plan.document_capacity} tokens per rank"
-                )
-            batching = f"documents up to {plan.tokens_per_step} tokens/step, {placed}"
-        else:
-            batching = (
-                f"{plan.tokens_per_step} tokens/step ({plan.global_rows} x {c.training.seq_len} seq; this rank "
-                f"{' + '.join(map(str, self.rank_plan.micro_batches))} rows)"
-            )
+        c = self.config
+        batching = self.loader.describe(self.run_plan, self.rank_plan)
         params = self.model_parts.n_params(self.rank_plan.first_of_its_stages)
         log.info("%s %s: %.2fM parameters on %s x %d (%s) | %s | %s", c.model.name, c.model.flavor, params / 1e6,
                  self.device.type, self.world_size, self.layout.name, batching, self.run_dir)  # fmt: skip
