@@ -21,7 +21,7 @@ LAYERS = [
     ["titan.rng"],
     ["titan.config_keys", "titan.run_plan"],  # the recipe's keys described; what each rank computes
     ["titan.config"],
-    ["titan.balance", "titan.errors", "titan.files", "titan.progress"],
+    ["titan.balance", "titan.errors", "titan.files", "titan.progress", "titan.schema"],
     ["titan"],  # the package's own __init__: its version
 ]
 
