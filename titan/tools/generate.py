@@ -180,9 +180,10 @@ def load_model(
     shard of it. progress: a bar on stderr while it loads (after the first second)."""
     start = time.perf_counter()
     rank, world, group = (tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group()) if tp_mesh else (0, 1, None)
+    # Opened first: its checks import the model family's code, which is not what loading the weights adds.
+    found = open_model_checkpoint(checkpoint, rank, world, group)
+    spec, args = found.spec, found.args
     with PeakMemory() as peak:
-        found = open_model_checkpoint(checkpoint, rank, world, group)
-        spec, args = found.spec, found.args
         with torch.device("meta"):
             model = spec.build(args).to(dtype)
         if tp_mesh is not None:

@@ -160,7 +160,7 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
         ensure_adamw_state(new.optimizer, list(new.parts.parameters()))
         for state in new.optimizer.state.values():
             state["step"] = steps.clone()
-        moved = pp.move_stage_state(before, _stage_state(new), new.mesh["pp"].get_group())
+        moved = pp.move_stage_state(before, _stage_state(new), new.rules.pp_group)
         how = f"{moved} tensors received point to point"
     else:
         checkpointer.load_tensors(scratch)

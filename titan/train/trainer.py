@@ -68,7 +68,7 @@ class Trainer:
         # Everything that can be wrong with the recipe is checked before joining the other processes.
         checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
         self.spec, self.model_args, self.layout = checked.spec, checked.args, checked.layout
-        self.run_plan = checked.plan
+        self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)
@@ -102,7 +102,7 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        self.replanner = Replanner(config, self.run_plan, checked.blocks, rank_devices(self.control_group), self.device)
+        self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
         model = {"name": config.model.name, "flavor": config.model.flavor,
                  "shapes": model_shapes(self.spec, self.model_args)}  # fmt: skip
         self.checkpointer = Checkpointer(
