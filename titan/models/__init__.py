@@ -43,7 +43,27 @@ def _llama3() -> ModelSpec:
     )
 
 
-_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}
+def _moe() -> ModelSpec:
+    from titan.models import moe
+    from titan.models.llama import parallelize as llama
+    from titan.models.moe import parallelize
+
+    return ModelSpec(
+        name="moe",
+        flavors=moe.FLAVORS,
+        build=moe.MoETransformer,
+        flops_per_token=moe.flops_per_token,
+        kv_width=moe.kv_width,
+        check_parallelism=parallelize.check_parallelism,
+        tp_plan=llama.tp_plan,  # never reached: check_parallelism refuses tp > 1
+        blocks=llama.blocks,
+        pipeline_stage=llama.pipeline_stage,
+        pipeline_io=llama.pipeline_io,
+        block_inputs=llama.block_inputs,
+    )
+
+
+_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3, "moe": _moe}
 
 
 def get_model_spec(name: str) -> ModelSpec:

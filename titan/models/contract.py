@@ -43,6 +43,11 @@ class Model(Protocol):
     # its attention modules call `attend(q, k, v, mask, rows, dropout)` when `is_ring(mask)`. None: the model holds
     # whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
+    # A mixture of experts' routing, which the step drives (None: a dense model): `set_loss_scale(scale)` before each
+    # micro-batch (the auxiliary balance loss is on the step loss's scale), and after the optimizer
+    # `end_step(groups, finite)`, which sums the step's expert loads over the ranks that split its tokens, moves the
+    # balancing biases unless the step was skipped, and returns the step's routing metrics (titan/models/moe/).
+    routing: Any
 
     def __call__(
         self,

@@ -44,6 +44,7 @@ class StepRules:
     cp_gradient_group: dist.ProcessGroup | None  # without FSDP, the cp ranks sum their gradients themselves
     pp_group: dist.ProcessGroup | None  # the gradient norm sums over pipeline stages
     loss_groups: tuple[dist.ProcessGroup, ...]  # where the ranks' loss shares are summed
+    token_groups: tuple[dist.ProcessGroup, ...]  # the ranks that split the step's tokens: expert loads sum over them
     max_grad_norm: float  # inf: no clipping
     float8_scales: bool  # each update ends by computing the next float8 all-gathers' scales
 
@@ -57,6 +58,7 @@ class StepRules:
             cp_gradient_group=mesh["cp"].get_group() if layout.cp > 1 and layout.dp == 1 else None,
             pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
             loss_groups=tuple(mesh[d].get_group() for d in ("dp", "cp", "pp") if getattr(layout, d) > 1),
+            token_groups=tuple(mesh[d].get_group() for d in ("dp", "cp") if getattr(layout, d) > 1),
             max_grad_norm=config.training.max_grad_norm or math.inf,
             float8_scales=precomputes_scales(config, layout),
         )
@@ -69,10 +71,11 @@ class StepRules:
         """The context the model runs in."""
         return torch.autocast(device_type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
-    def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> torch.Tensor:
+    def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> tuple[torch.Tensor, dict]:
         """After the step's backwards: sum the gradients where FSDP did not, clip by the global gradient norm, step,
-        drop the gradients, precompute float8's scales, advance the lr; returns the norm. A NaN or inf norm leaves
-        the weights and optimizer state as they were, decided on the device (the host reads the norm later)."""
+        drop the gradients, precompute float8's scales, move a mixture of experts' balancing biases, advance the lr;
+        returns the norm and the step's routing metrics (tensors). A NaN or inf norm leaves the weights, biases and
+        optimizer state as they were, decided on the device (the host reads the norm later)."""
         params = [p for part in parts for p in part.parameters()]
         if self.cp_gradient_group is not None:
             with clock.phase("backward"):
@@ -84,8 +87,12 @@ class StepRules:
             optimizer.zero_grad(set_to_none=True)
             if self.float8_scales:
                 precompute_float8_scales(parts)
+            routing = {}
+            for part in parts:
+                if part.routing is not None:
+                    routing.update(part.routing.end_step(self.token_groups, grad_norm.isfinite()))
             lr_scheduler.step()
-        return grad_norm
+        return grad_norm, routing
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' shares of the loss over data-, context- and pipeline-parallel ranks."""
@@ -143,6 +150,11 @@ class TrainStep:
         self.parts, self.optimizer, self.lr_scheduler = parts, optimizer, lr_scheduler
         self.rules, self.loss, self.schedule, self.sequence = rules, loss, schedule, sequence
         self.device, self.clock = device, clock
+        self.routing_metrics: dict[str, torch.Tensor] = {}  # the last step's, of a mixture of experts
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last step's metrics besides its loss and norm (a mixture of experts' expert loads), for the log."""
+        return {name: float(value) for name, value in self.routing_metrics.items()}
 
     def __call__(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step + 1`: returns (this rank's share of the loss, gradient norm), both on the device. The loop sums
@@ -151,11 +163,17 @@ class TrainStep:
 
     def _step(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.forward_backward(batches, step)
-        return local, self.rules.update(self.parts.parts, self.optimizer, self.lr_scheduler, self.clock)
+        grad_norm, self.routing_metrics = self.rules.update(
+            self.parts.parts, self.optimizer, self.lr_scheduler, self.clock
+        )
+        return local, grad_norm
 
     def forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         """Accumulate the step's gradients; returns this rank's share of the step's loss."""
         self.loss.scale, self.loss.step = 1.0 / batches[0].step_loss_tokens, step
+        for part in self.parts.parts:
+            if part.routing is not None:  # a mixture of experts' balance loss is on the step loss's scale
+                part.routing.set_loss_scale(self.loss.scale)
         with dropout_step(step):
             return sum((self._micro_batch(b, train=True) for b in batches), torch.zeros((), device=self.device))
 

@@ -275,6 +275,7 @@ class Trainer:
         if self.peak_flops:
             metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
         metrics.update(phases)
+        metrics.update(self.stepper.step_metrics())
         self.metrics.log(self.step, metrics)
         log.info(format_line(self.step, total, metrics, eta_s=self.remaining.eta(self.step, step_time)))
 

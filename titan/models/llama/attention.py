@@ -109,7 +109,8 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, qk_norm: bool = False):
+        """qk_norm: RMSNorm of each head's queries and keys before RoPE, as Qwen3 has."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.dropout = rng.Dropout(args.attn_dropout)  # on the attention probabilities
@@ -117,6 +118,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
         # Context parallelism installs its ring here (titan/parallel/cp/ring.py): attend(q, k, v, mask, rows, dropout).
         self.context_parallel = None
 
@@ -134,6 +137,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:

@@ -23,24 +23,27 @@ from titan.models.llama.rope import document_positions, rope_table
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """SwiGLU of `hidden` units."""
+
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None, qk_norm: bool = False):
+        """feed_forward: Llama's SwiGLU by default; a mixture of experts in titan/models/moe/."""
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, qk_norm)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_dropout = rng.Dropout(args.resid_dropout)  # on each residual branch's output
         self.ffn_dropout = rng.Dropout(args.resid_dropout)
 
@@ -58,6 +61,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    routing = None  # a dense model has no experts to route to (see titan/models/moe/routing.py)
+
     def __init__(self, args: ModelArgs, traceable: bool = False):
         """traceable: for compiled blocks and fake tensors. Documents then take a boolean mask rather than attention
         one document at a time on the CPU (see document_mask), whose spans are Python lists read from the data:
@@ -67,7 +72,7 @@ class Transformer(nn.Module):
         self.args, self.traceable = args, traceable
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer number keeps parameter names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -79,6 +84,10 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, rng.Dropout):
                 module.stream = name  # the mask's stream: the same name on every layout
+
+    def block(self, layer_id: int) -> TransformerBlock:
+        """Layer `layer_id`: a family built on this transformer changes its blocks here."""
+        return TransformerBlock(layer_id, self.args)
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `to` and friends give each module its own new tensor, which would untie the head.
@@ -173,6 +182,6 @@ class Transformer(nn.Module):
             else:
                 # Output projections of each residual branch shrink with depth.
                 std = 0.02
-                if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
                     std = depth_std[name[: name.index(".", len("layers.")) + 1]]
                 rng.trunc_normal_(param, std=std, a=-3 * std, b=3 * std, seed=seed, stream=name)

@@ -1,0 +1,26 @@
+from titan.models.moe.args import MoEArgs
+from titan.models.moe.flavors import FLAVORS
+from titan.models.moe.model import MoETransformer
+
+__all__ = ["FLAVORS", "MoEArgs", "MoETransformer", "active_params", "flops_per_token", "kv_width"]
+
+
+def active_params(args: MoEArgs) -> int:
+    """Matmul weights one token goes through: attention, its layer's dense SwiGLU or router, top_k routed and the
+    shared experts, and the output head."""
+    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    dense = 3 * args.dim * args.dense_hidden_dim
+    experts = args.top_k + args.n_shared_experts
+    moe = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * experts
+    layers = args.dense_layers * (attention + dense) + len(args.moe_layers) * (attention + moe)
+    return layers + args.dim * args.vocab_size
+
+
+def flops_per_token(args: MoEArgs, seq_len: int) -> float:
+    """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights."""
+    return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def kv_width(args: MoEArgs) -> int:
+    """One token's keys (or values) in one layer: its kv heads' dimensions."""
+    return args.n_kv_heads * args.head_dim

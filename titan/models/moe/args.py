@@ -1,0 +1,99 @@
+"""The mixture-of-experts family's hyper-parameters (MoEArgs): Llama-style attention with Qwen3's per-head width
+and q/k norms, and a feed-forward of routed experts (plus shared ones) in every layer after the first
+`dense_layers`, checked once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan.models.llama.args import LIMITS as LLAMA_LIMITS
+
+# Llama's bounds (but its FFN rounding, which this family has not), and the experts'.
+LIMITS = {
+    **{name: most for name, most in LLAMA_LIMITS.items() if name != "multiple_of"},
+    "head_dim": 2**12,
+    "n_experts": 2**12,
+    "top_k": 2**12,
+    "expert_hidden_dim": 2**17,
+    "dense_hidden_dim": 2**19,
+}
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEArgs:
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    head_dim: int = 128  # each head's width: Qwen3's heads are wider than dim / n_heads
+    qk_norm: bool = True  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    # Llama 3.1 long-context frequency scaling; factor 0 (the default here) disables it.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192  # RoPE table length
+    tie_embeddings: bool = False
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    # The first `dense_layers` layers have a dense SwiGLU of dense_hidden_dim (DeepSeek-V3 keeps its first three).
+    dense_layers: int = 0
+    dense_hidden_dim: int = 6144
+    # Each later layer: n_experts routed SwiGLU experts of expert_hidden_dim, top_k of them per token, plus
+    # n_shared_experts that every token goes through (one SwiGLU of n_shared_experts x expert_hidden_dim).
+    n_experts: int = 128
+    top_k: int = 8
+    expert_hidden_dim: int = 768
+    n_shared_experts: int = 0
+    score_func: str = "softmax"  # the router's scores: "softmax" over the experts, or each expert's "sigmoid"
+    norm_topk: bool = True  # the chosen experts' weights divided by their sum
+    route_scale: float = 1.0  # the chosen experts' weights multiplied by this
+    # Load balancing, both over the step's global batch: DeepSeek-V3's per-expert bias added to the scores when
+    # choosing experts (not when weighting them), moved by this much per step towards the mean load (0: off) ...
+    bias_update_rate: float = 0.001
+    # ... and the sequence-level auxiliary balance loss's coefficient (0: off).
+    aux_loss_coef: float = 0.0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.attn_dropout > 0 or self.resid_dropout > 0
+
+    @property
+    def moe_layers(self) -> range:
+        return range(self.dense_layers, self.n_layers)
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The dense layers' SwiGLU width (Llama's blocks read this name)."""
+        return self.dense_hidden_dim
+
+    def validate(self) -> None:
+        for name, most in LIMITS.items():
+            if not 1 <= getattr(self, name) <= most:
+                raise ValueError(f"{name} must be in [1, {most:,}], got {getattr(self, name):,}")
+        for name in ("norm_eps", "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "route_scale"):
+            if not 0 < getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("rope_scaling_factor", "bias_update_rate", "aux_loss_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts}): a token picks top_k")
+        if not 0 <= self.dense_layers <= self.n_layers:
+            raise ValueError(f"dense_layers must be in [0, n_layers = {self.n_layers}], got {self.dense_layers}")
+        if self.score_func not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCTIONS)}, got {self.score_func!r}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        for name in ("attn_dropout", "resid_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -1,0 +1,43 @@
+"""Routed experts as one grouped matmul: the tokens arrive sorted by expert, and each expert's SwiGLU runs on its
+contiguous slice, in one kernel for all experts rather than a Python loop over them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _groupable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes these: it needs rows of 16-byte multiples, and CUDA's takes bf16 only."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    aligned = all(size * x.element_size() % 16 == 0 for size in w.shape[1:])
+    return aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (tokens, in), sorted by group, times each group's w (groups, out, in) transposed: (tokens, out). counts:
+    each group's tokens (groups,). Each token's row is computed alone, so it does not depend on which other
+    tokens share the call: the same bits on any expert-parallel layout."""
+    if _groupable(x, w):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    pieces = x.split(counts.tolist())
+    return torch.cat([piece @ weight.T for piece, weight in zip(pieces, w.unbind(0))])
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLUs, their weights stacked (expert, out, in) as Hugging Face's per-expert linears hold them:
+    expert parallelism shards dim 0."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, dim) sorted by expert, counts[e] of them for expert e of this module's -> (tokens, dim)."""
+        hidden = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
+        return grouped_mm(hidden, self.w2, counts)

@@ -1,0 +1,72 @@
+"""The mixture-of-experts transformer: Llama's blocks (titan/models/llama/) with q/k norms, and in every layer after
+the first `dense_layers` a MoE feed-forward: the router picks each token's top_k routed experts, the experts run as
+one grouped matmul on the tokens sorted by expert, and each token's results are summed in expert order with their
+weights, plus the shared experts' output.
+
+Dropless: every token reaches its top_k experts, however unevenly they are loaded. A capacity factor would drop a
+token or not depending on which other tokens share its rank, so the math would depend on the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan.models.llama.model import FeedForward, Transformer, TransformerBlock
+from titan.models.moe.args import MoEArgs
+from titan.models.moe.experts import GroupedExperts
+from titan.models.moe.routing import BalanceLoss, Router, Routing
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs, routing: Routing):
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_loss_coef = args.n_experts, args.top_k, args.aux_loss_coef
+        self.routing = routing  # the step's loss scale, for the balance loss
+        self.router = Router(args.dim, args.n_experts, args.top_k, args.score_func, args.norm_topk, args.route_scale)
+        self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts)
+        hidden = args.n_shared_experts * args.expert_hidden_dim
+        self.shared = FeedForward(args.dim, hidden) if hidden else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, seq, dim) -> (rows, seq, dim)."""
+        rows, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        scores, experts, weights = self.router(tokens)
+        balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing.loss_scale)
+        # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        routed = self.experts(tokens[order // self.top_k], counts)
+        per_pair = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim)
+        out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1)  # in expert order
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        out = out.view(rows, seq, dim)
+        return out if balance_loss is None else BalanceLoss.apply(out, balance_loss)
+
+
+class MoETransformer(Transformer):
+    """Llama's transformer with MoE feed-forwards after the first `dense_layers` layers, and Qwen3's q/k norms."""
+
+    def __init__(self, args: MoEArgs, traceable: bool = False):
+        self.routing = Routing(self, args.bias_update_rate)  # before the blocks, which share it
+        super().__init__(args, traceable)
+
+    def block(self, layer_id: int) -> TransformerBlock:
+        args = self.args
+        moe = MoE(args, self.routing) if layer_id >= args.dense_layers else None
+        return TransformerBlock(layer_id, args, moe, qk_norm=args.qk_norm)
+
+    def init_buffers(self) -> None:
+        """The RoPE table, and each router's step counts at zero; the routers' biases are state, left as loaded."""
+        super().init_buffers()
+        for router in self.routing.routers().values():
+            router.load.zero_()
+            router.balance_loss.zero_()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        super().init_weights(seed)
+        for router in self.routing.routers().values():
+            router.expert_bias.zero_()

@@ -1,0 +1,128 @@
+"""Token-choice top-k routing, the same on every layout, and its load balancing over the step's global batch.
+
+Every decision is one process's: router logits and scores in fp32, ties between equal scores broken by expert
+index, each token's experts kept in expert order (the combine sums in it). Balancing never depends on how the step's
+tokens are split over ranks:
+* DeepSeek-V3's bias: each expert's bias is added to the scores when choosing experts (not when weighting them) and
+  moved, after each step, by bias_update_rate towards the mean load: up for an expert with fewer tokens than the
+  mean, down for one with more. The loads are the step's tokens per expert summed over every micro-batch and rank
+  (Routing.end_step), so every rank moves the same bias by the same amount. Checkpoints hold the biases.
+* The sequence-level auxiliary loss, per row r: aux_loss_coef * sum_i f_ri P_ri, with f_ri = n_experts / (top_k T)
+  x the row's tokens routed to expert i and P_ri = the mean over its T tokens of expert i's normalised score. A row
+  weighs T / (the step's loss tokens) in the step, as the token loss's rows do, so the sum over the global batch is
+  the same whichever ranks hold the rows. Its gradient reaches the router inside the backward (BalanceLoss), so a
+  pipeline stage needs nothing of the last stage's loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class BalanceLoss(torch.autograd.Function):
+    """Pass `x` through; in backward, give `loss` the gradient 1, as if it were added to the step's loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), device=grad.device)
+
+
+def counting() -> bool:
+    """Whether a forward is the step's own: not evaluation (no gradient), nor activation checkpointing's recomputation
+    inside the backward, which would count the same tokens twice."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, norm_topk: bool, route_scale: float):
+        super().__init__()
+        self.top_k, self.score_func, self.norm_topk, self.route_scale = top_k, score_func, norm_topk, route_scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts))  # persistent: checkpoints hold it
+        # This step's training tokens per expert, and its balance loss (not saved: a step ends before a save).
+        self.register_buffer("load", torch.zeros(n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("balance_loss", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> (scores (tokens, n_experts) fp32, experts (tokens, top_k) in ascending order, their
+        weights (tokens, top_k) fp32)."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        # A stable descending sort keeps equal scores in expert order: ties go to the lower index on any layout,
+        # where topk's choice among equals is the kernel's.
+        chosen = torch.sort(scores + self.expert_bias.float(), dim=-1, descending=True, stable=True).indices
+        experts = chosen[:, : self.top_k].sort(dim=-1).values
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, experts, weights * self.route_scale
+
+    def account(self, scores: torch.Tensor, experts: torch.Tensor, rows: int, coef: float, loss_scale: torch.Tensor):
+        """Count this forward's tokens per expert for the step's bias update, and return its balance loss (None
+        without one): scores and experts of `rows` whole rows, in row order."""
+        if not counting():
+            return None
+        n_experts = scores.shape[-1]
+        self.load += torch.bincount(experts.flatten(), minlength=n_experts)
+        if not coef:
+            return None
+        per_row = torch.zeros(rows, n_experts, device=experts.device).scatter_add_(
+            1, experts.view(rows, -1), torch.ones_like(experts, dtype=torch.float32).view(rows, -1)
+        )
+        tokens = scores.shape[0] // rows
+        frequency = per_row * (n_experts / (self.top_k * tokens))  # f_ri: no gradient flows through the choice
+        normalised = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        # sum_r sum_t sum_i f_ri s_ti = sum_r T sum_i f_ri P_ri: each row's loss weighted by its tokens.
+        weighted = (frequency.unsqueeze(1) * normalised.view(rows, tokens, -1)).sum()
+        loss = weighted * (coef * loss_scale.to(weighted.device))
+        self.balance_loss += loss.detach()
+        return loss
+
+
+class Routing:
+    """What the step does with a model's routers: it sets the loss scale (the step loss's, 1 / its loss tokens)
+    before each micro-batch and calls `end_step` after the optimizer."""
+
+    def __init__(self, model: nn.Module, bias_update_rate: float):
+        self.model, self.bias_update_rate = model, bias_update_rate
+        # A tensor, not a float: a compiled block then reads its value rather than recompiling for each new one.
+        self.loss_scale = torch.ones((), device="cpu")  # models are built on the meta device
+
+    def set_loss_scale(self, scale: float) -> None:
+        self.loss_scale.fill_(scale)
+
+    def routers(self) -> dict[str, Router]:
+        """This part's routers by layer (a pipeline stage holds some layers)."""
+        return {name.split(".")[1]: module for name, module in self.model.named_modules() if isinstance(module, Router)}
+
+    @torch.no_grad()
+    def end_step(self, groups: tuple, finite: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sum the step's expert loads and balance losses over `groups` (the ranks that split the step's tokens),
+        move the biases unless the step was skipped (`finite` false: its update was not applied), reset the counts;
+        returns the step's routing metrics, on the device: per layer the most and the least loaded expert's tokens
+        over the mean, and the balance loss summed over layers."""
+        routers = self.routers()
+        if not routers:
+            return {}
+        loads = torch.stack([r.load for r in routers.values()])
+        losses = torch.stack([r.balance_loss for r in routers.values()])
+        for group in groups:
+            dist.all_reduce(loads, group=group)
+            dist.all_reduce(losses, group=group)
+        metrics = {"moe/balance_loss": losses.sum()}
+        for (layer, router), load in zip(routers.items(), loads.double()):
+            mean = load.mean()
+            step = self.bias_update_rate * torch.sign(mean - load) * finite
+            router.expert_bias += step.to(router.expert_bias.dtype)
+            router.load.zero_()
+            router.balance_loss.zero_()
+            metrics[f"moe/load_max/{layer}"] = load.max() / mean
+            metrics[f"moe/load_min/{layer}"] = load.min() / mean
+        return metrics
