@@ -784,6 +784,13 @@ CASES = [
      {}, ["corrupt", "data.json: order must be an integer", "True"]),
     ("data position a list", "train", {}, damaged_checkpoint(edit_json("data.json", lambda d: [d])), {},
      ["corrupt", "data.json must be an object", "[{"]),
+    # -- mixtures of experts
+    ("moe top_k above its experts", "show", ["--model.name", "moe", "--model.overrides.top_k", "9"], None, {},
+     ["top_k (9) cannot exceed n_experts (8)"]),
+    ("moe key on a dense flavor", "train", {"model.overrides.n_experts": "8"}, None, {},
+     ["model.overrides.n_experts", "belongs to the moe family, not to llama3: set model.name = 'moe'"]),
+    ("moe score function", "show", ["--model.name", "moe", "--model.overrides.score_func", "relu"], None, {},
+     ["score_func must be one of softmax, sigmoid, got 'relu'"]),
 ]  # fmt: skip
 
 

@@ -80,9 +80,7 @@ def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
     fields = {f.name: f for f in dataclasses.fields(args)}
     for key, value in overrides.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"did you mean {close[0]}?" if close else f"fields of {spec.name} args: {', '.join(fields)}"
-            raise ValueError(f"unknown model.overrides.{key}; {hint}")
+            raise ValueError(f"unknown model.overrides.{key}; {_override_hint(spec, key, fields)}")
         current = getattr(args, key)
         if (
             current is not None
@@ -91,3 +89,19 @@ def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
         ):
             raise ValueError(f"model.overrides.{key} must be {type(current).__name__}, got {value!r}")
     return dataclasses.replace(args, **overrides)
+
+
+def _override_hint(spec: ModelSpec, key: str, fields) -> str:
+    """What an unknown override may have meant: a close field of this family, or another family that has it."""
+    close = difflib.get_close_matches(key, fields, n=1)
+    if close:
+        return f"did you mean {close[0]}?"
+    owners = [
+        name
+        for name in _REGISTRY
+        if name != spec.name
+        and key in {f.name for f in dataclasses.fields(next(iter(get_model_spec(name).flavors.values())))}
+    ]
+    if owners:
+        return f"{key} belongs to the {owners[0]} family, not to {spec.name}: set model.name = {owners[0]!r}"
+    return f"fields of {spec.name} args: {', '.join(fields)}"

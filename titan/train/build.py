@@ -76,7 +76,7 @@ def resolve_model(config: Config):
         spec = models.get_model_spec(config.model.name)
         args = models.model_args(spec, config.model.flavor, config.model.overrides)
     except (KeyError, ValueError) as e:
-        raise ConfigError(str(e).strip("'\"")) from None
+        raise ConfigError(str(e.args[0])) from None  # a KeyError's str() would quote its message
     try:
         args.validate()
     except ValueError as e:

@@ -1,0 +1,205 @@
+"""The mixture-of-experts family against references computed another way: transformers' parameter count, a loop over
+experts, routing and balancing by hand."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from titan import models
+from titan.models.moe import FLAVORS, MoETransformer, active_params
+from titan.models.moe.experts import GroupedExperts, grouped_mm
+from titan.models.moe.model import MoE
+from titan.models.moe.routing import Router, Routing
+
+
+def build(seed=0, **overrides) -> MoETransformer:
+    spec = models.get_model_spec("moe")
+    args = models.model_args(spec, "debug", {"max_seq_len": 64, **overrides})
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def test_qwen3_30b_a3b_has_the_parameters_of_transformers_qwen3_moe():
+    transformers = pytest.importorskip("transformers")
+    args = FLAVORS["qwen3_30b_a3b"]
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=args.dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, vocab_size=args.vocab_size,
+        num_experts=args.n_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_hidden_dim,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        ours = sum(p.numel() for p in MoETransformer(args).parameters())
+    assert ours == theirs
+    # Qwen's published sizes: 30.5B, and 3.3B active (3.35B with the embedding, a lookup active_params leaves out).
+    assert round(ours / 1e9, 1) == 30.5 and 3.3e9 <= active_params(args) + args.vocab_size * args.dim < 3.4e9
+
+
+def test_debug_flavor_has_the_dense_debug_models_active_feed_forward():
+    """The comparison in docs/moe.md: the same attention and active SwiGLU width per token as the dense debug Llama."""
+    moe, dense = FLAVORS["debug"], models.get_model_spec("llama3").flavors["debug"]
+    assert (moe.top_k + moe.n_shared_experts) * moe.expert_hidden_dim == dense.ffn_hidden_dim == moe.dense_hidden_dim
+    assert moe.n_heads * moe.head_dim == dense.dim and moe.n_kv_heads == dense.n_kv_heads
+
+
+@pytest.mark.parametrize("sizes", [(8, 12), (6, 10)], ids=["grouped", "loop"])  # 6 x 4 bytes: not 16-byte rows
+def test_grouped_experts_equal_a_loop_over_experts(sizes):
+    dim, hidden = sizes
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim, hidden, 4)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.3)
+    counts = torch.tensor([3, 0, 5, 2])  # an expert without tokens
+    x = torch.randn(int(counts.sum()), dim, requires_grad=True)
+    out = experts(x, counts)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference, start = [], 0
+    params = [w.detach().clone().requires_grad_() for w in (experts.w1, experts.w2, experts.w3)]
+    x_ref = x.detach().clone().requires_grad_()
+    for e, n in enumerate(counts.tolist()):
+        piece = x_ref[start : start + n]
+        reference.append((F.silu(piece @ params[0][e].T) * (piece @ params[2][e].T)) @ params[1][e].T)
+        start += n
+    torch.cat(reference).backward(grad)
+    torch.testing.assert_close(out, torch.cat(reference), rtol=0, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-6)
+    for mine, theirs in zip((experts.w1, experts.w2, experts.w3), params):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-6)
+
+
+def test_a_tokens_rows_do_not_depend_on_the_other_tokens_in_the_grouped_matmul():
+    """What expert parallelism relies on: an expert's tokens give the same bits whichever other tokens share the call."""
+    torch.manual_seed(0)
+    x, w = torch.randn(10, 16), torch.randn(3, 8, 16)
+    together = grouped_mm(x, w, torch.tensor([2, 5, 3]))
+    alone = grouped_mm(x[2:7], w, torch.tensor([0, 5, 0]))
+    assert torch.equal(together[2:7], alone)
+
+
+def test_the_router_breaks_ties_by_expert_index_and_keeps_the_chosen_in_expert_order():
+    router = Router(dim=4, n_experts=6, top_k=3, score_func="softmax", norm_topk=True, route_scale=2.0)
+    torch.nn.init.zeros_(router.gate.weight)  # every expert scores the same for every token
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.1]))  # 3 and 5 lead, then a tie of four
+    scores, experts, weights = router(torch.randn(5, 4))
+    assert experts.tolist() == [[0, 3, 5]] * 5  # the lowest index wins the tie; listed in expert order
+    torch.testing.assert_close(scores, torch.full((5, 6), 1 / 6))  # the bias chooses, it does not weigh
+    torch.testing.assert_close(weights, torch.full((5, 3), 2 / 3))  # normalised to 1, times route_scale 2
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_the_moe_layer_equals_its_definition_token_by_token(score_func):
+    model = build(score_func=score_func, norm_topk=score_func == "sigmoid")
+    moe: MoE = model.layers["1"].feed_forward
+    moe.router.expert_bias.copy_(torch.linspace(-0.02, 0.03, 8))
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        out = moe(x)
+    tokens = x.reshape(-1, 256)
+    for t, token in enumerate(tokens):
+        logits = moe.router.gate.weight @ token
+        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+        biased = (scores + moe.router.expert_bias).tolist()
+        chosen = sorted(range(8), key=lambda e: (-biased[e], e))[:2]
+        weights = scores[chosen] / (scores[chosen].sum() if score_func == "sigmoid" else 1)
+        expected = moe.shared(token)
+        for e, weight in zip(chosen, weights):
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            expected = expected + weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+        torch.testing.assert_close(out.reshape(-1, 256)[t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_bias_moves_towards_the_mean_load_by_the_rate_unless_the_step_was_skipped():
+    model = build(bias_update_rate=0.01)
+    routers = model.routing.routers()
+    loads = {"1": [5, 3, 4, 4, 4, 4, 4, 4], "2": [0, 0, 0, 0, 0, 0, 0, 32], "3": [4] * 8}
+    for layer, load in loads.items():
+        routers[layer].load.copy_(torch.tensor(load))
+    metrics = model.routing.end_step((), torch.tensor(True))
+    assert routers["1"].expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0])  # mean 4
+    assert routers["2"].expert_bias.tolist() == pytest.approx([0.01] * 7 + [-0.01])
+    assert routers["3"].expert_bias.tolist() == [0.0] * 8  # balanced: no move
+    assert float(metrics["moe/load_max/2"]) == 8.0 and float(metrics["moe/load_min/2"]) == 0.0
+    assert all(r.load.sum() == 0 for r in routers.values())  # counted afresh each step
+    routers["1"].load.copy_(torch.tensor(loads["1"]))
+    before = routers["1"].expert_bias.clone()
+    model.routing.end_step((), torch.tensor(False))  # a skipped step leaves the state as it was
+    assert torch.equal(routers["1"].expert_bias, before)
+
+
+def test_the_balance_loss_and_its_gradient_equal_the_sequence_level_formula():
+    """aux = coef * sum over rows of (row tokens x loss scale) * sum_i f_ri P_ri, by hand; its gradient reaches the
+    router through the backward."""
+    coef, scale, rows, seq = 0.1, 1 / 37, 2, 5
+    model = build(aux_loss_coef=coef, bias_update_rate=0.0, resid_dropout=0.0)
+    moe: MoE = model.layers["2"].feed_forward
+    model.routing.set_loss_scale(scale)
+    x = torch.randn(rows, seq, 256)
+    moe(x).sum().backward()
+    measured, gate_grad = moe.router.balance_loss.item(), moe.router.gate.weight.grad.clone()
+    moe.router.gate.weight.grad = None
+    with torch.no_grad():
+        _, experts, _ = moe.router(x.reshape(-1, 256))
+    scores = (x.reshape(-1, 256) @ moe.router.gate.weight.T).softmax(-1)  # with a gradient, by hand
+    expected = 0.0
+    for r in range(rows):
+        chosen = experts[r * seq : (r + 1) * seq].flatten().tolist()
+        f = torch.tensor([chosen.count(i) * 8 / (2 * seq) for i in range(8)])
+        p = scores[r * seq : (r + 1) * seq].mean(0)
+        expected = expected + coef * seq * scale * (f * p).sum()
+    assert measured == pytest.approx(expected.item(), rel=1e-5)
+    # The gate's gradient: the output's part (the same forward without the loss) plus the formula's.
+    moe.aux_loss_coef = 0.0
+    moe(x).sum().backward()
+    expected.backward()
+    torch.testing.assert_close(gate_grad, moe.router.gate.weight.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_loads_are_counted_once_per_training_forward_whatever_the_checkpointing():
+    model = build()
+    tokens = torch.randint(0, 2048, (2, 16))
+
+    def loads():
+        counted = torch.stack([r.load.clone() for r in model.routing.routers().values()])
+        for r in model.routing.routers().values():
+            r.load.zero_()
+        return counted
+
+    model(tokens).sum().backward()
+    plain = loads()
+    assert (plain.sum(1) == 2 * 16 * 2).all()  # every token, top_k times, in each MoE layer
+    blocks = list(model.layers.values())
+    forwards = [b.forward for b in blocks]
+    for block, forward in zip(blocks, forwards):  # full activation checkpointing recomputes in the backward
+        block.forward = lambda *a, f=forward, **k: checkpoint(f, *a, use_reentrant=False, **k)
+    model(tokens).sum().backward()
+    assert torch.equal(loads(), plain)
+    with torch.no_grad():  # evaluation routes but does not count
+        model(tokens)
+    assert loads().sum() == 0
+
+
+def test_checkpoints_hold_the_biases_and_loading_keeps_them():
+    model = build()
+    router = model.layers["3"].feed_forward.router
+    router.expert_bias.fill_(0.25)
+    state = model.state_dict()
+    assert "layers.3.feed_forward.router.expert_bias" in state
+    assert not any(name.endswith((".load", ".balance_loss")) for name in state)  # step counts are not state
+    model.init_buffers()  # what a load does after the parameters and buffers are read
+    assert (router.expert_bias == 0.25).all()
+
+
+def test_routing_is_one_per_model_and_dense_models_have_none():
+    assert models.get_model_spec("llama3").build.routing is None
+    model = build()
+    assert isinstance(model.routing, Routing)
+    assert set(model.routing.routers()) == {"1", "2", "3"}  # the first layer is dense
+    assert dataclasses.replace(FLAVORS["debug"], dense_layers=0).moe_layers == range(0, 4)
