@@ -76,7 +76,7 @@ def test_grouped_experts_equal_a_loop_over_experts(sizes):
 
 
 def test_a_tokens_rows_do_not_depend_on_the_other_tokens_in_the_grouped_matmul():
-    """What expert parallelism relies on: an expert's tokens give the same bits whichever other tokens share the call."""
+    """What expert parallelism relies on: an expert's tokens give the same bits whatever other tokens share a call."""
     torch.manual_seed(0)
     x, w = torch.randn(10, 16), torch.randn(3, 8, 16)
     together = grouped_mm(x, w, torch.tensor([2, 5, 3]))
