@@ -307,3 +307,19 @@ def test_wandb_auto_logs_online_with_credentials_and_is_off_without(tmp_path, mo
     monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("WANDB_API_KEY", "0123456789")
     assert metrics._wandb_credentials()
+
+
+def test_a_mixture_of_experts_gets_an_expert_load_panel(runs, tmp_path):
+    """The most and least loaded expert over the mean, in the worst layer of each logged step; a dense run has none."""
+    overrides = tiny_overrides(tmp_path, **{"training.steps": "3", "training.local_batch_size": "2", "job.name": "moe"})
+    result = run_titan("train", "--config", str(DEBUG_RECIPE.parent / "debug_moe.toml"), *overrides, timeout=300)
+    assert result.returncode == 0, result.stderr
+    moe = tmp_path / "moe"
+    fig = figure([load_run(runs[0]), load_run(moe)])
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("expert load"))
+    logged = [m for m in metrics_of(moe) if "loss" in m]
+    most, least = panel.lines  # the dense run drew nothing here
+    worst = [max(v for k, v in m.items() if k.startswith("moe/load_max/")) for m in logged]
+    assert most.get_label() == "moe" and list(most.get_ydata()) == worst and worst[0] > 1
+    assert list(least.get_ydata()) == [min(v for k, v in m.items() if k.startswith("moe/load_min/")) for m in logged]
+    assert least.get_linestyle() == ":" and list(most.get_xdata()) == [m["step"] for m in logged]

@@ -305,8 +305,10 @@ def figure(runs: list[Run], x: str = "steps"):
     panels = ["loss", "lr", "grad_norm", "tokens_per_s"]
     if any("mfu" in r for run in runs for r in run.curve):
         panels.append("mfu")
+    if any(expert_load(r) for run in runs for r in run.curve):
+        panels.append("expert_load")
     titles = {"loss": "loss", "lr": "learning rate", "grad_norm": "grad norm", "tokens_per_s": "tokens/s",
-              "mfu": "MFU"}  # fmt: skip
+              "mfu": "MFU", "expert_load": "expert load / mean (worst layer: most, least dotted)"}  # fmt: skip
     columns = 2 if len(panels) == 4 else 3
     rows = math.ceil(len(panels) / columns)
     fig = Figure(figsize=(5 * columns, 3.6 * rows), layout="constrained")
@@ -319,9 +321,16 @@ def figure(runs: list[Run], x: str = "steps"):
         at = _x_of(curve, x)
         style = {"color": colour, "marker": "o" if len(curve) <= 30 else None, "markersize": 3, "linewidth": 1.5}
         for key, ax in axes.items():
+            if key == "expert_load":
+                continue
             points = [(at(r["step"]), r[key]) for r in curve if _finite(r.get(key)) and at(r["step"]) is not None]
             if points:
                 ax.plot(*zip(*points), label=label, **style)
+        loads = [(at(r["step"]), *expert_load(r)) for r in curve if expert_load(r) and at(r["step"]) is not None]
+        if loads:
+            steps, most, least = zip(*loads)
+            axes["expert_load"].plot(steps, most, label=label, **style)
+            axes["expert_load"].plot(steps, least, **{**style, "linestyle": ":"})
         validation = [(at(r["step"]), r["val_loss"]) for r in run.validation if at(r["step"]) is not None]
         if validation:
             axes["loss"].plot(*zip(*validation), color=colour, linestyle="--", marker="s", markersize=3,
@@ -341,6 +350,14 @@ def figure(runs: list[Run], x: str = "steps"):
     for ax in spare[1:]:
         ax.remove()
     return fig
+
+
+def expert_load(record: dict) -> tuple[float, float] | None:
+    """A mixture of experts' logged step: its most loaded expert's tokens over the mean in its worst layer, and its
+    least loaded one's in its worst layer; None for a dense model's."""
+    most = [v for k, v in record.items() if k.startswith("moe/load_max/") and _finite(v)]
+    least = [v for k, v in record.items() if k.startswith("moe/load_min/") and _finite(v)]
+    return (max(most), min(least)) if most and least else None
 
 
 def _x_of(curve: list[dict], x: str):
