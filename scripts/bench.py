@@ -11,6 +11,7 @@
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
+    python scripts/bench.py --experts             # routed experts: one grouped matmul vs a loop over the experts
     python scripts/bench.py --gpu [--layers 4]    # 8B-shaped layers at seq 8,192 on one GPU, next to titan plan
     python scripts/bench.py --gpu --dry-run       # the same runs on a tiny shape, on the CPU (scripts/gpu_check.sh)
 
@@ -380,6 +381,45 @@ GPU_RUNS = {
 }
 
 
+def expert_figures(repeats: int = 3) -> None:
+    """Forward and backward of one layer's routed experts, titan's grouped matmul against a Python loop over the
+    experts, on the debug MoE's shapes and a Qwen3-30B-A3B layer's (fewer tokens on a CPU)."""
+    import torch
+
+    from titan.models.moe import FLAVORS
+    from titan.models.moe.experts import GroupedExperts
+
+    def loop(experts, x, counts):
+        pieces = x.split(counts.tolist())
+        return torch.cat([
+            (torch.nn.functional.silu(p @ w1.T) * (p @ w3.T)) @ w2.T
+            for p, w1, w2, w3 in zip(pieces, experts.w1, experts.w2, experts.w3)
+        ])  # fmt: skip
+
+    def seconds(fn, experts, x, counts) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            fn(experts, x, counts).sum().backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    print(f"{'shape':<16}{'experts':>8}{'top_k':>6}{'tokens':>8}{'grouped ms':>12}{'loop ms':>10}{'loop/grouped':>14}")
+    for flavor, tokens in (("debug", 2048), ("qwen3_30b_a3b", 2048 if torch.cuda.is_available() else 512)):
+        a = FLAVORS[flavor]
+        torch.manual_seed(0)
+        experts = GroupedExperts(a.dim, a.expert_hidden_dim, a.n_experts)
+        for w in experts.parameters():
+            torch.nn.init.normal_(w, std=0.02)
+        chosen = torch.randint(0, a.n_experts, (tokens * a.top_k,))
+        counts = torch.bincount(chosen, minlength=a.n_experts)
+        x = torch.randn(tokens * a.top_k, a.dim, requires_grad=True)
+        grouped = seconds(lambda e, x, c: e(x, c), experts, x, counts)
+        looped = seconds(loop, experts, x, counts)
+        print(f"{flavor:<16}{a.n_experts:>8}{a.top_k:>6}{tokens:>8}{1e3 * grouped:>12.1f}{1e3 * looped:>10.1f}"
+              f"{looped / grouped:>14.2f}")  # fmt: skip
+
+
 def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
     """Each of `runs` (GPU_RUNS ids) trained in its own process: tokens/s, MFU and measured peak memory, next to
     `titan plan`'s peak for the same run. Returns the report (also written to --json)."""
@@ -441,6 +481,7 @@ def main() -> None:
     parser.add_argument("--data", action="store_true", help="measure data preparation and loading instead")
     parser.add_argument("--verify-flavor", help="time the manifest check of a checkpoint of this flavor instead")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="with --data: tokenizer processes")
+    parser.add_argument("--experts", action="store_true", help="grouped expert matmuls vs a loop over experts")
     parser.add_argument("--gpu", action="store_true", help="the 8B-shaped runs of scripts/gpu_check.sh instead")
     parser.add_argument("--layers", type=int, default=4, help="with --gpu: the 8B model's layers to keep")
     parser.add_argument("--runs", default=",".join(GPU_RUNS), help="with --gpu: which runs, comma-separated")
@@ -452,15 +493,16 @@ def main() -> None:
         result = measure(args._mode, args.config, args.steps, args.warmup, overrides)
         Path(args._out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
         return
-    if args.init_flavors:
-        init_times(args.init_flavors.split(","), args.config)
-        return
-    if args.data:
-        data_figures(args.config, overrides, args.workers)
-        return
-    if args.verify_flavor:
-        verify_figures(args.verify_flavor, args.config)
-        return
+    standalone = {  # the modes that measure something else than training runs
+        "init_flavors": lambda: init_times(args.init_flavors.split(","), args.config),
+        "data": lambda: data_figures(args.config, overrides, args.workers),
+        "verify_flavor": lambda: verify_figures(args.verify_flavor, args.config),
+        "experts": expert_figures,
+    }
+    for flag, figures in standalone.items():
+        if getattr(args, flag):
+            figures()
+            return
     if args.gpu:
         unknown = sorted(set(args.runs.split(",")) - set(GPU_RUNS))
         if unknown:

@@ -73,6 +73,7 @@ def test_grouped_experts_equal_a_loop_over_experts(sizes):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-6)
     for mine, theirs in zip((experts.w1, experts.w2, experts.w3), params):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-6)
+    experts(x, counts).sum().backward()  # an expanded gradient, as a sum's backward gives, is taken too
 
 
 def test_a_tokens_rows_do_not_depend_on_the_other_tokens_in_the_grouped_matmul():

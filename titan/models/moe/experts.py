@@ -16,13 +16,26 @@ def _groupable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the grouped matmul's backward refuses the expanded
+    (stride 0) gradient that, e.g., a sum's backward hands it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (tokens, in), sorted by group, times each group's w (groups, out, in) transposed: (tokens, out). counts:
     each group's tokens (groups,). Each token's row is computed alone, so it does not depend on which other
     tokens share the call: the same bits on any expert-parallel layout."""
     if _groupable(x, w):
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets))
     pieces = x.split(counts.tolist())
     return torch.cat([piece @ weight.T for piece, weight in zip(pieces, w.unbind(0))])
 
