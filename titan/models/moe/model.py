@@ -15,7 +15,7 @@ from torch import nn
 from titan.models.llama.model import FeedForward, Transformer, TransformerBlock
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.experts import GroupedExperts
-from titan.models.moe.routing import BalanceLoss, Router, Routing
+from titan.models.moe.routing import BalanceLoss, Router, Routing, expert_counts
 
 
 class MoE(nn.Module):
@@ -36,7 +36,7 @@ class MoE(nn.Module):
         balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing.loss_scale)
         # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
         order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        counts = expert_counts(experts, self.n_experts)
         routed = self.experts(tokens[order // self.top_k], counts)
         per_pair = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim)
         out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1)  # in expert order

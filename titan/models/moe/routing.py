@@ -34,6 +34,12 @@ class BalanceLoss(torch.autograd.Function):
         return grad, torch.ones((), device=grad.device)
 
 
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert, (n_experts,): bincount's sum with its shape fixed, as titan plan's fake tensors need."""
+    flat = experts.flatten()
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def counting() -> bool:
     """Whether a forward is the step's own: not evaluation (no gradient), nor activation checkpointing's recomputation
     inside the backward, which would count the same tokens twice."""
@@ -72,7 +78,7 @@ class Router(nn.Module):
             return None
         n_experts, first = scores.shape[-1], counting()
         if first:
-            self.load += torch.bincount(experts.flatten(), minlength=n_experts)
+            self.load += expert_counts(experts, n_experts)
         if not coef:
             return None
         per_row = torch.zeros(rows, n_experts, device=experts.device).scatter_add_(
