@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import TOL, max_diff, tiny_qwen3_moe  # noqa: E402
 from titan import models  # noqa: E402
-from titan.checkpoint.hf import open_hf, read_into  # noqa: E402
+from titan.checkpoint.hf import open_hf, read_into, read_part  # noqa: E402
 from titan.checkpoint.hf.files import stacked  # noqa: E402
 from titan.models.moe import FLAVORS, MoETransformer  # noqa: E402
 from titan.models.moe.hf import (  # noqa: E402
@@ -182,3 +182,13 @@ def test_only_routing_biases_at_zero_export():
     with pytest.raises(ValueError, match=r"layers.1.feed_forward.router.expert_bias is not zero \(up to 0.002\).*"
                                          "model.overrides.bias_update_rate = 0"):  # fmt: skip
         check_hf_buffers(args, moved)
+
+
+def test_a_shard_of_experts_reads_only_their_tensors(hf_model):
+    """What an expert-parallel rank holding experts 2 and 5 of a layer reads: their tensors, stacked, and no other."""
+    path, model = hf_model
+    hf = open_hf(path, SPEC)
+    values, read = read_part(hf, "layers.1.feed_forward.experts.w3", [torch.tensor([2, 5]), torch.arange(32),
+                                                                       torch.arange(64)])  # fmt: skip
+    up = model.model.layers[1].mlp.experts.gate_up_proj[:, 32:]  # transformers fuses gate and up in memory
+    assert torch.equal(values, up[[2, 5]]) and read == 2 * 32 * 64 * 4
