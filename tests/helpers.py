@@ -440,3 +440,43 @@ class _Saved:
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
+
+
+# -- a tiny random HF Qwen3-MoE (test_hf_moe.py, test_convert_moe.py)
+
+# fp32 on CPU, weights as randomize_ sets them. Measured max |logit diff| between titan's moe and transformers'
+# Qwen3MoeForCausalLM (transformers 5.24, torch 2.13, |logits| up to ~2.4): 1.2e-6, with norm_topk_prob or
+# without; each model is 1.2e-6 from titan run in float64, so it is rounding only. Routing or layout errors move
+# the logits by 0.3 or more (norm_topk_prob ignored 0.32, a third expert per token 0.30, gate_proj and up_proj
+# swapped 0.45, the q/k norm weights not moved with the RoPE rows 1.4), so TOL holds here too.
+
+
+def tiny_qwen3_moe(path: Path, vocab_size: int = 320, norm_topk: bool = True, tied: bool = False, **save):
+    """A random transformers Qwen3MoeForCausalLM, saved at `path` (save_pretrained's keyword arguments in `save`):
+    3 layers, the first dense (mlp_only_layers), the others of 8 experts, 2 per token; 4 heads of 24 (wider than
+    hidden_size / heads = 16) with q/k norms, and 2 KV heads."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        norm_topk_prob=norm_topk,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    randomize_(model, seed=1)
+    model.save_pretrained(path, **save)
+    return model

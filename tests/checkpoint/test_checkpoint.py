@@ -460,3 +460,22 @@ def test_chunk_archives_that_torch_load_would_read_past_their_bytes_are_refused(
 
     archive = craft(_saved(torch.zeros(2**16)[:64]))
     assert words in archive_problem(io.BytesIO(archive), 0, len(archive))
+
+
+def test_a_moe_checkpoint_holds_its_routing_biases_and_a_resume_restores_them(tmp_path):
+    """The biases are state that each step moves outside the gradient, as the weights are: a resumed run (and
+    `titan generate`, and the HF export's check) reads them from the checkpoint."""
+    from titan.config import load_config
+    from titan.train.trainer import Trainer
+
+    overrides = {**SAVED, "checkpoint.enable": "true", "model.overrides.n_layers": "2"}
+    config = load_config(ROOT / "recipes" / "debug_moe.toml", tiny_overrides(tmp_path, **overrides))
+    trained = Trainer(config)
+    trained.train()
+    routers = trained.model_parts.parts[0].routing.routers()
+    biases = {layer: router.expert_bias.clone() for layer, router in routers.items()}
+    assert biases and all(bias.any() for bias in biases.values())
+    resumed = Trainer(config)
+    assert resumed.step == 2
+    for layer, router in resumed.model_parts.parts[0].routing.routers().items():
+        assert torch.equal(router.expert_bias, biases[layer])

@@ -52,7 +52,7 @@ from titan.checkpoint.resume import (
     restore_lr_scheduler,
     set_aside_newer,
 )
-from titan.checkpoint.train_state import read_train_state, write_train_state
+from titan.checkpoint.train_state import model_buffers, read_train_state, write_train_state
 from titan.config import Checkpoint
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, fsync, write_error, write_synced
@@ -152,11 +152,14 @@ class Checkpointer:
     # -- what is saved -------------------------------------------------------------------------
 
     def _tensor_state(self, parts: tuple[str, ...]) -> dict:
-        """Model and optimizer tensors keyed by parameter name, so any layout can load them."""
+        """Model and optimizer tensors keyed by parameter name, so any layout can load them; the model's buffers
+        that are state (a MoE's routing biases) with its parameters."""
         state = {}
         named = list(self.model_parts.named_parameters())
         if "model" in parts:
             state["model"] = {name: p for name, p in named}
+            for part in self.model_parts.parts:
+                state["model"].update(model_buffers(part))
         if "optimizer" in parts:
             missing = [name for name, p in named if p not in self.optimizer.state]
             if missing and len(missing) < len(named):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from titan.config import LAYOUT_SPEC
 from titan.errors import ConfigError
@@ -20,6 +21,20 @@ def model_shapes(spec, args) -> dict[str, list[int]]:
     with torch.device("meta"):
         model = spec.build(args)
     return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state a model holds besides its parameters, by name: the buffers its state_dict saves (a MoE's routing
+    biases; not Llama's RoPE table, which is computed from the args). Checkpoints hold them with the parameters."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
+
+
+def buffer_shapes(spec, args) -> dict[str, list[int]]:
+    """model_buffers' shapes, by name, for the whole model."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    return {name: list(t.shape) for name, t in model_buffers(model).items()}
 
 
 def write_train_state(

@@ -46,7 +46,7 @@ def _llama3() -> ModelSpec:
 def _moe() -> ModelSpec:
     from titan.models import moe
     from titan.models.llama import parallelize as llama
-    from titan.models.moe import parallelize
+    from titan.models.moe import hf, parallelize
 
     return ModelSpec(
         name="moe",
@@ -60,6 +60,15 @@ def _moe() -> ModelSpec:
         pipeline_stage=llama.pipeline_stage,
         pipeline_io=llama.pipeline_io,
         block_inputs=llama.block_inputs,
+        hf=HFAdapter(
+            args_from_config=hf.args_from_hf_config,
+            config_from_args=hf.hf_config_from_args,
+            sources=hf.hf_sources,
+            check_names=hf.check_hf_names,
+            to_hf_tensor=hf.to_hf_tensor,
+            training_choices=hf.TRAINING_CHOICES,
+            check_buffers=hf.check_hf_buffers,
+        ),
     )
 
 

@@ -112,17 +112,24 @@ class HFAdapter:
 
     Pure functions; titan/checkpoint/hf/ reads and writes the files. Weights are mapped tensor by tensor, so a reader
     can fetch only the part of an HF tensor that one shard needs: titan row r of a parameter is row rows[r] of
-    its HF tensor (rows None: the same rows).
+    its HF tensor (rows None: the same rows). A parameter may also be a stack of HF tensors along a new dim 0 (a
+    MoE's experts, one HF tensor each): its source then names them all, in order, and rows index each one's rows.
     """
 
     args_from_config: Callable[[dict], Args]  # config.json dict -> model args; ValueError names an unsupported field
-    config_from_args: Callable[..., dict]  # (args, dtype="float32") -> config.json dict
-    sources: Callable[[Args], dict]  # args -> {titan parameter name: (HF tensor name, rows or None)}
+    # (args, dtype="float32") -> config.json dict; ValueError when the HF model cannot express these args
+    config_from_args: Callable[..., dict]
+    # args -> {titan parameter name: (HF tensor name, or a tuple of the names it stacks; rows or None)}
+    sources: Callable[[Args], dict]
     check_names: Callable[[Any, Args], dict]  # (HF tensor names, args) -> {tied copy: HF tensor it must equal}
     to_hf_tensor: Callable[[Any, Any], Any]  # (titan tensor, its rows) -> the tensor as HF stores it
     # Args fields that are training choices rather than properties of the weights: an HF model and the recipe
     # that uses it may differ in them.
     training_choices: tuple[str, ...]
+    # (args, {buffer name: tensor}) -> None: the state a model holds besides its parameters (a MoE's routing
+    # biases), which an HF checkpoint has no place for; ValueError when its values make a model the HF one is not.
+    # An HF checkpoint imports with these buffers at zero. None: the family's models have no such buffers.
+    check_buffers: Callable[[Args, dict], None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

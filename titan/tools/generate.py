@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, checkpoint_tokenizer, load_tensors, open_model_checkpoint
+from titan.checkpoint.train_state import model_buffers
 from titan.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -202,13 +203,17 @@ def load_model(
 
 
 def load_weights(found: ModelCheckpoint, model: nn.Module, progress: bool = False) -> None:
-    """Fill the model's parameters (plain, or a rank's DTensor shards) from the checkpoint, one block (the family's
-    unit, a layer for Llama) at a time, then the parameters outside blocks (embedding, final norm, head)."""
+    """Fill the model's parameters (plain, or a rank's DTensor shards) and its buffers that are state (a MoE's
+    routing biases) from the checkpoint, one block (the family's unit, a layer for Llama) at a time, then the
+    parameters outside blocks (embedding, final norm, head)."""
     from tqdm import tqdm
 
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **model_buffers(model)}
     names = {id(param): name for name, param in params.items()}
-    groups = [[names[id(param)] for param in block.parameters()] for block in found.spec.blocks(model)]
+    groups = [
+        [names[id(t)] for t in (*block.parameters(), *block.buffers()) if id(t) in names]
+        for block in found.spec.blocks(model)
+    ]
     in_blocks = {name for group in groups for name in group}
     groups.append([name for name in params if name not in in_blocks])
 

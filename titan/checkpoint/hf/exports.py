@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointReader, dcp_error, single_process_quiet, verify
-from titan.checkpoint.hf.files import CONFIG_FILE, INDEX_FILE, atomic_folder, hf_spec
+from titan.checkpoint.hf.files import CONFIG_FILE, INDEX_FILE, atomic_folder, hf_shapes, hf_spec, stacked
 from titan.checkpoint.hf.memory import PeakMemory
 from titan.checkpoint.resume import find_checkpoint
-from titan.checkpoint.train_state import model_shapes, read_train_state
+from titan.checkpoint.train_state import buffer_shapes, model_shapes, read_train_state
 from titan.config import saved_section
 from titan.errors import ConfigError
 from titan.progress import Progress
@@ -37,7 +37,7 @@ class ModelCheckpoint:
     path: Path  # the step-N folder
     spec: models.ModelSpec
     args: Any
-    saved: dict[str, tuple[list[int], torch.dtype]]  # parameter -> (shape, dtype as saved)
+    saved: dict[str, tuple[list[int], torch.dtype]]  # parameter or buffer (model_buffers) -> (shape, dtype as saved)
 
 
 def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None) -> ModelCheckpoint:
@@ -57,13 +57,14 @@ def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None)
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None
     metadata = CheckpointReader(path).read_metadata().state_dict_metadata
-    saved = {}
-    for name, shape in model_shapes(spec, args).items():
+    saved, buffers = {}, buffer_shapes(spec, args)
+    for name, shape in {**model_shapes(spec, args), **buffers}.items():
         entry = metadata.get(f"model.{name}")
         if entry is None or list(getattr(entry, "size", [])) != shape:
             found = "absent" if entry is None else f"of shape {list(entry.size)}"
             raise ConfigError(
-                f"checkpoint {path}: parameter {name} is {found}, but its recipe's model has shape {shape}"
+                f"checkpoint {path}: {'buffer' if name in buffers else 'parameter'} {name} is {found}, but its "
+                f"recipe's model has shape {shape}"
             )
         saved[name] = (shape, entry.properties.dtype)
     return ModelCheckpoint(path, spec, args, saved)
@@ -90,7 +91,7 @@ def load_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
 
 
 def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
-    """The full parameters `saved` names ({name: (shape, dtype)}), as saved."""
+    """The whole tensors `saved` names ({name: (shape, dtype)}), as saved."""
     # Zeros, not empty: were an element ever left unread, the export would hold no stale process memory.
     tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
     load_tensors(path, tensors)
@@ -200,30 +201,30 @@ def dcp_to_hf(
     max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
     with PeakMemory() as peak:
         found = open_model_checkpoint(checkpoint)
-        path, spec, args, saved = found.path, found.spec, found.args, found.saved
+        path, spec, args = found.path, found.spec, found.args
+        config = _hf_config(found, dtype)
         tok, tokenizer_note = _export_tokenizer(path, args.vocab_size, tokenizer)
         sources = spec.hf.sources(args)
-        titan_names = {sources[name][0]: name for name in saved}
+        saved = {name: found.saved[name] for name in model_shapes(spec, args)}  # the parameters
+        owners = {hf: titan for titan in saved for hf in stacked(sources[titan][0])}  # a stack's tensors: its own
         # huggingface_hub plans the files and the index from sizes alone (meta tensors: nothing is allocated). Its
         # save_torch_state_dict would need every tensor in memory at once, so the files are written here, one
         # at a time.
         planned = {
-            hf: torch.empty(saved[titan][0], dtype=out_dtype, device="meta") for hf, titan in titan_names.items()
+            hf: torch.empty(shape, dtype=out_dtype, device="meta")
+            for titan, (titan_shape, _) in saved.items()
+            for hf, shape in hf_shapes(sources[titan][0], titan_shape).items()
         }
         split = split_torch_state_dict_into_shards(planned, max_shard_size=max_bytes)
         n_params = sum(math.prod(shape) for shape, _ in saved.values())
         what = f"exporting {path.name} to {Path(out_dir).name}"
         with atomic_folder(Path(out_dir)) as tmp, Progress(what, split.metadata["total_size"], "B") as progress:
-            config = spec.hf.config_from_args(args, dtype)
             if tok is not None:
                 config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             for file, hf_names in split.filename_to_tensors.items():
-                tensors = _load_parameters(path, {titan_names[hf]: saved[titan_names[hf]] for hf in hf_names})
-                weights = {}
-                for hf in hf_names:
-                    titan = titan_names[hf]
-                    weights[hf] = spec.hf.to_hf_tensor(tensors.pop(titan), sources[titan][1]).to(out_dtype).contiguous()
+                tensors = _load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})
+                weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype)
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
                 progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
                 del weights  # before the next file's tensors are loaded, not after
@@ -238,10 +239,40 @@ def dcp_to_hf(
     files = len(split.filename_to_tensors)
     return (
         f"wrote {out_dir}: {CONFIG_FILE}, {files} safetensors file{'s' * (files > 1)}"
-        f"{' with ' + INDEX_FILE if split.is_sharded else ''} ({len(saved)} tensors, {n_params / 1e6:.2f}M "
+        f"{' with ' + INDEX_FILE if split.is_sharded else ''} ({len(planned)} tensors, {n_params / 1e6:.2f}M "
         f"parameters, {dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}), and "
         f"{tokenizer_note}"
     )
+
+
+def _hf_config(found: ModelCheckpoint, dtype: str) -> dict[str, Any]:
+    """The config.json of the checkpoint's model; ConfigError when the HF model cannot express it: its args, or
+    the values of its buffers (the adapter's check_buffers), which are read here."""
+    spec, args = found.spec, found.args
+    try:
+        config = spec.hf.config_from_args(args, dtype)
+        buffers = buffer_shapes(spec, args)
+        if buffers:
+            spec.hf.check_buffers(args, _load_parameters(found.path, {name: found.saved[name] for name in buffers}))
+    except ValueError as e:
+        raise ConfigError(f"cannot export checkpoint {found.path} to Hugging Face: {e}") from None
+    return config
+
+
+def _hf_tensors(spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[str], dtype) -> dict[str, Tensor]:
+    """The HF tensors `hf_names`, in `dtype`, from the titan parameters holding them (taken out of `tensors`): a
+    stacked one gives each of its HF tensors that is in `hf_names` (a stack may span files)."""
+    weights = {}
+    for titan in list(tensors):
+        hf_name, rows = sources[titan]
+        w = tensors.pop(titan)
+        if isinstance(hf_name, str):
+            weights[hf_name] = spec.hf.to_hf_tensor(w, rows).to(dtype).contiguous()
+            continue
+        for name, part in zip(hf_name, w.unbind(0)):
+            if name in hf_names:  # a copy of its own: safetensors refuses tensors that share memory
+                weights[name] = spec.hf.to_hf_tensor(part, rows).to(dtype, copy=True)
+    return weights
 
 
 def _export_tokenizer(path: Path, vocab_size: int, override: Path | None):

@@ -120,6 +120,16 @@ def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], 
     return files, shapes, ", ".join(sorted(dtypes))
 
 
+def stacked(hf_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The HF tensors behind a titan parameter, from its source's name (see HFAdapter): one, or those it stacks."""
+    return (hf_name,) if isinstance(hf_name, str) else hf_name
+
+
+def hf_shapes(hf_name: str | tuple[str, ...], shape: list[int]) -> dict[str, list[int]]:
+    """The shape of each HF tensor behind a titan parameter of `shape`: its own, or a stack's dim 0 less."""
+    return {hf_name: shape} if isinstance(hf_name, str) else {name: shape[1:] for name in hf_name}
+
+
 @dataclass(frozen=True)
 class HFFolder:
     """An HF checkpoint as its config and file headers describe it, checked against each other (`open_hf`);
@@ -128,7 +138,8 @@ class HFFolder:
     path: Path
     args: Any  # the model's args, from config.json
     files: dict[str, Path]  # HF tensor -> the file holding it
-    sources: dict[str, tuple[str, Tensor | None]]  # titan parameter -> (HF tensor, rows): the adapter's mapping
+    # titan parameter -> (HF tensor, or the tensors it stacks; rows): the adapter's mapping
+    sources: dict[str, tuple[str | tuple[str, ...], Tensor | None]]
     copies: dict[str, str]  # tied copies the files hold -> the HF tensor each must equal
     dtypes: str  # the files' dtypes, for reports
 
@@ -146,7 +157,9 @@ def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
     sources = spec.hf.sources(args)
     try:
         copies = spec.hf.check_names(files, args)
-        expected = {sources[name][0]: shape for name, shape in model_shapes(spec, args).items()}
+        expected = {}
+        for name, shape in model_shapes(spec, args).items():
+            expected.update(hf_shapes(sources[name][0], shape))
         expected.update({copy: expected[original] for copy, original in copies.items()})
         for name, shape in expected.items():
             if shapes[name] != shape:
@@ -203,8 +216,17 @@ def _read_box(file: Path, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
 
 def read_part(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
     """(the elements of titan parameter `name` at the cross product of `index`, one vector of global indices per
-    dim, as the HF files hold them; bytes read). A tied copy in the files is read alike and must be equal."""
+    dim, as the HF files hold them; bytes read). A tied copy in the files is read alike and must be equal. Of a
+    stack, only the HF tensors index[0] picks are read."""
     hf_name, rows = hf.sources[name]
+    if isinstance(hf_name, str):
+        return _read_one(hf, hf_name, rows, index)
+    parts = [_read_one(hf, hf_name[i], rows, index[1:]) for i in index[0].tolist()]
+    return torch.stack([values for values, _ in parts]), sum(n for _, n in parts)
+
+
+def _read_one(hf: HFFolder, hf_name: str, rows: Tensor | None, index: list[Tensor]) -> tuple[Tensor, int]:
+    """read_part of one HF tensor: index in titan's numbering, of which rows gives HF's (None: the same)."""
     if rows is not None:  # the titan rows wanted, as HF numbers them
         index = [rows[index[0]], *index[1:]]
     values, read = _read_box(hf.files[hf_name], hf_name, index)

@@ -16,7 +16,7 @@ from titan.checkpoint.format import CheckpointWriter, dcp_error, seal, single_pr
 from titan.checkpoint.hf.files import atomic_folder, hf_spec, open_hf, read_into
 from titan.checkpoint.hf.match import check_model_matches, describe_match, model_toml
 from titan.checkpoint.hf.memory import PeakMemory
-from titan.checkpoint.train_state import model_shapes, write_train_state
+from titan.checkpoint.train_state import buffer_shapes, model_shapes, write_train_state
 from titan.config import Config, Model, to_toml, toml_value
 from titan.errors import ConfigError
 
@@ -38,6 +38,9 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: s
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
     tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
     read_into(hf, tensors.items(), f"reading {hf_dir.name}")
+    # The state besides the parameters (a MoE's routing biases) has no place in an HF checkpoint: the HF model is
+    # the one with it at zero, which is what the export requires of it (the adapter's check_buffers).
+    tensors.update({name: torch.zeros(shape) for name, shape in buffer_shapes(spec, hf.args).items()})
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
     with atomic_folder(out_dir) as tmp:
         try:

@@ -171,14 +171,8 @@ def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
     return args
 
 
-def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
-    """A `config.json` dict for `args` that `transformers.LlamaConfig(**d)` accepts.
-
-    `dtype` names the dtype the weights are saved in. RoPE is written in both shapes: `rope_parameters`
-    (transformers 5) and `rope_theta` + `rope_scaling` (transformers 4). `resid_dropout` has no HF counterpart.
-    """
-    args.validate()
-    dtype = str(dtype).removeprefix("torch.")
+def _rope_config(args: ModelArgs) -> dict[str, Any]:
+    """The RoPE fields of a config.json, in both shapes (see hf_config_from_args)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
     if args.rope_scaling_factor:
         rope = {
@@ -190,6 +184,17 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -
             "original_max_position_embeddings": int(args.rope_original_max_seq_len),
         }
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor else None
+    return {"rope_parameters": rope, "rope_theta": float(args.rope_theta), "rope_scaling": legacy_scaling}
+
+
+def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
+    """A `config.json` dict for `args` that `transformers.LlamaConfig(**d)` accepts.
+
+    `dtype` names the dtype the weights are saved in. RoPE is written in both shapes: `rope_parameters`
+    (transformers 5) and `rope_theta` + `rope_scaling` (transformers 4). `resid_dropout` has no HF counterpart.
+    """
+    args.validate()
+    dtype = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -203,9 +208,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
-        "rope_parameters": rope,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": legacy_scaling,
+        **_rope_config(args),
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

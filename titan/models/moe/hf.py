@@ -1,0 +1,286 @@
+"""Conversion between Hugging Face `Qwen3MoeForCausalLM` checkpoints and titan's MoE family (the moe family's
+HFAdapter; titan/checkpoint/hf/ reads and writes the files).
+
+Qwen3-MoE is titan's MoE with q/k norms, softmax scores, route scale 1, no shared experts and no routing bias:
+each token's top `num_experts_per_tok` experts by softmax score, their weights renormalised when norm_topk_prob.
+Its layers are dense where `mlp_only_layers` or `decoder_sparse_step` say; titan keeps only its first
+`dense_layers` dense, so only that pattern converts.
+
+Attention converts as Llama's (titan/models/llama/hf.py), the q/k rows moved within each head between HF's
+half-split RoPE layout and titan's interleaved one; the q/k norms act on each head's coordinates before RoPE, so
+their weights move alike. Each expert is three linears in the files (`mlp.experts.{e}.gate_proj.weight`, ...), as
+transformers' save_pretrained writes them; titan's experts.w1 is the E gate_proj stacked on dim 0 (a stacked
+source: a shard reads only its experts' tensors).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from titan.models.llama import hf as llama
+from titan.models.moe.args import LIMITS, MoEArgs
+from titan.schema import Flag, Integer, ListOf, Table, optional
+
+# Fields that are training choices: Llama's, and the MoE's load balancing (Qwen3-MoE's router_aux_loss_coef too).
+TRAINING_CHOICES = (*llama.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
+# transformers' Qwen3MoeConfig defaults for fields a config.json may leave out.
+_HF_DEFAULTS = {"intermediate_size": 6144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
+
+
+def _size(arg: str) -> Integer:
+    return Integer(1, LIMITS[arg])
+
+
+# Llama's fields with this family's bounds, and the experts': checked before any is used.
+HF_CONFIG = Table(
+    {
+        **llama.HF_CONFIG.fields,
+        "head_dim": optional(_size("head_dim")),
+        "intermediate_size": _size("dense_hidden_dim"),
+        "moe_intermediate_size": _size("expert_hidden_dim"),
+        "num_experts": _size("n_experts"),  # Qwen's name; transformers 5 writes num_local_experts
+        "num_local_experts": _size("n_experts"),
+        "num_experts_per_tok": _size("top_k"),
+        "norm_topk_prob": Flag(),
+        "decoder_sparse_step": _size("n_layers"),
+        "mlp_only_layers": optional(ListOf(Integer(0, LIMITS["n_layers"]), most=LIMITS["n_layers"])),
+        "tie_word_embeddings": Flag(),
+        "attention_bias": Flag(),
+        "use_sliding_window": Flag(),
+    },
+    required=frozenset(
+        {"hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "moe_intermediate_size"}
+        | {"num_experts_per_tok"}
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _n_experts(hf: dict[str, Any]) -> int:
+    counts = {hf[key] for key in ("num_experts", "num_local_experts") if key in hf}
+    if not counts:
+        raise ValueError("has no 'num_experts' (nor 'num_local_experts'): how many experts each MoE layer holds")
+    if len(counts) > 1:
+        raise ValueError(f"num_experts ({hf['num_experts']}) and num_local_experts ({hf['num_local_experts']}) differ")
+    return counts.pop()
+
+
+def _dense_layers(hf: dict[str, Any], n_layers: int) -> int:
+    """How many layers are dense, when they are the first ones (HF: a layer in mlp_only_layers, or whose number
+    plus one decoder_sparse_step does not divide); ValueError naming the field that makes another pattern."""
+    step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    by_step = [i for i in range(n_layers) if (i + 1) % step]
+    dense = sorted(set(by_step) | (only & set(range(n_layers))))
+    if dense == list(range(len(dense))):
+        return len(dense)
+    field, value = (
+        ("decoder_sparse_step", step) if by_step != list(range(len(by_step))) else ("mlp_only_layers", sorted(only))
+    )
+    raise ValueError(
+        f"{field} = {value} makes layers {dense} dense, not the first k layers: titan's moe has no other pattern "
+        "(its first dense_layers layers are dense, the others MoE)"
+    )
+
+
+def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
+    """`MoEArgs` for an HF Qwen3-MoE `config.json` dict; unsupported features and values of the wrong type or out of
+    bounds raise ValueError naming the field."""
+    HF_CONFIG.check(hf, "")
+    if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
+        raise ValueError(f"model_type: expected 'qwen3_moe', got {hf['model_type']!r}")
+    for field in ("attention_bias", "use_sliding_window"):
+        if hf.get(field, False):
+            raise ValueError(f"{field}: not supported by titan's moe")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+    dim, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    n_experts, top_k = _n_experts(hf), hf["num_experts_per_tok"]
+    if top_k > n_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) cannot exceed num_experts ({n_experts})")
+    defaults = {**_HF_DEFAULTS, **hf}
+    args = MoEArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or dim // n_heads,
+        qk_norm=True,
+        vocab_size=hf["vocab_size"],
+        norm_eps=float(defaults["rms_norm_eps"]),
+        max_seq_len=defaults["max_position_embeddings"],
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        attn_dropout=float(hf.get("attention_dropout") or 0.0),
+        dense_layers=_dense_layers(hf, n_layers),
+        dense_hidden_dim=defaults["intermediate_size"],
+        n_experts=n_experts,
+        top_k=top_k,
+        expert_hidden_dim=hf["moe_intermediate_size"],
+        n_shared_experts=0,
+        score_func="softmax",
+        norm_topk=hf.get("norm_topk_prob", False),
+        route_scale=1.0,
+        **llama._rope_settings(hf),
+    )
+    args.validate()
+    return args
+
+
+def _check_expressible(args: MoEArgs) -> None:
+    """ValueError naming the first of these args Qwen3-MoE has no place for."""
+    if not args.qk_norm:
+        raise ValueError("qk_norm = false: Qwen3-MoE normalises every head's queries and keys (qk_norm = true)")
+    if args.n_shared_experts:
+        raise ValueError(f"n_shared_experts = {args.n_shared_experts}: Qwen3-MoE has no shared experts")
+    if args.score_func != "softmax":
+        raise ValueError(f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax")
+    if args.route_scale != 1:
+        raise ValueError(f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights (1)")
+
+
+def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
+    """A `config.json` dict for `args` that `transformers.Qwen3MoeConfig(**d)` accepts; ValueError for args
+    Qwen3-MoE cannot express. The dense layers' width is written only when there are dense layers: otherwise it
+    describes nothing (transformers then takes its default)."""
+    args.validate()
+    _check_expressible(args)
+    dtype = str(dtype).removeprefix("torch.")
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        **llama._rope_config(args),
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "attention_dropout": args.attn_dropout,
+        "num_experts": args.n_experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.expert_hidden_dim,
+        "norm_topk_prob": args.norm_topk,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(args.dense_layers)),
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if args.dense_layers:
+        config["intermediate_size"] = args.dense_hidden_dim
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------------------
+
+# titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`): Llama's
+# attention and norms and Qwen3's q/k norms; Llama's MLP in the dense layers.
+_ATTENTION = {
+    **{titan: hf for titan, hf in llama._LAYER_NAMES.items() if not titan.startswith("feed_forward.")},
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+_DENSE = {titan: hf for titan, hf in llama._LAYER_NAMES.items() if titan.startswith("feed_forward.")}
+_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # each expert's linears, as Llama's MLP's
+# An expert's tensor in the files: the layer and the expert's index.
+_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _moe_names(n_experts: int) -> dict[str, str | tuple[str, ...]]:
+    """titan name -> HF name(s) of a MoE layer's feed-forward: its router, and each stacked expert tensor."""
+    names: dict[str, str | tuple[str, ...]] = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+    for titan, hf in _EXPERT.items():
+        names[f"feed_forward.experts.{titan}"] = tuple(f"mlp.experts.{e}.{hf}.weight" for e in range(n_experts))
+    return names
+
+
+def hf_sources(args: MoEArgs) -> dict[str, tuple[str | tuple[str, ...], Tensor | None]]:
+    """Where each titan parameter comes from: its name -> (HF tensor name, or the names of the experts' tensors it
+    stacks; rows). Titan row r of wq and wk is HF row rows[r] (Llama's RoPE layout change); of the q/k norms,
+    which act on one head's coordinates, element rows[r]; rows is None for every other tensor. A tied model has no
+    output.weight of its own."""
+    rope_rows = {
+        "attention.wq.weight": llama._rope_rows(args.n_heads, args.head_dim),
+        "attention.wk.weight": llama._rope_rows(args.n_kv_heads, args.head_dim),
+        "attention.q_norm.weight": llama._rope_rows(1, args.head_dim),
+        "attention.k_norm.weight": llama._rope_rows(1, args.head_dim),
+    }
+    sources: dict[str, tuple[str | tuple[str, ...], Tensor | None]] = {
+        "tok_embeddings.weight": ("model.embed_tokens.weight", None)
+    }
+    moe = _moe_names(args.n_experts)
+    for i in range(args.n_layers):
+        for titan, hf in {**_ATTENTION, **(_DENSE if i < args.dense_layers else moe)}.items():
+            theirs = f"model.layers.{i}.{hf}" if isinstance(hf, str) else tuple(f"model.layers.{i}.{h}" for h in hf)
+            sources[f"layers.{i}.{titan}"] = (theirs, rope_rows.get(titan))
+    sources["norm.weight"] = ("model.norm.weight", None)
+    if not args.tie_embeddings:
+        sources["output.weight"] = ("lm_head.weight", None)
+    return sources
+
+
+# A titan tensor as HF stores it, given its rows (each expert's tensor of a stack, for stacked sources): as Llama's.
+to_hf_tensor = llama.to_hf_tensor
+
+
+def _check_experts(names: set[str], args: MoEArgs) -> None:
+    """ValueError when the files hold experts in another form or number than the config says."""
+    fused = sorted(name for name in names if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
+    if fused:
+        raise ValueError(
+            f"{fused[0]}: experts fused into one tensor are not read; titan reads each expert's gate_proj, up_proj "
+            "and down_proj, as transformers' save_pretrained writes them"
+        )
+    held: dict[int, int] = {}
+    for name in names:
+        match = _EXPERT_NAME.match(name)
+        if match:
+            layer, expert = int(match[1]), int(match[2])
+            held[layer] = max(held.get(layer, 0), expert + 1)
+    for layer, count in sorted(held.items()):
+        if count != args.n_experts:
+            raise ValueError(
+                f"model.layers.{layer}.mlp holds {count} experts, but num_experts in config.json is {args.n_experts}"
+            )
+
+
+def check_hf_names(names, args: MoEArgs) -> dict[str, str]:
+    """Check the tensor names of an HF checkpoint against `args`: ValueError naming experts of another number or
+    form, or listing the missing and unexpected tensors. Returns the tied copies the files hold (see Llama's)."""
+    names = {name for name in names if not llama._IGNORED_HF.search(name)}
+    _check_experts(names, args)
+    copies = {}
+    if args.tie_embeddings and "lm_head.weight" in names:
+        copies["lm_head.weight"] = "model.embed_tokens.weight"
+    expected = set()
+    for hf, _ in hf_sources(args).values():
+        expected.update([hf] if isinstance(hf, str) else hf)
+    llama._check_keys(names - set(copies), expected, "HF")
+    return copies
+
+
+def check_hf_buffers(args: MoEArgs, buffers: dict[str, Tensor]) -> None:
+    """Qwen3-MoE routes without a bias: ValueError naming the first routing bias that is not zero."""
+    for name, bias in buffers.items():
+        if bias.any():
+            raise ValueError(
+                f"{name} is not zero (up to {bias.abs().max().item():.3g}): Qwen3-MoE has no routing bias, so this "
+                "model routes tokens as no Qwen3-MoE does; to train an exportable model, keep the biases at zero "
+                "with model.overrides.bias_update_rate = 0"
+            )
