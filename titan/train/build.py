@@ -113,6 +113,12 @@ def check_run(config: Config, world_size: int, device: torch.device | None) -> C
     """Everything the recipe asks, checked before any process group is joined (the trainer, and `titan config
     show`)."""
     spec, args = resolve_model(config)
+    if config.data.batching == "tokens" and args.has_dropout:
+        raise ConfigError(
+            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
+            "position, and packing places a document differently on every layout; set the model's "
+            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
+        )
     layout = Layout.from_config(config.parallel, world_size)
     check_layout(config, spec, args, layout, device)
     blocks = model_blocks(spec, args)
@@ -126,7 +132,7 @@ def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     return build_model_parts(config, spec, args, plan, 0, {}, device).parts[0]
 
 
-def check_tokenizer(tokenizer: Tokenizer, args, config: Config) -> None:
+def check_tokenizer(tokenizer: Tokenizer, args) -> None:
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {args.vocab_size}; "
@@ -193,12 +199,6 @@ def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, me
     """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance into micro-batches of
     the plan's document capacity (under context parallelism, on the slots of the dp x cp plane)."""
     d, t, layout = config.data, config.training, plan.layout
-    if args.has_dropout:
-        raise ConfigError(
-            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
-            "position, and packing places a document differently on every layout; set the model's "
-            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
-        )
     pipeline_rows, capacity = plan.pipeline_microbatches, plan.document_capacity
     target = Target((capacity,) * layout.dp * layout.cp, layout.pp, pipeline_rows or 1, layout.pp > 1, layout.cp)
     placement = Placement(capacity, pipeline_rows, plan.sequence_shards, layout.cp)

@@ -65,10 +65,11 @@ class Trainer:
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
         self.config, t = config, config.training
         self.device, device_reason = pick_device(t.device)
-        # Everything that can be wrong with the recipe is checked before joining the other processes.
+        # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
         checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
         self.spec, self.model_args, self.layout = checked.spec, checked.args, checked.layout
         self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
+        check_tokenizer(Tokenizer(config.tokenizer), self.model_args)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
         setup_logging(self.rank)
@@ -82,7 +83,6 @@ class Trainer:
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        check_tokenizer(Tokenizer(config.tokenizer), self.model_args, config)
         self.mesh = build_mesh(self.layout, self.device)
         self.loader, self.validation_loader = build_data(
             config, self.run_plan, self.rank_plan, self.spec, self.model_args, self.mesh, self.device,
