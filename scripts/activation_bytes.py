@@ -19,8 +19,8 @@ import torch
 
 from titan.config import Layout, degrees_world_size, load_config, read_config
 from titan.parallel import ac
-from titan.tools.plan.estimate import plan_run
 from titan.train.build import resolve_model
+from titan.train.estimate.estimate import plan_run
 
 MODES = {"none": ac.KEEP, "selective": ac.SELECTIVE, "full": ac.FULL}  # the recipe's mode: the block's way
 

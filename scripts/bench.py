@@ -384,7 +384,7 @@ def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
     """Each of `runs` (GPU_RUNS ids) trained in its own process: tokens/s, MFU and measured peak memory, next to
     `titan plan`'s peak for the same run. Returns the report (also written to --json)."""
     from titan.config import load_config
-    from titan.tools.plan.estimate import plan_run
+    from titan.train.estimate.estimate import plan_run
 
     args.config = str(GPU_RECIPE)
     shape = [*GPU_SHAPE, "--model.overrides.n_layers", str(args.layers), *(DRY_SHAPE if args.dry_run else [])]

@@ -158,7 +158,7 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
 
 @pytest.mark.parametrize("layers", [1, 2, 4])
 def test_the_planned_peak_is_the_measured_peak_of_8b_shaped_layers_at_seq_8192(tmp_path, layers):
-    from titan.tools.plan.estimate import plan_run
+    from titan.train.estimate.estimate import plan_run
 
     overrides = [
         *tiny_overrides(tmp_path, **CUDA),

@@ -206,7 +206,7 @@ def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
 def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path):
     """budget_gib = 0: `titan train` gives the trainer the budget that `titan plan` shows for a device of the
     same memory (one function decides both), and a Trainer built without it is told how to get it."""
-    from titan.tools.plan.estimate import plan_run, with_activation_budget
+    from titan.train.estimate.estimate import plan_run, with_activation_budget
 
     auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, auto), world_size=1)

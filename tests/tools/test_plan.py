@@ -13,12 +13,12 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import Layout, PlanTarget, load_config
 from titan.parallel.memory_plan import GIB
-from titan.tools.plan.counters import Cost, StepCounter, StepPeak, total_bytes
-from titan.tools.plan.devices import DEVICES
-from titan.tools.plan.estimate import plan_run
-from titan.tools.plan.pipeline import replay
-from titan.tools.plan.trace import mesh_groups
 from titan.train.build import resolve_model
+from titan.train.estimate.counters import Cost, StepCounter, StepPeak, total_bytes
+from titan.train.estimate.devices import DEVICES
+from titan.train.estimate.estimate import plan_run
+from titan.train.estimate.pipeline import replay
+from titan.train.estimate.trace import mesh_groups
 
 # The debug recipe on every kind of layout: (world size, overrides).
 LAYOUTS = {
@@ -221,7 +221,7 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     """With compile.enable, every block that keeps its activations keeps less by what torch.compile's partitioner
     recomputes instead (graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
     the peak drops with it."""
-    from titan.tools.plan.graph import saved_by_block
+    from titan.train.estimate.graph import saved_by_block
 
     estimates = {
         c: plan_run(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
@@ -285,7 +285,7 @@ def test_backward_re_holds_a_recomputing_block_s_activations_once_later_blocks_f
     """Keep 10 bytes a block, full 1. Backward runs the last block first: recomputing, it holds its 10 bytes again
     beside the 21 the others keep, 9 more than the blocks keep; placed first, the recomputing blocks re-hold theirs
     once the kept blocks have freed 20, adding nothing to the peak."""
-    from titan.tools.plan.activations import _recomputed
+    from titan.train.estimate.activations import _recomputed
 
     assert _recomputed(10, [[10, 10, 1, 1]]) == 9 and _recomputed(10, [[1, 1, 10, 10]]) == 0
     assert _recomputed(10, [[10, 1], [1, 10]]) == 9  # stages: the worst one's
@@ -302,7 +302,7 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
 
     from titan.config import Layout
     from titan.parallel import ac
-    from titan.tools.plan.report import format_plan
+    from titan.train.estimate.report import format_plan
 
     def planned(budget_gib: float):
         extra = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
@@ -351,7 +351,7 @@ def test_auto_with_budget_0_takes_the_fastest_ways_that_fit_the_device(pp, tmp_p
     budget is shared by the micro-batches in flight."""
     import itertools
 
-    from titan.tools.plan.activations import peak_with as _peak_with
+    from titan.train.estimate.activations import peak_with as _peak_with
 
     extra = {"parallel.pp": str(pp), "parallel.pp_microbatches": "4", "training.local_batch_size": "4"}
     world = pp

@@ -17,8 +17,8 @@ from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import build_model_parts, model_blocks
 from titan.run_plan import run_plan
-from titan.tools.plan.estimate import plan_run
 from titan.train.build import resolve_model
+from titan.train.estimate.estimate import plan_run
 from titan.train.step import token_loss
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from titan import models
 from titan.models.llama.flavors import FLAVORS
 from titan.models.llama.model import TransformerBlock
 from titan.models.llama.rope import rope_table
-from titan.tools.plan.graph import (
+from titan.train.estimate.graph import (
     PLACEMENTS,
     analyse,
     layout,
@@ -185,7 +185,7 @@ def test_the_plan_knows_what_a_compiled_block_keeps_for_backward(bf16, dropout):
     """`titan plan` with compile.enable counts a compiled block's activations as torch.compile keeps them: fewer
     than eager autograd, since its partitioner recomputes cheap ops in backward. Traced under fake tensors, the
     bytes equal a real block's on this CPU, eager and compiled."""
-    from titan.tools.plan.graph import saved_by_block
+    from titan.train.estimate.graph import saved_by_block
 
     args = dataclasses.replace(ARGS, attn_dropout=dropout, resid_dropout=dropout)
     planned = {c: saved_by_block(SPEC, args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}

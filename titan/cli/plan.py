@@ -51,9 +51,9 @@ def plan(
             f"--graph traces one block on whole rows with plain attention, not a parallel.cp rank's share; to see a "
             f"block at that share, give --parallel.cp 1 --training.seq_len {share}"
         )
-    from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
-    from titan.tools.plan.graph import analyse_recipe
-    from titan.tools.plan.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
+    from titan.train.estimate.estimate import plan_run  # imported late: torch takes a while to import
+    from titan.train.estimate.graph import analyse_recipe
+    from titan.train.estimate.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
 
     if degrees:
         plans = {}

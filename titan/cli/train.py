@@ -44,8 +44,8 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
 def _with_device_budget(config: Config) -> Config:
     """activation_checkpoint.budget_gib = 0: the budget that this rank's device leaves, as `titan plan` works it out."""
     from titan.observe.metrics import setup_logging
-    from titan.tools.plan.estimate import with_activation_budget
     from titan.train.build import device_memory, pick_device
+    from titan.train.estimate.estimate import with_activation_budget
 
     setup_logging(int(os.environ.get("RANK", "0")))
     device, _ = pick_device(config.training.device)

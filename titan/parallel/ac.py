@@ -55,7 +55,7 @@ def block_choices(
     if not cfg.budget_gib:  # titan train resolves it; a program that builds its own Trainer must too
         raise ValueError(
             "activation_checkpoint.budget_gib = 0 stands for what the device leaves: replace it with "
-            "titan.tools.plan.estimate.with_activation_budget before building the trainer"
+            "titan.train.estimate.estimate.with_activation_budget before building the trainer"
         )
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.

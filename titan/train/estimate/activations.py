@@ -7,11 +7,11 @@ from __future__ import annotations
 from titan.config import Config, Layout
 from titan.models import ModelSpec
 from titan.parallel.memory_plan import GIB, Option, fastest_choices
-from titan.tools.plan.devices import Links
-from titan.tools.plan.figures import RankEstimate, StepEstimate
-from titan.tools.plan.graph import saved_by_block
-from titan.tools.plan.pipeline import schedule_peak
-from titan.tools.plan.trace import Cost, RankTrace
+from titan.train.estimate.devices import Links
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+from titan.train.estimate.graph import saved_by_block
+from titan.train.estimate.pipeline import schedule_peak
+from titan.train.estimate.trace import Cost, RankTrace
 
 MODES = ("none", "full", "selective")
 
@@ -23,7 +23,7 @@ TRACED_AS = {"keep": "none", "selective": "selective", "full": "full", "offload"
 
 def compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> int:
     """What compiling a block that keeps everything saves of its activations on a rank: the partitioner keeps less
-    than eager autograd (titan/tools/plan/graph.py's saved_by_block, one whole block on one device); tensor parallelism
+    than eager autograd (graph.py's saved_by_block, one whole block on one device); tensor parallelism
     splits those activations over its ranks (by heads, or by sequence under sequence parallel). Recomputing
     blocks keep their input either way."""
     bf16, seq = config.training.mixed_precision == "bf16", config.training.seq_len

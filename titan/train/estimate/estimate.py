@@ -1,21 +1,21 @@
 """`titan plan`: what a recipe's training step needs on each rank at its real world size, and how long it takes,
 worked out on this CPU with no GPU and no other process.
 
-Each pipeline rank's step is traced (titan/tools/plan/trace.py): one micro-batch through its stages, then the optimizer
+Each pipeline rank's step is traced (trace.py): one micro-batch through its stages, then the optimizer
 step, under fake tensors on a fake process group. The ranks of one pipeline rank hold alike shards, so one stands
 for all. Blocks are alike too, so a rank is traced with 3 blocks per stage (TRACED_DEPTH), one rank again with
 3 + every (activation checkpointing's period) in its longest stage, and every figure grows from there at that rate
-per block to the stages' real depths (titan/tools/plan/depth.py): parameters, activations, peaks, FLOPs, traffic.
+per block to the stages' real depths (depth.py): parameters, activations, peaks, FLOPs, traffic.
 Then:
 
-- the pipeline schedule's own table of actions (titan/tools/plan/pipeline.py) says how many micro-batches each rank
+- the pipeline schedule's own table of actions (pipeline.py) says how many micro-batches each rank
   holds at once, and replayed with each stage's times it gives the step time;
 - an op takes the slower of its FLOPs at the device's peak and its bytes through HBM (a roofline),
-  tensor-parallel collectives add to that, FSDP's overlap it (titan/tools/plan/devices.py);
+  tensor-parallel collectives add to that, FSDP's overlap it (devices.py);
 - so the step time is a lower bound (no kernel gaps, ideal overlap) and the MFU an upper bound.
 
-The peaks under each way of running the blocks, and the activation budget, are titan/tools/plan/activations.py's; the
-figures land in titan/tools/plan/figures.py's StepEstimate.
+The peaks under each way of running the blocks, and the activation budget, are activations.py's; the
+figures land in figures.py's StepEstimate.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from titan.errors import ConfigError
 from titan.parallel.memory_plan import GIB
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import run_plan
-from titan.tools.plan.activations import (
+from titan.train.build import resolve_model
+from titan.train.estimate.activations import (
     MODES,
     activation_budget,
     block_ways,
@@ -38,12 +39,11 @@ from titan.tools.plan.activations import (
     peak_with,
     plan_checkpointing,
 )
-from titan.tools.plan.depth import trace_ranks
-from titan.tools.plan.devices import Links, planned_device
-from titan.tools.plan.figures import StepEstimate
-from titan.tools.plan.pipeline import replay, schedule_actions
-from titan.tools.plan.trace import CPU, RankTrace, fake_world, trace_rank, with_checkpointing
-from titan.train.build import resolve_model
+from titan.train.estimate.depth import trace_ranks
+from titan.train.estimate.devices import Links, planned_device
+from titan.train.estimate.figures import StepEstimate
+from titan.train.estimate.pipeline import replay, schedule_actions
+from titan.train.estimate.trace import CPU, RankTrace, fake_world, trace_rank, with_checkpointing
 
 log = logging.getLogger("titan")
 

@@ -6,7 +6,7 @@ The rank's stages are built on the meta device and parallelised by titan's own b
 point-to-point sends the fake process group takes as it takes collectives), materialised as fake tensors
 (FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
 (as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
-AdamW. titan/tools/plan/counters.py measures.
+AdamW. counters.py measures.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
-from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
-from titan.tools.plan.devices import Device
+from titan.train.estimate.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
+from titan.train.estimate.devices import Device
 from titan.train.step import StepRules, token_loss
 
 CPU = torch.device("cpu")

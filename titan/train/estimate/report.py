@@ -4,8 +4,8 @@ not fit."""
 from __future__ import annotations
 
 from titan.parallel.memory_plan import GIB
-from titan.tools.plan.figures import RankEstimate, StepEstimate
-from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
 
 
 def shortfall(estimate: StepEstimate) -> str | None:
