@@ -13,12 +13,12 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
-from helpers import layout_overrides, trainer_for
+from helpers import SMALL, layout_overrides, trainer_for
 from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
 from titan.parallel.memory_plan import GIB, Option, fastest_choices, gib_rounded_up
-from titan.train.build import resolve_model
+from titan.train.build import device_memory, resolve_model
 from titan.train.trainer import Trainer
 
 # The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
@@ -205,7 +205,7 @@ def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
 @pytest.mark.slow
 def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path):
     """budget_gib = 0: `titan train` gives the trainer the budget that `titan plan` shows for a device of the
-    same memory (one function decides both), and a Trainer built without it is told how to get it."""
+    same memory (one function decides both)."""
     from titan.train.estimate.estimate import plan_run, with_activation_budget
 
     auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
@@ -218,14 +218,26 @@ def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path)
     (rank,) = plan_run(on_such_a_device, 1).ranks
     assert resolved.activation_checkpoint.budget_gib * GIB == pytest.approx(rank.budget, abs=1)
     assert 0 < rank.budget < device_bytes
-    with pytest.raises(ValueError, match="with_activation_budget"):
-        trainer_for(tmp_path, **auto)
     with pytest.raises(ConfigError, match="budget_gib = 0: the step needs more than"):
         with_activation_budget(config, 1, 2**20)
     steps = {**auto, "training.steps": "1", "validation.interval": "0"}
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path / "cli", **steps))
     assert result.returncode == 0, result.stderr
     assert "activation_checkpoint.budget_gib = 0: the blocks may keep" in result.stderr
+
+
+def test_a_trainer_built_without_the_cli_gets_the_budget_the_device_leaves(tmp_path):
+    """budget_gib = 0 is resolved in the trainer's pre-flight, so a program that builds its own Trainer gets the
+    budget `titan train` gets (and the recipe the run records holds it)."""
+    from titan.train.estimate.estimate import with_activation_budget
+
+    auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
+    trainer = trainer_for(tmp_path, **auto)
+    config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **{**SMALL, **auto}), world_size=1)
+    resolved = with_activation_budget(config, 1, device_memory(torch.device("cpu")))
+    budget = resolved.activation_checkpoint.budget_gib
+    assert budget > 0 and trainer.config == resolved
+    assert f"budget_gib = {budget!r}" in (trainer.run_dir / "config.toml").read_text()
 
 
 # -- a planned run

@@ -12,18 +12,17 @@ import torch
 import torch.distributed as dist
 
 from titan import models
-from titan.config import Config, Layout
-from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
+from titan.config import Config
+from titan.data import DocumentBatchLoader, build_loaders, document_pieces
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
-from titan.models import Args, ModelSpec
 from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
 from titan.parallel.mesh import on_rank_0
-from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
+from titan.parallel.parallelize import build_model_parts, stage_batch
 from titan.run_plan import Blocks, RankPlan, RunPlan, run_plan
 from titan.train.cost_fit import (
     cached_cost_model,
@@ -97,47 +96,11 @@ def resolve_model(config: Config):
     return spec, dataclasses.replace(args, max_seq_len=longest)
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckedRun:
-    """What the recipe asks of the model and the device, checked: the model, the layout for it, and the run plan
-    with its blocks."""
-
-    spec: ModelSpec
-    args: Args
-    layout: Layout
-    blocks: Blocks
-    plan: RunPlan
-
-
-def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
-    """Everything the recipe asks, checked before any process group is joined (the trainer, and `titan config
-    show`)."""
-    spec, args = resolve_model(config)
-    if config.data.batching == "tokens" and args.has_dropout:
-        raise ConfigError(
-            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
-            "position, and packing places a document differently on every layout; set the model's "
-            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
-        )
-    layout = Layout.from_config(config.parallel, world_size)
-    check_layout(config, spec, args, layout, device)
-    blocks = model_blocks(spec, args)
-    return CheckedRun(spec, args, layout, blocks, run_plan(config, layout.world_size, blocks))
-
-
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     """The plain single-device model, initialised from the seed: the reference every layout must equal."""
     spec, args = resolve_model(config)
     plan = run_plan(config, 1, Blocks(args.n_layers))  # one process: no layer split, so no block memory either
     return build_model_parts(config, spec, args, plan, 0, {}, device).parts[0]
-
-
-def check_tokenizer(tokenizer: Tokenizer, args) -> None:
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {args.vocab_size}; "
-            "use a matching tokenizer.path or set model.overrides.vocab_size"
-        )
 
 
 def build_step(

@@ -15,7 +15,7 @@ import torch
 from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.train_state import model_shapes
 from titan.config import Config, math_values, to_toml
-from titan.data import DocumentBatchLoader, Tokenizer, prepared_record
+from titan.data import DocumentBatchLoader, prepared_record
 from titan.observe.metrics import (
     MetricsLogger,
     RemainingTime,
@@ -32,12 +32,11 @@ from titan.run_plan import RunPlan
 from titan.train.build import (
     build_data,
     build_step,
-    check_run,
-    check_tokenizer,
     claim_run_folder,
     init_from_hf,
     pick_device,
 )
+from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
@@ -63,16 +62,17 @@ class Due:
 class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
-        self.config, t = config, config.training
-        self.device, device_reason = pick_device(t.device)
+        self.device, device_reason = pick_device(config.training.device)
+        setup_logging(int(os.environ.get("RANK", "0")))  # the pre-flight logs the activation budget it resolves
         # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
         checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
+        self.config = config = checked.config  # the recipe as the run runs it
+        t = config.training
         self.spec, self.model_args, self.layout = checked.spec, checked.args, checked.layout
         self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
-        check_tokenizer(Tokenizer(config.tokenizer), self.model_args)
+        check_tokenizer(config, self.model_args)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
-        setup_logging(self.rank)
         # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
         cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
         (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
