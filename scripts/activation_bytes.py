@@ -19,8 +19,8 @@ import torch
 
 from titan.config import Layout, degrees_world_size, load_config, read_config
 from titan.parallel import ac
-from titan.train.build import resolve_model
 from titan.train.estimate.estimate import plan_run
+from titan.train.model import resolve_model
 
 MODES = {"none": ac.KEEP, "selective": ac.SELECTIVE, "full": ac.FULL}  # the recipe's mode: the block's way
 
@@ -42,7 +42,8 @@ def main() -> None:
     ckpt = config.activation_checkpoint
     save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
     measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))
-    spec, model_args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, model_args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(model_args)
     start = time.perf_counter()

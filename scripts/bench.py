@@ -108,7 +108,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.data import build_loaders
     from titan.observe.metrics import peak_flops, peak_memory_bytes
     from titan.run_plan import run_plan
-    from titan.train.build import build_model, pick_device, resolve_model
+    from titan.train.build import build_model, pick_device
+    from titan.train.model import resolve_model
     from titan.train.trainer import Trainer
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
@@ -161,7 +162,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-    spec, model_args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, model_args = resolved.spec, resolved.args
     step_time = statistics.median(times[warmup:])
     tokens_per_s = tokens_per_step / step_time
     flops = tokens_per_s * spec.flops_per_token(model_args, config.training.seq_len)
@@ -277,9 +279,10 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     from titan.checkpoint.format import seal, sha256_files, verify
     from titan.checkpoint.train_state import model_shapes
     from titan.config import load_config
-    from titan.train.build import resolve_model
+    from titan.train.model import resolve_model
 
-    spec, args = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
+    resolved = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
+    spec, args = resolved.spec, resolved.args
     params = sum(math.prod(s) for s in model_shapes(spec, args).values())
     total = 12 * params
     chunk = os.urandom(64 * 2**20)

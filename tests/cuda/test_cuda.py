@@ -218,13 +218,15 @@ def test_the_cost_fit_of_a_deep_stage_matches_a_deep_model_timed_directly():
     """The cost fit times one and two layers and extrapolates: four layers timed directly agree."""
     from titan import models
     from titan.train.cost_fit import _time_depth, measure
+    from titan.train.model import ResolvedModel
 
     spec = models.get_model_spec("llama3")
     args = models.model_args(spec, "debug", {"n_layers": 4, "dim": 1024, "n_heads": 16, "n_kv_heads": 8,
                                              "max_seq_len": 4096})  # fmt: skip
+    model = ResolvedModel(spec, args)
     cuda = torch.device("cuda")
-    _, _, extrapolated = measure(spec, args, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
-    direct = _time_depth(spec, args, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
+    _, _, extrapolated = measure(model, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
+    direct = _time_depth(model, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
     ratio = sum(t for _, t in extrapolated) / sum(direct)
     print(f"extrapolated / direct: {ratio:.3f}")
     assert ratio == pytest.approx(1.0, rel=0.10)  # to confirm on the first GPU run

@@ -18,7 +18,8 @@ from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
 from titan.parallel.memory_plan import GIB, Option, fastest_choices, gib_rounded_up
-from titan.train.build import device_memory, resolve_model
+from titan.train.build import device_memory
+from titan.train.model import resolve_model
 from titan.train.trainer import Trainer
 
 # The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
@@ -331,7 +332,8 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
 @pytest.mark.slow
 def test_fsdp_ranks_choose_from_rank_0s_measurement_and_train_as_without_checkpointing(tmp_path):
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "4"}))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     keep = ac.measure_options(model, spec, config, Layout(), 4, torch.device("cpu"))[0].saved_bytes
@@ -372,7 +374,8 @@ def test_pipeline_ranks_plan_per_micro_batch_and_train_as_without_checkpointing(
     """Under a pipeline the budget is per micro-batch (a rank holds several at once): the block is measured at one
     pipeline micro-batch (8 rows in 4 micro-batches: 2), and the choices change no number."""
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "8"}))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     keep = ac.measure_options(model, spec, config, Layout(), 2, torch.device("cpu"))[0].saved_bytes

@@ -13,12 +13,12 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import Layout, PlanTarget, load_config
 from titan.parallel.memory_plan import GIB
-from titan.train.build import resolve_model
 from titan.train.estimate.counters import Cost, StepCounter, StepPeak, total_bytes
 from titan.train.estimate.devices import DEVICES
 from titan.train.estimate.estimate import plan_run
 from titan.train.estimate.pipeline import replay
 from titan.train.estimate.trace import mesh_groups
+from titan.train.model import resolve_model
 
 # The debug recipe on every kind of layout: (world size, overrides).
 LAYOUTS = {
@@ -74,7 +74,8 @@ def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
     per_stage = world // estimate.layout.pp
     # The FLOPs all ranks trace make the model's per-token formula (no recomputation here; the traced attention
     # backward counts a little more than the formula's).
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     tokens = (
         config.training.local_batch_size * world // (estimate.layout.tp * estimate.layout.pp) * config.training.seq_len
     )
@@ -166,7 +167,7 @@ def ring_traffic(config, world: int, layers: list[list[int]], recomputing: int) 
     layout = Layout.from_config(config.parallel, world)
     if layout.cp == 1:
         return 0
-    _, args = resolve_model(config)
+    args = resolve_model(config).args
     kv = 2 * args.n_kv_heads * config.training.seq_len // layout.cp * args.head_dim * 2  # a row's, bf16
     blocks = sum(map(len, layers))
     per_row = blocks * ((layout.cp - 1) * kv * 2 + layout.cp * kv * 2) + recomputing * (layout.cp - 1) * kv
@@ -184,7 +185,7 @@ def megatron_sp_traffic(
     mirror backward (+1, +1 for each of them on the rank holding it). Each counts the whole activation: the rank's
     tokens x dim x bytes. `recomputing`: how many blocks recompute, when activation checkpointing is planned
     (auto)."""
-    spec, args = resolve_model(config)
+    args = resolve_model(config).args
     layout = Layout.from_config(config.parallel, world)
     if layout.tp == 1:
         return {"all-gather": 0, "reduce-scatter": 0}
@@ -228,9 +229,9 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     }
     config = load_config(DEBUG_RECIPE, [], world_size=1)
     rows, seq, n_layers = estimates["true"].rows, config.training.seq_len, estimates["true"].ranks[0].trace.blocks[0]
-    spec, args = resolve_model(config)
-    saving = saved_by_block(spec, args, rows, seq, False, compiled=False) - saved_by_block(
-        spec, args, rows, seq, False, compiled=True
+    resolved = resolve_model(config)
+    saving = saved_by_block(resolved, rows, seq, False, compiled=False) - saved_by_block(
+        resolved, rows, seq, False, compiled=True
     )
     assert estimates["true"].compiled_saving == saving > 0
     eager, compiled = estimates["false"].ranks[0], estimates["true"].ranks[0]
@@ -263,7 +264,8 @@ def test_an_8b_shaped_block_keeps_in_bf16_under_fsdp_what_the_plan_says(tmp_path
     ckpt = config.activation_checkpoint  # the CPU's flash attention kept wherever a GPU's would be, as planned
     save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
     measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     layout = Layout.from_config(config.parallel, 8)
@@ -313,7 +315,8 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
     config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path), world_size=1)
     # The plan keeps attention's outputs under selective recomputation as a GPU's flash attention would be kept.
     config.activation_checkpoint.save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     measured = {o.name: o for o in ac.measure_options(model, spec, config, Layout(), 4, torch.device("cpu"))}
@@ -451,7 +454,8 @@ def test_the_planned_flops_are_the_formula_times_the_global_tokens_on_every_layo
         per_pipeline_rank = world // estimate.layout.pp
         flops[mode] = sum(estimate.ranks[rank // per_pipeline_rank].flops for rank in range(world))
         assert 0 < estimate.mfu < 1, (mode, estimate.mfu)
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     run = estimate.run
     if "accumulating" in layout:
         assert len(run.micro_batches[0]) > 1  # the layout really accumulates

@@ -17,8 +17,8 @@ from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import build_model_parts, model_blocks
 from titan.run_plan import run_plan
-from titan.train.build import resolve_model
 from titan.train.estimate.estimate import plan_run
+from titan.train.model import resolve_model
 from titan.train.step import token_loss
 
 CPU = torch.device("cpu")
@@ -36,7 +36,8 @@ def real_cp_rank(overrides: list[str]) -> tuple[dict[str, int], int]:
     way, every allocation of its forward still live; the bytes the ring sends in one micro-batch's forward and
     backward through the whole model, counted at torch.distributed.batch_isend_irecv)."""
     config = load_config(DEBUG_RECIPE, overrides, world_size=2)
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     plan = run_plan(config, 2, model_blocks(spec, args))
     rank, mesh = dist.get_rank(), build_mesh(plan.layout, CPU)
     tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
@@ -112,7 +113,7 @@ def test_the_planned_ring_traffic_is_what_the_real_ring_sends(measured_cp2):
     overrides, ranks = measured_cp2
     config = load_config(DEBUG_RECIPE, overrides, world_size=2)
     (rank,) = plan_run(config, 2).ranks
-    _, args = resolve_model(config)
+    args = resolve_model(config).args
     cp = 2
     kv = 2 * ROWS * args.n_kv_heads * (SEQ // cp) * args.head_dim * 4  # keys and values of a rank, fp32
     by_hand = args.n_layers * ((cp - 1) * kv * 2 + cp * kv)
@@ -129,7 +130,7 @@ def test_a_cp_rank_s_flops_are_its_chunk_pairs(tmp_path):
     cp = 2
     single = plan_run(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1), 1).ranks[0].flops
     ring = plan_run(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, cp), world_size=cp), cp).ranks[0].flops
-    _, args = resolve_model(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1))
+    args = resolve_model(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1)).args
     attention = args.n_layers * 14 * ROWS * args.n_heads * SEQ**2 * args.head_dim
     weights = single - attention
     pairs = 2 * cp + 1

@@ -11,10 +11,11 @@ import torch
 from titan.config import Config, Layout
 from titan.data import Tokenizer
 from titan.errors import ConfigError
-from titan.models import Args, ModelSpec
+from titan.models import Args
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import Blocks, RunPlan, run_plan
-from titan.train.build import device_memory, resolve_model
+from titan.train.build import device_memory
+from titan.train.model import ResolvedModel, resolve_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +24,7 @@ class CheckedRun:
     it, and the run plan with its blocks."""
 
     config: Config
-    spec: ModelSpec
-    args: Args
+    model: ResolvedModel
     layout: Layout
     blocks: Blocks
     plan: RunPlan
@@ -33,20 +33,20 @@ class CheckedRun:
 def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
     """Everything the recipe asks, checked before any process group is joined. device None: not on this machine,
     so what the layout asks of it, and the budget it leaves, wait for the run."""
-    spec, args = resolve_model(config)
-    if config.data.batching == "tokens" and args.has_dropout:
+    model = resolve_model(config)
+    if config.data.batching == "tokens" and model.args.has_dropout:
         raise ConfigError(
             "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
             "position, and packing places a document differently on every layout; set the model's "
             "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
         )
     layout = Layout.from_config(config.parallel, world_size)
-    check_layout(config, spec, args, layout, device)
-    blocks = model_blocks(spec, args)
+    check_layout(config, model.spec, model.args, layout, device)
+    blocks = model_blocks(model.spec, model.args)
     plan = run_plan(config, layout.world_size, blocks)
     if device is not None:
         config = with_device_budget(config, layout.world_size, device)
-    return CheckedRun(config, spec, args, layout, blocks, plan)
+    return CheckedRun(config, model, layout, blocks, plan)
 
 
 def with_device_budget(config: Config, world_size: int, device: torch.device) -> Config:

@@ -155,7 +155,7 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
     else:
         checkpointer.save_tensors(scratch)
     new = build()
-    checkpointer.rebind(new.parts, new.optimizer, new.lr_scheduler)
+    checkpointer.rebind(model=new.parts, optimizer=new.optimizer, lr_scheduler=new.lr_scheduler)
     if point_to_point:
         ensure_adamw_state(new.optimizer, list(new.parts.parameters()))
         for state in new.optimizer.state.values():

@@ -29,7 +29,6 @@ from titan.errors import ConfigError
 from titan.parallel.memory_plan import GIB
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import run_plan
-from titan.train.build import resolve_model
 from titan.train.estimate.activations import (
     MODES,
     activation_budget,
@@ -43,7 +42,8 @@ from titan.train.estimate.depth import trace_ranks
 from titan.train.estimate.devices import Links, planned_device
 from titan.train.estimate.figures import StepEstimate
 from titan.train.estimate.pipeline import replay, schedule_actions
-from titan.train.estimate.trace import CPU, RankTrace, fake_world, trace_rank, with_checkpointing
+from titan.train.estimate.trace import CPU, RankTrace, TraceContext, fake_world, trace_rank, with_checkpointing
+from titan.train.model import resolve_model
 
 log = logging.getLogger("titan")
 
@@ -54,17 +54,18 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
-    spec, args = resolve_model(config)
-    check_layout(config, spec, args, Layout.from_config(config.parallel, world_size), CPU)
-    run = run_plan(config, world_size, model_blocks(spec, args))
+    model = resolve_model(config)
+    check_layout(config, model.spec, model.args, Layout.from_config(config.parallel, world_size), CPU)
+    run = run_plan(config, world_size, model_blocks(model.spec, model.args))
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     rows, microbatches = run.largest_micro_batch
     estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches, run.schedule_runs)
     with fake_world(layout) as mesh:
+        context = TraceContext(model, run, mesh, rows, estimate.device)
 
         def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
             runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
-            return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, estimate.device, **options)
+            return trace_rank(traced, context, pp_rank, depth, runs, **options)
 
         order = estimate.order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
         trace_ranks(estimate, trace, layers, order)
@@ -74,7 +75,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 estimate.block_activations[mode] = one_block[mode].block_held[0]
     if compiled:
-        estimate.compiled_saving = compiled_saving(config, spec, args, layout, rows)
+        estimate.compiled_saving = compiled_saving(config, model, layout, rows)
         for rank in estimate.ranks:
             ways = mode_ways(estimate, rank, config.activation_checkpoint.mode)
             rank.peak, rank.activations, rank.in_flight = peak_with(estimate, rank, order, ways)
@@ -84,7 +85,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
         estimate.block_options, block_costs = block_ways(estimate, one_block)
         for rank in estimate.ranks:
             plan_checkpointing(estimate, rank, order, block_costs)
-    _step_time(estimate, spec.flops_per_token(args, config.training.seq_len), order)
+    _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)
     return estimate
 
 
