@@ -357,16 +357,17 @@ class Checkpointer:
 
     def save_tensors(self, folder: Path) -> None:
         """The model and optimizer tensors into `folder`, for load_tensors after the parts are rebuilt."""
-        dcp.save(self._tensor_state(("model", "optimizer")), storage_writer=CheckpointWriter(folder),
-                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
+        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        dcp.save(state, storage_writer=CheckpointWriter(folder), process_group=group, no_dist=group is None)
 
     def rebind(self, **states) -> None:
         """Save and restore these stateful parts from now on (rebuilt ones, by name)."""
         self.states.update(states)
 
     def load_tensors(self, folder: Path) -> None:
-        dcp.load(self._tensor_state(("model", "optimizer")), storage_reader=CheckpointReader(folder, sealed=False),
-                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
+        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        reader = CheckpointReader(folder, sealed=False)
+        dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
         self._barrier()  # every rank has read it
         if self.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)

@@ -43,8 +43,8 @@ class Replanner:
         self.detector: StragglerDetector | None = None
         if g.enable and (layout.dp > 1 or layout.pp > 1):
             # One weight per data-parallel rank, or, in a pipeline, per pipeline rank.
-            self.detector = StragglerDetector(layout.pp if layout.pp > 1 else layout.dp, g.threshold, g.hysteresis,
-                                              g.window)  # fmt: skip
+            ranks = layout.pp if layout.pp > 1 else layout.dp
+            self.detector = StragglerDetector(ranks, g.threshold, g.hysteresis, g.window)
             self.probe = Probe(device)
             self._follow_weights()
 
