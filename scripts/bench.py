@@ -387,7 +387,7 @@ def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
     """Each of `runs` (GPU_RUNS ids) trained in its own process: tokens/s, MFU and measured peak memory, next to
     `titan plan`'s peak for the same run. Returns the report (also written to --json)."""
     from titan.config import load_config
-    from titan.train.estimate.estimate import plan_run
+    from titan.train.estimate.estimate import estimate_step
 
     args.config = str(GPU_RECIPE)
     shape = [*GPU_SHAPE, "--model.overrides.n_layers", str(args.layers), *(DRY_SHAPE if args.dry_run else [])]
@@ -396,7 +396,7 @@ def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
         run_overrides = [*shape, *GPU_RUNS[name], *overrides]
         result = run(name, "titan", 1, args, run_overrides)
         try:
-            planned = plan_run(load_config(GPU_RECIPE, run_overrides, world_size=1), 1).ranks[0].peak / 2**30
+            planned = estimate_step(load_config(GPU_RECIPE, run_overrides, world_size=1), 1).ranks[0].peak / 2**30
         except Exception as e:  # one run the planner cannot trace still leaves the others' figures
             planned, result["plan_error"] = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         measured = result["peak_memory_gib"]

@@ -158,7 +158,7 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
 
 @pytest.mark.parametrize("layers", [1, 2, 4])
 def test_the_planned_peak_is_the_measured_peak_of_8b_shaped_layers_at_seq_8192(tmp_path, layers):
-    from titan.train.estimate.estimate import plan_run
+    from titan.train.estimate.estimate import estimate_step
 
     overrides = [
         *tiny_overrides(tmp_path, **CUDA),
@@ -167,7 +167,7 @@ def test_the_planned_peak_is_the_measured_peak_of_8b_shaped_layers_at_seq_8192(t
         *("--training.mixed_precision", "bf16", "--activation_checkpoint.mode", "none"),
     ]
     config = load_config(DEBUG_RECIPE, overrides)
-    planned = plan_run(load_config(DEBUG_RECIPE, overrides, world_size=1), 1).ranks[0].peak
+    planned = estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=1), 1).ranks[0].peak
     torch.cuda.reset_peak_memory_stats()
     Trainer(config).train()  # two steps: the second holds AdamW's moments, as the plan assumes
     measured = torch.cuda.max_memory_allocated()

@@ -1,4 +1,4 @@
-"""Activation memory planned to a budget (titan/parallel/memory_plan.py, titan/parallel/ac.py): the planner is
+"""Activation memory planned to a budget (titan/parallel/ac_choices.py, titan/parallel/ac.py): the planner is
 exact, a mix of ways to run the blocks changes no number, the bytes counted are those autograd keeps, and a planned
 run keeps within its budget at the slowdown it predicts."""
 
@@ -17,7 +17,7 @@ from helpers import SMALL, layout_overrides, trainer_for
 from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
-from titan.parallel.memory_plan import GIB, Option, fastest_choices, gib_rounded_up
+from titan.parallel.ac_choices import GIB, Option, fastest_choices, gib_rounded_up
 from titan.train.build import device_memory
 from titan.train.model import resolve_model
 from titan.train.trainer import Trainer
@@ -207,7 +207,7 @@ def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
 def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path):
     """budget_gib = 0: `titan train` gives the trainer the budget that `titan plan` shows for a device of the
     same memory (one function decides both)."""
-    from titan.train.estimate.estimate import plan_run, with_activation_budget
+    from titan.train.estimate.estimate import estimate_step, with_activation_budget
 
     auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, auto), world_size=1)
@@ -216,7 +216,7 @@ def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path)
     on_such_a_device = load_config(
         DEBUG_RECIPE, layout_overrides(tmp_path, {**auto, "plan.memory_gib": "3"}), world_size=1
     )
-    (rank,) = plan_run(on_such_a_device, 1).ranks
+    (rank,) = estimate_step(on_such_a_device, 1).ranks
     assert resolved.activation_checkpoint.budget_gib * GIB == pytest.approx(rank.budget, abs=1)
     assert 0 < rank.budget < device_bytes
     with pytest.raises(ConfigError, match="budget_gib = 0: the step needs more than"):

@@ -7,7 +7,7 @@ runs one of four ways:
 - offload: it keeps everything, in pinned host memory, and copies it back for backward.
 
 Modes full and selective run every Nth block that way. Mode auto measures each way on one block of the run
-(`measure_options`) and lets titan/parallel/memory_plan.py choose per block, within activation_checkpoint.budget_gib.
+(`measure_options`) and lets titan/parallel/ac_choices.py choose per block, within activation_checkpoint.budget_gib.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.parallel.memory_plan import GIB, Option, fastest_choices
+from titan.parallel.ac_choices import GIB, Option, fastest_choices
 from titan.parallel.mesh import on_rank_0
 from titan.run_plan import RunPlan, precision
 

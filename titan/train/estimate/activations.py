@@ -5,7 +5,7 @@ activation_checkpoint.mode = "auto", the blocks' ways planned within it."""
 from __future__ import annotations
 
 from titan.config import Config, Layout
-from titan.parallel.memory_plan import GIB, Option, fastest_choices
+from titan.parallel.ac_choices import GIB, Option, fastest_choices
 from titan.train.estimate.devices import Links
 from titan.train.estimate.figures import RankEstimate, StepEstimate
 from titan.train.estimate.graph import saved_by_block
@@ -57,7 +57,7 @@ def block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tuple
     return [*options, Option("offload", 0, 2 * keep_bytes / (estimate.device.host_gbs * 1e9))], block_costs
 
 
-def plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_costs: dict[str, Cost]) -> None:
+def choose_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_costs: dict[str, Cost]) -> None:
     """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs, traffic and time
     follow (`block_costs`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))

@@ -26,17 +26,17 @@ import os
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
-from titan.parallel.memory_plan import GIB
+from titan.parallel.ac_choices import GIB
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import run_plan
 from titan.train.estimate.activations import (
     MODES,
     activation_budget,
     block_ways,
+    choose_checkpointing,
     compiled_saving,
     mode_ways,
     peak_with,
-    plan_checkpointing,
 )
 from titan.train.estimate.depth import trace_ranks
 from titan.train.estimate.devices import Links, planned_device
@@ -48,7 +48,7 @@ from titan.train.model import resolve_model
 log = logging.getLogger("titan")
 
 
-def plan_run(config: Config, world_size: int) -> StepEstimate:
+def estimate_step(config: Config, world_size: int) -> StepEstimate:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
@@ -84,7 +84,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     if auto:
         estimate.block_options, block_costs = block_ways(estimate, one_block)
         for rank in estimate.ranks:
-            plan_checkpointing(estimate, rank, order, block_costs)
+            choose_checkpointing(estimate, rank, order, block_costs)
     _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)
     return estimate
 
@@ -93,7 +93,7 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
     """The recipe for a run on devices of `device_bytes` each, its activation_checkpoint.budget_gib = 0 replaced
     by what such a device leaves (activation_budget, less plan.headroom_fraction): `titan train` calls this, so
     that the trainer plans its blocks within the budget that `titan plan` shows for that device."""
-    estimate = plan_run(config, world_size)
+    estimate = estimate_step(config, world_size)
     usable = device_bytes * (1 - config.plan.headroom_fraction)
     pp_rank = estimate.run.rank(int(os.environ.get("RANK", "0"))).pp_rank
     budget = activation_budget(estimate, estimate.ranks[pp_rank], usable)
@@ -112,9 +112,9 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), on
+    """The recipe as the planner runs it: eagerly (estimate_step then takes off what compiled blocks keep less), on
     causal rows, with the CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and
-    auto checkpointing as full (plan_run then plans the blocks): a recomputing step's trace holds what
+    auto checkpointing as full (estimate_step then plans the blocks): a recomputing step's trace holds what
     recomputation adds in backward, and the peaks derived from it for the other ways come out a little high
     rather than low (a trace keeping everything gave a 405B pipeline rank's all-full peak 13% low)."""
     ac = config.activation_checkpoint

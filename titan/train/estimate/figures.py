@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
-from titan.parallel.memory_plan import GIB, BlockChoices, Option
+from titan.parallel.ac_choices import GIB, BlockChoices, Option
 from titan.run_plan import RunPlan
 from titan.train.estimate.devices import Device
 from titan.train.estimate.trace import RankTrace
