@@ -109,7 +109,7 @@ def stack_inputs(trainer, batch):
     """The trainer's blocks and what its model gives the first one for this batch: (blocks, hidden states as a
     leaf, the other arguments)."""
     model = trainer.model_parts.parts[0]
-    blocks = trainer.spec.blocks(model)
+    blocks = trainer.model.spec.blocks(model)
     inputs = []
     hook = blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args))
     with torch.no_grad():
@@ -159,8 +159,8 @@ def test_measured_bytes_are_what_autograd_keeps_and_a_cpu_is_never_offered_offlo
     plain = trainer_for(tmp_path / "plain", **FOUR_BLOCKS)
     full = trainer_for(tmp_path / "full", **FOUR_BLOCKS, **{"activation_checkpoint.mode": "full"})
     with torch.device("meta"):
-        model = plain.spec.build(plain.model_args)
-    options = {o.name: o for o in ac.measure_options(model, plain.spec, plain.config, Layout(), 4, plain.device)}
+        model = plain.model.spec.build(plain.model.args)
+    options = {o.name: o for o in ac.measure_options(model, plain.model.spec, plain.config, Layout(), 4, plain.device)}
     assert list(options) == ["keep", "selective", "full"]  # no offload on a CPU: host memory is its memory
     assert options["full"].saved_bytes < options["selective"].saved_bytes < options["keep"].saved_bytes
     batch = next(plain.loader)[0]
@@ -183,7 +183,7 @@ def test_any_mix_of_ways_gives_bitwise_the_losses_and_gradients_of_no_checkpoint
     monkeypatch.setattr(parallelize, "block_choices", lambda *args: list(choices))
     mixed = trainer_for(tmp_path / "mixed", **FOUR_BLOCKS)
     # Full checkpointing and offload hook the block; selective wraps its forward (titan.parallel.ac.apply_choice).
-    blocks = mixed.spec.blocks(mixed.model_parts.parts[0])
+    blocks = mixed.model.spec.blocks(mixed.model_parts.parts[0])
     wrapped = [bool(block._forward_pre_hooks) or "forward" in vars(block) for block in blocks]
     assert wrapped == [c != "keep" for c in choices]
     batches = next(plain.loader)
