@@ -158,7 +158,7 @@ class Checkpointer:
         named, optimizer = list(self.states["model"].named_parameters()), self.states["optimizer"]
         if "model" in parts:
             state["model"] = {name: p for name, p in named}
-            for part in self.model_parts.parts:
+            for part in self.states["model"].parts:
                 state["model"].update(model_buffers(part))
         if "optimizer" in parts:
             missing = [name for name, p in named if p not in optimizer.state]
