@@ -49,15 +49,18 @@ def test_debug_flavor_has_the_dense_debug_models_active_feed_forward():
     assert moe.n_heads * moe.head_dim == dense.dim and moe.n_kv_heads == dense.n_kv_heads
 
 
-@pytest.mark.parametrize("sizes", [(8, 12), (6, 10)], ids=["grouped", "loop"])  # 6 x 4 bytes: not 16-byte rows
-def test_grouped_experts_equal_a_loop_over_experts(sizes):
-    dim, hidden = sizes
+@pytest.mark.parametrize(
+    "dim,hidden,dtype",
+    [(8, 12, torch.float32), (6, 10, torch.float32), (8, 12, torch.float64)],
+    ids=["grouped", "loop: rows of 24 bytes", "loop: float64"],  # what torch's grouped matmul does not take
+)
+def test_grouped_experts_equal_a_loop_over_experts(dim, hidden, dtype):
     torch.manual_seed(0)
-    experts = GroupedExperts(dim, hidden, 4)
+    experts = GroupedExperts(dim, hidden, 4).to(dtype)
     for w in experts.parameters():
         torch.nn.init.normal_(w, std=0.3)
     counts = torch.tensor([3, 0, 5, 2])  # an expert without tokens
-    x = torch.randn(int(counts.sum()), dim, requires_grad=True)
+    x = torch.randn(int(counts.sum()), dim, dtype=dtype, requires_grad=True)
     out = experts(x, counts)
     grad = torch.randn_like(out)
     out.backward(grad)

@@ -10,12 +10,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 
 def _groupable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped matmul takes these: it needs rows of 16-byte multiples, and CUDA's (and fake
-    tensors') take bf16 only."""
+    """Whether torch's grouped matmul takes these: it needs rows of 16-byte multiples, and takes bf16, or fp32 on
+    the CPU (not under fake tensors, whose kernel is CUDA's)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     aligned = all(size * x.element_size() % 16 == 0 for size in w.shape[1:])
-    return aligned and (x.dtype == torch.bfloat16 or (x.device.type == "cpu" and not is_fake(x)))
+    cpu_float = x.device.type == "cpu" and not is_fake(x) and x.dtype == torch.float32
+    return aligned and (x.dtype == torch.bfloat16 or cpu_float)
 
 
 class _ContiguousGrad(torch.autograd.Function):
