@@ -32,6 +32,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# Eager in a compiled block: torch 2.13 traces _grouped_mm only in bf16 (its fake kernel refuses fp32 even on the CPU,
+# which runs it), and the loop's sizes are data.
+@torch.compiler.disable
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (tokens, in), sorted by group, times each group's w (groups, out, in) transposed: (tokens, out). counts:
     each group's tokens (groups,). Each token's row is computed alone, so it does not depend on which other
