@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_cli_equivalence import assert_close_losses, losses
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, run_titan, tiny_overrides
 from distributed import free_port
 from titan.checkpoint.format import CheckpointReader
 
@@ -132,3 +132,11 @@ def expert_biases(checkpoint) -> dict[str, torch.Tensor]:
     state = {"model": {name: torch.zeros(8) for name in names}}
     dcp.load(state, storage_reader=CheckpointReader(checkpoint), no_dist=True)
     return state["model"]
+
+
+def test_titan_plan_traces_expert_parallelism_with_its_all_to_all():
+    """titan plan's fake tensors do not know how many tokens each expert gets: the dispatch sends every rank an even
+    share, so the step traces with the all-to-all it moves (it read the counts on the host and failed)."""
+    result = run_titan("plan", "--config", str(MOE_RECIPE), "--world-size", "4", "--parallel.ep", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dp_shard 4 x ep 2" in result.stdout and "ep all_to_all_single" in result.stdout
