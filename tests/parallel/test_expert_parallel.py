@@ -9,12 +9,47 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from test_cli_equivalence import assert_close_losses, losses
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from conftest import ROOT, run_titan, tiny_overrides
-from distributed import free_port
+from distributed import free_port, run_distributed
 from titan.checkpoint.format import CheckpointReader
+from titan.models.moe.experts import swiglu
+from titan.parallel.ep import ExpertParallel
+
+
+def _dispatch(counts_by_rank: list[list[int]]) -> list[float]:
+    """On each rank of 2: its tokens through the dispatch over experts sharded 2 + 2, against its tokens through all
+    4 experts on this rank alone; the largest relative difference of the outputs and of the tokens' gradients."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    rank, generator = dist.get_rank(), torch.Generator().manual_seed(0)
+    weights = [torch.randn(4, *shape, generator=generator) for shape in ((16, 32), (32, 16), (16, 32))]
+    counts = torch.tensor(counts_by_rank[rank])
+    x = torch.randn(int(counts.sum()), 32, generator=torch.Generator().manual_seed(1 + rank), requires_grad=True)
+    alone = x.detach().clone().requires_grad_()
+    want = swiglu(alone, counts, *weights)
+    sharded = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])) for w in weights]
+    got = ExpertParallel(mesh)(swiglu, x, counts, *sharded)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(9 + rank))
+    got.backward(grad)
+    want.backward(grad)
+    pairs = ((got.detach(), want.detach()), (x.grad, alone.grad))
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
+
+
+@pytest.mark.distributed
+def test_the_dispatch_computes_each_token_on_its_experts_rank_even_for_a_rank_without_tokens():
+    """Rank 1's experts (2 and 3) get no token: it sends its tokens, computes nothing and still takes part. Measured
+    at most 2.9e-7 relative: the CPU's grouped matmul takes another path for a group of 3 rows than for 5 (from
+    about 5 rows on, a row's bits no longer depend on the others); a token sent to the wrong expert, or returned to
+    the wrong place, is off by about 1."""
+    differences = run_distributed(_dispatch, 2, [[3, 5, 0, 0], [2, 0, 0, 0]])
+    assert max(max(d) for d in differences) < 1e-6, differences
+
 
 # -- expert parallelism from the command line, against one process
 
