@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_cli_equivalence import assert_close_losses, losses
+from test_cli_equivalence import assert_close_losses, grad_norms, losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -120,13 +120,13 @@ def flipped_tokens(got: dict, want: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory) -> dict:
-    """Every run of RUNS once, shared by the tests below: {name: (losses, routes)}."""
+    """Every run of RUNS once, shared by the tests below: {name: (losses, routes, gradient norms)}."""
     tmp = tmp_path_factory.mktemp("moe")
     done = {}
     for name, (world, overrides, _) in RUNS.items():
         result = moe_run(tmp, name, world, overrides)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        done[name] = (losses(tmp / name), routes(tmp / name))
+        done[name] = (losses(tmp / name), routes(tmp / name), grad_norms(tmp / name))
     done["folder"] = tmp
     return done
 
@@ -139,6 +139,9 @@ def test_each_layout_trains_the_one_process_losses_and_routes(moe_runs, name):
     assert len(want[0]) == STEPS
     assert_close_losses(got[0], want[0], name)
     assert flipped_tokens(got[1], want[1]) == [0] * STEPS, name
+    # Clipping (max_grad_norm 1) acts at every step: the norm sums the experts' gradients over ep and FSDP too.
+    assert min(want[2].values()) > 1
+    assert_close_losses(got[2], want[2], f"{name}: gradient norms")
 
 
 @pytest.mark.distributed
