@@ -6,7 +6,8 @@ The experts' weights become DTensors sharded on dim 0 (the expert) over the ep m
 same ones (titan/parallel/fsdp.py). The model keeps its own order: the MoE sorts its (token, expert) pairs by expert,
 the dispatch sends each rank its experts' slice of that order, returns the results to the same places, and the MoE
 combines each token's results in expert order as on one process. The grouped matmul computes each token's row
-alone, so a token's result has the same bits whichever rank computes it.
+alone, so a token's result has the same bits whichever rank computes it (but in an expert of a handful of tokens,
+for which the CPU's kernel takes another path).
 """
 
 from __future__ import annotations
