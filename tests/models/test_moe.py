@@ -207,3 +207,13 @@ def test_routing_is_one_per_model_and_dense_models_have_none():
     assert isinstance(model.routing, Routing)
     assert set(model.routing.routers()) == {"1", "2", "3"}  # the first layer is dense
     assert dataclasses.replace(FLAVORS["debug"], dense_layers=0).moe_layers == range(0, 4)
+
+
+def test_compiled_experts_compute_what_eager_ones_do_in_fp32():
+    """torch 2.13 traces its grouped matmul in bf16 only (its fake kernel refuses fp32, which the CPU runs): a
+    compiled block runs the experts eagerly, with the same bits."""
+    experts = GroupedExperts(dim=32, hidden=16, n_experts=4)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, generator=torch.Generator().manual_seed(0))
+    x, counts = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([5, 0, 12, 7])
+    assert torch.equal(torch.compile(experts)(x, counts), experts(x, counts))
