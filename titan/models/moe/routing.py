@@ -66,11 +66,14 @@ class Router(nn.Module):
 
     def account(self, scores: torch.Tensor, experts: torch.Tensor, rows: int, coef: float, loss_scale: torch.Tensor):
         """Count this forward's tokens per expert for the step's bias update, and return its balance loss (None
-        without one): scores and experts of `rows` whole rows, in row order."""
-        if not counting():
+        without one, or without gradients): scores and experts of `rows` whole rows, in row order. Activation
+        checkpointing's recomputation builds the loss again (it must save what the forward saved) but counts
+        nothing."""
+        if not torch.is_grad_enabled():
             return None
-        n_experts = scores.shape[-1]
-        self.load += torch.bincount(experts.flatten(), minlength=n_experts)
+        n_experts, counted = scores.shape[-1], counting()
+        if counted:
+            self.load += torch.bincount(experts.flatten(), minlength=n_experts)
         if not coef:
             return None
         per_row = torch.zeros(rows, n_experts, device=experts.device).scatter_add_(
@@ -82,7 +85,8 @@ class Router(nn.Module):
         # sum_r sum_t sum_i f_ri s_ti = sum_r T sum_i f_ri P_ri: each row's loss weighted by its tokens.
         weighted = (frequency.unsqueeze(1) * normalised.view(rows, tokens, -1)).sum()
         loss = weighted * (coef * loss_scale.to(weighted.device))
-        self.balance_loss += loss.detach()
+        if counted:
+            self.balance_loss += loss.detach()
         return loss
 
 
