@@ -114,6 +114,11 @@ def metrics_on_a_full_disk(tmp: Path, _saved: Path) -> dict:
     return SAVED
 
 
+def moe_recipe(_tmp: Path, _saved: Path) -> dict:
+    """Setup: the mixture-of-experts recipe (8 experts, a balance loss) in place of the dense one."""
+    return {"--config": str(ROOT / "recipes" / "debug_moe.toml")}
+
+
 # (id, command, overrides: dict for `train` (on top of a tiny run) or list for `show`, setup, env, words)
 CASES = [
     # -- the recipe: keys, types, ranges
@@ -791,6 +796,20 @@ CASES = [
      ["model.overrides.n_experts", "belongs to the moe family, not to llama3: set model.name = 'moe'"]),
     ("moe score function", "show", ["--model.name", "moe", "--model.overrides.score_func", "relu"], None, {},
      ["score_func must be one of softmax, sigmoid, got 'relu'"]),
+    # -- expert parallelism (ranks taken from dp_shard x cp)
+    ("zero ep", "show", ["--parallel.ep", "0"], None, {}, ["parallel.ep must be >= 1"]),
+    ("ep not dividing the experts", "show", ["--parallel.ep", "3"], moe_recipe, {"WORLD_SIZE": "3"},
+     ["parallel.ep = 3", "divide the model's n_experts (8)"]),
+    ("ep not dividing dp_shard", "show", ["--parallel.ep", "4"], moe_recipe, {"WORLD_SIZE": "2"},
+     ["parallel.ep = 4", "must divide dp_shard x cp = 2 x 1", "launch more processes"]),
+    ("ep on a dense model", "show", ["--parallel.ep", "2"], None, {"WORLD_SIZE": "2"},
+     ["parallel.ep = 2", "llama3 family", "dense", "use parallel.ep = 1"]),
+    ("ep not a multiple of cp", "show", ["--parallel.cp", "4", "--parallel.ep", "2"], moe_recipe,
+     {"WORLD_SIZE": "8"}, ["parallel.ep = 2 must be a multiple of parallel.cp = 4"]),
+    ("ep without data parallelism", "show", ["--parallel.cp", "2", "--parallel.ep", "2"], moe_recipe,
+     {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
+    ("cp with the balance loss", "show", ["--parallel.cp", "2"], moe_recipe, {"WORLD_SIZE": "2"},
+     ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
 ]  # fmt: skip
 
 
