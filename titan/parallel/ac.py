@@ -25,7 +25,7 @@ from torch.distributed._composable import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from titan.config import Config, Layout
@@ -37,6 +37,13 @@ from titan.run_plan import RunPlan, precision
 log = logging.getLogger("titan")
 
 KEEP, SELECTIVE, FULL, OFFLOAD = "keep", "selective", "full", "offload"
+
+# Selective checkpointing replays the block's ops in the same order in backward. Profiler marks save nothing, and an
+# FSDP unit nested in the block (expert parallelism's experts) marks its root pre-forward only in the recomputation,
+# which the replay would refuse: torch passes the ops of this set through.
+SAC_IGNORED_OPS.update(
+    {torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit._RecordFunction}
+)
 
 
 def block_choices(

@@ -31,6 +31,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# Eager in a compiled block: torch 2.13 traces _grouped_mm only in bf16 (its fake kernel refuses fp32 even on the CPU,
+# which runs it), and the loop's sizes are data.
+@torch.compiler.disable
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (tokens, in), sorted by group, times each group's w (groups, out, in) transposed: (tokens, out). counts:
     each group's tokens (groups,). Each token's row is computed alone, so it does not depend on which other
@@ -45,6 +48,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat([piece @ weight.T for piece, weight in zip(pieces, w.unbind(0))])
 
 
+def swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    """Each group's SwiGLU of x (tokens, dim) sorted by group, counts[g] of them for group g of the weights'."""
+    hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+    return grouped_mm(hidden, w2, counts)
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLUs, their weights stacked (expert, out, in) as Hugging Face's per-expert linears hold them:
     expert parallelism shards dim 0."""
@@ -54,8 +63,12 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # Expert parallelism's slot (titan/parallel/ep.py): set, it computes forward, on the ranks holding the
+        # tokens' experts.
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim) sorted by expert, counts[e] of them for expert e of this module's -> (tokens, dim)."""
-        hidden = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
-        return grouped_mm(hidden, self.w2, counts)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(swiglu, x, counts, self.w1, self.w2, self.w3)
+        return swiglu(x, counts, self.w1, self.w2, self.w3)
