@@ -791,6 +791,20 @@ CASES = [
      ["model.overrides.n_experts", "belongs to the moe family, not to llama3: set model.name = 'moe'"]),
     ("moe score function", "show", ["--model.name", "moe", "--model.overrides.score_func", "relu"], None, {},
      ["score_func must be one of softmax, sigmoid, got 'relu'"]),
+    # -- expert parallelism (ranks taken from dp_shard x cp)
+    ("zero ep", "show", ["--parallel.ep", "0"], None, {}, ["parallel.ep must be >= 1"]),
+    ("ep not dividing the experts", "show", ["--model.name", "moe", "--parallel.ep", "3"], None, {"WORLD_SIZE": "3"},
+     ["parallel.ep = 3", "divide the model's n_experts (8)"]),
+    ("ep not dividing dp_shard", "show", ["--model.name", "moe", "--parallel.ep", "4"], None, {"WORLD_SIZE": "2"},
+     ["parallel.ep = 4", "must divide dp_shard x cp = 2 x 1", "launch more processes"]),
+    ("ep on a dense model", "show", ["--parallel.ep", "2"], None, {"WORLD_SIZE": "2"},
+     ["parallel.ep = 2", "llama3 family", "dense", "use parallel.ep = 1"]),
+    ("ep not a multiple of cp", "show", ["--model.name", "moe", "--parallel.cp", "4", "--parallel.ep", "2"], None,
+     {"WORLD_SIZE": "8"}, ["parallel.ep = 2 must be a multiple of parallel.cp = 4"]),
+    ("ep without data parallelism", "show", ["--model.name", "moe", "--parallel.cp", "2", "--parallel.ep", "2"],
+     None, {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
+    ("cp with the balance loss", "show", ["--model.name", "moe", "--parallel.cp", "2"], None, {"WORLD_SIZE": "2"},
+     ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
 ]  # fmt: skip
 
 

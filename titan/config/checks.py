@@ -78,7 +78,7 @@ def _validate_run(config: Config) -> None:
 
 def _validate_parallel(p: Parallel) -> None:
     """The parallel degrees and the pipeline's stage hints, whatever the world size."""
-    for name in ("dp_replicate", "cp", "tp", "pp"):
+    for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     require(
         all(0 < x < math.inf for x in p.pp_stage_speeds),

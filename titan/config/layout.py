@@ -29,6 +29,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: ranks sharing each sequence
+    ep: int = 1  # expert parallel: ranks splitting the experts, taken from dp_shard x cp (not in the world size)
 
     @classmethod
     def from_config(cls, p: Parallel, world_size: int) -> Layout:
@@ -47,7 +48,8 @@ class Layout:
                 f"parallel degrees {degrees} x dp_shard={p.dp_shard} do not multiply to the world size "
                 f"{world_size}; set parallel.dp_shard = -1 or change the degrees"
             )
-        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.cp)
+        check_expert_parallel(p, dp_shard)
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.cp, p.ep)
 
     @property
     def dp(self) -> int:
@@ -66,6 +68,30 @@ class Layout:
 
 # A layout as files record it (run_info.json, a saved re-plan): degrees of Layout, an absent one 1.
 LAYOUT_SPEC = Table({f.name: Integer(1) for f in dataclasses.fields(Layout)}, closed=True)
+
+
+def check_expert_parallel(p: Parallel, dp_shard: int) -> None:
+    """The expert-parallel group is whole context-parallel groups times a divisor of dp_shard: the ranks whose
+    tokens it shares, innermost after cp (titan/parallel/mesh.py)."""
+    if p.ep == 1:
+        return
+    if p.ep % p.cp:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must be a multiple of parallel.cp = {p.cp}: the expert-parallel group takes whole "
+            "context-parallel groups; raise ep or lower cp"
+        )
+    if p.dp_replicate * dp_shard == 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} without data parallelism (dp_shard = 1: the ep group is the cp group) is not "
+            "supported yet: expert parallelism runs under FSDP, which shards each rank's experts, and FSDP needs "
+            "data-parallel ranks; use dp_shard >= 2 (launch more processes)"
+        )
+    if dp_shard % (p.ep // p.cp):
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide dp_shard x cp = {dp_shard} x {p.cp}: expert-parallel ranks are "
+            "taken from the FSDP (and context-parallel) ranks, not added to the world; use a divisor of "
+            f"{dp_shard * p.cp} or launch more processes"
+        )
 
 
 def other_degrees(p: Parallel) -> str:

@@ -176,6 +176,10 @@ class Parallel:
     # and 2·cp-1-i, so causal attention costs every rank alike) and attention runs as a ring (docs/context-parallel.md).
     cp: int = 1
     pp: int = 1  # pipeline-parallel degree (layers split into stages)
+    # Expert-parallel degree of a mixture of experts: its routed experts split across this many ranks, taken from
+    # dp_shard x cp rather than added to the world; each token goes to its experts' ranks and back by all-to-all
+    # (docs/moe.md).
+    ep: int = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # FSDP2
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: never with PP, else always

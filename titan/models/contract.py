@@ -43,6 +43,10 @@ class Model(Protocol):
     # its attention modules call `attend(q, k, v, mask, rows, dropout)` when `is_ring(mask)`. None: the model holds
     # whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
+    # Expert parallelism's slot is on the modules that hold experts, those with an `expert_parallel` attribute: each
+    # stacks its experts' parameters along dim 0, which titan/parallel/ep.py shards over the ep group, and when the
+    # slot is set calls `expert_parallel(compute, x, counts, *weights)` in place of `compute(x, counts, *weights)`
+    # (x its tokens sorted by expert, counts[e] of them for expert e), which computes each token on its experts' rank.
     # A mixture of experts' routing, which the step drives (None: a dense model): `set_loss_scale(scale)` before each
     # micro-batch (the auxiliary balance loss is on the step loss's scale), and after the optimizer
     # `end_step(groups, finite)`, which sums the step's expert loads over the ranks that split its tokens, moves the
@@ -146,7 +150,8 @@ class ModelSpec:
     # (args) -> the width of one token's keys (as of its values) in one layer: context parallelism's ring traffic
     kv_width: Callable[[Args], int]
     # Parallelism, applied from outside by titan/parallel:
-    check_parallelism: Callable[[Args, int, int], None]  # (args, tp, pipeline stages); ValueError if impossible
+    # (args, tp, pipeline stages, ep=1, cp=1); ValueError if impossible
+    check_parallelism: Callable[..., None]
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
     blocks: Callable[[Model], list[nn.Module]]  # units for checkpointing, compile, FSDP and titan plan's block graph
     pipeline_stage: Callable[[Model, list[int], bool, bool], Model]  # (model, layer ids, first, last) -> stage

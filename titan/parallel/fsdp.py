@@ -7,6 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from titan.parallel.ep import expert_modules
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -15,7 +17,9 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """expert_mesh: under expert parallelism, the ranks that hold the same experts, over which FSDP shards them."""
     # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums lose the small updates.
     policy = dict(
         mesh=dp_mesh,
@@ -28,7 +32,11 @@ def apply_fsdp(
     block_policy = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)}
     for i, block in enumerate(blocks):
         # The last block's parameters are the first needed by backward: resharding them would be wasted work.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **block_policy)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        for experts in expert_modules(block) if expert_mesh is not None else ():
+            # Their own FSDP unit, before the block's: the block's mesh would shard them across experts' ranks.
+            fully_shard(experts, reshard_after_forward=reshard, **{**block_policy, "mesh": expert_mesh})
+        fully_shard(block, reshard_after_forward=reshard, **block_policy)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

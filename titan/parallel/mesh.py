@@ -40,7 +40,8 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
 def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
     """Sub-meshes by role: pp, tp, cp, dp (both data-parallel dims flattened: data loading, loss sums) and
     fsdp (dp_shard, or dp_replicate x dp_shard for HSDP; with context parallelism, dp_shard x cp flattened, as the
-    cp ranks' gradients are summed like the data-parallel ones). Empty for one process."""
+    cp ranks' gradients are summed like the data-parallel ones); with expert parallelism ep and efsdp
+    (_expert_meshes). Empty for one process."""
     if layout.world_size == 1:
         return {}
     root = init_device_mesh(
@@ -61,6 +62,20 @@ def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
         "cp": root["cp"],
         "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
         "fsdp": root["dp_replicate", shard] if layout.dp_replicate > 1 else root[shard],
+        **(_expert_meshes(root, layout) if layout.ep > 1 else {}),
+    }
+
+
+def _expert_meshes(root: DeviceMesh, layout: Layout) -> dict[str, DeviceMesh]:
+    """Expert parallelism borrows its ranks from dp_shard x cp, as TorchTitan does: dp_shard unflattens into
+    (efsdp, ep / cp) and ep is its inner part x cp, the neighbouring ranks (the all-to-all's heavy traffic on the
+    fastest links). The ep group splits the experts; the ranks that hold the same experts (efsdp, and dp_replicate
+    for HSDP) shard them by FSDP, while the other parameters are sharded over the whole fsdp mesh."""
+    within = layout.ep // layout.cp
+    sparse = root._unflatten("dp_shard", (layout.dp_shard // within, within), ("efsdp", "ep_shard"))
+    return {
+        "ep": sparse["ep_shard", "cp"]._flatten("ep"),
+        "efsdp": sparse["dp_replicate", "efsdp"] if layout.dp_replicate > 1 else sparse["efsdp"],
     }
 
 

@@ -1,6 +1,6 @@
-"""Build the model for a layout: split into pipeline stages, then per stage float8 conversion, TP, activation
+"""Build the model for a layout: split into pipeline stages, then per stage float8 conversion, TP, EP, activation
 checkpointing, compile and FSDP (in that order: float8 swaps the plain linears before TP shards them, and
-FSDP must wrap the TP DTensors and the compiled blocks), then materialise and initialise the local shards
+FSDP must wrap the TP and EP DTensors and the compiled blocks), then materialise and initialise the local shards
 from the seed."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from titan.models import ModelSpec, StageBatch
 from titan.parallel import float8, pp
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.cp.ring import apply_context_parallel
+from titan.parallel.ep import apply_expert_parallel
 from titan.parallel.fsdp import apply_fsdp
 from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
 
@@ -82,7 +83,8 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     p = config.parallel
     pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
     try:
-        spec.check_parallelism(args, layout.tp, layout.pp * stages_per_rank(p) if layout.pp > 1 else 1)
+        stages = layout.pp * stages_per_rank(p) if layout.pp > 1 else 1
+        spec.check_parallelism(args, layout.tp, stages, layout.ep, layout.cp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:
@@ -176,6 +178,8 @@ def parallelize(
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh["ep"])
     apply_activation_checkpointing(blocks, checkpointing, config.activation_checkpoint.save_ops)
     if config.compile.enable:
         import torch._inductor.config as inductor  # a process-wide setting: every compiled block follows the recipe
@@ -186,4 +190,4 @@ def parallelize(
     if layout.dp > 1:
         reshard = {"always": True, "never": False, "default": layout.pp == 1}[p.fsdp_reshard_after_forward]
         param_dtype = torch.bfloat16 if plan.precision.fsdp_params else None
-        apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload)
+        apply_fsdp(model, blocks, mesh["fsdp"], param_dtype, reshard, p.fsdp_cpu_offload, mesh.get("efsdp"))

@@ -29,8 +29,13 @@ from titan.models.llama.model import Transformer
 from titan.models.llama.rope import rope_table
 
 
-def check_parallelism(args: ModelArgs, tp: int, pp_stages: int) -> None:
+def check_parallelism(args: ModelArgs, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
     """Raise ValueError when the degrees cannot split this model."""
+    if ep > 1:
+        raise ValueError(
+            f"parallel.ep = {ep} splits the experts of a mixture of experts, and the llama3 family's feed-forwards "
+            "are dense; use parallel.ep = 1, or model.name = 'moe'"
+        )
     for name, size in (
         ("n_heads", args.n_heads),
         ("n_kv_heads", args.n_kv_heads),
