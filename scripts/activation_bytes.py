@@ -19,8 +19,8 @@ import torch
 
 from titan.config import Layout, degrees_world_size, load_config, read_config
 from titan.parallel import ac
-from titan.tools.plan.estimate import plan_run
-from titan.train.build import resolve_model
+from titan.train.estimate.estimate import estimate_step
+from titan.train.model import resolve_model
 
 MODES = {"none": ac.KEEP, "selective": ac.SELECTIVE, "full": ac.FULL}  # the recipe's mode: the block's way
 
@@ -38,11 +38,12 @@ def main() -> None:
         parser.error(f"{args.config} splits its blocks by tensor parallel; the measurement runs a whole block")
     batch = ["--training.local_batch_size", str(args.rows), "--training.global_batch_size", str(args.rows * layout.dp)]
     config = load_config(args.config, ["--training.seq_len", str(args.seq), *batch], world_size=world)
-    planned = plan_run(config, world).block_activations  # every mode's, whatever the recipe's
+    planned = estimate_step(config, world).block_activations  # every mode's, whatever the recipe's
     ckpt = config.activation_checkpoint
     save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
     measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))
-    spec, model_args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, model_args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(model_args)
     start = time.perf_counter()

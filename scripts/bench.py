@@ -109,7 +109,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.data import build_loaders
     from titan.observe.metrics import peak_flops, peak_memory_bytes
     from titan.run_plan import run_plan
-    from titan.train.build import build_model, pick_device, resolve_model
+    from titan.train.build import build_model, pick_device
+    from titan.train.model import resolve_model
     from titan.train.trainer import Trainer
 
     run_dir = os.environ.get("TITAN_BENCH_DIR") or tempfile.mkdtemp(prefix="titan-bench-")
@@ -162,7 +163,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-    spec, model_args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, model_args = resolved.spec, resolved.args
     step_time = statistics.median(times[warmup:])
     tokens_per_s = tokens_per_step / step_time
     flops = tokens_per_s * spec.flops_per_token(model_args, config.training.seq_len)
@@ -278,9 +280,10 @@ def verify_figures(flavor: str, recipe: str, files: int = 8) -> None:
     from titan.checkpoint.format import seal, sha256_files, verify
     from titan.checkpoint.train_state import model_shapes
     from titan.config import load_config
-    from titan.train.build import resolve_model
+    from titan.train.model import resolve_model
 
-    spec, args = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
+    resolved = resolve_model(load_config(recipe, ["--model.flavor", flavor, "--training.seq_len", "2048"]))
+    spec, args = resolved.spec, resolved.args
     params = sum(math.prod(s) for s in model_shapes(spec, args).values())
     total = 12 * params
     chunk = os.urandom(64 * 2**20)
@@ -424,7 +427,7 @@ def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
     """Each of `runs` (GPU_RUNS ids) trained in its own process: tokens/s, MFU and measured peak memory, next to
     `titan plan`'s peak for the same run. Returns the report (also written to --json)."""
     from titan.config import load_config
-    from titan.tools.plan.estimate import plan_run
+    from titan.train.estimate.estimate import estimate_step
 
     args.config = str(GPU_RECIPE)
     shape = [*GPU_SHAPE, "--model.overrides.n_layers", str(args.layers), *(DRY_SHAPE if args.dry_run else [])]
@@ -433,7 +436,7 @@ def gpu_figures(args, runs: list[str], overrides: list[str]) -> dict:
         run_overrides = [*shape, *GPU_RUNS[name], *overrides]
         result = run(name, "titan", 1, args, run_overrides)
         try:
-            planned = plan_run(load_config(GPU_RECIPE, run_overrides, world_size=1), 1).ranks[0].peak / 2**30
+            planned = estimate_step(load_config(GPU_RECIPE, run_overrides, world_size=1), 1).ranks[0].peak / 2**30
         except Exception as e:  # one run the planner cannot trace still leaves the others' figures
             planned, result["plan_error"] = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         measured = result["peak_memory_gib"]

@@ -14,7 +14,7 @@ import torch
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SAVED, SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.format import single_process_quiet
 from titan.checkpoint.resume import complete_checkpoints
 from titan.rng.shards import full_tensor
@@ -296,12 +296,10 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
         checkpointer = Checkpointer(
             Checkpoint(interval=1),
             tmp_path / "checkpoints",
-            model_parts=ModelParts([model], [0], 1),
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            loader=loader,
-            model={"name": "toy", "flavor": "-", "shapes": {n: list(p.shape) for n, p in model.named_parameters()}},
-            recipe="",
+            {"model": ModelParts([model], [0], 1), "optimizer": optimizer, "lr_scheduler": scheduler, "data": loader},
+            RunRecord(
+                {"name": "toy", "flavor": "-", "shapes": {n: list(p.shape) for n, p in model.named_parameters()}}, ""
+            ),
             rank=0,
             save_group=None,  # one process: no collectives
             control_group=None,

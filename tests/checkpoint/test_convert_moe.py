@@ -42,9 +42,10 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(hf_dir):
-    """hf-to-dcp through the CLI: (the checkpoint, the [model] table it printed)."""
+    """hf-to-dcp through the CLI, the family picked by config.json's model_type: (the checkpoint, the [model] table
+    it printed)."""
     out = hf_dir.parent / "dcp"
-    result = run_titan("convert", "hf-to-dcp", str(hf_dir), str(out), "--model", "moe")
+    result = run_titan("convert", "hf-to-dcp", str(hf_dir), str(out))
     assert result.returncode == 0, result.stderr
     return out, tomllib.loads(result.stdout[result.stdout.index("[model]") :].split("\n\n")[0])["model"]
 
@@ -199,3 +200,12 @@ def test_exporting_a_flavor_qwen3_moe_cannot_express_is_one_line(tmp_path):
     train_moe(tmp_path, **{"model.overrides.n_shared_experts": "2"})
     result = run_titan("convert", "dcp-to-hf", str(tmp_path / "debug_moe"), str(tmp_path / "hf"))
     assert_one_line_error(result, "cannot export checkpoint", "n_shared_experts = 2: Qwen3-MoE has no shared experts")
+
+
+def test_hf_to_dcp_names_the_model_types_it_reads(hf_dir, tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    result = run_titan("convert", "hf-to-dcp", str(folder), str(tmp_path / "out"))
+    assert_one_line_error(result, "no titan model family reads HF model_type 'gpt2'", "llama (llama3)",
+                          "qwen3_moe (moe)")  # fmt: skip

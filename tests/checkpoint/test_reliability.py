@@ -13,7 +13,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
-from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.format import seal, verify
 from titan.checkpoint.resume import changed_keys, complete_checkpoints
 from titan.config import load_config, math_values
@@ -364,9 +364,9 @@ def _checkpointer(folder, model):
             pass
 
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    return Checkpointer(Checkpoint(), folder, model_parts=ModelParts([model], [0], 1), optimizer=optimizer,
-                        lr_scheduler=scheduler, loader=Loader(), model={"name": "toy", "flavor": "-", "shapes": shapes},
-                        recipe="", rank=0, save_group=None, control_group=None)  # fmt: skip
+    states = {"model": ModelParts([model], [0], 1), "optimizer": optimizer, "lr_scheduler": scheduler, "data": Loader()}
+    record = RunRecord({"name": "toy", "flavor": "-", "shapes": shapes}, recipe="")
+    return Checkpointer(Checkpoint(), folder, states, record, rank=0, save_group=None, control_group=None)
 
 
 def test_an_existing_step_is_replaced_and_a_replacement_cut_short_is_undone(tmp_path):

@@ -114,11 +114,6 @@ def metrics_on_a_full_disk(tmp: Path, _saved: Path) -> dict:
     return SAVED
 
 
-def moe_recipe(_tmp: Path, _saved: Path) -> dict:
-    """Setup: the mixture-of-experts recipe (8 experts, a balance loss) in place of the dense one."""
-    return {"--config": str(ROOT / "recipes" / "debug_moe.toml")}
-
-
 # (id, command, overrides: dict for `train` (on top of a tiny run) or list for `show`, setup, env, words)
 CASES = [
     # -- the recipe: keys, types, ranges
@@ -798,17 +793,17 @@ CASES = [
      ["score_func must be one of softmax, sigmoid, got 'relu'"]),
     # -- expert parallelism (ranks taken from dp_shard x cp)
     ("zero ep", "show", ["--parallel.ep", "0"], None, {}, ["parallel.ep must be >= 1"]),
-    ("ep not dividing the experts", "show", ["--parallel.ep", "3"], moe_recipe, {"WORLD_SIZE": "3"},
+    ("ep not dividing the experts", "show", ["--model.name", "moe", "--parallel.ep", "3"], None, {"WORLD_SIZE": "3"},
      ["parallel.ep = 3", "divide the model's n_experts (8)"]),
-    ("ep not dividing dp_shard", "show", ["--parallel.ep", "4"], moe_recipe, {"WORLD_SIZE": "2"},
+    ("ep not dividing dp_shard", "show", ["--model.name", "moe", "--parallel.ep", "4"], None, {"WORLD_SIZE": "2"},
      ["parallel.ep = 4", "must divide dp_shard x cp = 2 x 1", "launch more processes"]),
     ("ep on a dense model", "show", ["--parallel.ep", "2"], None, {"WORLD_SIZE": "2"},
      ["parallel.ep = 2", "llama3 family", "dense", "use parallel.ep = 1"]),
-    ("ep not a multiple of cp", "show", ["--parallel.cp", "4", "--parallel.ep", "2"], moe_recipe,
+    ("ep not a multiple of cp", "show", ["--model.name", "moe", "--parallel.cp", "4", "--parallel.ep", "2"], None,
      {"WORLD_SIZE": "8"}, ["parallel.ep = 2 must be a multiple of parallel.cp = 4"]),
-    ("ep without data parallelism", "show", ["--parallel.cp", "2", "--parallel.ep", "2"], moe_recipe,
-     {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
-    ("cp with the balance loss", "show", ["--parallel.cp", "2"], moe_recipe, {"WORLD_SIZE": "2"},
+    ("ep without data parallelism", "show", ["--model.name", "moe", "--parallel.cp", "2", "--parallel.ep", "2"],
+     None, {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
+    ("cp with the balance loss", "show", ["--model.name", "moe", "--parallel.cp", "2"], None, {"WORLD_SIZE": "2"},
      ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
 ]  # fmt: skip
 
@@ -858,6 +853,52 @@ def test_a_refused_recipe_exits_without_importing_torch():
 
 def test_the_table_covers_every_area():
     assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+# Checks that once ran after the process group was joined. Rank 0 of 2 whose partner never comes: joining would
+# wait TITAN_DIST_TIMEOUT_S and fail with a traceback, so the one line shows the check ran before it.
+BEFORE_JOINING = [
+    (
+        "tokens batching with dropout",
+        {"data.batching": "tokens", "model.overrides.resid_dropout": "0.1"},
+        ["does not support dropout", "resid_dropout"],
+    ),
+    (
+        "one-stage schedule with two stages per rank",
+        {"parallel.pp": "2", "parallel.pp_schedule": "1F1B", "parallel.pp_stages_per_rank": "2",
+         "model.overrides.n_layers": "4"},
+        ["parallel.pp_schedule 1F1B runs one stage per rank", "parallel.pp_stages_per_rank = 1"],
+    ),
+    (
+        "tokenizer larger than the model's vocabulary",
+        {"model.overrides.vocab_size": "100"},
+        ["tokenizer has", "vocab_size is 100"],
+    ),
+    ("nccl on the CPU", {"parallel.backend": "nccl"}, ["parallel.backend = 'nccl' needs CUDA GPUs"]),
+    ("seq_len above the model's", {"training.seq_len": "4096"}, ["training.seq_len 4096", "max_seq_len 2048"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides,words", [c[1:] for c in BEFORE_JOINING], ids=[c[0] for c in BEFORE_JOINING])
+def test_a_recipe_is_refused_before_the_process_group_is_joined(tmp_path, overrides, words):
+    from distributed import free_port
+
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TITAN_DIST_TIMEOUT_S": "5"}  # fmt: skip
+    result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **overrides), env=env)
+    assert_one_line_error(result, *words)
+
+
+SHOWN = [c for c in BEFORE_JOINING if "tokenizer" not in c[0]]
+
+
+@pytest.mark.parametrize("overrides,words", [c[1:] for c in SHOWN], ids=[c[0] for c in SHOWN])
+def test_config_show_refuses_what_train_refuses_before_joining(overrides, words):
+    """The recipe's checks are the pre-flight's, which `titan config show` runs too (the tokenizer's file is read by
+    the run alone)."""
+    flags = [item for key, value in overrides.items() for item in (f"--{key}", value)]
+    result = run_titan("config", "show", "--config", str(DEBUG_RECIPE), *flags, env={"WORLD_SIZE": "2"})
+    assert_one_line_error(result, *words)
 
 
 @pytest.mark.distributed

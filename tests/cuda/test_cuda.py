@@ -158,7 +158,7 @@ def test_compiled_blocks_equal_eager_blocks(tmp_path):
 
 @pytest.mark.parametrize("layers", [1, 2, 4])
 def test_the_planned_peak_is_the_measured_peak_of_8b_shaped_layers_at_seq_8192(tmp_path, layers):
-    from titan.tools.plan.estimate import plan_run
+    from titan.train.estimate.estimate import estimate_step
 
     overrides = [
         *tiny_overrides(tmp_path, **CUDA),
@@ -167,7 +167,7 @@ def test_the_planned_peak_is_the_measured_peak_of_8b_shaped_layers_at_seq_8192(t
         *("--training.mixed_precision", "bf16", "--activation_checkpoint.mode", "none"),
     ]
     config = load_config(DEBUG_RECIPE, overrides)
-    planned = plan_run(load_config(DEBUG_RECIPE, overrides, world_size=1), 1).ranks[0].peak
+    planned = estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=1), 1).ranks[0].peak
     torch.cuda.reset_peak_memory_stats()
     Trainer(config).train()  # two steps: the second holds AdamW's moments, as the plan assumes
     measured = torch.cuda.max_memory_allocated()
@@ -218,13 +218,15 @@ def test_the_cost_fit_of_a_deep_stage_matches_a_deep_model_timed_directly():
     """The cost fit times one and two layers and extrapolates: four layers timed directly agree."""
     from titan import models
     from titan.train.cost_fit import _time_depth, measure
+    from titan.train.model import ResolvedModel
 
     spec = models.get_model_spec("llama3")
     args = models.model_args(spec, "debug", {"n_layers": 4, "dim": 1024, "n_heads": 16, "n_kv_heads": 8,
                                              "max_seq_len": 4096})  # fmt: skip
+    model = ResolvedModel(spec, args)
     cuda = torch.device("cuda")
-    _, _, extrapolated = measure(spec, args, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
-    direct = _time_depth(spec, args, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
+    _, _, extrapolated = measure(model, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
+    direct = _time_depth(model, 4, 4096, 4096, cuda, torch.bfloat16, seed=0)
     ratio = sum(t for _, t in extrapolated) / sum(direct)
     print(f"extrapolated / direct: {ratio:.3f}")
     assert ratio == pytest.approx(1.0, rel=0.10)  # to confirm on the first GPU run

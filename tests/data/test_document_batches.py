@@ -160,12 +160,13 @@ def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
     times below."""
     from titan import models
     from titan.train.cost_fit import measure
+    from titan.train.model import ResolvedModel
 
     spec = models.get_model_spec("llama3")
     # dim 128: big enough that compute, not per-call overhead, sets the times (dim 64 fits with R² ~0.8-0.96).
     overrides = {"n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 2048, "max_seq_len": 2048}
     args = models.model_args(spec, "debug", overrides)
-    cost, r2, samples = measure(spec, args, 2, 2048, 2048, torch.device("cpu"), torch.float32, seed=0)
+    cost, r2, samples = measure(ResolvedModel(spec, args), 2, 2048, 2048, torch.device("cpu"), torch.float32, seed=0)
     assert r2 > 0.9, samples
     assert cost.a > 0 and cost.b > 0
     # The quadratic term is real: one 2048-token document takes longer than 32 documents of 64 tokens.
@@ -183,13 +184,13 @@ def test_a_deep_stage_is_fitted_from_one_and_two_layers(monkeypatch):
     a, b, c, head = 2e-9, 3e-6, 1e-3, 5e-6  # per layer: a·Σs² + b·Σs; the head: head·Σs; c per micro-batch
     timed = []
 
-    def fake_times(spec, args, n_layers, max_len, capacity, device, dtype, seed):
+    def fake_times(model, n_layers, max_len, capacity, device, dtype, seed):
         timed.append(n_layers)
         batches = cost_fit.micro_batches_to_time(max_len, capacity)
         return [c + n_layers * sum(a * s * s + b * s for s in lengths) + head * sum(lengths) for lengths in batches]
 
     monkeypatch.setattr(cost_fit, "_time_depth", fake_times)
-    cost, r2, _ = cost_fit.measure(None, None, 6, 1024, 4096, torch.device("cpu"), torch.float32, seed=0)
+    cost, r2, _ = cost_fit.measure(None, 6, 1024, 4096, torch.device("cpu"), torch.float32, seed=0)
     assert timed == [1, 2]
     assert (cost.a, cost.b, cost.c) == pytest.approx((6 * a, 6 * b + head, c), rel=1e-6)
     assert r2 == pytest.approx(1.0)

@@ -478,9 +478,9 @@ def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypa
     written = []
     write = prepared.write._write
 
-    def counted_write(tmp, documents, unit, *args):
+    def counted_write(tmp, encoding, unit, *args):
         written.append(unit.name)
-        write(tmp, documents, unit, *args)
+        write(tmp, encoding, unit, *args)
 
     monkeypatch.setattr(prepared.write, "_write", counted_write)
     path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, unit_bytes=1)

@@ -1,4 +1,4 @@
-"""Activation memory planned to a budget (titan/parallel/memory_plan.py, titan/parallel/ac.py): the planner is
+"""Activation memory planned to a budget (titan/parallel/ac_choices.py, titan/parallel/ac.py): the planner is
 exact, a mix of ways to run the blocks changes no number, the bytes counted are those autograd keeps, and a planned
 run keeps within its budget at the slowdown it predicts."""
 
@@ -13,12 +13,13 @@ import torch
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
-from helpers import layout_overrides, trainer_for
+from helpers import SMALL, layout_overrides, trainer_for
 from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
-from titan.parallel.memory_plan import GIB, Option, fastest_choices, gib_rounded_up
-from titan.train.build import resolve_model
+from titan.parallel.ac_choices import GIB, Option, fastest_choices, gib_rounded_up
+from titan.train.build import device_memory
+from titan.train.model import resolve_model
 from titan.train.trainer import Trainer
 
 # The tests' small model (helpers.SMALL) with four blocks and dropout on the attention probabilities too.
@@ -108,7 +109,7 @@ def stack_inputs(trainer, batch):
     """The trainer's blocks and what its model gives the first one for this batch: (blocks, hidden states as a
     leaf, the other arguments)."""
     model = trainer.model_parts.parts[0]
-    blocks = trainer.spec.blocks(model)
+    blocks = trainer.model.spec.blocks(model)
     inputs = []
     hook = blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args))
     with torch.no_grad():
@@ -158,8 +159,8 @@ def test_measured_bytes_are_what_autograd_keeps_and_a_cpu_is_never_offered_offlo
     plain = trainer_for(tmp_path / "plain", **FOUR_BLOCKS)
     full = trainer_for(tmp_path / "full", **FOUR_BLOCKS, **{"activation_checkpoint.mode": "full"})
     with torch.device("meta"):
-        model = plain.spec.build(plain.model_args)
-    options = {o.name: o for o in ac.measure_options(model, plain.spec, plain.config, Layout(), 4, plain.device)}
+        model = plain.model.spec.build(plain.model.args)
+    options = {o.name: o for o in ac.measure_options(model, plain.model.spec, plain.config, Layout(), 4, plain.device)}
     assert list(options) == ["keep", "selective", "full"]  # no offload on a CPU: host memory is its memory
     assert options["full"].saved_bytes < options["selective"].saved_bytes < options["keep"].saved_bytes
     batch = next(plain.loader)[0]
@@ -182,7 +183,7 @@ def test_any_mix_of_ways_gives_bitwise_the_losses_and_gradients_of_no_checkpoint
     monkeypatch.setattr(parallelize, "block_choices", lambda *args: list(choices))
     mixed = trainer_for(tmp_path / "mixed", **FOUR_BLOCKS)
     # Full checkpointing and offload hook the block; selective wraps its forward (titan.parallel.ac.apply_choice).
-    blocks = mixed.spec.blocks(mixed.model_parts.parts[0])
+    blocks = mixed.model.spec.blocks(mixed.model_parts.parts[0])
     wrapped = [bool(block._forward_pre_hooks) or "forward" in vars(block) for block in blocks]
     assert wrapped == [c != "keep" for c in choices]
     batches = next(plain.loader)
@@ -205,8 +206,8 @@ def test_a_budget_below_what_the_blocks_need_stops_at_start_up(tmp_path):
 @pytest.mark.slow
 def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path):
     """budget_gib = 0: `titan train` gives the trainer the budget that `titan plan` shows for a device of the
-    same memory (one function decides both), and a Trainer built without it is told how to get it."""
-    from titan.tools.plan.estimate import plan_run, with_activation_budget
+    same memory (one function decides both)."""
+    from titan.train.estimate.estimate import estimate_step, with_activation_budget
 
     auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, auto), world_size=1)
@@ -215,17 +216,29 @@ def test_budget_0_is_what_the_device_leaves_as_titan_plan_works_it_out(tmp_path)
     on_such_a_device = load_config(
         DEBUG_RECIPE, layout_overrides(tmp_path, {**auto, "plan.memory_gib": "3"}), world_size=1
     )
-    (rank,) = plan_run(on_such_a_device, 1).ranks
+    (rank,) = estimate_step(on_such_a_device, 1).ranks
     assert resolved.activation_checkpoint.budget_gib * GIB == pytest.approx(rank.budget, abs=1)
     assert 0 < rank.budget < device_bytes
-    with pytest.raises(ValueError, match="with_activation_budget"):
-        trainer_for(tmp_path, **auto)
     with pytest.raises(ConfigError, match="budget_gib = 0: the step needs more than"):
         with_activation_budget(config, 1, 2**20)
     steps = {**auto, "training.steps": "1", "validation.interval": "0"}
     result = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path / "cli", **steps))
     assert result.returncode == 0, result.stderr
     assert "activation_checkpoint.budget_gib = 0: the blocks may keep" in result.stderr
+
+
+def test_a_trainer_built_without_the_cli_gets_the_budget_the_device_leaves(tmp_path):
+    """budget_gib = 0 is resolved in the trainer's pre-flight, so a program that builds its own Trainer gets the
+    budget `titan train` gets (and the recipe the run records holds it)."""
+    from titan.train.estimate.estimate import with_activation_budget
+
+    auto = {**FOUR_BLOCKS, "activation_checkpoint.mode": "auto"}
+    trainer = trainer_for(tmp_path, **auto)
+    config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **{**SMALL, **auto}), world_size=1)
+    resolved = with_activation_budget(config, 1, device_memory(torch.device("cpu")))
+    budget = resolved.activation_checkpoint.budget_gib
+    assert budget > 0 and trainer.config == resolved
+    assert f"budget_gib = {budget!r}" in (trainer.run_dir / "config.toml").read_text()
 
 
 # -- a planned run
@@ -319,7 +332,8 @@ def planned_and_plain_fsdp(tmp, budget_gib: float):
 @pytest.mark.slow
 def test_fsdp_ranks_choose_from_rank_0s_measurement_and_train_as_without_checkpointing(tmp_path):
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "4"}))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     keep = ac.measure_options(model, spec, config, Layout(), 4, torch.device("cpu"))[0].saved_bytes
@@ -360,7 +374,8 @@ def test_pipeline_ranks_plan_per_micro_batch_and_train_as_without_checkpointing(
     """Under a pipeline the budget is per micro-batch (a rank holds several at once): the block is measured at one
     pipeline micro-batch (8 rows in 4 micro-batches: 2), and the choices change no number."""
     config = load_config(DEBUG_RECIPE, layout_overrides(tmp_path, {"training.local_batch_size": "8"}))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     keep = ac.measure_options(model, spec, config, Layout(), 2, torch.device("cpu"))[0].saved_bytes

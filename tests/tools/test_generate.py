@@ -21,7 +21,7 @@ from distributed import free_port, run_distributed
 from helpers import TOL, assert_one_line_error, full_weights, max_diff, trainer_for
 from titan.checkpoint import hf as hf_io
 from titan.checkpoint.hf import checkpoint_tokenizer
-from titan.tools.generate import Sampling, continue_texts, generate, load_model, next_tokens
+from titan.tools.generate import Loading, Sampling, continue_texts, generate, load_model, next_tokens
 
 PROMPT = "The dog ran"
 PROMPTS = ["The dog ran", "Once upon a time there was a little", "A cat"]  # 4, 9 and 3 tokens with BOS
@@ -311,7 +311,7 @@ def test_cli_prints_a_json_line_per_prompt_of_a_file(run_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == PROMPTS
-    alone = [continue_texts(run_dir, [text], 10, dtype="bf16")[0][0] for text in PROMPTS]
+    alone = [continue_texts(run_dir, [text], 10, loading=Loading(dtype="bf16"))[0][0] for text in PROMPTS]
     assert [line["text"] for line in lines] == alone
     assert "bf16" in result.stderr and "3 prompts" in result.stderr
 

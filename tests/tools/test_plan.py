@@ -12,13 +12,13 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import Layout, PlanTarget, load_config
-from titan.parallel.memory_plan import GIB
-from titan.tools.plan.counters import Cost, StepCounter, StepPeak, total_bytes
-from titan.tools.plan.devices import DEVICES
-from titan.tools.plan.estimate import plan_run
-from titan.tools.plan.pipeline import replay
-from titan.tools.plan.trace import mesh_groups
-from titan.train.build import resolve_model
+from titan.parallel.ac_choices import GIB
+from titan.train.estimate.counters import Cost, StepCounter, StepPeak, total_bytes
+from titan.train.estimate.devices import DEVICES
+from titan.train.estimate.estimate import estimate_step
+from titan.train.estimate.pipeline import replay
+from titan.train.estimate.trace import mesh_groups
+from titan.train.model import resolve_model
 
 # The debug recipe on every kind of layout: (world size, overrides).
 LAYOUTS = {
@@ -69,12 +69,13 @@ def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
     overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **SIZES[size], **extra})
     measured = [measure_step(overrides)] if world == 1 else run_distributed(measure_step, world, overrides)
     config = load_config(DEBUG_RECIPE, overrides, world_size=world)
-    estimate = plan_run(config, world)
+    estimate = estimate_step(config, world)
     assert estimate.params == measured[0][2]  # the whole model's parameters, exactly
     per_stage = world // estimate.layout.pp
     # The FLOPs all ranks trace make the model's per-token formula (no recomputation here; the traced attention
     # backward counts a little more than the formula's).
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     tokens = (
         config.training.local_batch_size * world // (estimate.layout.tp * estimate.layout.pp) * config.training.seq_len
     )
@@ -166,7 +167,7 @@ def ring_traffic(config, world: int, layers: list[list[int]], recomputing: int) 
     layout = Layout.from_config(config.parallel, world)
     if layout.cp == 1:
         return 0
-    _, args = resolve_model(config)
+    args = resolve_model(config).args
     kv = 2 * args.n_kv_heads * config.training.seq_len // layout.cp * args.head_dim * 2  # a row's, bf16
     blocks = sum(map(len, layers))
     per_row = blocks * ((layout.cp - 1) * kv * 2 + layout.cp * kv * 2) + recomputing * (layout.cp - 1) * kv
@@ -184,7 +185,7 @@ def megatron_sp_traffic(
     mirror backward (+1, +1 for each of them on the rank holding it). Each counts the whole activation: the rank's
     tokens x dim x bytes. `recomputing`: how many blocks recompute, when activation checkpointing is planned
     (auto)."""
-    spec, args = resolve_model(config)
+    args = resolve_model(config).args
     layout = Layout.from_config(config.parallel, world)
     if layout.tp == 1:
         return {"all-gather": 0, "reduce-scatter": 0}
@@ -208,7 +209,7 @@ def test_each_checkpointing_mode_s_peak_follows_from_any_mode_s_trace():
     estimates = {}
     for mode in modes:
         config = load_config("recipes/llama3_8b.toml", ["--activation_checkpoint.mode", mode], world_size=8)
-        estimates[mode] = plan_run(config, 8).ranks[0]
+        estimates[mode] = estimate_step(config, 8).ranks[0]
     for traced in modes:
         for mode in modes:
             # Measured: within 3.6% (the selective trace's estimate of full); counting no re-held activations in
@@ -221,16 +222,16 @@ def test_a_compiled_recipe_s_blocks_keep_what_torch_compile_keeps():
     """With compile.enable, every block that keeps its activations keeps less by what torch.compile's partitioner
     recomputes instead (graph.saved_by_block, equal to real compiled blocks' bytes: see test_plan_graph), and
     the peak drops with it."""
-    from titan.tools.plan.graph import saved_by_block
+    from titan.train.estimate.graph import saved_by_block
 
     estimates = {
-        c: plan_run(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
+        c: estimate_step(load_config(DEBUG_RECIPE, ["--compile.enable", c], world_size=1), 1) for c in ("false", "true")
     }
     config = load_config(DEBUG_RECIPE, [], world_size=1)
     rows, seq, n_layers = estimates["true"].rows, config.training.seq_len, estimates["true"].ranks[0].trace.blocks[0]
-    spec, args = resolve_model(config)
-    saving = saved_by_block(spec, args, rows, seq, False, compiled=False) - saved_by_block(
-        spec, args, rows, seq, False, compiled=True
+    resolved = resolve_model(config)
+    saving = saved_by_block(resolved, rows, seq, False, compiled=False) - saved_by_block(
+        resolved, rows, seq, False, compiled=True
     )
     assert estimates["true"].compiled_saving == saving > 0
     eager, compiled = estimates["false"].ranks[0], estimates["true"].ranks[0]
@@ -259,11 +260,12 @@ def test_an_8b_shaped_block_keeps_in_bf16_under_fsdp_what_the_plan_says(tmp_path
              "training.local_batch_size": "1", "training.global_batch_size": "8"}  # fmt: skip
     config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **shape), world_size=8)
     ways = {"none": ac.KEEP, "selective": ac.SELECTIVE, "full": ac.FULL}
-    planned = plan_run(config, 8).block_activations  # every mode's, whatever the recipe's
+    planned = estimate_step(config, 8).block_activations  # every mode's, whatever the recipe's
     ckpt = config.activation_checkpoint  # the CPU's flash attention kept wherever a GPU's would be, as planned
     save_ops = [*ckpt.save_ops, "aten._scaled_dot_product_flash_attention_for_cpu"]
     measured_config = dataclasses.replace(config, activation_checkpoint=dataclasses.replace(ckpt, save_ops=save_ops))
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     layout = Layout.from_config(config.parallel, 8)
@@ -285,7 +287,7 @@ def test_backward_re_holds_a_recomputing_block_s_activations_once_later_blocks_f
     """Keep 10 bytes a block, full 1. Backward runs the last block first: recomputing, it holds its 10 bytes again
     beside the 21 the others keep, 9 more than the blocks keep; placed first, the recomputing blocks re-hold theirs
     once the kept blocks have freed 20, adding nothing to the peak."""
-    from titan.tools.plan.activations import _recomputed
+    from titan.train.estimate.activations import _recomputed
 
     assert _recomputed(10, [[10, 10, 1, 1]]) == 9 and _recomputed(10, [[1, 1, 10, 10]]) == 0
     assert _recomputed(10, [[10, 1], [1, 10]]) == 9  # stages: the worst one's
@@ -302,18 +304,19 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
 
     from titan.config import Layout
     from titan.parallel import ac
-    from titan.tools.plan.report import format_plan
+    from titan.train.estimate.report import format_estimate
 
     def planned(budget_gib: float):
         extra = {"activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": str(budget_gib)}
-        return plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra), world_size=1), 1)
+        return estimate_step(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra), world_size=1), 1)
 
     roomy = planned(1.0)
     options = {o.name: o for o in roomy.block_options}
     config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path), world_size=1)
     # The plan keeps attention's outputs under selective recomputation as a GPU's flash attention would be kept.
     config.activation_checkpoint.save_ops.append("aten._scaled_dot_product_flash_attention_for_cpu")
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     with torch.device("meta"):
         model = spec.build(args)
     measured = {o.name: o for o in ac.measure_options(model, spec, config, Layout(), 4, torch.device("cpu"))}
@@ -330,7 +333,7 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
     tight = planned(options["full"].saved_bytes * n / GIB)
     (rank,) = tight.ranks
     assert rank.checkpointing.choices == ("full",) * n and rank.peak == rank.peak_by_mode["full"]
-    (traced_full,) = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **FULL), world_size=1), 1).ranks
+    (traced_full,) = estimate_step(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **FULL), world_size=1), 1).ranks
     assert rank.peak == traced_full.peak
     # In between, a mix within the budget, at the sum of its ways' added seconds.
     budget = (options["keep"].saved_bytes + options["full"].saved_bytes * (n - 1)) / GIB
@@ -338,7 +341,7 @@ def test_auto_checkpointing_is_planned_from_the_bytes_training_keeps(tmp_path):
     added = {o.name: o.added_seconds for o in roomy.block_options}
     assert rank.checkpointing.saved_bytes <= budget * GIB and "keep" in rank.checkpointing.choices
     assert rank.checkpointing.added_seconds == pytest.approx(sum(added[c] for c in rank.checkpointing.choices))
-    assert "checkpointing (auto)" in format_plan(tight) and f"{n} full:" in format_plan(tight)
+    assert "checkpointing (auto)" in format_estimate(tight) and f"{n} full:" in format_estimate(tight)
 
 
 @pytest.mark.slow
@@ -351,17 +354,17 @@ def test_auto_with_budget_0_takes_the_fastest_ways_that_fit_the_device(pp, tmp_p
     budget is shared by the micro-batches in flight."""
     import itertools
 
-    from titan.tools.plan.activations import peak_with as _peak_with
+    from titan.train.estimate.activations import peak_with as _peak_with
 
     extra = {"parallel.pp": str(pp), "parallel.pp_microbatches": "4", "training.local_batch_size": "4"}
     world = pp
-    plain = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra), world_size=world), world)
+    plain = estimate_step(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra), world_size=world), world)
     full, none = max(r.peak_by_mode["full"] for r in plain.ranks), max(r.peak_by_mode["none"] for r in plain.ranks)
     spare = plain.block_activations["none"]
     assert full + spare < none
     memory_gib = (full + spare + none) / 2 / GIB / (1 - plain.config.plan.headroom_fraction)
     auto = {**extra, "activation_checkpoint.mode": "auto", "plan.memory_gib": str(memory_gib)}
-    estimate = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **auto), world_size=world), world)
+    estimate = estimate_step(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **auto), world_size=world), world)
     options = {o.name: o for o in estimate.block_options}
     assert max(r.in_flight for r in estimate.ranks) == (2 if pp == 2 else 1)
     for rank in estimate.ranks:
@@ -447,11 +450,12 @@ def test_the_planned_flops_are_the_formula_times_the_global_tokens_on_every_layo
         config = load_config(
             DEBUG_RECIPE, tiny_overrides(tmp_path, **overrides, **{"activation_checkpoint.mode": mode}), world
         )
-        estimate = plan_run(config, world)
+        estimate = estimate_step(config, world)
         per_pipeline_rank = world // estimate.layout.pp
         flops[mode] = sum(estimate.ranks[rank // per_pipeline_rank].flops for rank in range(world))
         assert 0 < estimate.mfu < 1, (mode, estimate.mfu)
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     run = estimate.run
     if "accumulating" in layout:
         assert len(run.micro_batches[0]) > 1  # the layout really accumulates
@@ -470,7 +474,7 @@ def test_no_rank_of_a_tp_fsdp_pipeline_materialises_the_whole_vocabulary(tmp_pat
     overrides = {"model.overrides.vocab_size": str(vocab), "training.seq_len": "64", "training.local_batch_size": "2",
                  "training.global_batch_size": "4", "training.mixed_precision": "bf16", "parallel.pp": "2",
                  "parallel.dp_shard": "2", "parallel.tp": str(tp)}  # fmt: skip
-    estimate = plan_run(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **overrides), world_size=8), 8)
+    estimate = estimate_step(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **overrides), world_size=8), 8)
     whole = vocab * dim * 4  # in fp32; a TP rank's slice is half of it
     for rank in estimate.ranks:
         assert rank.trace.largest[0] < whole, (rank.pp_rank, rank.trace.largest)
@@ -525,7 +529,9 @@ def test_the_trace_moves_what_the_step_moves_after_the_backward_and_a_step_only_
     real step alone makes them differ, so a decision written in the step and not in StepRules would fail here."""
     extra, decision = AFTER_BACKWARD[layout]
     overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **extra})
-    planned = dict(plan_run(load_config(DEBUG_RECIPE, overrides, world_size=2), 2).ranks[0].trace.optimizer.traffic)
+    planned = dict(
+        estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=2), 2).ranks[0].trace.optimizer.traffic
+    )
     assert planned  # each of these layouts moves something after the backward
     assert run_distributed(traffic_after_backward, 2, overrides, None)[0] == planned
     assert run_distributed(traffic_after_backward, 2, overrides, decision)[0] != planned

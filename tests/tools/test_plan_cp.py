@@ -17,8 +17,8 @@ from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import build_model_parts, model_blocks
 from titan.run_plan import run_plan
-from titan.tools.plan.estimate import plan_run
-from titan.train.build import resolve_model
+from titan.train.estimate.estimate import estimate_step
+from titan.train.model import resolve_model
 from titan.train.step import token_loss
 
 CPU = torch.device("cpu")
@@ -36,7 +36,8 @@ def real_cp_rank(overrides: list[str]) -> tuple[dict[str, int], int]:
     way, every allocation of its forward still live; the bytes the ring sends in one micro-batch's forward and
     backward through the whole model, counted at torch.distributed.batch_isend_irecv)."""
     config = load_config(DEBUG_RECIPE, overrides, world_size=2)
-    spec, args = resolve_model(config)
+    resolved = resolve_model(config)
+    spec, args = resolved.spec, resolved.args
     plan = run_plan(config, 2, model_blocks(spec, args))
     rank, mesh = dist.get_rank(), build_mesh(plan.layout, CPU)
     tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
@@ -97,7 +98,7 @@ def test_a_cp_rank_s_block_keeps_what_the_plan_says(measured_cp2):
     (queries, keys, values, output and log-sum-exp of its tokens, the ring's save), planned under fake tensors on a
     fake process group against the real ring's block on this CPU. Measured: equal to the byte in every mode."""
     overrides, ranks = measured_cp2
-    planned = plan_run(load_config(DEBUG_RECIPE, overrides, world_size=2), 2).block_activations
+    planned = estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=2), 2).block_activations
     for kept, _ in ranks:  # the two ranks' chunks differ, not their sizes
         assert kept == {mode: planned[mode] for mode in WAYS}
     kept = ranks[0][0]
@@ -111,8 +112,8 @@ def test_the_planned_ring_traffic_is_what_the_real_ring_sends(measured_cp2):
     values go (cp - 1) hops forward and again backward, and their fp32 gradients cp hops."""
     overrides, ranks = measured_cp2
     config = load_config(DEBUG_RECIPE, overrides, world_size=2)
-    (rank,) = plan_run(config, 2).ranks
-    _, args = resolve_model(config)
+    (rank,) = estimate_step(config, 2).ranks
+    args = resolve_model(config).args
     cp = 2
     kv = 2 * ROWS * args.n_kv_heads * (SEQ // cp) * args.head_dim * 4  # keys and values of a rank, fp32
     by_hand = args.n_layers * ((cp - 1) * kv * 2 + cp * kv)
@@ -127,9 +128,9 @@ def test_a_cp_rank_s_flops_are_its_chunk_pairs(tmp_path):
     one (seq)² call per layer: 14·rows·heads·seq²·head_dim FLOPs forward and backward (torch's formulas: 2 matmuls
     forward, 5 backward)."""
     cp = 2
-    single = plan_run(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1), 1).ranks[0].flops
-    ring = plan_run(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, cp), world_size=cp), cp).ranks[0].flops
-    _, args = resolve_model(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1))
+    single = estimate_step(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1), 1).ranks[0].flops
+    ring = estimate_step(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, cp), world_size=cp), cp).ranks[0].flops
+    args = resolve_model(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1)).args
     attention = args.n_layers * 14 * ROWS * args.n_heads * SEQ**2 * args.head_dim
     weights = single - attention
     pairs = 2 * cp + 1
@@ -145,7 +146,7 @@ def test_titan_plan_compares_cp_degrees_and_picks_the_fastest_that_fits(tmp_path
     peaks, steps = {}, {}
     for cp in (2, 4):
         config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path, **extra, **{"parallel.cp": str(cp)}), world_size=8)
-        estimate = plan_run(config, 8)
+        estimate = estimate_step(config, 8)
         peaks[cp], steps[cp] = estimate.ranks[0].peak, estimate.step_seconds
     assert peaks[4] < peaks[2] and steps[2] < steps[4]
     memory_gib = (peaks[2] + peaks[4]) / 2 / 2**30 / (1 - config.plan.headroom_fraction)

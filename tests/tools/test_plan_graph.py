@@ -13,7 +13,7 @@ from titan import models
 from titan.models.llama.flavors import FLAVORS
 from titan.models.llama.model import TransformerBlock
 from titan.models.llama.rope import rope_table
-from titan.tools.plan.graph import (
+from titan.train.estimate.graph import (
     PLACEMENTS,
     analyse,
     layout,
@@ -24,6 +24,7 @@ from titan.tools.plan.graph import (
     storages,
     trace_block,
 )
+from titan.train.model import ResolvedModel
 
 ROWS, SEQ = 2, 32
 SPEC = models.get_model_spec("llama3")
@@ -32,7 +33,7 @@ ARGS = dataclasses.replace(FLAVORS["debug"], n_layers=1, resid_dropout=0.1)
 
 @pytest.fixture(scope="module")
 def block_graph():
-    return trace_block(SPEC, ARGS, ROWS, SEQ)
+    return trace_block(ResolvedModel(SPEC, ARGS), ROWS, SEQ)
 
 
 def _eager_block_step():
@@ -149,7 +150,7 @@ def test_titan_plan_graph_prints_the_table(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "one llama3 debug block's forward and backward as one graph, on 8 x 256 tokens in fp32" in result.stdout
     figures = json.loads((tmp_path / "graph.json").read_text())
-    assert figures["traced"]["peak"] == analyse(trace_block(SPEC, FLAVORS["debug"], 8, 256)).traced.peak
+    assert figures["traced"]["peak"] == analyse(trace_block(ResolvedModel(SPEC, FLAVORS["debug"]), 8, 256)).traced.peak
     assert set(figures["traced"]["arenas"]) == set(PLACEMENTS)
     lowers = figures["memory_aware"]["peak"] < figures["traced"]["peak"]
     assert ("the best reordering lowers the peak" in result.stdout) == lowers
@@ -185,10 +186,10 @@ def test_the_plan_knows_what_a_compiled_block_keeps_for_backward(bf16, dropout):
     """`titan plan` with compile.enable counts a compiled block's activations as torch.compile keeps them: fewer
     than eager autograd, since its partitioner recomputes cheap ops in backward. Traced under fake tensors, the
     bytes equal a real block's on this CPU, eager and compiled."""
-    from titan.tools.plan.graph import saved_by_block
+    from titan.train.estimate.graph import saved_by_block
 
     args = dataclasses.replace(ARGS, attn_dropout=dropout, resid_dropout=dropout)
-    planned = {c: saved_by_block(SPEC, args, ROWS, SEQ, bf16, compiled=c) for c in (False, True)}
+    planned = {c: saved_by_block(ResolvedModel(SPEC, args), ROWS, SEQ, bf16, compiled=c) for c in (False, True)}
     measured = {c: _measured_saved_bytes(args, bf16, compiled=c) for c in (False, True)}
     assert planned == measured
     assert planned[True] < planned[False]

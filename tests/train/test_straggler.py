@@ -18,7 +18,7 @@ from distributed import free_port, run_distributed
 from helpers import MODEL, assert_matches_one_process, layout_overrides
 from titan.balance import data_shares
 from titan.config import load_config
-from titan.train.build import check_run
+from titan.train.preflight import check_run
 from titan.train.replan import Replanner
 from titan.train.straggler import StragglerDetector, foreign_plan
 from titan.train.trainer import Trainer

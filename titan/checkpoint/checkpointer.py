@@ -24,7 +24,9 @@ import math
 import shutil
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -84,41 +86,39 @@ class SaveError(UserError):
     """A checkpoint could not be written (full disk, read-only folder): the run stops, the saved ones are intact."""
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What a checkpoint records of the run besides its state, checked on resume: the whole model's {"name",
+    "flavor", "shapes"}, the resolved recipe as TOML, and the recipe's math-changing values (config.math_values)
+    with the record of the prepared data (titan.data.prepared_record)."""
+
+    model: dict
+    recipe: str
+    math_values: dict = field(default_factory=dict)
+
+
 class Checkpointer:
-    """Saves and restores the training state it is given: the model parts, the optimizer, the lr schedule
-    and the data loader (anything with state_dict/load_state_dict), plus what describes the run."""
+    """Saves and restores the training state it is given, plus what describes the run."""
 
     def __init__(
         self,
         cfg: Checkpoint,
         folder: Path,
+        states: dict[str, Any],
+        record: RunRecord,
         *,
-        model_parts,
-        optimizer,
-        lr_scheduler,
-        loader,
-        model: dict,
-        recipe: str,
         rank: int,
         save_group,
         control_group,
-        replan=None,
-        math_values: dict | None = None,
     ):
-        """model: {"name", "flavor", "shapes"} of the whole model; recipe: the resolved recipe as TOML;
-        replan: the re-plan in force (state_dict/load_state_dict), saved in train_state.json as `plan`;
-        math_values: the recipe's math-changing values (config.math_values) and the record of the prepared data
-        (titan.data.prepared_record), compared on resume.
+        """states: the stateful parts by name: "model" (the ModelParts), "optimizer", "lr_scheduler", "data" (the
+        loader: state_dict/load_state_dict), and optionally "plan" (the re-plan in force, saved in train_state.json).
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
         interleave with the main thread's (on gloo that aborts the job or deadlocks)."""
-        self.cfg, self.folder = cfg, folder
-        self.model_parts, self.optimizer, self.lr_scheduler, self.loader = model_parts, optimizer, lr_scheduler, loader
-        self.model, self.recipe, self.rank = model, recipe, rank
+        self.cfg, self.folder, self.states, self.record, self.rank = cfg, folder, dict(states), record, rank
         self.save_group, self.control_group = save_group, control_group
         self.world = dist.get_world_size(control_group) if control_group is not None else 1
-        self.replan = replan
-        self.math_values = math_values or {}
         self.resumed_from: Path | None = None
         self.resumed_state: dict = {}  # the loaded train_state.json
         self._pending: tuple[Future | None, Path, Path] | None = None
@@ -155,21 +155,21 @@ class Checkpointer:
         """Model and optimizer tensors keyed by parameter name, so any layout can load them; the model's buffers
         that are state (a MoE's routing biases) with its parameters."""
         state = {}
-        named = list(self.model_parts.named_parameters())
+        named, optimizer = list(self.states["model"].named_parameters()), self.states["optimizer"]
         if "model" in parts:
             state["model"] = {name: p for name, p in named}
             for part in self.model_parts.parts:
                 state["model"].update(model_buffers(part))
         if "optimizer" in parts:
-            missing = [name for name, p in named if p not in self.optimizer.state]
+            missing = [name for name, p in named if p not in optimizer.state]
             if missing and len(missing) < len(named):
                 # Some parameters are other tensors than those the optimizer stepped (e.g. FSDP left a module
                 # unsharded): saving would write zeros for their state.
                 raise RuntimeError(
                     f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?"
                 )
-            ensure_adamw_state(self.optimizer, [p for _, p in named])  # loading into it needs it to exist
-            state["optimizer"] = {name: self.optimizer.state[p] for name, p in named}
+            ensure_adamw_state(optimizer, [p for _, p in named])  # loading into it needs it to exist
+            state["optimizer"] = {name: optimizer.state[p] for name, p in named}
         return state
 
     # -- saving --------------------------------------------------------------------------------
@@ -191,18 +191,18 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             self._barrier()
             if self.rank == 0:
-                write_synced(tmp / "data.json", json.dumps(self.loader.state_dict()).encode())
-                scheduler = {k: v for k, v in self.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
+                write_synced(tmp / "data.json", json.dumps(self.states["data"].state_dict()).encode())
+                scheduler = {k: v for k, v in self.states["lr_scheduler"].state_dict().items() if k != "lr_lambdas"}
                 write_train_state(
                     tmp,
                     step=step,
                     tokens_seen=tokens_seen,
                     loss=loss if math.isfinite(loss) else None,
                     lr_scheduler=scheduler,
-                    model=self.model,
-                    math=self.math_values,
-                    recipe=self.recipe,
-                    plan=self.replan.state_dict() if self.replan else {},
+                    model=self.record.model,
+                    math=self.record.math_values,
+                    recipe=self.record.recipe,
+                    plan=self.states["plan"].state_dict() if "plan" in self.states else {},
                 )
             state = self._tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
@@ -328,21 +328,21 @@ class Checkpointer:
     def load(self, path: Path, parts: tuple[str, ...]) -> int:
         """Load `parts` of the checkpoint at `path`; returns the step to continue from."""
         train_state = read_train_state(path)
-        check_model(path, train_state["model"], self.model)
+        check_model(path, train_state["model"], self.record.model)
         if "train_state" in parts:
-            check_math(path, train_state, self.math_values, self.cfg.allow_changes)
+            check_math(path, train_state, self.record.math_values, self.cfg.allow_changes)
         tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
             read_tensors(path, tensors, self.save_group)
         step = train_state["step"] if "train_state" in parts else 0
         if "train_state" in parts:
-            if self.replan:
-                self.replan.load_state_dict(train_state.get("plan", {}))
+            if "plan" in self.states:
+                self.states["plan"].load_state_dict(train_state.get("plan", {}))
             self.resumed_state = train_state
         if "lr_scheduler" in parts:
             self.restore_lr_scheduler(train_state["lr_scheduler"])
         if "data" in parts:
-            load_data_state(path, self.loader)
+            load_data_state(path, self.states["data"])
         log.info("resumed from %s: %s; continuing at step %d", path, ", ".join(parts), step)
         self.resumed_from = path
         if path.parent.resolve() == self.folder.resolve():
@@ -354,21 +354,23 @@ class Checkpointer:
 
     def restore_lr_scheduler(self, state: dict) -> None:
         """The schedule's position from `state` (resume.restore_lr_scheduler)."""
-        restore_lr_scheduler(self.optimizer, self.lr_scheduler, state)
+        restore_lr_scheduler(self.states["optimizer"], self.states["lr_scheduler"], state)
 
     # -- moving the state to rebuilt parts (a pipeline re-split) -------------------------------
 
     def save_tensors(self, folder: Path) -> None:
         """The model and optimizer tensors into `folder`, for load_tensors after the parts are rebuilt."""
-        dcp.save(self._tensor_state(("model", "optimizer")), storage_writer=CheckpointWriter(folder),
-                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
+        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        dcp.save(state, storage_writer=CheckpointWriter(folder), process_group=group, no_dist=group is None)
 
-    def rebind(self, model_parts, optimizer, lr_scheduler) -> None:
-        self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
+    def rebind(self, **states) -> None:
+        """Save and restore these stateful parts from now on (rebuilt ones, by name)."""
+        self.states.update(states)
 
     def load_tensors(self, folder: Path) -> None:
-        dcp.load(self._tensor_state(("model", "optimizer")), storage_reader=CheckpointReader(folder, sealed=False),
-                 process_group=self.save_group, no_dist=self.save_group is None)  # fmt: skip
+        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        reader = CheckpointReader(folder, sealed=False)
+        dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
         self._barrier()  # every rank has read it
         if self.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)

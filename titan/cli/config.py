@@ -26,14 +26,14 @@ def config_show(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
-    from titan.train.build import check_run, pick_device  # imported late: torch takes a while to import
+    from titan.train.build import pick_device  # imported late: torch takes a while to import
+    from titan.train.preflight import check_run
 
     try:
         device, _ = pick_device(cfg.training.device)
     except ConfigError:  # a GPU recipe on a machine without one (a login node): the device's checks wait for the run
         device = None
-    check_run(cfg, world_size, device)
-    typer.echo(to_toml(cfg), nl=False)
+    typer.echo(to_toml(check_run(cfg, world_size, device).config), nl=False)
 
 
 @config_app.command("keys")

@@ -15,7 +15,9 @@ def convert_hf_to_dcp(
         ..., help="A Hugging Face model folder: config.json and *.safetensors (sharded or not)."
     ),
     out_dir: Path = typer.Argument(..., help="The titan checkpoint folder to write (must not exist, or be empty)."),
-    model: str = typer.Option("llama3", "--model", help="titan model family (model.name)."),
+    model: str = typer.Option(
+        "", "--model", help="titan model family (model.name); default: the one that reads config.json's model_type."
+    ),
     flavor: str = typer.Option(
         "", "--flavor", help="Express the model as this flavor + overrides; default: the closest."
     ),
@@ -23,7 +25,7 @@ def convert_hf_to_dcp(
     """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
     from titan.checkpoint.hf import hf_to_dcp  # imported late: torch takes a while to import
 
-    typer.echo(hf_to_dcp(hf_dir, out_dir, model, flavor or None))
+    typer.echo(hf_to_dcp(hf_dir, out_dir, model or None, flavor or None))
 
 
 @convert_app.command("dcp-to-hf")

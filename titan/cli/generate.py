@@ -51,7 +51,7 @@ def generate(
     if not prompts:
         where = f"--prompts-file {prompts_file} has no prompt" if prompts_file else "no prompt"
         raise UserError(f"{where}; give --prompt TEXT or --prompts-file FILE")
-    from titan.tools.generate import Sampling, continue_texts, report  # imported late: torch takes a while to import
+    from titan.tools.generate import Loading, Sampling, continue_texts, report  # imported late: torch is slow to import
 
     rank_0 = os.environ.get("RANK", "0") == "0"
     texts, generation, loaded = continue_texts(
@@ -60,10 +60,8 @@ def generate(
         max_new_tokens,
         Sampling(temperature, top_k, top_p, seed),
         tokenizer_path=tokenizer,
-        dtype=dtype,
-        tp=tp,
+        loading=Loading(dtype, tp, progress=rank_0 and sys.stderr.isatty()),  # a bar on a terminal only, from one rank
         batch_size=batch_size,
-        progress=rank_0 and sys.stderr.isatty(),  # a bar on a terminal only, from one rank
     )
     if not rank_0:
         return

@@ -51,21 +51,29 @@ def plan(
             f"--graph traces one block on whole rows with plain attention, not a parallel.cp rank's share; to see a "
             f"block at that share, give --parallel.cp 1 --training.seq_len {share}"
         )
-    from titan.tools.plan.estimate import plan_run  # imported late: torch takes a while to import
-    from titan.tools.plan.graph import analyse_recipe
-    from titan.tools.plan.report import format_cp_comparison, format_graph, format_plan, plan_json, shortfall
+    from titan.train.estimate.estimate import estimate_step  # imported late: torch takes a while to import
+    from titan.train.estimate.graph import analyse_recipe
+    from titan.train.estimate.report import (
+        estimate_json,
+        format_cp_comparison,
+        format_estimate,
+        format_graph,
+        shortfall,
+    )
 
     if degrees:
         plans = {}
         for degree in degrees:
             try:
                 layout = ["--parallel.cp", str(degree), "--parallel.dp_shard", "-1"]
-                plans[degree] = plan_run(load_config(config, [*overrides, *layout], world_size=world_size), world_size)
+                plans[degree] = estimate_step(
+                    load_config(config, [*overrides, *layout], world_size=world_size), world_size
+                )
             except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
                 plans[degree] = str(e)
         typer.echo(format_cp_comparison(plans, world_size))
         if json_path is not None:
-            by_degree = {d: {"error": p} if isinstance(p, str) else plan_json(p) for d, p in plans.items()}
+            by_degree = {d: {"error": p} if isinstance(p, str) else estimate_json(p) for d, p in plans.items()}
             json_path.write_text(json.dumps({"cp": by_degree}, indent=2) + "\n")
         if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
             raise typer.Exit(code=1)
@@ -76,10 +84,10 @@ def plan(
         if json_path is not None:
             json_path.write_text(json.dumps(analysis.as_json(), indent=2) + "\n")
         return
-    result = plan_run(cfg, world_size)
-    typer.echo(format_plan(result))
+    result = estimate_step(cfg, world_size)
+    typer.echo(format_estimate(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(plan_json(result), indent=2) + "\n")
+        json_path.write_text(json.dumps(estimate_json(result), indent=2) + "\n")
     short = shortfall(result)
     if short:
         typer.secho(f"error: {short}", err=True, fg=typer.colors.RED)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
 
 from titan.cli.common import CONFIG_OPTION, preflight, recipe_command
-from titan.config import Config
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, write_error
 
@@ -28,8 +26,6 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
         from titan.train.trainer import Trainer
 
-        if cfg.activation_checkpoint.mode == "auto" and not cfg.activation_checkpoint.budget_gib:
-            cfg = _with_device_budget(cfg)
         try:
             Trainer(cfg).train()
         except Preempted as e:
@@ -39,14 +35,3 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
         if e.errno not in WRITE_ERRORS:
             raise
         raise UserError(write_error(e)) from None
-
-
-def _with_device_budget(config: Config) -> Config:
-    """activation_checkpoint.budget_gib = 0: the budget that this rank's device leaves, as `titan plan` works it out."""
-    from titan.observe.metrics import setup_logging
-    from titan.tools.plan.estimate import with_activation_budget
-    from titan.train.build import device_memory, pick_device
-
-    setup_logging(int(os.environ.get("RANK", "0")))
-    device, _ = pick_device(config.training.device)
-    return with_activation_budget(config, int(os.environ.get("WORLD_SIZE", "1")), device_memory(device))

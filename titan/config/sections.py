@@ -293,7 +293,7 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class PlanTarget:
-    """The recipe's [plan] section: the accelerator `titan plan` plans a run for (titan/tools/plan/devices.py); a
+    """The recipe's [plan] section: the accelerator `titan plan` plans a run for (titan/train/estimate/devices.py); a
     figure set here replaces the device's own."""
 
     device: Literal["h100", "h200", "a100", "mi300x"] = "h100"  # the accelerator; its figures unless set below

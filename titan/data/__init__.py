@@ -132,10 +132,8 @@ def document_pieces(config: Config) -> DocumentPieces:
     d = config.data
     source = d.source_list()[0]
     documents = open_prepared(config, source)
-    pieces = DocumentPieces(
-        documents, split(config, documents)[0], d.max_document_len or config.training.seq_len, config.job.seed,
-        d.shuffle,
-    )  # fmt: skip
+    max_len = d.max_document_len or config.training.seq_len
+    pieces = DocumentPieces(documents, split(config, documents)[0], max_len, config.job.seed, d.shuffle)
     if pieces.tokens_per_epoch == 0:
         raise ConfigError(f"data source {source.source} has no document of two or more tokens to train on")
     log.info(

@@ -39,6 +39,7 @@ def _llama3() -> ModelSpec:
             check_names=hf.check_hf_names,
             to_hf_tensor=hf.to_hf_tensor,
             training_choices=hf.TRAINING_CHOICES,
+            model_type="llama",
         ),
     )
 
@@ -68,11 +69,22 @@ def _moe() -> ModelSpec:
             to_hf_tensor=hf.to_hf_tensor,
             training_choices=hf.TRAINING_CHOICES,
             check_buffers=hf.check_hf_buffers,
+            model_type="qwen3_moe",
         ),
     )
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3, "moe": _moe}
+
+
+def family_of_hf(model_type: str) -> str:
+    """The family whose Hugging Face conversion reads config.json's `model_type`."""
+    for name in _REGISTRY:
+        hf = get_model_spec(name).hf
+        if hf is not None and hf.model_type == model_type:
+            return name
+    known = ", ".join(f"{get_model_spec(n).hf.model_type} ({n})" for n in _REGISTRY if get_model_spec(n).hf)
+    raise KeyError(f"no titan model family reads HF model_type {model_type!r}; titan reads {known}")
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -130,6 +130,7 @@ class HFAdapter:
     # Args fields that are training choices rather than properties of the weights: an HF model and the recipe
     # that uses it may differ in them.
     training_choices: tuple[str, ...]
+    model_type: str  # config.json's model_type for this family: `titan convert hf-to-dcp` picks the family by it
     # (args, {buffer name: tensor}) -> None: the state a model holds besides its parameters (a MoE's routing
     # biases), which an HF checkpoint has no place for; ValueError when its values make a model the HF one is not.
     # An HF checkpoint imports with these buffers at zero. None: the family's models have no such buffers.

@@ -7,7 +7,7 @@ runs one of four ways:
 - offload: it keeps everything, in pinned host memory, and copies it back for backward.
 
 Modes full and selective run every Nth block that way. Mode auto measures each way on one block of the run
-(`measure_options`) and lets titan/parallel/memory_plan.py choose per block, within activation_checkpoint.budget_gib.
+(`measure_options`) and lets titan/parallel/ac_choices.py choose per block, within activation_checkpoint.budget_gib.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from titan.config import Config, Layout
 from titan.models import ModelSpec
-from titan.parallel.memory_plan import GIB, Option, fastest_choices
+from titan.parallel.ac_choices import GIB, Option, fastest_choices
 from titan.parallel.mesh import on_rank_0
 from titan.run_plan import RunPlan, precision
 
@@ -59,10 +59,10 @@ def block_choices(
         return [cfg.mode if cfg.mode != "none" and i % cfg.every == 0 else KEEP for i in range(n_blocks)]
     if device is None:
         raise ValueError("activation_checkpoint.mode = 'auto' measures the blocks: parallelize needs the device")
-    if not cfg.budget_gib:  # titan train resolves it; a program that builds its own Trainer must too
+    if not cfg.budget_gib:  # the trainer's pre-flight resolves it; a program building model parts itself must too
         raise ValueError(
-            "activation_checkpoint.budget_gib = 0 stands for what the device leaves: replace it with "
-            "titan.tools.plan.estimate.with_activation_budget before building the trainer"
+            "activation_checkpoint.budget_gib = 0 stands for what the device leaves: resolve it with "
+            "titan.train.preflight.check_run before building the model"
         )
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.

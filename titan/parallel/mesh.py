@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan.config import Layout
-from titan.errors import ConfigError, UserError
+from titan.errors import UserError
 
 T = TypeVar("T")
 
@@ -30,8 +30,6 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=int(os.environ.get("TITAN_DIST_TIMEOUT_S", "600")))

@@ -88,6 +88,7 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layout.pp > 1:
+        pp.check_stages(p, stages_per_rank(p))
         if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
             # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
             # gradients come out wrong without any error.
@@ -105,6 +106,8 @@ def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: 
             )
     if device is None:
         return
+    if p.backend == "nccl" and device.type != "cuda" and layout.world_size > 1:
+        raise ConfigError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
     if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
         # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
         raise ConfigError(

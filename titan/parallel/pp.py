@@ -25,6 +25,14 @@ def schedule_class(name: str):
         raise ConfigError(f"parallel.pp_schedule: {e}") from None
 
 
+def check_stages(cfg: Parallel, stages_per_rank: int) -> None:
+    """A schedule of one stage per rank cannot run several."""
+    if stages_per_rank > 1 and not issubclass(schedule_class(cfg.pp_schedule), PipelineScheduleMulti):
+        raise ConfigError(
+            f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1"
+        )
+
+
 def build_schedule(
     cfg: Parallel,
     stage_modules: list[tuple[int, nn.Module]],
@@ -52,10 +60,6 @@ def build_schedule(
     ]
     cls = schedule_class(cfg.pp_schedule)
     multi = issubclass(cls, PipelineScheduleMulti)
-    if not multi and len(stages) != 1:
-        raise ConfigError(
-            f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1"
-        )
     try:
         # scale_grads=False: titan's loss is already divided by the step's token count.
         return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

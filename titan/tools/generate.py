@@ -262,26 +262,34 @@ def device_and_mesh(tp: int):
     return device, init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
 
 
+@dataclass(frozen=True)
+class Loading:
+    """How a checkpoint's model is loaded: its dtype (a key of DTYPES), split over `tp` processes, with a progress
+    bar or not."""
+
+    dtype: str = "fp32"
+    tp: int = 1
+    progress: bool = False
+
+
 def continue_texts(
     checkpoint: Path,
     prompts: list[str],
     max_new_tokens: int = 64,
     sampling: Sampling = Sampling(),
     tokenizer_path: Path | None = None,
-    dtype: str = "fp32",
-    tp: int = 1,
+    loading: Loading = Loading(),
     batch_size: int = 0,
-    progress: bool = False,
 ) -> tuple[list[str], Generation, Loaded]:
     """The continuation of each text in `prompts` by the model of a titan checkpoint, on the GPU if there is one,
     in batches of batch_size prompts (0: all in one)."""
     check_options(max_new_tokens, sampling)  # before the model loads, which may take long
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if loading.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {loading.dtype!r}")
     if batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0 (0: every prompt in one batch), got {batch_size}")
-    device, mesh = device_and_mesh(tp)
-    loaded = load_model(checkpoint, device, DTYPES[dtype], mesh, progress)
+    device, mesh = device_and_mesh(loading.tp)
+    loaded = load_model(checkpoint, device, DTYPES[loading.dtype], mesh, loading.progress)
     tokenizer = checkpoint_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size, tokenizer_path)
     # Training frames each document as BOS + text + EOS; a prompt is a document still going on.
     ids = [tokenizer.encode(prompt)[:-1] for prompt in prompts]

@@ -11,19 +11,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from titan import models
-from titan.config import Config, Layout
-from titan.data import DocumentBatchLoader, Tokenizer, build_loaders, document_pieces
+from titan.checkpoint.checkpointer import Checkpointer, RunRecord
+from titan.checkpoint.train_state import model_shapes
+from titan.config import Config, math_values, to_toml
+from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
-from titan.models import Args, ModelSpec
 from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
-from titan.parallel.mesh import on_rank_0
-from titan.parallel.parallelize import build_model_parts, check_layout, model_blocks, stage_batch
+from titan.parallel.mesh import new_gloo_group, on_rank_0
+from titan.parallel.parallelize import build_model_parts, stage_batch
 from titan.run_plan import Blocks, RankPlan, RunPlan, run_plan
 from titan.train.cost_fit import (
     cached_cost_model,
@@ -31,7 +31,8 @@ from titan.train.cost_fit import (
     ring_bytes_per_second,
     ring_bytes_per_token,
 )
-from titan.train.step import StepHook, StepLoss, StepRules, TrainStep
+from titan.train.model import ResolvedModel, resolve_model
+from titan.train.step import StepHook, StepLoss, StepRules, Trained, TrainStep
 
 log = logging.getLogger("titan")
 
@@ -69,91 +70,41 @@ def device_memory(device: torch.device) -> int:
     return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def resolve_model(config: Config):
-    """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
-    cannot be built is a recipe error, found before any work."""
-    try:
-        spec = models.get_model_spec(config.model.name)
-        args = models.model_args(spec, config.model.flavor, config.model.overrides)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(str(e.args[0])) from None  # a KeyError's str() would quote its message
-    try:
-        args.validate()
-    except ValueError as e:
-        raise ConfigError(f"model {config.model.flavor} with model.overrides {config.model.overrides}: {e}") from None
-    seq_len = config.training.seq_len
-    if seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len {seq_len} exceeds the {config.model.flavor} model's max_seq_len {args.max_seq_len}; "
-            "lower training.seq_len, or raise model.overrides.max_seq_len if the model is meant for longer sequences"
-        )
-    longest = max(seq_len, config.data.max_document_len if config.data.batching == "tokens" else 0)
-    if longest > args.max_seq_len:
-        raise ConfigError(
-            f"data.max_document_len {longest} exceeds the {config.model.flavor} model's max_seq_len "
-            f"{args.max_seq_len}; lower it (0 = training.seq_len)"
-        )
-    # The RoPE table only needs to cover the longest sequence trained on.
-    return spec, dataclasses.replace(args, max_seq_len=longest)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckedRun:
-    """What the recipe asks of the model and the device, checked: the model, the layout for it, and the run plan
-    with its blocks."""
-
-    spec: ModelSpec
-    args: Args
-    layout: Layout
-    blocks: Blocks
-    plan: RunPlan
-
-
-def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
-    """Everything the recipe asks, checked before any process group is joined (the trainer, and `titan config
-    show`)."""
-    spec, args = resolve_model(config)
-    layout = Layout.from_config(config.parallel, world_size)
-    check_layout(config, spec, args, layout, device)
-    blocks = model_blocks(spec, args)
-    return CheckedRun(spec, args, layout, blocks, run_plan(config, layout.world_size, blocks))
-
-
 def build_model(config: Config, device: torch.device) -> torch.nn.Module:
     """The plain single-device model, initialised from the seed: the reference every layout must equal."""
-    spec, args = resolve_model(config)
-    plan = run_plan(config, 1, Blocks(args.n_layers))  # one process: no layer split, so no block memory either
-    return build_model_parts(config, spec, args, plan, 0, {}, device).parts[0]
-
-
-def check_tokenizer(tokenizer: Tokenizer, args, config: Config) -> None:
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {args.vocab_size}; "
-            "use a matching tokenizer.path or set model.overrides.vocab_size"
-        )
+    model = resolve_model(config)
+    plan = run_plan(config, 1, Blocks(model.args.n_layers))  # one process: no layer split, so no block memory either
+    return build_model_parts(config, model.spec, model.args, plan, 0, {}, device).parts[0]
 
 
 def build_step(
-    config: Config, spec, args, plan: RunPlan, rank: int, mesh, device: torch.device, clock: StepClock, hook: StepHook
+    config: Config,
+    model: ResolvedModel,
+    plan: RunPlan,
+    rank: int,
+    mesh,
+    device: torch.device,
+    clock: StepClock,
+    hook: StepHook,
 ) -> TrainStep:
     """Rank `rank`'s model parts for the plan's layout and layer split, initialised from the seed, with their
     optimizer, lr schedule and (under a pipeline) the schedule that runs them."""
-    parts = build_model_parts(config, spec, args, plan, rank, mesh, device)
+    parts = build_model_parts(config, model.spec, model.args, plan, rank, mesh, device)
     optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     loss = StepLoss(hook)
-    schedule = (
-        _pipeline_schedule(config, spec, args, plan, rank, parts, loss, mesh, device) if plan.layout.pp > 1 else None
-    )
+    schedule = _pipeline_schedule(config, model, plan, rank, parts, loss, mesh, device) if plan.layout.pp > 1 else None
     sequence = None
     if plan.layout.cp > 1:
         sequence = torch.cat([torch.arange(r.start, r.stop) for r in plan.rank(rank).sequence])
     rules = StepRules.of(plan, config, mesh)
-    return TrainStep(parts, optimizer, lr_scheduler, rules, loss, schedule, sequence, device=device, clock=clock)
+    trained = Trained(parts, optimizer, lr_scheduler)
+    return TrainStep(trained, rules, loss, schedule, sequence, device=device, clock=clock)
 
 
-def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, parts, loss: StepLoss, mesh, device):
+def _pipeline_schedule(
+    config: Config, model: ResolvedModel, plan: RunPlan, rank: int, parts, loss: StepLoss, mesh, device
+):
     n_microbatches = plan.pipeline_microbatches
     documents = config.data.batching == "tokens"
     # What the stages exchange for one micro-batch, so that the schedule need not run one to find out. Packed
@@ -163,7 +114,7 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, par
     if documents:
         rows, seq = 1, rows * seq
     io = [
-        spec.pipeline_io(args, stage_batch(plan, config.data.document_mask, rows, seq, stage))
+        model.spec.pipeline_io(model.args, stage_batch(plan, config.data.document_mask, rows, seq, stage))
         if not (documents and config.validation.interval)
         else None
         for stage in parts.stage_ids
@@ -180,25 +131,21 @@ def _pipeline_schedule(config: Config, spec, args, plan: RunPlan, rank: int, par
     )
 
 
-def build_data(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device: torch.device, control_group):
+def build_data(
+    config: Config, plan: RunPlan, me: RankPlan, model: ResolvedModel, mesh, device: torch.device, control_group
+):
     """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
     (None without validation) of the rank `me`."""
     loader, validation = build_loaders(config, plan.global_rows, me.rows, list(me.micro_batches))
     if config.data.batching == "tokens":  # whole documents, not rows
-        loader = _document_loader(config, plan, me, spec, args, mesh, device, control_group)
+        loader = _document_loader(config, plan, me, model, mesh, device, control_group)
     return loader, validation
 
 
-def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, mesh, device, control_group):
+def _document_loader(config: Config, plan: RunPlan, me: RankPlan, model: ResolvedModel, mesh, device, control_group):
     """Whole documents up to global batch x seq_len tokens a step, shared out by data.balance into micro-batches of
     the plan's document capacity (under context parallelism, on the slots of the dp x cp plane)."""
     d, t, layout = config.data, config.training, plan.layout
-    if args.has_dropout:
-        raise ConfigError(
-            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
-            "position, and packing places a document differently on every layout; set the model's "
-            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
-        )
     pipeline_rows, capacity = plan.pipeline_microbatches, plan.document_capacity
     target = Target((capacity,) * layout.dp * layout.cp, layout.pp, pipeline_rows or 1, layout.pp > 1, layout.cp)
     placement = Placement(capacity, pipeline_rows, plan.sequence_shards, layout.cp)
@@ -206,22 +153,22 @@ def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, me
         cost = CostModel(*d.cost_model)
     else:
         dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
-        n_layers = math.ceil(args.n_layers / layout.pp)
+        n_layers = math.ceil(model.args.n_layers / layout.pp)
         # Measured by rank 0 alone, so that every rank plans with the same costs, on a rank's own micro-batches;
         # a ring adds its traffic (below).
         longest = min(d.max_document_len or t.seq_len, capacity)
         cost = on_rank_0(
-            lambda: cached_cost_model(spec, args, n_layers, longest, capacity, device, dtype, config.job.seed),
+            lambda: cached_cost_model(model, n_layers, longest, capacity, device, dtype, config.job.seed),
             control_group,
         )
         # Each tensor-parallel rank computes its share of every layer's heads and hidden units.
         cost = dataclasses.replace(cost, a=cost.a / layout.tp, b=cost.b / layout.tp)
         if layout.dp > 1:
-            seconds = _fsdp_seconds_per_micro_batch(spec, args, plan, mesh, device, control_group)
+            seconds = _fsdp_seconds_per_micro_batch(model, plan, mesh, device, control_group)
             cost = dataclasses.replace(cost, c=cost.c + seconds)
         if layout.cp > 1:
             group = mesh["cp"].get_group()
-            r = _ring_seconds_per_token(spec, args, n_layers, dtype, layout.tp, group, device, control_group)
+            r = _ring_seconds_per_token(model, n_layers, dtype, layout.tp, group, device, control_group)
             cost = dataclasses.replace(cost, r=r)
     loader = DocumentBatchLoader(
         document_pieces(config), plan.tokens_per_step, d.balance, cost, target, placement, me.dp_rank, me.cp_rank
@@ -230,11 +177,13 @@ def _document_loader(config: Config, plan: RunPlan, me: RankPlan, spec, args, me
     return loader
 
 
-def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch.device, control_group) -> float:
+def _fsdp_seconds_per_micro_batch(
+    model: ResolvedModel, plan: RunPlan, mesh, device: torch.device, control_group
+) -> float:
     """FSDP's collectives per micro-batch, timed on the data-parallel group; the slowest rank's time, so that every
     rank plans with the same cost model."""
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in spec.build(args).parameters())
+        n_params = sum(p.numel() for p in model.spec.build(model.args).parameters())
     dtype = torch.bfloat16 if plan.precision.bf16 else torch.float32
     share = n_params // (plan.layout.pp * plan.layout.tp)
     seconds = torch.tensor(collective_seconds(share, mesh["dp"].get_group(), device, dtype))
@@ -243,15 +192,33 @@ def _fsdp_seconds_per_micro_batch(spec, args, plan: RunPlan, mesh, device: torch
     return float(seconds)
 
 
-def _ring_seconds_per_token(spec, args, n_layers: int, dtype, tp: int, group, device, control_group) -> float:
+def _ring_seconds_per_token(model: ResolvedModel, n_layers: int, dtype, tp: int, group, device, control_group) -> float:
     """The cost model's ring term: the seconds one hop of a ring adds per token of a block (keys, values and their
     gradients over the stage's layers and this rank's heads), at the cp group's bandwidth, timed; the slowest
     rank's, so that every rank plans with the same cost model."""
-    per_token = ring_bytes_per_token(spec.kv_width(args) // tp, n_layers, torch.empty((), dtype=dtype).element_size())
+    width = model.spec.kv_width(model.args) // tp
+    per_token = ring_bytes_per_token(width, n_layers, torch.empty((), dtype=dtype).element_size())
     seconds = torch.tensor(per_token / ring_bytes_per_second(group, device))
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     log.info("data.cost_model: r = %.3g s per token and ring hop (the cp group's link, measured)", float(seconds))
     return float(seconds)
+
+
+def build_checkpointer(
+    config: Config, model: ResolvedModel, plan: RunPlan, states: dict, rank: int, control_group
+) -> Checkpointer:
+    """The run's checkpointer: `states` saved and restored by name, with what describes the run (the model, the
+    recipe, its math), which a resume checks; DCP's collectives on a gloo group of their own."""
+    shapes = model_shapes(model.spec, model.args)
+    record = RunRecord(
+        {"name": config.model.name, "flavor": config.model.flavor, "shapes": shapes},
+        to_toml(config),
+        math_values(config, plan.global_rows) | prepared_record(config),
+    )
+    folder = config.run_dir / "checkpoints"
+    return Checkpointer(
+        config.checkpoint, folder, states, record, rank=rank, save_group=new_gloo_group(), control_group=control_group
+    )
 
 
 def claim_run_folder(folder) -> None:
@@ -268,7 +235,7 @@ def claim_run_folder(folder) -> None:
         raise ConfigError(f"job.output_dir: {write_error(e)}; choose another job.output_dir") from None
 
 
-def init_from_hf(config: Config, spec, args, parts, resumed: bool) -> None:
+def init_from_hf(config: Config, model: ResolvedModel, parts, resumed: bool) -> None:
     """checkpoint.init_from_hf: the HF checkpoint's weights start a fresh run; a resumed run has its own."""
     if resumed:
         log.info("checkpoint.init_from_hf: not used, the run resumed from a checkpoint")
@@ -276,4 +243,4 @@ def init_from_hf(config: Config, spec, args, parts, resumed: bool) -> None:
     from titan.checkpoint import hf
 
     name = f"{config.model.name} {config.model.flavor}"
-    hf.init_from_hf(parts.named_parameters(), spec, args, config.checkpoint.init_from_hf, name)
+    hf.init_from_hf(parts.named_parameters(), model.spec, model.args, config.checkpoint.init_from_hf, name)

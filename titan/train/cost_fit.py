@@ -23,6 +23,7 @@ from titan.data.packing import CostModel
 from titan.files import cache_root
 from titan.observe.profiling import DeviceTimer
 from titan.parallel.cp.ring import ring_hop
+from titan.train.model import ResolvedModel
 
 log = logging.getLogger("titan")
 
@@ -74,7 +75,13 @@ def fit(samples: list[tuple[list[int], float]]) -> tuple[CostModel, float]:
 
 
 def measure(
-    spec, args, n_layers: int, max_len: int, capacity: int, device: torch.device, dtype: torch.dtype, seed: int
+    model: ResolvedModel,
+    n_layers: int,
+    max_len: int,
+    capacity: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
 ):
     """Fit the cost model of a model of `n_layers` of these args on `device`; returns (model, R², samples).
 
@@ -82,7 +89,7 @@ def measure(
     is extrapolated linearly to the stage's depth: a stage too large for one device unsharded is measured all the
     same, and a layer's own cost is the difference, which the head's cost does not blur."""
     depths = sorted({1, min(2, n_layers)})
-    times = {depth: _time_depth(spec, args, depth, max_len, capacity, device, dtype, seed) for depth in depths}
+    times = {depth: _time_depth(model, depth, max_len, capacity, device, dtype, seed) for depth in depths}
     batches = micro_batches_to_time(max_len, capacity)
     one, two = times[depths[0]], times[depths[-1]]
     samples = [(lengths, one[i] + (n_layers - 1) * (two[i] - one[i])) for i, lengths in enumerate(batches)]
@@ -90,23 +97,25 @@ def measure(
     return cost, r2, samples
 
 
-def _time_depth(spec, args, n_layers: int, max_len: int, capacity: int, device, dtype, seed) -> list[float]:
+def _time_depth(model: ResolvedModel, n_layers: int, max_len: int, capacity: int, device, dtype, seed) -> list[float]:
     """The forward and backward seconds of each micro-batch to time, on a model of `n_layers` layers."""
+    args = model.args
     stage_args = dataclasses.replace(args, n_layers=n_layers, max_seq_len=max(args.max_seq_len, max_len))
     with torch.device("meta"):
-        model = spec.build(stage_args)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    model.to(dtype)
-    return [time_micro_batch(model, lengths, args.vocab_size, device) for lengths in
-            micro_batches_to_time(max_len, capacity)]  # fmt: skip
+        stage = model.spec.build(stage_args)
+    stage.to_empty(device=device)
+    stage.init_weights(seed)
+    stage.to(dtype)
+    batches = micro_batches_to_time(max_len, capacity)
+    return [time_micro_batch(stage, lengths, args.vocab_size, device) for lengths in batches]
 
 
-def cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, seed) -> CostModel:
+def cached_cost_model(model: ResolvedModel, n_layers, max_len, capacity, device, dtype, seed) -> CostModel:
     """The measured cost model, from the cache when this shape was measured here before."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
     key = json.dumps(
-        [dataclasses.asdict(args), n_layers, max_len, capacity, name, str(dtype), torch.__version__], sort_keys=True
+        [dataclasses.asdict(model.args), n_layers, max_len, capacity, name, str(dtype), torch.__version__],
+        sort_keys=True,
     )
     path = cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
@@ -114,7 +123,7 @@ def cached_cost_model(spec, args, n_layers, max_len, capacity, device, dtype, se
         log.info("data.cost_model: %s (measured before, %s)", _describe(cached), path)
         return CostModel(*cached["abc"])
     start = time.perf_counter()
-    cost, r2, samples = measure(spec, args, n_layers, max_len, capacity, device, dtype, seed)
+    cost, r2, samples = measure(model, n_layers, max_len, capacity, device, dtype, seed)
     record = {"abc": [cost.a, cost.b, cost.c], "r2": r2, "samples": samples, "device": name}
     log.info("data.cost_model: %s, measured in %.1fs", _describe(record), time.perf_counter() - start)
     path.parent.mkdir(parents=True, exist_ok=True)

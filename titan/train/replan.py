@@ -43,8 +43,8 @@ class Replanner:
         self.detector: StragglerDetector | None = None
         if g.enable and (layout.dp > 1 or layout.pp > 1):
             # One weight per data-parallel rank, or, in a pipeline, per pipeline rank.
-            self.detector = StragglerDetector(layout.pp if layout.pp > 1 else layout.dp, g.threshold, g.hysteresis,
-                                              g.window)  # fmt: skip
+            ranks = layout.pp if layout.pp > 1 else layout.dp
+            self.detector = StragglerDetector(ranks, g.threshold, g.hysteresis, g.window)
             self.probe = Probe(device)
             self._follow_weights()
 
@@ -155,7 +155,7 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
     else:
         checkpointer.save_tensors(scratch)
     new = build()
-    checkpointer.rebind(new.parts, new.optimizer, new.lr_scheduler)
+    checkpointer.rebind(model=new.parts, optimizer=new.optimizer, lr_scheduler=new.lr_scheduler)
     if point_to_point:
         ensure_adamw_state(new.optimizer, list(new.parts.parameters()))
         for state in new.optimizer.state.values():

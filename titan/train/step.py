@@ -129,6 +129,15 @@ class StepHook:
         return loss
 
 
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What a step trains on a rank: its model parts, with the optimizer and the lr schedule that update them."""
+
+    parts: ModelParts
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
 class TrainStep:
     """A rank's model parts, optimizer and lr schedule, and the step that trains them. Under a pipeline `schedule`
     runs the micro-batches (it was built with `loss`); under context parallelism `sequence` holds the positions of
@@ -136,9 +145,7 @@ class TrainStep:
 
     def __init__(
         self,
-        parts: ModelParts,
-        optimizer,
-        lr_scheduler,
+        trained: Trained,
         rules: StepRules,
         loss: StepLoss,
         schedule=None,
@@ -147,7 +154,7 @@ class TrainStep:
         device: torch.device,
         clock: StepClock,
     ):
-        self.parts, self.optimizer, self.lr_scheduler = parts, optimizer, lr_scheduler
+        self.parts, self.optimizer, self.lr_scheduler = trained.parts, trained.optimizer, trained.lr_scheduler
         self.rules, self.loss, self.schedule, self.sequence = rules, loss, schedule, sequence
         self.device, self.clock = device, clock
         self.routing_metrics: dict[str, torch.Tensor] = {}  # the last step's, of a mixture of experts

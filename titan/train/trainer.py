@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan.checkpoint.checkpointer import Checkpointer
-from titan.checkpoint.train_state import model_shapes
-from titan.config import Config, math_values, to_toml
-from titan.data import DocumentBatchLoader, Tokenizer, prepared_record
+from titan.config import Config, to_toml
+from titan.data import DocumentBatchLoader
 from titan.observe.metrics import (
     MetricsLogger,
     RemainingTime,
@@ -30,14 +28,14 @@ from titan.observe.profiling import DeviceTimer, Profiler, StepClock
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.run_plan import RunPlan
 from titan.train.build import (
+    build_checkpointer,
     build_data,
     build_step,
-    check_run,
-    check_tokenizer,
     claim_run_folder,
     init_from_hf,
     pick_device,
 )
+from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
@@ -63,15 +61,17 @@ class Due:
 class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
-        self.config, t = config, config.training
-        self.device, device_reason = pick_device(t.device)
-        # Everything that can be wrong with the recipe is checked before joining the other processes.
+        self.device, device_reason = pick_device(config.training.device)
+        setup_logging(int(os.environ.get("RANK", "0")))  # the pre-flight logs the activation budget it resolves
+        # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
         checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
-        self.spec, self.model_args, self.layout = checked.spec, checked.args, checked.layout
+        self.config = config = checked.config  # the recipe as the run runs it
+        t = config.training
+        self.model, self.layout = checked.model, checked.layout
         self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
+        check_tokenizer(config, self.model.args)
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
         self.rank_plan = self.run_plan.rank(self.rank)
-        setup_logging(self.rank)
         # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
         cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
         (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
@@ -82,16 +82,14 @@ class Trainer:
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        check_tokenizer(Tokenizer(config.tokenizer), self.model_args, config)
         self.mesh = build_mesh(self.layout, self.device)
         self.loader, self.validation_loader = build_data(
-            config, self.run_plan, self.rank_plan, self.spec, self.model_args, self.mesh, self.device,
-            self.control_group,
-        )  # fmt: skip
+            config, self.run_plan, self.rank_plan, self.model, self.mesh, self.device, self.control_group
+        )
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
         self.hook = hook or StepHook()
         self.stepper = self._build_step(self.run_plan)
-        self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
+        self.flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
         run_dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
         self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops, run_dtype)
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
@@ -103,14 +101,10 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(config))
             (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
         self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
-        model = {"name": config.model.name, "flavor": config.model.flavor,
-                 "shapes": model_shapes(self.spec, self.model_args)}  # fmt: skip
-        self.checkpointer = Checkpointer(
-            config.checkpoint, self.run_dir / "checkpoints", model_parts=self.model_parts, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, loader=self.loader, rank=self.rank, recipe=to_toml(config), model=model,
-            save_group=new_gloo_group(), control_group=self.control_group, replan=self.replanner,
-            math_values=math_values(config, self.run_plan.global_rows) | prepared_record(config),
-        )  # fmt: skip
+        # What a checkpoint saves and restores, by name.
+        states = {"model": self.model_parts, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        states |= {"data": self.loader, "plan": self.replanner}
+        self.checkpointer = build_checkpointer(config, self.model, self.run_plan, states, self.rank, self.control_group)
         v, c = config.validation, config.checkpoint
         self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
         self.step = self.checkpointer.resume()
@@ -122,9 +116,7 @@ class Trainer:
         # on another layout or other devices).
         self.follow(self.replanner.plan())
         if config.checkpoint.init_from_hf:
-            init_from_hf(
-                config, self.spec, self.model_args, self.model_parts, self.checkpointer.resumed_from is not None
-            )
+            init_from_hf(config, self.model, self.model_parts, self.checkpointer.resumed_from is not None)
         self.stop = stop(self.control_group)
         self._log_start()
 
@@ -134,8 +126,7 @@ class Trainer:
     lr_scheduler = property(lambda self: self.stepper.lr_scheduler)
 
     def _build_step(self, plan: RunPlan) -> TrainStep:
-        return build_step(self.config, self.spec, self.model_args, plan, self.rank, self.mesh, self.device,
-                          self.clock, self.hook)  # fmt: skip
+        return build_step(self.config, self.model, plan, self.rank, self.mesh, self.device, self.clock, self.hook)
 
     def follow(self, plan: RunPlan) -> str:
         """Train on `plan` from the next step on (every rank calls this with the same plan). The data shares

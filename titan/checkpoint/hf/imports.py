@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointWriter, dcp_error, seal, single_process_quiet
-from titan.checkpoint.hf.files import atomic_folder, hf_spec, open_hf, read_into
+from titan.checkpoint.hf.files import atomic_folder, hf_spec, open_hf, read_hf_config, read_into
 from titan.checkpoint.hf.match import check_model_matches, describe_match, model_toml
 from titan.checkpoint.hf.memory import PeakMemory
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, write_train_state
@@ -28,9 +28,16 @@ log = logging.getLogger("titan")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str = "llama3", flavor: str | None = None) -> str:
-    """Write the HF folder's weights as a titan checkpoint (model only, fp32); returns the report to print."""
+def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor: str | None = None) -> str:
+    """Write the HF folder's weights as a titan checkpoint (model only, fp32); returns the report to print.
+    model_name None: the family that reads the folder's model_type."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if model_name is None:
+        model_type = read_hf_config(hf_dir).get("model_type", "llama")
+        try:
+            model_name = models.family_of_hf(str(model_type))
+        except KeyError as e:
+            raise ConfigError(str(e.args[0])) from None
     spec = hf_spec(model_name)
     hf = open_hf(hf_dir, spec)
     sentence, flavor, overrides = describe_match(spec, hf.args, flavor)

@@ -55,6 +55,19 @@ class Unit:
         return f"unit-{self.first:06d}-{self.stop:06d}"
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """How a preparation tokenizes its units: the source's documents, the tokenizer and its JSON (which worker
+    processes load), how many workers (0: by the source's size), whether to show progress, tokens per shard."""
+
+    documents: Documents
+    tokenizer: Tokenizer
+    tokenizer_json: str
+    workers: int
+    progress: bool
+    shard_tokens: int
+
+
 def units_of(documents: Documents, unit_bytes: int) -> list[Unit]:
     """The source's files in runs of at least `unit_bytes` (the last run may hold less), in order."""
     if not documents.files:
@@ -100,15 +113,13 @@ def prepare(
     units = units_of(documents, unit_bytes)
     work = folder.with_name(f".{folder.name}.parts")
     mine = units[len(units) * index // parts : len(units) * (index + 1) // parts]
-    args = (documents, tokenizer, tokenizer_json.decode(), workers, progress, shard_tokens)
+    encoding = Encoding(documents, tokenizer, tokenizer_json.decode(), workers, progress, shard_tokens)
     try:
-        _prepare_units(folder, work, mine, *args)
+        _prepare_units(folder, work, mine, encoding)
         if not all(_unit_complete(work / unit.name) for unit in units):
             return folder if _is_complete(folder) else None  # another part's units are missing, or it merged
-        path = build_once(
-            folder, _is_complete, lambda tmp: _merge(tmp, work, units, documents, identity, tokenizer_cfg, tokenizer),
-            "merging",
-        )  # fmt: skip
+        merge = lambda tmp: _merge(tmp, work, units, documents, identity, tokenizer_cfg, tokenizer)
+        path = build_once(folder, _is_complete, merge, "merging")
     except ConfigError:  # the source must change before it can be prepared, and its key with it
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -146,35 +157,36 @@ def _unit_complete(path: Path) -> bool:
     return (path / "COMPLETE").is_file()
 
 
-def _prepare_units(folder: Path, work: Path, units: list[Unit], documents: Documents, tokenizer: Tokenizer,
-                   tokenizer_json: str, workers: int, progress: bool, shard_tokens: int) -> None:  # fmt: skip
+def _prepare_units(folder: Path, work: Path, units: list[Unit], encoding: Encoding) -> None:
     """Tokenize each of these units not complete yet into work/<unit>, unless the source's folder is complete."""
     todo = [u for u in units if not _unit_complete(work / u.name)]
     if not todo or _is_complete(folder):
         return
+    documents, tokenizer, workers = encoding.documents, encoding.tokenizer, encoding.workers
     dtype = "<u2" if tokenizer.vocab_size <= 2**16 else "<u4"
     todo_bytes = sum(f.stat().st_size for u in todo for f in documents.files[u.first : u.stop])
     if not workers:  # starting tokenizer processes takes seconds: more than a small source takes in this one
         workers = 1 if documents.files and todo_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
     # A hub dataset counts its records itself (titan.data.dataset), having no bytes to count.
-    bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=progress and bool(documents.files))
-    with bar, _Tokenizers((tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype), workers) as tokenizers:
+    bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=encoding.progress and bool(documents.files))
+    encoder = (encoding.tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype)
+    with bar, _Tokenizers(encoder, workers) as tokenizers:
         for unit in todo:
             build_once(
                 work / unit.name,
                 lambda path: _unit_complete(path) or _is_complete(folder),
-                lambda tmp, unit=unit: _write(tmp, documents, unit, tokenizers, dtype, shard_tokens, bar),
+                lambda tmp, unit=unit: _write(tmp, encoding, unit, tokenizers, dtype, bar),
                 "preparing",
             )
 
 
-def _write(folder: Path, documents: Documents, unit: Unit, tokenizers: _Tokenizers, dtype: str, shard_tokens: int,
-           bar) -> None:  # fmt: skip
+def _write(folder: Path, encoding: Encoding, unit: Unit, tokenizers: _Tokenizers, dtype: str, bar) -> None:
     """Tokenize one unit's files into `folder`: its shards, lengths.bin (int64 per document) and meta.json."""
     counts = collections.Counter()
+    documents = encoding.documents
     files = documents.files[unit.first : unit.stop] if documents.files else [None]
     start = time.perf_counter()
-    with _ShardWriter(folder, dtype, shard_tokens) as writer:
+    with _ShardWriter(folder, dtype, encoding.shard_tokens) as writer:
         for tokens, lengths, read in tokenizers.map(_text_chunks(documents, files, counts)):
             writer.add(tokens, lengths)
             bar.update(read)
@@ -186,8 +198,15 @@ def _write(folder: Path, documents: Documents, unit: Unit, tokenizers: _Tokenize
     write_synced(folder / "COMPLETE", b"")
 
 
-def _merge(folder: Path, work: Path, units: list[Unit], documents: Documents, identity: dict,
-           tokenizer_cfg: TokenizerConfig, tokenizer: Tokenizer) -> None:  # fmt: skip
+def _merge(
+    folder: Path,
+    work: Path,
+    units: list[Unit],
+    documents: Documents,
+    identity: dict,
+    tokenizer_cfg: TokenizerConfig,
+    tokenizer: Tokenizer,
+) -> None:
     """The source's folder from its complete units: their shards linked under the source's numbering, their
     lengths running into offsets.npy, then blocks.npy, meta.json and COMPLETE."""
     cfg = documents.cfg

@@ -81,9 +81,9 @@ class BlockAttention:
             return scores + pair.bias(q.shape[0], self.ring.chunk, a == b, scores.device)
         return scores
 
-    def _fused(
-        self, kernel: BlockKernel, call: tuple, q: Tensor, k: Tensor, v: Tensor, causal: bool
-    ) -> tuple[Tensor, Tensor]:
+    def _fused(self, kernel: BlockKernel, call: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """One fused kernel call of the pair call[:2] (a span of it: call[2]); a pair on the diagonal is causal."""
+        causal = call[0] == call[1]
         if kernel is BlockKernel.CPU_FLASH:
             return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
         if kernel is BlockKernel.FLASH:
@@ -96,7 +96,8 @@ class BlockAttention:
         self.state[call] = tuple(philox)
         return out, lse[..., : q.shape[2]]  # padded to whole tiles of queries
 
-    def _fused_backward(self, kernel: BlockKernel, call: tuple, grad_out, q, k, v, out, lse, causal: bool):
+    def _fused_backward(self, kernel: BlockKernel, call: tuple, grad_out, q, k, v, out, lse):
+        causal = call[0] == call[1]
         if kernel is BlockKernel.CPU_FLASH:
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, q, k, v, out, lse, 0.0, causal, scale=self.scale
@@ -132,14 +133,14 @@ class BlockAttention:
                 probs = probs * self._keep(a, b, probs.shape) / (1 - self.drop.p)
             return probs @ v.float(), lse
         if pair.kind is not PairKind.SPANS:
-            out, lse = self._fused(kernel, (a, b), q, k, v, a == b)
+            out, lse = self._fused(kernel, (a, b), q, k, v)
             return out.float(), lse
         # Queries of no shared document keep a log-sum-exp of -inf: they weigh nothing in the merge.
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
         for i, (row, qs, qe, ks, ke) in enumerate(pair.spans):
             at_q, at_k = self._at(row, qs, qe), self._at(row, ks, ke)
-            out[at_q], lse[at_q] = self._fused(kernel, (a, b, i), q[at_q], k[at_k], v[at_k], a == b)
+            out[at_q], lse[at_q] = self._fused(kernel, (a, b, i), q[at_q], k[at_k], v[at_k])
         return out, lse
 
     def backward(self, a, b, q, k, v, out, lse, grad_out) -> tuple[Tensor, Tensor, Tensor]:
@@ -158,13 +159,13 @@ class BlockAttention:
             grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True)) * self.scale
             dq, dk = grad_scores @ k.float(), grad_scores.transpose(-1, -2) @ q.float()
         elif pair.kind is not PairKind.SPANS:
-            dq, dk, dv = self._fused_backward(kernel, (a, b), grad_out, q, k, v, out, lse, a == b)
+            dq, dk, dv = self._fused_backward(kernel, (a, b), grad_out, q, k, v, out, lse)
         else:
             dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
             for i, (row, qs, qe, ks, ke) in enumerate(pair.spans):
                 at_q, at_k = self._at(row, qs, qe), self._at(row, ks, ke)
                 grads = self._fused_backward(
-                    kernel, (a, b, i), grad_out[at_q], q[at_q], k[at_k], v[at_k], out[at_q], lse[at_q], a == b
+                    kernel, (a, b, i), grad_out[at_q], q[at_q], k[at_k], v[at_k], out[at_q], lse[at_q]
                 )
                 dq[at_q] += grads[0]
                 dk[at_k] += grads[1]

@@ -66,7 +66,7 @@ def document_runs(document_ids: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
     return runs
 
 
-def plan_pairs(chunks: tuple[int, ...], chunk: int, document_ids: Tensor | None) -> RingMask:
+def ring_mask(chunks: tuple[int, ...], chunk: int, document_ids: Tensor | None) -> RingMask:
     """The pairs to compute for query chunks `chunks` (by global index, of `chunk` tokens each) of rows of these
     documents ((batch, seq), the whole rows; None: one causal sequence per row)."""
     pairs = {}

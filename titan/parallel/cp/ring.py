@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan import rng
 from titan.parallel.cp.blocks import BlockAttention
-from titan.parallel.cp.masks import RingMask, plan_pairs
+from titan.parallel.cp.masks import RingMask, ring_mask
 from titan.run_plan import RunPlan
 
 KV_TAG, GRAD_TAG = 0, 1  # the two streams of one backward step may be in flight between the same pair of ranks
@@ -49,7 +49,7 @@ class ContextParallel:
     def mask(self, document_ids: Tensor | None) -> RingMask:
         """The pairs to compute for rows of these documents ((batch, seq), the whole rows; None: one causal
         sequence per row). Planned once per micro-batch and used by every layer, forward and backward."""
-        return plan_pairs(self.chunks, self.chunk, document_ids)
+        return ring_mask(self.chunks, self.chunk, document_ids)
 
     # Compiled blocks call the ring eagerly (a graph break on each side): dynamo breaks at its sends anyway, and its
     # plan of chunk pairs changes with every micro-batch's documents, which guards would recompile for.

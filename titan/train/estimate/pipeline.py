@@ -9,7 +9,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from titan.config import Config
 from titan.parallel import pp
 from titan.run_plan import RunPlan
-from titan.tools.plan.trace import CPU
+from titan.train.estimate.trace import CPU
 
 
 def schedule_actions(config: Config, plan: RunPlan, mesh, microbatches: int) -> dict[int, list]:

@@ -29,24 +29,24 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from titan.config import Config
-from titan.models import Args, ModelSpec
 from titan.run_plan import run_plan
+from titan.train.model import ResolvedModel, resolve_model
 
 
-def one_block(spec: ModelSpec, args: Args) -> nn.Module:
+def one_block(model: ResolvedModel) -> nn.Module:
     """The block of a one-block model, on the meta device: named as the first block of any model is."""
     with torch.device("meta"):
-        return spec.blocks(spec.build(dataclasses.replace(args, n_layers=1)))[0]
+        return model.spec.blocks(model.spec.build(dataclasses.replace(model.args, n_layers=1)))[0]
 
 
-def trace_block(spec: ModelSpec, args: Args, rows: int, seq: int, dtype: torch.dtype = torch.float32) -> fx.GraphModule:
+def trace_block(model: ResolvedModel, rows: int, seq: int, dtype: torch.dtype = torch.float32) -> fx.GraphModule:
     """The joint forward-and-backward graph of one block on `rows` x `seq` tokens, in `dtype`, traced under fake
     tensors (the block is built on the meta device: nothing is allocated). Call it as gm(primals, tangents) with
     primals = (parameters..., the block's inputs (spec.block_inputs)...) and tangents = (grad of its output,)."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    block = one_block(spec, args)
+    block = one_block(model)
     names = [name for name, _ in block.named_parameters()]
 
     def forward(*primals):
@@ -55,11 +55,11 @@ def trace_block(spec: ModelSpec, args: Args, rows: int, seq: int, dtype: torch.d
 
     with FakeTensorMode():
         params = [torch.empty(p.shape, dtype=dtype, requires_grad=True) for p in block.parameters()]
-        primals = [*params, *spec.block_inputs(args, rows, seq, dtype)]
+        primals = [*params, *model.spec.block_inputs(model.args, rows, seq, dtype)]
         return aot_export_joint_simple(forward, primals, trace_joint=True)
 
 
-def saved_by_block(spec: ModelSpec, args: Args, rows: int, seq: int, bf16: bool, compiled: bool) -> int:
+def saved_by_block(model: ResolvedModel, rows: int, seq: int, bf16: bool, compiled: bool) -> int:
     """Bytes one block's forward keeps for its backward beyond its inputs (parameters, the hidden states it takes,
     the other inputs), under fake tensors on this CPU: what eager autograd keeps, or, `compiled`, what a
     torch.compile'd block keeps. The compiled block is traced as torch.compile traces it and split into forward
@@ -67,7 +67,7 @@ def saved_by_block(spec: ModelSpec, args: Args, rows: int, seq: int, bf16: bool,
     cheap ops in backward rather than keep their results. bf16: under autocast, as on one device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    block = one_block(spec, args)
+    block = one_block(model)
     kept: dict[StorageWeakRef, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def saved_by_block(spec: ModelSpec, args: Args, rows: int, seq: int, bf16: bool,
 
     with FakeTensorMode(allow_non_fake_inputs=True), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         block.to_empty(device="cpu")
-        inputs = spec.block_inputs(args, rows, seq, torch.float32)  # autocast casts, as without FSDP
+        inputs = model.spec.block_inputs(model.args, rows, seq, torch.float32)  # autocast casts, as without FSDP
         run = _compiled_as_inductor_partitions(block) if compiled else block
         # A compiled graph keeps its tensors through autograd too (save_for_backward), so one count serves both.
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -325,9 +325,6 @@ def analyse(gm: fx.GraphModule) -> GraphAnalysis:
 
 def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]:
     """The analysis of one block of the recipe's model at its micro-batch and dtype, and what was traced."""
-    from titan.train.build import resolve_model
-
-    spec, args = resolve_model(config)
     rows, _ = run_plan(config, world_size).largest_micro_batch
     seq = config.training.seq_len
     dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
@@ -335,4 +332,4 @@ def analyse_recipe(config: Config, world_size: int) -> tuple[GraphAnalysis, str]
         f"one {config.model.name} {config.model.flavor} block's forward and backward as one graph, on "
         f"{rows} x {seq} tokens in {'bf16' if dtype == torch.bfloat16 else 'fp32'}, on one device"
     )
-    return analyse(trace_block(spec, args, rows, seq, dtype)), what
+    return analyse(trace_block(resolve_model(config), rows, seq, dtype)), what

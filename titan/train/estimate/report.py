@@ -3,9 +3,9 @@ not fit."""
 
 from __future__ import annotations
 
-from titan.parallel.memory_plan import GIB
-from titan.tools.plan.figures import RankEstimate, StepEstimate
-from titan.tools.plan.graph import PLACEMENTS, GraphAnalysis
+from titan.parallel.ac_choices import GIB
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
 
 
 def shortfall(estimate: StepEstimate) -> str | None:
@@ -28,7 +28,7 @@ def _rank_name(estimate: StepEstimate, rank: RankEstimate) -> str:
     return f"pipeline rank {rank.pp_rank} (stage{'s' * (len(rank.stage_ids) > 1)} {stages})"
 
 
-def format_plan(estimate: StepEstimate) -> str:
+def format_estimate(estimate: StepEstimate) -> str:
     """The estimate as text: what is planned, a table per pipeline rank, then the step time."""
     c, layout, device = estimate.config, estimate.layout, estimate.device
     degrees = " x ".join(f"{k} {v}" for k, v in vars(layout).items() if v > 1) or "one device"
@@ -151,7 +151,7 @@ def _by_mode(estimate: StepEstimate, values: dict[str, int]) -> str:
     return " | ".join(f"{m} {_size(b)}{' (recipe)' * (m == mode)}" for m, b in values.items())
 
 
-def plan_json(estimate: StepEstimate) -> dict:
+def estimate_json(estimate: StepEstimate) -> dict:
     """The estimate's figures for programs (`titan plan --json`): bytes, FLOPs and seconds."""
     return {
         "params": estimate.params,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 
-from titan.tools.plan.activations import rank_peak
-from titan.tools.plan.figures import RankEstimate, StepEstimate
-from titan.tools.plan.pipeline import sends
-from titan.tools.plan.trace import Cost, RankTrace
+from titan.train.estimate.activations import rank_peak
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+from titan.train.estimate.pipeline import sends
+from titan.train.estimate.trace import Cost, RankTrace
 
 # Blocks per stage in a rank's trace. A stage's first and last blocks run unlike the others under FSDP (the last
 # keeps its weights gathered after forward, backward prefetches the next block's), so the rate per block must come

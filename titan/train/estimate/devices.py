@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan.config import PlanTarget
-from titan.tools.plan.counters import Cost
+from titan.train.estimate.counters import Cost
 
 # Collectives that FSDP overlaps with compute (prefetched all-gathers, reduce-scatters behind the backward).
 OVERLAPPED = {"fsdp", "dp_shard", "dp_replicate"}

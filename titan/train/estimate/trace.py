@@ -6,7 +6,7 @@ The rank's stages are built on the meta device and parallelised by titan's own b
 point-to-point sends the fake process group takes as it takes collectives), materialised as fake tensors
 (FakeTensorMode: shapes and dtypes, no data), and run as the trainer runs them: micro-batches forward and backward
 (as a pipeline schedule does, with FSDP's gradients reduced once, after the last), then gradient clipping and
-AdamW. titan/tools/plan/counters.py measures.
+AdamW. counters.py measures.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from titan.config import Config, Layout
-from titan.models import ModelSpec
 from titan.optim import build_lr_scheduler, build_optimizer, ensure_adamw_state
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
-from titan.tools.plan.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
-from titan.tools.plan.devices import Device
+from titan.train.estimate.counters import Cost, StepCounter, StepPeak, nbytes, total_bytes, unobserved_shape_propagation
+from titan.train.estimate.devices import Device
+from titan.train.model import ResolvedModel
 from titan.train.step import StepRules, token_loss
 
 CPU = torch.device("cpu")
@@ -64,6 +64,18 @@ class RankTrace:
     boundary_bytes: int = 0  # a stage's output for one micro-batch: what a pipeline sends between stages
 
 
+@dataclass(frozen=True)
+class TraceContext:
+    """What every trace of one estimate shares: the model, the run plan, the fake world's mesh, the rows of a
+    micro-batch and the device the figures are for."""
+
+    model: ResolvedModel
+    plan: RunPlan
+    mesh: dict
+    rows: int
+    device: Device
+
+
 @contextmanager
 def fake_world(layout: Layout):
     """This process as rank 0 of the layout's world, whose collectives move nothing: the device mesh."""
@@ -76,34 +88,31 @@ def fake_world(layout: Layout):
 
 def trace_rank(
     config: Config,
-    spec: ModelSpec,
-    args,
-    plan: RunPlan,
-    mesh: dict,
+    context: TraceContext,
     pp_rank: int,
     depth: int,
-    rows: int,
     micro_batches: int,
-    device: Device,
     deeper: int = 0,
     optimizer: bool = True,
 ) -> RankTrace:
-    """Run `micro_batches` micro-batches of `rows` sequences (1, or 2 for a steady one after the first; 0: one
+    """Run `micro_batches` micro-batches of the context's rows (1, or 2 for a steady one after the first; 0: one
     forward only, for its activations) through the stages of pipeline rank `pp_rank`, each cut to its first
-    `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on `mesh` of the fake world.
+    `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on the fake world's mesh.
     The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
     first is the largest), and every cp rank as much of each row."""
+    plan, mesh = context.plan, context.mesh
     layers, n_stages, ids = plan.stage_layers, plan.n_stages, list(plan.stages(pp_rank))
     longest = max(ids, key=lambda s: len(layers[s]))
     blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
-    stages = {s: _stage(spec, args, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
+    stages = {s: _stage(context.model, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
     for part in stages.values():
-        parallelize(part, spec, config, plan, mesh)
+        parallelize(part, context.model.spec, config, plan, mesh)
         if plan.layout.cp > 1:
             apply_context_parallel(part, plan, 0, mesh["cp"], CPU)
+    device = context.device
     counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh, plan.layout))
     with FakeTensorMode(allow_non_fake_inputs=True), unobserved_shape_propagation():
-        step = _RankStep(config, spec, args, plan, mesh, stages, counter, rows)
+        step = _RankStep(config, context, stages, counter)
         step.trace = RankTrace(ids, n_stages, blocks, **step.sizes(), groups=counter.groups)
         step.micro_batches(micro_batches)
         if micro_batches and optimizer:
@@ -112,14 +121,14 @@ def trace_rank(
         return step.trace
 
 
-def _stage(spec: ModelSpec, args, blocks: int, first: bool, last: bool) -> nn.Module:
+def _stage(model: ResolvedModel, blocks: int, first: bool, last: bool) -> nn.Module:
     """A pipeline stage of `blocks` blocks on the meta device, built as a model of that many layers: blocks are
     alike, and building only these is much quicker than cutting them from the whole model. Traceable: documents
     get one attention call with a mask, as the GPU's flex attention takes them (the CPU's call per document needs
     the data, which fake tensors do not have)."""
     with torch.device("meta"):
-        model = spec.build(dataclasses.replace(args, n_layers=blocks), traceable=True)
-    return spec.pipeline_stage(model, list(range(blocks)), first, last)
+        whole = model.spec.build(dataclasses.replace(model.args, n_layers=blocks), traceable=True)
+    return model.spec.pipeline_stage(whole, list(range(blocks)), first, last)
 
 
 def mesh_groups(mesh, layout: Layout) -> dict[str, tuple[int, ...]]:
@@ -140,10 +149,10 @@ class _RankStep:
     """The rank's stages as fake tensors, with AdamW in the state of a steady step (its moments exist), and the
     parts of a training step, run as the trainer runs them."""
 
-    def __init__(self, config: Config, spec: ModelSpec, args, plan: RunPlan, mesh, stages: dict, counter, rows: int):
-        self.config, self.spec, self.plan, self.layout, self.mesh, self.stages, self.counter = (
-            config, spec, plan, plan.layout, mesh, stages, counter,
-        )  # fmt: skip
+    def __init__(self, config: Config, context: TraceContext, stages: dict, counter: StepCounter):
+        plan, mesh = context.plan, context.mesh
+        self.config, self.spec, self.plan, self.layout = config, context.model.spec, plan, plan.layout
+        self.mesh, self.stages, self.counter = mesh, stages, counter
         for part in stages.values():
             part.to_empty(device=CPU)  # values do not matter: no init_weights
         self.params = [p for part in stages.values() for p in part.parameters()]
@@ -152,7 +161,7 @@ class _RankStep:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.rules = StepRules.of(plan, config, mesh)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
-        self.inputs = _inputs(config, spec, args, plan, rows)
+        self.inputs = _inputs(config, context)
         self.trace: RankTrace
 
     def sizes(self) -> dict[str, int]:
@@ -268,11 +277,12 @@ class _Into:
         return self.counter.phase(self.trace.optimizer)
 
 
-def _inputs(config: Config, spec: ModelSpec, args, plan: RunPlan, rows: int) -> dict[str, torch.Tensor | None]:
+def _inputs(config: Config, context: TraceContext) -> dict[str, torch.Tensor | None]:
     """A micro-batch as the trainer hands it to the first stage (tokens, row ids, document ids: one document per
     row), and the hidden states the other stages receive. Under context parallelism the tokens are this rank's
     share of each row, the document ids the whole rows'."""
-    t = config.training
+    t, plan, rows = config.training, context.plan, context.rows
+    spec, args = context.model.spec, context.model.args
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len // plan.layout.cp))
     later_stage = stage_batch(plan, config.data.document_mask, rows, t.seq_len, stage=1)
     hidden = spec.pipeline_io(args, later_stage).inputs[0]

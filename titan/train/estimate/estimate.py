@@ -1,21 +1,21 @@
 """`titan plan`: what a recipe's training step needs on each rank at its real world size, and how long it takes,
 worked out on this CPU with no GPU and no other process.
 
-Each pipeline rank's step is traced (titan/tools/plan/trace.py): one micro-batch through its stages, then the optimizer
+Each pipeline rank's step is traced (trace.py): one micro-batch through its stages, then the optimizer
 step, under fake tensors on a fake process group. The ranks of one pipeline rank hold alike shards, so one stands
 for all. Blocks are alike too, so a rank is traced with 3 blocks per stage (TRACED_DEPTH), one rank again with
 3 + every (activation checkpointing's period) in its longest stage, and every figure grows from there at that rate
-per block to the stages' real depths (titan/tools/plan/depth.py): parameters, activations, peaks, FLOPs, traffic.
+per block to the stages' real depths (depth.py): parameters, activations, peaks, FLOPs, traffic.
 Then:
 
-- the pipeline schedule's own table of actions (titan/tools/plan/pipeline.py) says how many micro-batches each rank
+- the pipeline schedule's own table of actions (pipeline.py) says how many micro-batches each rank
   holds at once, and replayed with each stage's times it gives the step time;
 - an op takes the slower of its FLOPs at the device's peak and its bytes through HBM (a roofline),
-  tensor-parallel collectives add to that, FSDP's overlap it (titan/tools/plan/devices.py);
+  tensor-parallel collectives add to that, FSDP's overlap it (devices.py);
 - so the step time is a lower bound (no kernel gaps, ideal overlap) and the MFU an upper bound.
 
-The peaks under each way of running the blocks, and the activation budget, are titan/tools/plan/activations.py's; the
-figures land in titan/tools/plan/figures.py's StepEstimate.
+The peaks under each way of running the blocks, and the activation budget, are activations.py's; the
+figures land in figures.py's StepEstimate.
 """
 
 from __future__ import annotations
@@ -26,45 +26,46 @@ import os
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
-from titan.parallel.memory_plan import GIB
+from titan.parallel.ac_choices import GIB
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import run_plan
-from titan.tools.plan.activations import (
+from titan.train.estimate.activations import (
     MODES,
     activation_budget,
     block_ways,
+    choose_checkpointing,
     compiled_saving,
     mode_ways,
     peak_with,
-    plan_checkpointing,
 )
-from titan.tools.plan.depth import trace_ranks
-from titan.tools.plan.devices import Links, planned_device
-from titan.tools.plan.figures import StepEstimate
-from titan.tools.plan.pipeline import replay, schedule_actions
-from titan.tools.plan.trace import CPU, RankTrace, fake_world, trace_rank, with_checkpointing
-from titan.train.build import resolve_model
+from titan.train.estimate.depth import trace_ranks
+from titan.train.estimate.devices import Links, planned_device
+from titan.train.estimate.figures import StepEstimate
+from titan.train.estimate.pipeline import replay, schedule_actions
+from titan.train.estimate.trace import CPU, RankTrace, TraceContext, fake_world, trace_rank, with_checkpointing
+from titan.train.model import resolve_model
 
 log = logging.getLogger("titan")
 
 
-def plan_run(config: Config, world_size: int) -> StepEstimate:
+def estimate_step(config: Config, world_size: int) -> StepEstimate:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
     planner chooses from the traced bytes and roofline seconds of one block run each way."""
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
-    spec, args = resolve_model(config)
-    check_layout(config, spec, args, Layout.from_config(config.parallel, world_size), CPU)
-    run = run_plan(config, world_size, model_blocks(spec, args))
+    model = resolve_model(config)
+    check_layout(config, model.spec, model.args, Layout.from_config(config.parallel, world_size), CPU)
+    run = run_plan(config, world_size, model_blocks(model.spec, model.args))
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     rows, microbatches = run.largest_micro_batch
     estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches, run.schedule_runs)
     with fake_world(layout) as mesh:
+        context = TraceContext(model, run, mesh, rows, estimate.device)
 
         def trace(pp_rank: int, depth: int, traced: Config = config, forward_only=False, **options) -> RankTrace:
             runs = 0 if forward_only else min(microbatches, 2)  # the second one is the steady state
-            return trace_rank(traced, spec, args, run, mesh, pp_rank, depth, rows, runs, estimate.device, **options)
+            return trace_rank(traced, context, pp_rank, depth, runs, **options)
 
         order = estimate.order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
         trace_ranks(estimate, trace, layers, order)
@@ -74,7 +75,7 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 estimate.block_activations[mode] = one_block[mode].block_held[0]
     if compiled:
-        estimate.compiled_saving = compiled_saving(config, spec, args, layout, rows)
+        estimate.compiled_saving = compiled_saving(config, model, layout, rows)
         for rank in estimate.ranks:
             ways = mode_ways(estimate, rank, config.activation_checkpoint.mode)
             rank.peak, rank.activations, rank.in_flight = peak_with(estimate, rank, order, ways)
@@ -83,8 +84,8 @@ def plan_run(config: Config, world_size: int) -> StepEstimate:
     if auto:
         estimate.block_options, block_costs = block_ways(estimate, one_block)
         for rank in estimate.ranks:
-            plan_checkpointing(estimate, rank, order, block_costs)
-    _step_time(estimate, spec.flops_per_token(args, config.training.seq_len), order)
+            choose_checkpointing(estimate, rank, order, block_costs)
+    _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)
     return estimate
 
 
@@ -92,7 +93,7 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
     """The recipe for a run on devices of `device_bytes` each, its activation_checkpoint.budget_gib = 0 replaced
     by what such a device leaves (activation_budget, less plan.headroom_fraction): `titan train` calls this, so
     that the trainer plans its blocks within the budget that `titan plan` shows for that device."""
-    estimate = plan_run(config, world_size)
+    estimate = estimate_step(config, world_size)
     usable = device_bytes * (1 - config.plan.headroom_fraction)
     pp_rank = estimate.run.rank(int(os.environ.get("RANK", "0"))).pp_rank
     budget = activation_budget(estimate, estimate.ranks[pp_rank], usable)
@@ -111,9 +112,9 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
 
 
 def _as_traced(config: Config) -> Config:
-    """The recipe as the planner runs it: eagerly (plan_run then takes off what compiled blocks keep less), on
+    """The recipe as the planner runs it: eagerly (estimate_step then takes off what compiled blocks keep less), on
     causal rows, with the CPU's flash attention kept by selective checkpointing wherever the GPU's would be, and
-    auto checkpointing as full (plan_run then plans the blocks): a recomputing step's trace holds what
+    auto checkpointing as full (estimate_step then plans the blocks): a recomputing step's trace holds what
     recomputation adds in backward, and the peaks derived from it for the other ways come out a little high
     rather than low (a trace keeping everything gave a 405B pipeline rank's all-full peak 13% low)."""
     ac = config.activation_checkpoint

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.config import Config, Layout
-from titan.parallel.memory_plan import GIB, BlockChoices, Option
+from titan.parallel.ac_choices import GIB, BlockChoices, Option
 from titan.run_plan import RunPlan
-from titan.tools.plan.devices import Device
-from titan.tools.plan.trace import RankTrace
+from titan.train.estimate.devices import Device
+from titan.train.estimate.trace import RankTrace
 
 
 @dataclass

@@ -5,13 +5,13 @@ activation_checkpoint.mode = "auto", the blocks' ways planned within it."""
 from __future__ import annotations
 
 from titan.config import Config, Layout
-from titan.models import ModelSpec
-from titan.parallel.memory_plan import GIB, Option, fastest_choices
-from titan.tools.plan.devices import Links
-from titan.tools.plan.figures import RankEstimate, StepEstimate
-from titan.tools.plan.graph import saved_by_block
-from titan.tools.plan.pipeline import schedule_peak
-from titan.tools.plan.trace import Cost, RankTrace
+from titan.parallel.ac_choices import GIB, Option, fastest_choices
+from titan.train.estimate.devices import Links
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+from titan.train.estimate.graph import saved_by_block
+from titan.train.estimate.pipeline import schedule_peak
+from titan.train.estimate.trace import Cost, RankTrace
+from titan.train.model import ResolvedModel
 
 MODES = ("none", "full", "selective")
 
@@ -21,13 +21,13 @@ MODES = ("none", "full", "selective")
 TRACED_AS = {"keep": "none", "selective": "selective", "full": "full", "offload": "none"}
 
 
-def compiled_saving(config: Config, spec: ModelSpec, args, layout: Layout, rows: int) -> int:
+def compiled_saving(config: Config, model: ResolvedModel, layout: Layout, rows: int) -> int:
     """What compiling a block that keeps everything saves of its activations on a rank: the partitioner keeps less
-    than eager autograd (titan/tools/plan/graph.py's saved_by_block, one whole block on one device); tensor parallelism
+    than eager autograd (graph.py's saved_by_block, one whole block on one device); tensor parallelism
     splits those activations over its ranks (by heads, or by sequence under sequence parallel). Recomputing
     blocks keep their input either way."""
     bf16, seq = config.training.mixed_precision == "bf16", config.training.seq_len
-    eager, compiled = (saved_by_block(spec, args, rows, seq, bf16, compiled=c) for c in (False, True))
+    eager, compiled = (saved_by_block(model, rows, seq, bf16, compiled=c) for c in (False, True))
     return max(0, eager - compiled) // layout.tp
 
 
@@ -57,7 +57,7 @@ def block_ways(estimate: StepEstimate, one_block: dict[str, RankTrace]) -> tuple
     return [*options, Option("offload", 0, 2 * keep_bytes / (estimate.device.host_gbs * 1e9))], block_costs
 
 
-def plan_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_costs: dict[str, Cost]) -> None:
+def choose_checkpointing(estimate: StepEstimate, rank: RankEstimate, order, block_costs: dict[str, Cost]) -> None:
     """The rank's blocks planned within the budget, as the trainer plans them; its peak, FLOPs, traffic and time
     follow (`block_costs`: one block's forward and backward under each way)."""
     n_blocks = sum(map(len, rank.layers))

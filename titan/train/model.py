@@ -1,0 +1,46 @@
+"""The model a recipe names, resolved and checked: its family's spec and its args, which travel together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan import models
+from titan.config import Config
+from titan.errors import ConfigError
+from titan.models import Args, ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """The model of a recipe: the registry's spec of its family and its args (flavor and overrides applied)."""
+
+    spec: ModelSpec
+    args: Args
+
+
+def resolve_model(config: Config) -> ResolvedModel:
+    """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
+    cannot be built is a recipe error, found before any work."""
+    try:
+        spec = models.get_model_spec(config.model.name)
+        args = models.model_args(spec, config.model.flavor, config.model.overrides)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e.args[0])) from None  # a KeyError's str() would quote its message
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model {config.model.flavor} with model.overrides {config.model.overrides}: {e}") from None
+    seq_len = config.training.seq_len
+    if seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len {seq_len} exceeds the {config.model.flavor} model's max_seq_len {args.max_seq_len}; "
+            "lower training.seq_len, or raise model.overrides.max_seq_len if the model is meant for longer sequences"
+        )
+    longest = max(seq_len, config.data.max_document_len if config.data.batching == "tokens" else 0)
+    if longest > args.max_seq_len:
+        raise ConfigError(
+            f"data.max_document_len {longest} exceeds the {config.model.flavor} model's max_seq_len "
+            f"{args.max_seq_len}; lower it (0 = training.seq_len)"
+        )
+    # The RoPE table only needs to cover the longest sequence trained on.
+    return ResolvedModel(spec, dataclasses.replace(args, max_seq_len=longest))

@@ -1,0 +1,70 @@
+"""The pre-flight: everything the recipe asks of the model, the layout and the device, checked before any process
+group is joined, and the recipe as the run runs it (activation_checkpoint.budget_gib = 0 resolved). The trainer
+runs it, and `titan config show`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from titan.config import Config, Layout
+from titan.data import Tokenizer
+from titan.errors import ConfigError
+from titan.models import Args
+from titan.parallel.parallelize import check_layout, model_blocks
+from titan.run_plan import Blocks, RunPlan, run_plan
+from titan.train.build import device_memory
+from titan.train.model import ResolvedModel, resolve_model
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRun:
+    """What the recipe asks of the model and the device, checked: the recipe as it runs, the model, the layout for
+    it, and the run plan with its blocks."""
+
+    config: Config
+    model: ResolvedModel
+    layout: Layout
+    blocks: Blocks
+    plan: RunPlan
+
+
+def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
+    """Everything the recipe asks, checked before any process group is joined. device None: not on this machine,
+    so what the layout asks of it, and the budget it leaves, wait for the run."""
+    model = resolve_model(config)
+    if config.data.batching == "tokens" and model.args.has_dropout:
+        raise ConfigError(
+            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
+            "position, and packing places a document differently on every layout; set the model's "
+            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
+        )
+    layout = Layout.from_config(config.parallel, world_size)
+    check_layout(config, model.spec, model.args, layout, device)
+    blocks = model_blocks(model.spec, model.args)
+    plan = run_plan(config, layout.world_size, blocks)
+    if device is not None:
+        config = with_device_budget(config, layout.world_size, device)
+    return CheckedRun(config, model, layout, blocks, plan)
+
+
+def with_device_budget(config: Config, world_size: int, device: torch.device) -> Config:
+    """activation_checkpoint.mode = "auto" with budget_gib = 0: the budget this rank's device leaves, as `titan plan`
+    works it out."""
+    ac = config.activation_checkpoint
+    if ac.mode != "auto" or ac.budget_gib:
+        return config
+    from titan.train.estimate.estimate import with_activation_budget  # tracing's imports take a while
+
+    return with_activation_budget(config, world_size, device_memory(device))
+
+
+def check_tokenizer(config: Config, args: Args) -> None:
+    """The tokenizer's ids fit the model's embedding."""
+    tokenizer = Tokenizer(config.tokenizer)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {args.vocab_size}; "
+            "use a matching tokenizer.path or set model.overrides.vocab_size"
+        )
