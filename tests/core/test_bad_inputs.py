@@ -805,6 +805,8 @@ CASES = [
      None, {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
     ("cp with the balance loss", "show", ["--model.name", "moe", "--parallel.cp", "2"], None, {"WORLD_SIZE": "2"},
      ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
+    ("planned expert load below the mean", "show", ["--plan.moe_load_imbalance", "0.5"], None, {},
+     ["plan.moe_load_imbalance must be >= 1", "got 0.5"]),
 ]  # fmt: skip
 
 

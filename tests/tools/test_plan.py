@@ -7,6 +7,7 @@ import time
 import typing
 
 import pytest
+from test_plan_ep import all_to_all_by_hand
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
@@ -89,12 +90,13 @@ def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
         assert planned.peak == pytest.approx(peak, rel=0.15)
 
 
-# Published sizes (Meta's model cards): 8.03B, 70.55B, 405.85B parameters.
+# Published sizes (Meta's model cards): 8.03B, 70.55B, 405.85B parameters; Qwen3-30B-A3B: 30.53B (hand_params).
 PRODUCTION = {
     "llama3_8b": (8, 8.03e9),
     "llama3_8b_128k": (64, 8.03e9),
     "llama3_70b": (64, 70.55e9),
     "llama3_405b": (512, 405.85e9),
+    "qwen3_30b_a3b": (16, 30.53e9),
 }
 
 
@@ -107,8 +109,23 @@ def block_params(dim: int, heads: int, kv_heads: int, ffn: int, tp: int, fsdp: i
     return matrices // (tp * fsdp) + 2 * dim // fsdp
 
 
+def qwen3_30b_a3b_params(ep: int, fsdp: int) -> int:
+    """A rank's parameters of Qwen3-30B-A3B (vocabulary 151,936, 48 layers: attention 32 query and 4 key-value heads
+    of 128 with their q/k norms, a router and 128 SwiGLU experts of 768): its experts' share, 1/ep of them sharded
+    over the fsdp / ep ranks holding the same, is 1/fsdp of them, as is its share of the rest. The whole model:
+    30,532,122,624."""
+    dim, vocab, layers, experts = 2048, 151936, 48, 128
+    attention = dim * 32 * 128 * 2 + dim * 4 * 128 * 2 + 2 * 128 + 2 * dim  # q, o, k, v, q/k norms, the two norms
+    layer = attention + dim * experts + experts * 3 * 768 * dim  # the router, the experts
+    whole = layers * layer + 2 * vocab * dim + dim  # embedding, head, final norm
+    assert whole == 30_532_122_624
+    return whole // fsdp
+
+
 def hand_params(recipe: str) -> list[int]:
     """Each pipeline rank's parameters, from the flavors' sizes (Llama 3.1: vocabulary 128,256)."""
+    if recipe == "qwen3_30b_a3b":
+        return [qwen3_30b_a3b_params(ep=8, fsdp=16)]
     vocab = 128256
     if recipe.startswith("llama3_8b"):  # 32 blocks, FSDP over 8 (128k: dp_shard 8 x cp 8, 64)
         dim, tp, fsdp = 4096, 1, 64 if recipe == "llama3_8b_128k" else 8
@@ -158,6 +175,11 @@ def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
             assert planned[kind] == pytest.approx(value, rel=1e-3), (r["pp_rank"], kind, planned, expected)
         # Measured: equal to the byte (296 GiB a step on a 128k rank).
         assert r["traffic_bytes"].get("cp send/recv", 0) == ring_traffic(config, world, r["layers"], recomputing)
+        # Expert parallelism's all-to-all (0 without it): equal to the byte.
+        choices = r["checkpointing"]["choices"] if r["checkpointing"] else []
+        recomputed = sum(way in ("selective", "full") for way in choices)
+        assert r["traffic_bytes"].get("ep all-to-all", 0) == all_to_all_by_hand(config, world, recomputed)
+        assert r["all_to_all_formula_bytes"] == r["traffic_bytes"].get("ep all-to-all", 0)
 
 
 def ring_traffic(config, world: int, layers: list[list[int]], recomputing: int) -> int:

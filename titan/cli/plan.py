@@ -1,4 +1,4 @@
-"""`titan plan`, and its --cp and --graph modes."""
+"""`titan plan`, and its --cp, --ep and --graph modes."""
 
 from __future__ import annotations
 
@@ -27,12 +27,17 @@ def plan(
         "--cp",
         help="Instead: compare these cp degrees, e.g. 1,2,4,8 (dp_shard takes what each leaves).",
     ),
+    ep: str = typer.Option(
+        None,
+        "--ep",
+        help="Instead: compare these ep degrees of a mixture of experts, e.g. 1,2,4,8 (taken from dp_shard x cp).",
+    ),
 ) -> None:
     """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
 
     On this CPU: one step of each pipeline rank, built and parallelised as for training, is traced under fake
     tensors on a fake process group of the run's world size. Prints a table per pipeline rank; exit status 1 when
-    a rank's peak (with --cp: every degree) does not fit.
+    a rank's peak (with --cp or --ep: every degree) does not fit.
     """
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:
@@ -41,9 +46,12 @@ def plan(
         if p.dp_shard == -1:  # it takes what the world size leaves: plan the smallest world
             typer.echo(f"planned on {world_size} device{'s' * (world_size > 1)} (parallel.dp_shard = -1 and no "
                        "--world-size; give --world-size to plan a bigger world)")  # fmt: skip
-    degrees = _cp_degrees(cp) if cp is not None else []
+    if cp is not None and ep is not None:
+        raise UserError("give --cp or --ep, not both: each compares the degrees of one dimension")
+    dimension, text = ("cp", cp) if cp is not None else ("ep", ep)
+    degrees = _degrees(dimension, text) if text is not None else []
     if degrees and graph:
-        raise UserError("give --cp or --graph, not both: --cp plans whole steps, --graph one block")
+        raise UserError(f"give --{dimension} or --graph, not both: --{dimension} plans whole steps, --graph one block")
     cfg = load_config(config, overrides, world_size=world_size)
     if graph and cfg.parallel.cp > 1:
         share = cfg.training.seq_len // cfg.parallel.cp
@@ -53,30 +61,10 @@ def plan(
         )
     from titan.train.estimate.estimate import estimate_step  # imported late: torch takes a while to import
     from titan.train.estimate.graph import analyse_recipe
-    from titan.train.estimate.report import (
-        estimate_json,
-        format_cp_comparison,
-        format_estimate,
-        format_graph,
-        shortfall,
-    )
+    from titan.train.estimate.report import estimate_json, format_estimate, format_graph, shortfall
 
     if degrees:
-        plans = {}
-        for degree in degrees:
-            try:
-                layout = ["--parallel.cp", str(degree), "--parallel.dp_shard", "-1"]
-                plans[degree] = estimate_step(
-                    load_config(config, [*overrides, *layout], world_size=world_size), world_size
-                )
-            except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
-                plans[degree] = str(e)
-        typer.echo(format_cp_comparison(plans, world_size))
-        if json_path is not None:
-            by_degree = {d: {"error": p} if isinstance(p, str) else estimate_json(p) for d, p in plans.items()}
-            json_path.write_text(json.dumps({"cp": by_degree}, indent=2) + "\n")
-        if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
-            raise typer.Exit(code=1)
+        _compare(config, overrides, world_size, dimension, degrees, json_path)
         return
     if graph:
         analysis, what = analyse_recipe(cfg, world_size)
@@ -94,12 +82,39 @@ def plan(
         raise typer.Exit(code=1)
 
 
-def _cp_degrees(text: str) -> list[int]:
-    """`titan plan --cp 1,2,4,8`: the degrees to compare."""
+def _compare(
+    config: Path, overrides: list[str], world_size: int, dimension: str, degrees: list[int], json_path: Path | None
+) -> None:
+    """`titan plan --cp` or `--ep`: the recipe planned at each degree of `dimension` on the same devices; exit status 1
+    when none fits."""
+    from titan.train.estimate.estimate import estimate_step
+    from titan.train.estimate.report import estimate_json, format_comparison, shortfall
+
+    plans = {}
+    for degree in degrees:
+        # cp takes its ranks from dp_shard, which takes what each degree leaves; ep shares dp_shard x cp.
+        layout = [f"--parallel.{dimension}", str(degree), *(["--parallel.dp_shard", "-1"] * (dimension == "cp"))]
+        try:
+            plans[degree] = estimate_step(load_config(config, [*overrides, *layout], world_size=world_size), world_size)
+        except ConfigError as e:  # a degree the recipe cannot be cut into: its line says why
+            plans[degree] = str(e)
+    typer.echo(format_comparison(dimension, plans, world_size))
+    if json_path is not None:
+        by_degree = {d: {"error": p} if isinstance(p, str) else estimate_json(p) for d, p in plans.items()}
+        json_path.write_text(json.dumps({dimension: by_degree}, indent=2) + "\n")
+    if not any(not isinstance(p, str) and shortfall(p) is None for p in plans.values()):
+        raise typer.Exit(code=1)
+
+
+def _degrees(dimension: str, text: str) -> list[int]:
+    """`titan plan --cp 1,2,4,8` (or --ep): the degrees to compare."""
     try:
         degrees = [int(item) for item in text.split(",")]
     except ValueError:
         degrees = []
     if not degrees or min(degrees) < 1:
-        raise UserError(f"--cp {text}: give context-parallel degrees separated by commas, e.g. --cp 1,2,4,8")
+        kind = {"cp": "context", "ep": "expert"}[dimension]
+        raise UserError(
+            f"--{dimension} {text}: give {kind}-parallel degrees separated by commas, e.g. --{dimension} 1,2,4,8"
+        )
     return sorted(set(degrees))

@@ -210,6 +210,11 @@ def _validate_performance(config: Config) -> None:
     )
     for name in ("peak_flops", "memory_gib", "hbm_gbs", "intra_node_gbs", "inter_node_gbs", "gpus_per_node"):
         require(getattr(target, name) >= 0, f"plan.{name} must be >= 0 (0: the device's), got {getattr(target, name)}")
+    require(
+        1 <= target.moe_load_imbalance < float("inf"),
+        f"plan.moe_load_imbalance must be >= 1 (the most loaded expert-parallel rank's routed tokens over the mean; "
+        f"1: balanced), got {target.moe_load_imbalance}",
+    )
     a = config.activation_checkpoint
     require(a.every >= 1, f"activation_checkpoint.every must be >= 1, got {a.every}")
     require(

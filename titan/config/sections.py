@@ -306,6 +306,9 @@ class PlanTarget:
     inter_node_gbs: float = 0.0  # one device's bandwidth to other nodes, GB/s each way; 0: the device's
     gpus_per_node: int = 0  # devices per node; 0: the device's (8)
     host_gbs: float = 0.0  # one device's link to host memory (PCIe), GB/s each way; 0: the device's
+    # Expert parallelism: the routed tokens the most loaded ep rank's experts receive, over the mean (1: balanced);
+    # the plan traces that rank, its activations, expert matmuls and all-to-all.
+    moe_load_imbalance: float = 1.25
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ class ExpertParallel:
 
     def __init__(self, mesh: DeviceMesh):
         self.group, self.size = mesh.get_group(), mesh.size()
+        # titan plan's fake tensors hold no counts: there every rank sends its pairs evenly over the ep ranks, and
+        # this rank, the most loaded, receives `planned_load` times the mean from each (plan.moe_load_imbalance).
+        self.planned_load = 1.0
 
     # The token counts are read on the host: a compiled block calls the dispatch eagerly (a graph break).
     @torch.compiler.disable
@@ -50,25 +53,29 @@ class ExpertParallel:
         """compute(x, counts, *weights) of x (tokens, dim) sorted by expert, counts[e] of them for expert e of
         all (n_experts,), with each token's experts' shards of `weights` on their rank; the results in x's order."""
         local_experts = counts.numel() // self.size
-        if is_fake(counts):
-            # titan plan's trace, where the split is not known: as many tokens to every rank, the same sizes.
-            even = [x.shape[0] // self.size] * self.size
-            even[-1] += x.shape[0] % self.size
-            out = compute(self.all_to_all(x, even, even), counts[:local_experts], *(w.to_local() for w in weights))
-            return self.all_to_all(out, even, even)
         # received[r, e]: rank r's tokens for this rank's expert e.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(self.size, local_experts)
-        sent, got = counts.view(self.size, local_experts).sum(1).tolist(), received.sum(1).tolist()
+        if is_fake(x):
+            sent, got = self.planned_split(x.shape[0])
+        else:
+            sent, got = counts.view(self.size, local_experts).sum(1).tolist(), received.sum(1).tolist()
         tokens = self.all_to_all(x, got, sent)
         # From rank-major to expert-major: each local expert's tokens in a row, rank 0's first, as on one process
         # (data-parallel ranks read consecutive rows).
-        segment = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
+        segments = torch.arange(received.numel(), device=x.device)
+        segment = torch.repeat_interleave(segments, received.flatten(), output_size=tokens.shape[0])
         order = ((segment % local_experts) * self.size + segment // local_experts).argsort(stable=True)
         out = compute(tokens[order], received.sum(0), *(w.to_local() for w in weights))
         out = torch.empty_like(out).index_copy(0, order, out)
         return self.all_to_all(out, sent, got)
+
+    def planned_split(self, pairs: int) -> tuple[list[int], list[int]]:
+        """(rows sent to each rank, rows received from each) of `pairs` (token, expert) pairs, as titan plan
+        assumes them."""
+        sent = [pairs // self.size + (r < pairs % self.size) for r in range(self.size)]
+        return sent, [round(self.planned_load * pairs / self.size)] * self.size
 
     def all_to_all(self, x: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
         """send[r] rows of x to rank r, in rank order, and receive[r] from it: autograd sends the gradients back."""

@@ -5,6 +5,7 @@
   FlopCounterMode counts a DTensor op once at its global shape (tp times this rank's work), and has no formula
   for the CPU's flash attention, which stands in for the GPU's;
 - collectives are sized by torch.distributed._tools.fake_collectives: CommDebugMode counts them, not their bytes;
+  an all-to-all by its split sizes (all_to_all_bytes), which fake_collectives does not read;
 - op times are a roofline from the plan's device figures: torch.distributed._tools.runtime_estimator's roofline
   reads them from a CUDA device, which this CPU has not.
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -27,11 +29,30 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 aten = torch.ops.aten
 c10d = torch.ops.c10d
 RECEIVES = {c10d.recv_.default, c10d.recv_any_source_.default}
+# Expert parallelism's exchanges: the tokens' (functional, differentiable) and their counts' (c10d).
+ALL_TO_ALL = {
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
+    c10d.alltoall_base_.default,
+}
 NO_TRAFFIC = {aten._unsafe_view}  # a view, though its schema does not say so
 ALLOCATIONS = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}  # write nothing
-# FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as).
+
+
+def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """torch._grouped_mm's FLOPs (a MoE's routed experts): each output element sums a row of `a` times a column of
+    `b` of one group. With both 2-D (a weight gradient, out (groups, k, n)), the groups split the contraction, a's
+    columns; otherwise every row contracts a's last dimension."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out_shape) * a[-1]
+
+
+# FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as) and
+# the grouped matmul.
 FLOPS = {
     **flop_registry,
+    aten._grouped_mm: shape_wrapper(grouped_mm_flops),
     aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(
         lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v)
     ),
@@ -92,10 +113,15 @@ class StepCounter(TorchDispatchMode):
         if func in collective_ops:
             # Point to point, a rank receives what its neighbour sends: its sends count the traffic, as "send/recv".
             if func not in sync_ops and func not in RECEIVES:
-                group = CollectiveOp.get_process_group(func, args)
-                role = self.roles.get(tuple(sorted(dist.get_process_group_ranks(group))), "world")
+                ranks = tuple(sorted(dist.get_process_group_ranks(CollectiveOp.get_process_group(func, args))))
                 kind = _collective_kind(func.__name__)
-                self.cost.traffic[(kind, role)] += CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+                if func in ALL_TO_ALL:  # expert parallelism's, whose group may be FSDP's too
+                    role = "ep" if ranks == self.groups.get("ep") else self.roles.get(ranks, "world")
+                    moved = all_to_all_bytes(func, args, ranks.index(dist.get_rank()))
+                else:
+                    role = self.roles.get(ranks, "world")
+                    moved = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+                self.cost.traffic[(kind, role)] += moved
             return out
         flops = FLOPS[func._overloadpacket](*args, **kwargs, out_val=out) if func._overloadpacket in FLOPS else 0
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -160,9 +186,27 @@ def nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def all_to_all_bytes(func, args, position: int) -> int:
+    """What an all-to-all moves over the link of the rank at `position` in its group, in the busier direction (links
+    are full duplex): the rows it sends to the other ranks, or those it receives from them, whichever are more.
+    Without split sizes, each rank gets an even share."""
+    if func is c10d.alltoall_base_.default:
+        output, x, _, receive, send = args[:5]
+    else:  # the functional all_to_all_single: its output's rows are the received splits
+        x, receive, send = args[:3]
+        output = x
+    n = len(dist.get_process_group_ranks(CollectiveOp.get_process_group(func, args)))
+    send = list(send) or [x.shape[0] // n] * n
+    receive = list(receive) or [output.shape[0] // n] * n
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    return max(sum(send) - send[position], sum(receive) - receive[position]) * row
+
+
 def _collective_kind(name: str) -> str:
     if name.startswith("send"):
         return "send/recv"
+    if "all_to_all" in name or "alltoall" in name:
+        return "all-to-all"
     for pattern, kind in (("gather", "all-gather"), ("scatter", "reduce-scatter"), ("reduce", "all-reduce")):
         if pattern in name:
             return kind

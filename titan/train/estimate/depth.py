@@ -63,7 +63,7 @@ def _grow(start: RankTrace, shallow: RankTrace, deep: RankTrace, counts: list[in
     if gained == 0:  # no stage is deeper than `shallow`: all were traced whole
         return grown
     more = sum(counts) - sum(start.blocks)
-    sizes = ("params", "total_params", "param_bytes", "grad_bytes", "optimizer_bytes")
+    sizes = ("params", "total_params", "expert_params", "param_bytes", "grad_bytes", "optimizer_bytes")
     for name in (*sizes, "first_peak", "peak", "optimizer_peak"):
         setattr(grown, name, getattr(grown, name) + more * (getattr(deep, name) - getattr(shallow, name)) // gained)
     for name in ("once", "optimizer"):

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from titan.config import PlanTarget
 from titan.train.estimate.counters import Cost
 
-# Collectives that FSDP overlaps with compute (prefetched all-gathers, reduce-scatters behind the backward).
-OVERLAPPED = {"fsdp", "dp_shard", "dp_replicate"}
+# Collectives that FSDP overlaps with compute (prefetched all-gathers, reduce-scatters behind the backward); efsdp:
+# the routed experts' FSDP under expert parallelism.
+OVERLAPPED = {"fsdp", "dp_shard", "dp_replicate", "efsdp"}
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ class Links:
 
     def collective(self, kind: str, nbytes: float, ranks: tuple[int, ...]) -> float:
         """A ring collective over `ranks` of a tensor of `nbytes` (whole: gathered, or before reducing): each rank
-        sends (n - 1) / n of it, twice for an all-reduce (a reduce-scatter, then an all-gather)."""
-        if kind == "send/recv":  # point to point: all of it to one neighbour
+        sends (n - 1) / n of it, twice for an all-reduce (a reduce-scatter, then an all-gather). Point to point and
+        all-to-all bytes are what crosses the rank's link already (all to one neighbour; all_to_all_bytes)."""
+        if kind in ("send/recv", "all-to-all"):
             return self.transfer(nbytes, ranks)
         n = len(ranks)
         return self.transfer(nbytes * (2 if kind == "all-reduce" else 1) * (n - 1) / n, ranks)

@@ -40,6 +40,7 @@ from titan.train.estimate.activations import (
 )
 from titan.train.estimate.depth import trace_ranks
 from titan.train.estimate.devices import Links, planned_device
+from titan.train.estimate.experts import all_to_all_formula
 from titan.train.estimate.figures import StepEstimate
 from titan.train.estimate.pipeline import replay, schedule_actions
 from titan.train.estimate.trace import CPU, RankTrace, TraceContext, fake_world, trace_rank, with_checkpointing
@@ -74,6 +75,8 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
             if auto or mode != config.activation_checkpoint.mode:
                 one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
                 estimate.block_activations[mode] = one_block[mode].block_held[0]
+        # The routed tokens' activations from a trace whose blocks keep them (the recipe's, when it keeps all).
+        estimate.routed_activations = max(one_block.get("none", estimate.ranks[0].trace).routed_held, default=0)
     if compiled:
         estimate.compiled_saving = compiled_saving(config, model, layout, rows)
         for rank in estimate.ranks:
@@ -86,6 +89,9 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
         for rank in estimate.ranks:
             choose_checkpointing(estimate, rank, order, block_costs)
     _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)
+    if layout.ep > 1:
+        for rank in estimate.ranks:
+            rank.all_to_all_formula = all_to_all_formula(estimate, rank, model.args)
     return estimate
 
 

@@ -29,6 +29,7 @@ class RankEstimate:
     checkpointing: BlockChoices | None = None  # activation_checkpoint.mode = "auto": each of its blocks' way, in order
     # ... within this many bytes per micro-batch (activation_checkpoint.budget_gib, or with 0 what the device leaves)
     budget: int = 0
+    all_to_all_formula: int = 0  # expert parallelism's all-to-all bytes per step by the formula (experts.py)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class StepEstimate:
     block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
     # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
     compiled_saving: int = 0
+    # A mixture of experts: what one MoE layer's routed experts keep for backward per micro-batch, without
+    # checkpointing (under expert parallelism, on the most loaded rank)
+    routed_activations: int = 0
     ranks: list[RankEstimate] = field(default_factory=list)
     order: list | None = None  # under a pipeline, each pipeline rank's schedule actions
     step_seconds: float = 0.0

@@ -4,6 +4,7 @@ not fit."""
 from __future__ import annotations
 
 from titan.parallel.ac_choices import GIB
+from titan.train.estimate.experts import all_to_all_seconds
 from titan.train.estimate.figures import RankEstimate, StepEstimate
 from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
 
@@ -75,13 +76,11 @@ def _share(estimate: StepEstimate) -> str:
     return f" ({estimate.config.training.seq_len // cp:,} tokens of each, its 2 of 2·cp chunks)" if cp > 1 else ""
 
 
-def format_cp_comparison(plans: dict[int, StepEstimate | str], world_size: int) -> str:
-    """`titan plan --cp`: a line per context-parallel degree (its plan, or why the recipe cannot take it), and the
-    fastest that fits."""
-    lines = [
-        f"{'cp':>4}{'dp_shard':>10}  {'micro-batches per rank':<24}{'peak per rank':>15}  {'fits':<16}{'step':>9}"
-        f"{'tokens/s':>12}{'MFU':>7}"
-    ]
+def format_comparison(dimension: str, plans: dict[int, StepEstimate | str], world_size: int) -> str:
+    """`titan plan --cp` or `--ep`: a line per degree of `dimension` (its plan, or why the recipe cannot take it),
+    and the fastest that fits."""
+    heading, columns = COMPARED[dimension]
+    lines = [f"{dimension:>4}{heading}{'peak per rank':>15}  {'fits':<16}{'step':>9}{'tokens/s':>12}{'MFU':>7}"]
     fitting = {}
     for degree, plan in plans.items():
         if isinstance(plan, str):
@@ -91,10 +90,9 @@ def format_cp_comparison(plans: dict[int, StepEstimate | str], world_size: int) 
         fits = shortfall(plan) is None
         if fits:
             fitting[degree] = plan.step_seconds
-        seq, tokens = plan.config.training.seq_len, plan.run.tokens_per_step
-        micro_batches = f"{plan.microbatches * plan.runs} of {plan.rows} x {seq // degree:,} tokens"
+        tokens = plan.run.tokens_per_step
         lines.append(
-            f"{degree:>4}{plan.layout.dp_shard:>10}  {micro_batches:<24}{_size(peak):>15}  "
+            f"{degree:>4}{columns(plan)}{_size(peak):>15}  "
             f"{'fits' if fits else _size(peak - plan.usable_bytes) + ' short':<16}"
             f"{plan.step_seconds:>8.3g}s{tokens / plan.step_seconds:>12,.0f}{plan.mfu:>7.1%}"
         )
@@ -102,10 +100,32 @@ def format_cp_comparison(plans: dict[int, StepEstimate | str], world_size: int) 
     where = f"{world_size} x {planned[0].device.name}" if planned else f"{world_size} devices"
     if fitting:
         best = min(fitting, key=fitting.get)
-        lines.append(f"fastest that fits on {where}: cp {best} ({fitting[best]:.3g} s a step)")
+        lines.append(f"fastest that fits on {where}: {dimension} {best} ({fitting[best]:.3g} s a step)")
     else:
         lines.append(f"no degree fits on {where}")
     return "\n".join(lines)
+
+
+def _cp_columns(plan: StepEstimate) -> str:
+    """What a context-parallel degree changes: the data-parallel ranks left, each rank's share of its rows."""
+    share = plan.config.training.seq_len // plan.layout.cp
+    micro_batches = f"{plan.microbatches * plan.runs} of {plan.rows} x {share:,} tokens"
+    return f"{plan.layout.dp_shard:>10}  {micro_batches:<24}"
+
+
+def _ep_columns(plan: StepEstimate) -> str:
+    """What an expert-parallel degree changes: the ranks sharing one rank's experts by FSDP (whose all-gathers
+    shrink as ep grows), and the all-to-all bytes of the most loaded rank."""
+    layout, rank = plan.layout, max(plan.ranks, key=lambda r: r.traffic.get(("all-to-all", "ep"), 0))
+    efsdp = layout.dp_shard * layout.cp // layout.ep
+    return f"{efsdp:>7}  {_size(rank.traffic.get(('all-to-all', 'ep'), 0)):>20}"
+
+
+# Per compared dimension: its columns' heading, and each degree's.
+COMPARED = {
+    "cp": (f"{'dp_shard':>10}  {'micro-batches per rank':<24}", _cp_columns),
+    "ep": (f"{'efsdp':>7}  {'all-to-all per step':>20}", _ep_columns),
+}
 
 
 def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
@@ -118,15 +138,51 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
             f"{_params(t.params)} in this rank's shards: {_size(t.param_bytes)}, gradients {_size(t.grad_bytes)}, "
             f"AdamW moments {_size(t.optimizer_bytes)}",
         ),
+        *([("routed experts", _expert_sharding(estimate, t.expert_params))] if t.expert_params else []),
         ("activations at the peak", f"{_size(rank.activations)}, {_micro_batches(rank.in_flight)} in flight"),
+        *([("routed tokens", _routed(estimate))] if estimate.routed_activations else []),
         ("largest temporary", f"{_size(t.largest[0])} ({t.largest[1]})"),
         ("peak", f"{_size(rank.peak)}: {fits}"),
         *([("checkpointing (auto)", _checkpointing(estimate, rank))] if rank.checkpointing else []),
         ("peak by checkpointing", _by_mode(estimate, rank.peak_by_mode)),
         ("FLOPs per step", f"{rank.flops:.3g}, recomputation included"),
         ("traffic per step", _traffic(rank.traffic)),
+        *([("all-to-all (ep)", _all_to_all(estimate, rank))] if estimate.layout.ep > 1 else []),
         ("busy per step", f"{rank.seconds:.3g} s"),
     ]
+
+
+def _expert_sharding(estimate: StepEstimate, params: int) -> str:
+    """How a mixture of experts' routed experts are sharded, against the other parameters."""
+    layout = estimate.layout
+    fsdp = layout.dp_shard * layout.cp
+    if layout.ep == 1:
+        return f"{_params(params)} of those, sharded over fsdp {fsdp} as the rest"
+    efsdp = fsdp // layout.ep
+    return (
+        f"{_params(params)} of those: 1/{layout.ep} of the experts (ep {layout.ep}), FSDP-sharded over the {efsdp} "
+        f"rank{'s' * (efsdp > 1)} holding the same (efsdp); the rest over fsdp {fsdp}"
+    )
+
+
+def _routed(estimate: StepEstimate) -> str:
+    """The routed tokens' activations per MoE layer, and at which load."""
+    imbalance = estimate.config.plan.moe_load_imbalance
+    load = (
+        f"the most loaded ep rank's, at {imbalance:g} x the mean load (plan.moe_load_imbalance)"
+        if estimate.layout.ep > 1
+        else "each rank's own tokens (no expert parallelism: no imbalance)"
+    )
+    return f"{_size(estimate.routed_activations)} per MoE layer and micro-batch kept without checkpointing: {load}"
+
+
+def _all_to_all(estimate: StepEstimate, rank: RankEstimate) -> str:
+    """Expert parallelism's all-to-all per step: counted on the fake process group, by the formula, its time."""
+    counted = rank.traffic.get(("all-to-all", "ep"), 0)
+    return (
+        f"{_size(counted)} counted, {_size(rank.all_to_all_formula)} by the formula (docs/planning.md), "
+        f"{all_to_all_seconds(estimate, rank):.3g} s a step"
+    )
 
 
 def _budget(config) -> str:
@@ -162,12 +218,15 @@ def estimate_json(estimate: StepEstimate) -> dict:
         "mfu": estimate.mfu,
         "block_activation_bytes": estimate.block_activations,
         "block_options": [vars(o) for o in estimate.block_options],
+        "routed_activation_bytes": estimate.routed_activations,
+        "moe_load_imbalance": estimate.config.plan.moe_load_imbalance,
         "ranks": [
             {
                 "pp_rank": r.pp_rank,
                 "stages": r.stage_ids,
                 "layers": r.layers,
                 "params": r.trace.params,
+                "expert_params": r.trace.expert_params,
                 "param_bytes": r.trace.param_bytes,
                 "grad_bytes": r.trace.grad_bytes,
                 "optimizer_bytes": r.trace.optimizer_bytes,
@@ -179,6 +238,7 @@ def estimate_json(estimate: StepEstimate) -> dict:
                 "activation_budget_bytes": r.budget if r.checkpointing else None,
                 "flops": r.flops,
                 "traffic_bytes": {f"{role} {kind}": nbytes for (kind, role), nbytes in r.traffic.items()},
+                "all_to_all_formula_bytes": r.all_to_all_formula,
                 "busy_seconds": r.seconds,
             }
             for r in estimate.ranks

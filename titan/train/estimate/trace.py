@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -27,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from titan.config import Config, Layout
 from titan.optim import build_lr_scheduler, build_optimizer, ensure_adamw_state
 from titan.parallel.cp.ring import apply_context_parallel
+from titan.parallel.ep import expert_modules
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import parallelize, stage_batch
 from titan.run_plan import RunPlan
@@ -47,6 +49,7 @@ class RankTrace:
     blocks: list[int]  # per stage
     params: int  # this rank's parameters: elements of its shards
     total_params: int  # the same parameters whole (DTensor global sizes)
+    expert_params: int  # of `params`, the routed experts' (a mixture of experts)
     param_bytes: int
     optimizer_bytes: int
     groups: dict[str, tuple[int, ...]]  # the ranks of each mesh dimension's process group around this rank
@@ -57,6 +60,7 @@ class RankTrace:
     optimizer: Cost = field(default_factory=Cost)
     held: dict[int, int] = field(default_factory=dict)  # activation bytes a stage's forward holds for its backward
     block_held: list[int] = field(default_factory=list)  # the same, per block of the deepest stage
+    routed_held: list[int] = field(default_factory=list)  # the same, per routed experts' forward (dispatch included)
     first_peak: int = 0  # bytes at the peak of the first micro-batch, before any gradient
     peak: int = 0  # the same with the states of a steady step: the last micro-batch's
     optimizer_peak: int = 0
@@ -109,6 +113,8 @@ def trace_rank(
         parallelize(part, context.model.spec, config, plan, mesh)
         if plan.layout.cp > 1:
             apply_context_parallel(part, plan, 0, mesh["cp"], CPU)
+        for experts in expert_modules(part) if plan.layout.ep > 1 else ():
+            experts.expert_parallel.planned_load = config.plan.moe_load_imbalance  # this rank: the most loaded
     device = context.device
     counter = StepCounter(device.peak_flops, device.hbm_gbs * 1e9, mesh_groups(mesh, plan.layout))
     with FakeTensorMode(allow_non_fake_inputs=True), unobserved_shape_propagation():
@@ -169,6 +175,9 @@ class _RankStep:
         return {
             "params": sum(_local(p).numel() for p in self.params),
             "total_params": sum(p.numel() for p in self.params),
+            "expert_params": sum(
+                _local(p).numel() for part in self.stages.values() for e in expert_modules(part) for p in e.parameters()
+            ),
             "param_bytes": sum(nbytes(_local(p)) for p in self.params),
             "optimizer_bytes": sum(nbytes(_local(v)) for v in states),
         }
@@ -180,7 +189,9 @@ class _RankStep:
         trace = self.trace
         self.tracker = StepPeak()
         self.tracker.track_external(*self.stages.values(), self.optimizer)
-        self._record_blocks(max((self.spec.blocks(part) for part in self.stages.values()), key=len))
+        self._starts: list[list[int]] = []
+        self._record_held(max((self.spec.blocks(part) for part in self.stages.values()), key=len), trace.block_held)
+        self._record_held([e for part in self.stages.values() for e in expert_modules(part)], trace.routed_held)
         first = Cost()
         with self.tracker, self.counter, self.rules.loss_context():
             for micro_batch in range(max(count, 1)):
@@ -204,6 +215,7 @@ class _RankStep:
         """The stages' forwards in pipeline order, the last one's loss included: what each backward starts from."""
         inputs = self.inputs
         self.trace.block_held.clear()
+        self.trace.routed_held.clear()
         outputs, last = {}, self.trace.n_stages - 1
         for stage, part in self.stages.items():
             before = self._activations()
@@ -218,7 +230,8 @@ class _RankStep:
     def _backward(self, outputs: dict[int, torch.Tensor]) -> None:
         """The stages' backwards in reverse order; under a pipeline, FSDP set as its schedule sets it for every
         backward but the last (no reduction, no resharding: gradients accumulate unsharded)."""
-        self._block_starts.clear()  # checkpointing's recomputation runs the blocks again: not to be recorded
+        for starts in self._starts:  # checkpointing's recomputation runs the modules again: not to be recorded
+            starts.clear()
         for stage in reversed(list(outputs)):
             part = self.stages[stage]
             if self.layout.pp > 1 and self.layout.dp > 1:
@@ -255,16 +268,21 @@ class _RankStep:
         gathered = sum(s.nbytes() for ref, s in storages.items() if ref not in self.shards)
         return total_bytes(self.tracker) - gathered
 
-    def _record_blocks(self, blocks: list[nn.Module]) -> None:
-        """What each block holds for backward, from its forward's start to its end."""
-        self._block_starts: list[int] = []
-        for block in blocks:
-            block.register_forward_pre_hook(lambda *_: self._block_starts.append(self._activations()))
-            block.register_forward_hook(
-                lambda *_: (
-                    self._block_starts and self.trace.block_held.append(self._activations() - self._block_starts.pop())
-                )
-            )
+    def _record_held(self, modules: list[nn.Module], held: list[int]) -> None:
+        """What each of `modules` holds for backward, from its forward's start to its end, appended to `held`."""
+        starts: list[int] = []
+        self._starts.append(starts)
+        for module in modules:
+            module.register_forward_pre_hook(lambda *_: starts.append(self._module_activations()))
+            module.register_forward_hook(lambda *_: starts and held.append(self._module_activations() - starts.pop()))
+
+    def _module_activations(self) -> int:
+        """Activations, less FSDP's last all-gather buffer, which it frees at the next unit's all-gather: in a block
+        holding a unit of its own (a mixture of experts' routed experts), that frees the block's buffer within the
+        block's forward, and the experts' stays after it."""
+        contexts = {id(c): c for p in self.stages.values() if isinstance(p, FSDPModule) for c in [_comm_context(p)]}
+        states = [state for c in contexts.values() if (state := getattr(c, "all_gather_state", None)) is not None]
+        return self._activations() - sum(nbytes(state.all_gather_result.all_gather_output) for state in states)
 
 
 class _Into:
@@ -292,6 +310,11 @@ def _inputs(config: Config, context: TraceContext) -> dict[str, torch.Tensor | N
         "document_ids": torch.zeros_like(tokens) if config.data.document_mask else None,
         "hidden": torch.empty(hidden.shape, dtype=hidden.dtype),
     }
+
+
+def _comm_context(part: FSDPModule):
+    """The FSDP root's communication state, which every unit under it shares."""
+    return part._get_fsdp_state()._comm_ctx
 
 
 def _local(t):

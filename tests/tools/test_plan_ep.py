@@ -1,0 +1,151 @@
+"""`titan plan` with expert parallelism, under fake tensors only: the all-to-all bytes counted on the fake process
+group against the formula by hand, each rank's share of the experts, the routed tokens' activations at the stated
+load imbalance, and `titan plan --ep`, which compares degrees."""
+
+import json
+import re
+
+import pytest
+
+from conftest import ROOT, run_titan, tiny_overrides
+from titan.config import Layout, load_config
+from titan.train.estimate.estimate import estimate_step
+from titan.train.estimate.report import format_estimate
+from titan.train.model import resolve_model
+
+MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
+ROWS, SEQ = 2, 64  # a micro-batch; each rank runs two a step
+
+
+def moe_overrides(tmp_path, world: int, **extra) -> list[str]:
+    batch = {"training.local_batch_size": str(ROWS), "training.global_batch_size": str(2 * ROWS * world)}
+    return tiny_overrides(tmp_path, **{"training.seq_len": str(SEQ), **batch, **extra})
+
+
+def all_to_all_by_hand(config, world: int, recomputing: int) -> int:
+    """Expert parallelism's all-to-all bytes per step of a rank, by hand (docs/planning.md): per MoE layer and
+    micro-batch, the dispatch and the combine forward, their mirrors backward and, in a block that recomputes
+    (`recomputing` of them), its forward's again, each carrying the f T k / ep rows the most loaded rank receives
+    from each of the ep - 1 others (f the load imbalance, T the rank's tokens, top k) of dim x bytes (bf16 under
+    FSDP's mixed precision); and once per forward the experts' token counts (int64, an even share each)."""
+    layout, t = Layout.from_config(config.parallel, world), config.training
+    if layout.ep == 1:
+        return 0
+    args = resolve_model(config).args
+    micro_batches = t.global_batch_size // (layout.dp * t.local_batch_size)
+    row = args.dim * (2 if t.mixed_precision == "bf16" else 4)
+    pairs = t.local_batch_size * t.seq_len // layout.cp * args.top_k
+    received = round(config.plan.moe_load_imbalance * pairs / layout.ep) * (layout.ep - 1)
+    moe = len(args.moe_layers)
+    tokens = (4 * moe + 2 * recomputing) * received * row
+    counts = (moe + recomputing) * args.n_experts // layout.ep * (layout.ep - 1) * 8
+    return micro_batches * (tokens + counts)
+
+
+@pytest.mark.parametrize(
+    "world, ep, mode, imbalance",
+    [(2, 2, "full", None), (4, 2, "selective", "1")],
+    ids=["ep2-full-imbalance-1.25", "ep2-efsdp2-selective-balanced"],
+)
+def test_the_counted_all_to_all_bytes_are_the_formula(tmp_path, world, ep, mode, imbalance):
+    """The dispatch the trace runs is the real one (titan/parallel/ep.py), with the split the plan assumes; what the
+    fake process group counts equals the formula by hand, on balanced and imbalanced loads, with and without
+    recomputation (a recomputing block dispatches and combines again); and the plan's own formula says as much.
+    The experts' parameters are sharded over ep x efsdp, every rank holding n_experts / ep of them."""
+    extra = {"parallel.ep": str(ep), "activation_checkpoint.mode": mode}
+    config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **extra, **_imbalance(imbalance)), world_size=world)
+    estimate = estimate_step(config, world)
+    (rank,) = estimate.ranks
+    args = resolve_model(config).args
+    by_hand = all_to_all_by_hand(config, world, len(args.moe_layers) if mode != "none" else 0)
+    assert rank.traffic[("all-to-all", "ep")] == by_hand
+    assert rank.all_to_all_formula == by_hand
+    efsdp = world // ep
+    experts = len(args.moe_layers) * 3 * args.n_experts // ep * args.expert_hidden_dim * args.dim // efsdp
+    assert rank.trace.expert_params == experts
+
+
+def _imbalance(value: str | None) -> dict[str, str]:
+    return {"plan.moe_load_imbalance": value} if value else {}
+
+
+def test_the_planned_flops_count_the_experts_grouped_matmuls_in_bf16(tmp_path):
+    """In bf16 the trace runs torch's grouped matmul itself (fake tensors take it), which FlopCounterMode has no
+    formula for: the plan counts it, forward and backward, so that the ranks' FLOPs together are the model's
+    per-token formula times the step's tokens at a balanced load, as in fp32 (where the trace runs one matmul
+    of the same shapes)."""
+    world, extra = 2, {"parallel.ep": "2", "plan.moe_load_imbalance": "1"}
+    flops = {}
+    for precision in ("fp32", "bf16"):
+        overrides = moe_overrides(tmp_path, world, **extra, **{"training.mixed_precision": precision})
+        config = load_config(MOE_RECIPE, overrides, world_size=world)
+        estimate = estimate_step(config, world)
+        flops[precision] = world * estimate.ranks[0].flops
+    model = resolve_model(config)
+    by_formula = model.spec.flops_per_token(model.args, SEQ) * estimate.run.tokens_per_step
+    # The traced attention backward counts a little more than the formula's (tests/tools/test_plan.py).
+    assert flops["bf16"] == pytest.approx(by_formula, rel=0.02)
+    assert flops["bf16"] == flops["fp32"]
+
+
+def test_the_routed_tokens_activations_are_the_most_loaded_rank_s(tmp_path):
+    """What one MoE layer's routed experts keep for backward per micro-batch, measured in the trace, by hand at the
+    stated imbalance: the most loaded rank receives R = f T k rows, each keeping its four hidden states (w1's and
+    w3's outputs, the SiLU, their product), two rows of dim and an int64 index, and the rank's own T k pairs come
+    back combined (a row of dim each). The plan's line names the imbalance and its knob."""
+    world, imbalance = 2, 1.5
+    extra = {"parallel.ep": "2", "plan.moe_load_imbalance": str(imbalance), "activation_checkpoint.mode": "none"}
+    config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **extra), world_size=world)
+    estimate = estimate_step(config, world)
+    args = resolve_model(config).args
+    pairs, element = ROWS * SEQ * args.top_k, 4  # fp32
+    received = round(imbalance * pairs)
+    per_row = 4 * args.expert_hidden_dim * element + 2 * args.dim * element + 8
+    assert estimate.routed_activations == received * per_row + pairs * args.dim * element
+    assert "1.5 x the mean load (plan.moe_load_imbalance)" in format_estimate(estimate)
+
+
+def test_titan_plan_compares_ep_degrees_and_picks_the_fastest_that_fits(tmp_path):
+    """`titan plan --ep`: a line per degree on the same 4 devices (ep taken from dp_shard, which stays 4), with the
+    ranks holding the same experts and the all-to-all per step; a degree the layout cannot take says why; the
+    fastest that fits is named, and --json keeps each degree's figures."""
+    figures = tmp_path / "plans.json"
+    overrides = moe_overrides(tmp_path, 4, **{"activation_checkpoint.mode": "none"})
+    result = run_titan(
+        "plan", "--config", str(MOE_RECIPE), *overrides, "--world-size", "4", "--ep", "4,3,1", "--json", str(figures)
+    )
+    assert result.returncode == 0, result.stderr
+    by_degree = json.loads(figures.read_text())["ep"]
+    assert "error" in by_degree["3"]
+    steps = {int(d): by_degree[d]["step_seconds"] for d in ("1", "4")}
+    lines = {int(line.split()[0]): line for line in result.stdout.splitlines() if re.match(r"\s+\d+\s", line)}
+    assert list(lines) == [1, 3, 4]
+    assert "cannot: parallel.ep = 3 must divide dp_shard x cp = 4 x 1" in lines[3]
+    assert lines[1].split()[1:3] == ["4", "0"] and lines[4].split()[1] == "1"  # efsdp; no all-to-all without ep
+    best = min(steps, key=steps.get)
+    assert f"fastest that fits on 4 x NVIDIA H100 SXM 80GB: ep {best} ({steps[best]:.3g} s a step)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--ep", "2,x"], "--ep 2,x: give expert-parallel degrees separated by commas, e.g. --ep 1,2,4,8"),
+        (["--ep", "2", "--cp", "2"], "give --cp or --ep, not both"),
+        (["--ep", "2", "--graph"], "give --ep or --graph, not both"),
+    ],
+    ids=["not_degrees", "ep_and_cp", "ep_and_graph"],
+)
+def test_wrong_ep_inputs_are_one_line_errors(args, error):
+    result = run_titan("plan", "--config", str(MOE_RECIPE), *args)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and error in result.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["efsdp1", "efsdp2"])
+def test_a_checkpointed_moe_block_keeps_its_output_whatever_fsdp_holds(tmp_path, world):
+    """A block recomputed in full keeps its output alone (the next block's input). The routed experts are an FSDP
+    unit inside the block, whose all-gather frees the block's buffer, and whose own stays after the block: what a
+    block keeps must not count FSDP's buffers (with efsdp 1 it came out negative)."""
+    extra = {"parallel.ep": "2", "activation_checkpoint.mode": "full", "model.overrides.dense_layers": "0"}
+    config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **extra), world_size=world)
+    args = resolve_model(config).args
+    assert estimate_step(config, world).block_activations["full"] == ROWS * SEQ * args.dim * 4

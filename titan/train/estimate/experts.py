@@ -1,0 +1,50 @@
+"""A mixture of experts in `titan plan`: expert parallelism's all-to-all per step by the formula (docs/planning.md),
+which the trace's count on the fake process group must equal, and its time over the ep group's links.
+
+The trace runs the real dispatch (titan/parallel/ep.py) on the split it assumes, fake tensors holding no counts:
+every rank sends its (token, expert) pairs evenly over the ep ranks, and the traced rank is the most loaded, its
+experts receiving plan.moe_load_imbalance times the mean from each rank. Its activations, expert matmuls and
+all-to-all are that rank's, which the others wait for.
+"""
+
+from __future__ import annotations
+
+from titan.train.estimate.activations import mode_ways
+from titan.train.estimate.devices import Links
+from titan.train.estimate.figures import RankEstimate, StepEstimate
+
+RECOMPUTING = ("selective", "full")  # ways whose backward runs the block's forward, and its all-to-alls, again
+
+
+def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, args) -> int:
+    """The bytes a rank's all-to-alls carry per step in their busier direction: per MoE layer and micro-batch, the
+    dispatch and the combine forward, their mirrors backward and, in a block that recomputes, its forward's again,
+    each the f T k / ep rows (f the load imbalance, T the rank's tokens, top k) of dim x bytes that the most loaded
+    rank receives from each of the ep - 1 others; and once per forward the experts' token counts (int64, an even
+    share each)."""
+    layout, config = estimate.layout, estimate.config
+    if layout.ep == 1:
+        return 0
+    pairs = estimate.rows * config.training.seq_len // layout.cp * args.top_k
+    received = round(config.plan.moe_load_imbalance * pairs / layout.ep) * (layout.ep - 1)
+    row = args.dim * (2 if estimate.run.precision.stream_bf16 else 4)
+    mode = config.activation_checkpoint.mode  # auto was traced as full, and planned: rank.checkpointing
+    ways = rank.checkpointing.choices if rank.checkpointing else _flat(mode_ways(estimate, rank, mode))
+    moe = set(args.moe_layers)
+    layers = [layer in moe for layer in _flat(rank.layers)]
+    recomputing = sum(way in RECOMPUTING for way, routed in zip(ways, layers) if routed)
+    tokens = (4 * sum(layers) + 2 * recomputing) * received * row
+    counts = (sum(layers) + recomputing) * args.n_experts // layout.ep * (layout.ep - 1) * 8
+    return estimate.microbatches * estimate.runs * (tokens + counts)
+
+
+def all_to_all_seconds(estimate: StepEstimate, rank: RankEstimate) -> float:
+    """The time the rank's counted all-to-all bytes take over the ep group's links, per step: exposed, as the
+    dispatch waits for its tokens."""
+    links = Links(estimate.device, estimate.layout.world_size)
+    nbytes = rank.traffic.get(("all-to-all", "ep"), 0)
+    return links.collective("all-to-all", nbytes, rank.trace.groups.get("ep", ())) if nbytes else 0.0
+
+
+def _flat(nested: list[list]) -> list:
+    return [item for inner in nested for item in inner]
