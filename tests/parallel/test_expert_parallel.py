@@ -177,4 +177,4 @@ def test_titan_plan_traces_expert_parallelism_with_its_all_to_all():
     share, so the step traces with the all-to-all it moves (it read the counts on the host and failed)."""
     result = run_titan("plan", "--config", str(MOE_RECIPE), "--world-size", "4", "--parallel.ep", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "dp_shard 4 x ep 2" in result.stdout and "ep all_to_all_single" in result.stdout
+    assert "dp_shard 4 x ep 2" in result.stdout and "ep all-to-all" in result.stdout
