@@ -25,12 +25,12 @@ def plan(
     cp: str = typer.Option(
         None,
         "--cp",
-        help="Instead: compare these cp degrees, e.g. 1,2,4,8 (dp_shard takes what each leaves).",
+        help="Instead: compare cp degrees, e.g. 1,2,4.",
     ),
     ep: str = typer.Option(
         None,
         "--ep",
-        help="Instead: compare these ep degrees of a mixture of experts, e.g. 1,2,4,8 (taken from dp_shard x cp).",
+        help="Instead: compare ep degrees, e.g. 1,2,8.",
     ),
 ) -> None:
     """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
