@@ -204,3 +204,13 @@ def test_routing_is_one_per_model_and_dense_models_have_none():
     assert isinstance(model.routing, Routing)
     assert set(model.routing.routers()) == {"1", "2", "3"}  # the first layer is dense
     assert dataclasses.replace(FLAVORS["debug"], dense_layers=0).moe_layers == range(0, 4)
+
+
+def test_the_router_and_the_experts_are_marked_for_the_profiler():
+    """scripts/bench.py --compare moe sums the profiler's time under these marks (expert parallelism adds
+    moe.dispatch and moe.combine around its all-to-alls)."""
+    moe: MoE = build().layers["1"].feed_forward
+    with torch.profiler.profile() as profile:
+        moe(torch.randn(2, 5, 256)).sum().backward()
+    marks = [e.key for e in profile.key_averages() if e.key.startswith("moe.")]
+    assert sorted(marks) == ["moe.experts", "moe.router"]
