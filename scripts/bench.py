@@ -8,6 +8,7 @@
     python scripts/bench.py --compare checkpoint  # how long a save blocks training, sync vs async
     python scripts/bench.py --compare packing     # FSDP2, long-tailed documents: token- vs cost-balanced placement
     python scripts/bench.py --compare cp          # seq 4,096: one process vs CP2 (the sequence split, a ring)
+    python scripts/bench.py --compare moe         # debug MoE: one process vs FSDP2 vs EP2, and where its step goes
     python scripts/bench.py --init-flavors debug,1B  # seconds to initialise each flavor on this machine
     python scripts/bench.py --data                # prepare and loader throughput, resume time far into training
     python scripts/bench.py --verify-flavor 1B    # seconds to check a checkpoint of that flavor against its manifest
@@ -69,6 +70,12 @@ COMPARISONS = {
     ],
     "layouts": [(name, "titan", n, extra) for name, (n, extra) in LAYOUTS.items()],
     "cp": [("single", "titan", 1, []), ("cp2", "titan", 2, ["--parallel.cp", "2", "--parallel.dp_shard", "1"])],
+    # A mixture of experts (recipes/debug_moe.toml unless --config), the same global batch on each.
+    "moe": [
+        ("single", "titan", 1, []),
+        ("fsdp2", "titan", 2, ["--parallel.dp_shard", "2"]),
+        ("ep2", "titan", 2, ["--parallel.dp_shard", "2", "--parallel.ep", "2"]),
+    ],
     # Whole documents per step on two ranks (the corpus is made by long_tailed_corpus): placed by tokens, by cost.
     "packing": [
         (balance, "titan", 2, ["--parallel.dp_shard", "2", "--data.batching", "tokens", "--data.balance", balance])
@@ -85,6 +92,36 @@ PACKING_RECIPE = [
     *("--training.local_batch_size", "1", "--training.global_batch_size", "4"),
     *("--validation.interval", "0", "--tokenizer.path", str(ROOT / "data" / "tokenizer.json")),
 ]
+
+
+# Where a mixture of experts' step goes, by the profiler's marks (titan's moe.* and torch's backward nodes) on the
+# training thread: the all-to-all (dispatch and combine forward, with the counts' exchange, and their backward),
+# the routed experts' grouped matmuls forward and backward, and the router forward (its backward is unmarked).
+MOE_PARTS = {
+    "all-to-all": ("moe.dispatch", "moe.combine", "all_to_all_single_defaultBackward", "wait_tensor_defaultBackward"),
+    "experts": ("moe.experts", "GroupedMmBackward0"),
+    "router": ("moe.router",),
+}
+
+
+def step_shares(trace: Path, parts: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """Each part's share of the traced steps' wall time, from a profiler trace (Chrome format): the time its events
+    cover on the thread that ran the steps, nested or overlapping events counted once."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    thread = steps[0]["tid"]
+
+    def covered(patterns: tuple[str, ...]) -> float:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                       if e["tid"] == thread and any(p in e["name"] for p in patterns))  # fmt: skip
+        total, end = 0.0, float("-inf")
+        for start, stop in spans:
+            total += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        return total
+
+    wall = sum(e["dur"] for e in steps)
+    return {part: covered(patterns) / wall for part, patterns in parts.items()}
 
 
 def long_tailed_corpus(path: Path, documents: int = 3000, seed: int = 0) -> Path:
@@ -132,12 +169,15 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         *overrides,
     ]
     config = load_config(recipe, overrides)
-    blocked = []
+    blocked, shares = [], {}
     if mode == "titan":
         trainer = Trainer(config)
         trainer.train()
         times, device, world = trainer.step_times, trainer.device, trainer.world_size
         tokens_per_step = trainer.run_plan.tokens_per_step
+        if config.profiling.enable:
+            traces = sorted((config.run_dir / "profiling").glob(f"rank{trainer.rank}-step*.pt.trace.json"))
+            shares = step_shares(traces[-1], MOE_PARTS)
         metrics = config.run_dir / "metrics.jsonl"
         if trainer.rank == 0 and metrics.exists():
             records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -174,6 +214,7 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
         "mfu": flops / (peak * world) if (peak := peak_flops(device, config.metrics.peak_flops)[0]) else float("nan"),
         "peak_memory_gib": peak_memory_bytes(device) / 2**30,
         "checkpoint_blocked_ms": 1000 * statistics.median(blocked) if blocked else None,
+        "step_shares": shares,
         "device": str(device),
         "world_size": world,
     }
@@ -467,9 +508,33 @@ def gpu_goals(rows: list[dict]) -> dict[str, bool]:
     return goals
 
 
+def comparison_runs(args, overrides: list[str]) -> tuple[list, list[str]]:
+    """The runs of --compare (label, mode, processes, overrides) and the overrides all of them take."""
+    runs = COMPARISONS[args.compare]
+    if args.compare == "packing":
+        corpus = long_tailed_corpus(Path(tempfile.mkdtemp(prefix="titan-bench-corpus-")) / "long_tailed.jsonl")
+        overrides += [*PACKING_RECIPE, "--data.source", str(corpus)]
+    if args.compare == "cp":
+        overrides += CP_RECIPE
+    if args.compare == "moe":  # a profile of the last 2 steps: their profiler hardly moves the median step time
+        overrides += ["--profiling.enable", "true", "--profiling.wait", str(max(0, args.steps - 3))]
+        overrides += ["--profiling.warmup", "1", "--profiling.active", "2"]
+    if args.compare in ("layouts", "moe"):
+        # The same global batch everywhere: each data-parallel rank takes its share.
+        from titan.config import load_config
+
+        t = load_config(args.config, overrides).training
+        global_batch = t.global_batch_size or t.local_batch_size
+        runs = [
+            (label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)])
+            for label, mode, n, extra in runs
+        ]
+    return runs, overrides
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "recipes" / "debug.toml"))
+    parser.add_argument("--config", help="the recipe (default recipes/debug.toml; debug_moe.toml for --compare moe)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -492,6 +557,7 @@ def main() -> None:
     parser.add_argument("--_mode", choices=["titan", "bare"], help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
+    args.config = args.config or str(ROOT / "recipes" / ("debug_moe.toml" if args.compare == "moe" else "debug.toml"))
     if args._mode:  # a child process: each rank writes its result
         result = measure(args._mode, args.config, args.steps, args.warmup, overrides)
         Path(args._out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
@@ -527,22 +593,7 @@ def main() -> None:
         rate, what = peak_flops(torch.device("cpu"), dtype=torch.bfloat16 if bf16 else torch.float32)
         print(f"MFU against {what}; each of n ranks on these cores against 1/n of it.")
         share = {n: ["--metrics.peak_flops", f"{rate / n:.4e}"] for n in range(1, 9)}
-    runs = COMPARISONS[args.compare]
-    if args.compare == "packing":
-        corpus = long_tailed_corpus(Path(tempfile.mkdtemp(prefix="titan-bench-corpus-")) / "long_tailed.jsonl")
-        overrides += [*PACKING_RECIPE, "--data.source", str(corpus)]
-    if args.compare == "cp":
-        overrides += CP_RECIPE
-    if args.compare == "layouts":
-        # The same global batch everywhere: each data-parallel rank takes its share.
-        from titan.config import load_config
-
-        t = load_config(args.config, overrides).training
-        global_batch = t.global_batch_size or t.local_batch_size
-        runs = [
-            (label, mode, n, [*extra, "--training.global_batch_size", str(global_batch)])
-            for label, mode, n, extra in runs
-        ]
+    runs, overrides = comparison_runs(args, overrides)
     results = [run(label, mode, n, args, [*overrides, *extra, *share.get(n, [])]) for label, mode, n, extra in runs]
     base = results[0]
     print(
@@ -559,6 +610,10 @@ def main() -> None:
         )
     for r in results[1:]:
         print(f"{r['run']} step time / {base['run']} step time = {r['step_time_vs_first']:.3f}")
+    if args.compare == "moe":
+        print("where rank 0's profiled steps go: " + ", ".join(MOE_PARTS) + " (router: forward only)")
+        for r in results:
+            print(f"{r['run']:<12}" + "".join(f"{part} {share:6.1%}  " for part, share in r["step_shares"].items()))
     report = {
         "recipe": args.config,
         "compare": args.compare,

@@ -217,3 +217,13 @@ def test_compiled_experts_compute_what_eager_ones_do_in_fp32():
         torch.nn.init.normal_(w, generator=torch.Generator().manual_seed(0))
     x, counts = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([5, 0, 12, 7])
     assert torch.equal(torch.compile(experts)(x, counts), experts(x, counts))
+
+
+def test_the_router_and_the_experts_are_marked_for_the_profiler():
+    """scripts/bench.py --compare moe sums the profiler's time under these marks (expert parallelism adds
+    moe.dispatch and moe.combine around its all-to-alls)."""
+    moe: MoE = build().layers["1"].feed_forward
+    with torch.profiler.profile() as profile:
+        moe(torch.randn(2, 5, 256)).sum().backward()
+    marks = [e.key for e in profile.key_averages() if e.key.startswith("moe.")]
+    assert sorted(marks) == ["moe.experts", "moe.router"]

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.profiler import record_function
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -53,15 +54,16 @@ class ExpertParallel:
         """compute(x, counts, *weights) of x (tokens, dim) sorted by expert, counts[e] of them for expert e of
         all (n_experts,), with each token's experts' shards of `weights` on their rank; the results in x's order."""
         local_experts = counts.numel() // self.size
-        # received[r, e]: rank r's tokens for this rank's expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        received = received.view(self.size, local_experts)
-        if is_fake(x):
-            sent, got = self.planned_split(x.shape[0])
-        else:
-            sent, got = counts.view(self.size, local_experts).sum(1).tolist(), received.sum(1).tolist()
-        tokens = self.all_to_all(x, got, sent)
+        with record_function("moe.dispatch"):
+            # received[r, e]: rank r's tokens for this rank's expert e.
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.group)
+            received = received.view(self.size, local_experts)
+            if is_fake(x):
+                sent, got = self.planned_split(x.shape[0])
+            else:
+                sent, got = counts.view(self.size, local_experts).sum(1).tolist(), received.sum(1).tolist()
+            tokens = self.all_to_all(x, got, sent)
         # From rank-major to expert-major: each local expert's tokens in a row, rank 0's first, as on one process
         # (data-parallel ranks read consecutive rows).
         segments = torch.arange(received.numel(), device=x.device)
@@ -69,7 +71,8 @@ class ExpertParallel:
         order = ((segment % local_experts) * self.size + segment // local_experts).argsort(stable=True)
         out = compute(tokens[order], received.sum(0), *(w.to_local() for w in weights))
         out = torch.empty_like(out).index_copy(0, order, out)
-        return self.all_to_all(out, sent, got)
+        with record_function("moe.combine"):
+            return self.all_to_all(out, sent, got)
 
     def planned_split(self, pairs: int) -> tuple[list[int], list[int]]:
         """(rows sent to each rank, rows received from each) of `pairs` (token, expert) pairs, as titan plan

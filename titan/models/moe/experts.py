@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.profiler import record_function
 
 
 def _groupable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -51,8 +52,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 def swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
     """Each group's SwiGLU of x (tokens, dim) sorted by group, counts[g] of them for group g of the weights'."""
-    hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
-    return grouped_mm(hidden, w2, counts)
+    with record_function("moe.experts"):
+        hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+        return grouped_mm(hidden, w2, counts)
 
 
 class GroupedExperts(nn.Module):

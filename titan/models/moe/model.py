@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from titan.models.llama.model import FeedForward, Transformer, TransformerBlock
 from titan.models.moe.args import MoEArgs
@@ -32,11 +33,12 @@ class MoE(nn.Module):
         """x (rows, seq, dim) -> (rows, seq, dim)."""
         rows, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        scores, experts, weights = self.router(tokens)
-        balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing.loss_scale)
-        # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
-        order = experts.flatten().argsort(stable=True)
-        counts = expert_counts(experts, self.n_experts)
+        with record_function("moe.router"):  # profiler marks: scripts/bench.py --compare moe sums them
+            scores, experts, weights = self.router(tokens)
+            balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing.loss_scale)
+            # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
+            order = experts.flatten().argsort(stable=True)
+            counts = expert_counts(experts, self.n_experts)
         routed = self.experts(tokens[order // self.top_k], counts)
         per_pair = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim)
         out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1)  # in expert order
