@@ -11,9 +11,11 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from titan.models.contract import Args, HFAdapter, Model, ModelSpec, StageBatch, StageIO
+from titan.models.contract import Args, HFAdapter, Model, ModelSpec, RoutedExperts, StageBatch, StageIO
 
-__all__ = ["Args", "HFAdapter", "Model", "ModelSpec", "StageBatch", "StageIO", "get_model_spec", "model_args"]
+__all__ = [
+    "Args", "HFAdapter", "Model", "ModelSpec", "RoutedExperts", "StageBatch", "StageIO", "get_model_spec", "model_args"
+]  # fmt: skip
 
 
 def _llama3() -> ModelSpec:
@@ -61,6 +63,7 @@ def _moe() -> ModelSpec:
         pipeline_stage=llama.pipeline_stage,
         pipeline_io=llama.pipeline_io,
         block_inputs=llama.block_inputs,
+        routed_experts=moe.routed_experts,
         hf=HFAdapter(
             args_from_config=hf.args_from_hf_config,
             config_from_args=hf.hf_config_from_args,

@@ -137,6 +137,16 @@ class HFAdapter:
     check_buffers: Callable[[Args, dict], None] | None = None
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture of experts' routing, as `titan plan` counts expert parallelism's all-to-all by its formula."""
+
+    width: int  # elements of one token's hidden state, which the all-to-all sends to each of its experts
+    top_k: int  # experts per token
+    n_experts: int
+    expert_layers: tuple[int, ...]  # the layers with routed experts
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model family, as titan uses it; each member says who does."""
@@ -160,3 +170,4 @@ class ModelSpec:
     # device (or fake tensor mode), the hidden states first, in dtype and requiring grad: titan plan traces a block.
     block_inputs: Callable[[Args, int, int, torch.dtype], tuple[torch.Tensor, ...]]
     hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
+    routed_experts: Callable[[Args], RoutedExperts] | None = None  # a mixture of experts'; None: a dense family

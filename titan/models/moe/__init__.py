@@ -1,8 +1,9 @@
+from titan.models.contract import RoutedExperts
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.flavors import FLAVORS
 from titan.models.moe.model import MoETransformer
 
-__all__ = ["FLAVORS", "MoEArgs", "MoETransformer", "active_params", "flops_per_token", "kv_width"]
+__all__ = ["FLAVORS", "MoEArgs", "MoETransformer", "active_params", "flops_per_token", "kv_width", "routed_experts"]
 
 
 def active_params(args: MoEArgs) -> int:
@@ -24,3 +25,10 @@ def flops_per_token(args: MoEArgs, seq_len: int) -> float:
 def kv_width(args: MoEArgs) -> int:
     """One token's keys (or values) in one layer: its kv heads' dimensions."""
     return args.n_kv_heads * args.head_dim
+
+
+def routed_experts(args: MoEArgs) -> RoutedExperts:
+    """What expert parallelism sends: each token's hidden state (dim) to each of its top_k experts."""
+    return RoutedExperts(
+        width=args.dim, top_k=args.top_k, n_experts=args.n_experts, expert_layers=tuple(args.moe_layers)
+    )

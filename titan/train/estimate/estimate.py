@@ -91,7 +91,7 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
     _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)
     if layout.ep > 1:
         for rank in estimate.ranks:
-            rank.all_to_all_formula = all_to_all_formula(estimate, rank, model.args)
+            rank.all_to_all_formula = all_to_all_formula(estimate, rank, model.spec.routed_experts(model.args))
     return estimate
 
 

@@ -9,6 +9,7 @@ all-to-all are that rank's, which the others wait for.
 
 from __future__ import annotations
 
+from titan.models import RoutedExperts
 from titan.train.estimate.activations import mode_ways
 from titan.train.estimate.devices import Links
 from titan.train.estimate.figures import RankEstimate, StepEstimate
@@ -16,7 +17,7 @@ from titan.train.estimate.figures import RankEstimate, StepEstimate
 RECOMPUTING = ("selective", "full")  # ways whose backward runs the block's forward, and its all-to-alls, again
 
 
-def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, args) -> int:
+def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, routed: RoutedExperts) -> int:
     """The bytes a rank's all-to-alls carry per step in their busier direction: per MoE layer and micro-batch, the
     dispatch and the combine forward, their mirrors backward and, in a block that recomputes, its forward's again,
     each the f T k / ep rows (f the load imbalance, T the rank's tokens, top k) of dim x bytes that the most loaded
@@ -25,16 +26,16 @@ def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, args) -> int:
     layout, config = estimate.layout, estimate.config
     if layout.ep == 1:
         return 0
-    pairs = estimate.rows * config.training.seq_len // layout.cp * args.top_k
+    pairs = estimate.rows * config.training.seq_len // layout.cp * routed.top_k
     received = round(config.plan.moe_load_imbalance * pairs / layout.ep) * (layout.ep - 1)
-    row = args.dim * (2 if estimate.run.precision.stream_bf16 else 4)
+    row = routed.width * (2 if estimate.run.precision.stream_bf16 else 4)
     mode = config.activation_checkpoint.mode  # auto was traced as full, and planned: rank.checkpointing
     ways = rank.checkpointing.choices if rank.checkpointing else _flat(mode_ways(estimate, rank, mode))
-    moe = set(args.moe_layers)
+    moe = set(routed.expert_layers)
     layers = [layer in moe for layer in _flat(rank.layers)]
     recomputing = sum(way in RECOMPUTING for way, routed in zip(ways, layers) if routed)
     tokens = (4 * sum(layers) + 2 * recomputing) * received * row
-    counts = (sum(layers) + recomputing) * args.n_experts // layout.ep * (layout.ep - 1) * 8
+    counts = (sum(layers) + recomputing) * routed.n_experts // layout.ep * (layout.ep - 1) * 8
     return estimate.microbatches * estimate.runs * (tokens + counts)
 
 
