@@ -807,6 +807,8 @@ CASES = [
      ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
     ("planned expert load below the mean", "show", ["--plan.moe_load_imbalance", "0.5"], None, {},
      ["plan.moe_load_imbalance must be >= 1", "got 0.5"]),
+    ("tokens batching with the balance loss", "show", ["--model.name", "moe", "--data.batching", "tokens"], None, {},
+     ["does not support the balance loss", "each row's tokens", "set aux_loss_coef to 0 (the bias balances alone)"]),
 ]  # fmt: skip
 
 

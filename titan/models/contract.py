@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
+
+
+class PerRow(NamedTuple):
+    """Something training computes per row, which token batching refuses: what it is, why, and how to turn it off."""
+
+    what: str
+    why: str
+    fix: str
 
 
 class Args(Protocol):
@@ -24,8 +32,9 @@ class Args(Protocol):
     max_seq_len: int  # positions the model takes: the trainer checks sequences against it and sizes it to them
 
     @property
-    def has_dropout(self) -> bool:
-        """Whether training draws dropout masks (token batching cannot key them yet)."""
+    def per_row(self) -> PerRow | None:
+        """What training computes per row of the batch (None: nothing). Token batching cannot have it yet: its rows
+        are packings of documents that differ by layout."""
         ...
 
     def validate(self) -> None:

@@ -34,11 +34,11 @@ def check_run(config: Config, world_size: int, device: torch.device | None) -> C
     """Everything the recipe asks, checked before any process group is joined. device None: not on this machine,
     so what the layout asks of it, and the budget it leaves, wait for the run."""
     model = resolve_model(config)
-    if config.data.batching == "tokens" and model.args.has_dropout:
+    per_row = model.args.per_row
+    if config.data.batching == "tokens" and per_row is not None:
         raise ConfigError(
-            "data.batching = 'tokens' does not support dropout yet: titan keys its dropout masks by row and "
-            "position, and packing places a document differently on every layout; set the model's "
-            "attn_dropout and resid_dropout to 0 or use data.batching = 'rows'"
+            f"data.batching = 'tokens' does not support {per_row.what} yet: {per_row.why}, and packing places a "
+            f"document in other rows on every layout; {per_row.fix} in [model.overrides] or use data.batching = 'rows'"
         )
     layout = Layout.from_config(config.parallel, world_size)
     check_layout(config, model.spec, model.args, layout, device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titan.models.contract import PerRow
+
 # The largest of each size: far above any Llama (405B: dim 16,384, 126 layers, 128k positions), low enough that a
 # crafted config or checkpoint is refused before it allocates (a RoPE table of 10^12 positions is 64 TB).
 LIMITS = {
@@ -52,8 +54,8 @@ class ModelArgs:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     @property
-    def has_dropout(self) -> bool:
-        return self.attn_dropout > 0 or self.resid_dropout > 0
+    def per_row(self) -> PerRow | None:
+        return dropout_per_row(self)
 
     def validate(self) -> None:
         for name, most in LIMITS.items():
@@ -79,3 +81,10 @@ class ModelArgs:
         for name in ("attn_dropout", "resid_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+def dropout_per_row(args) -> PerRow | None:
+    """Dropout, when on: its masks are keyed by row and position."""
+    if args.attn_dropout > 0 or args.resid_dropout > 0:
+        return PerRow("dropout", "titan keys its masks by row and position", "set attn_dropout and resid_dropout to 0")
+    return None

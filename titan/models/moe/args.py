@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titan.models.contract import PerRow
 from titan.models.llama.args import LIMITS as LLAMA_LIMITS
+from titan.models.llama.args import dropout_per_row
 
 # Llama's bounds (but its FFN rounding, which this family has not), and the experts'.
 LIMITS = {
@@ -60,8 +62,11 @@ class MoEArgs:
     aux_loss_coef: float = 0.0
 
     @property
-    def has_dropout(self) -> bool:
-        return self.attn_dropout > 0 or self.resid_dropout > 0
+    def per_row(self) -> PerRow | None:
+        if self.aux_loss_coef:
+            why = "it weighs each row's tokens by that row's expert counts"
+            return PerRow("the balance loss", why, "set aux_loss_coef to 0 (the bias balances alone)")
+        return dropout_per_row(self)
 
     @property
     def moe_layers(self) -> range:
