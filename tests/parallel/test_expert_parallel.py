@@ -178,3 +178,36 @@ def test_titan_plan_traces_expert_parallelism_with_its_all_to_all():
     result = run_titan("plan", "--config", str(MOE_RECIPE), "--world-size", "4", "--parallel.ep", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dp_shard 4 x ep 2" in result.stdout and "ep all-to-all" in result.stdout
+
+
+def biases_through_a_pipeline_resplit(tmp) -> tuple[int, dict, dict, list[float]]:
+    """PP2 of the MoE recipe on layers [2, 2] for 3 steps, then [3, 1]: layer 2, a MoE layer, moves from pipeline
+    rank 1 to rank 0. Returns (pipeline rank, its routing biases before and after, the losses of 2 more steps)."""
+    from titan.checkpoint.train_state import model_buffers
+    from titan.config import load_config
+    from titan.run_plan import run_plan
+    from titan.train.trainer import Trainer
+
+    values = {"training.local_batch_size": "4", "parallel.pp": "2", "checkpoint.enable": "false"}
+    trainer = Trainer(load_config(MOE_RECIPE, tiny_overrides(tmp, **values)))
+    trainer.train(until=3)
+
+    def biases() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for part in trainer.model_parts.parts for k, v in model_buffers(part).items()}
+
+    before = biases()
+    trainer.follow(run_plan(trainer.config, trainer.world_size, trainer.blocks, layers_per_stage=[3, 1]))
+    return trainer.mesh["pp"].get_local_rank(), before, biases(), trainer.train(until=5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_live_pipeline_resplit_moves_a_moe_layers_routing_biases(tmp_path):
+    """The biases are state the optimizer does not hold: a re-split that moved only the parameters and their Adam
+    moments would start layer 2's biases again from zero on its new rank."""
+    ranks = {rank: rest for rank, *rest in run_distributed(biases_through_a_pipeline_resplit, 2, tmp_path)}
+    name = "layers.2.feed_forward.router.expert_bias"
+    moved, received = ranks[1][0][name], ranks[0][1][name]
+    assert moved.abs().sum() > 0 and torch.equal(received, moved)
+    assert name not in ranks[1][1]
+    assert all(len(rest[2]) == 2 for rest in ranks.values())  # and training goes on

@@ -68,9 +68,9 @@ def build_schedule(
 
 
 def move_stage_state(old: dict[str, dict[str, torch.Tensor]], new: dict[str, dict[str, torch.Tensor]], group) -> int:
-    """After a pipeline re-split, fill `new` (this rank's parameters now: name -> {"param": tensor, and its
-    optimizer state's tensors}) from `old` (the same, before), sending each moved parameter and its optimizer
-    state point to point from its old rank to its new one. Every rank of the pipeline group calls this; for
+    """After a pipeline re-split, fill `new` (this rank's state now: name -> its tensors, a parameter and its
+    optimizer state's or a buffer) from `old` (the same, before), sending each moved one's tensors point to point
+    from its old rank to its new one. Every rank of the pipeline group calls this; for
     plain tensors only (no FSDP or TP shards). Returns how many tensors this rank received."""
     owners_before: list[list[str]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     owners_after: list[list[str]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]

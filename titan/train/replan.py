@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan.balance import data_shares
+from titan.checkpoint.train_state import model_buffers
 from titan.config import Config
 from titan.observe.metrics import MetricsLogger
 from titan.optim import ensure_adamw_state
@@ -170,9 +171,12 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
 
 
 def _stage_state(step: TrainStep) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's parameters and their optimizer state, by name (the step count aside: it is the same for every
-    parameter)."""
-    return {
+    """This rank's parameters and their optimizer state (the step count aside: it is the same for every parameter),
+    and the buffers that are state (a MoE's routing biases), by name."""
+    state = {
         name: {"param": p.data, **{k: v for k, v in step.optimizer.state[p].items() if k != "step"}}
         for name, p in step.parts.named_parameters()
     }
+    for part in step.parts.parts:
+        state.update({name: {"buffer": buffer} for name, buffer in model_buffers(part).items()})
+    return state
