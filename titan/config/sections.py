@@ -287,7 +287,8 @@ class Checkpoint:
     # ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
     allow_changes: list[str] = field(default_factory=list)
     verify: bool = True  # check every file against the checkpoint's SHA-256 manifest before loading
-    # Start from a HF Llama checkpoint folder (config.json + *.safetensors) when not resuming.
+    # Start from a HF checkpoint folder (config.json + *.safetensors: Llama, Qwen3-MoE for the moe family) when not
+    # resuming.
     init_from_hf: str = ""
 
 
