@@ -61,6 +61,7 @@ SEQ_LEN = int(os.environ.get("MOE_LAYOUT_SEQ_LEN", "64"))
 GLOBAL_BATCH, TOP_K = 8, 2
 NO_AUX = {"model.overrides.aux_loss_coef": "0"}  # context parallelism refuses the balance loss
 DROPOUT = {"model.overrides.resid_dropout": "0.1"}
+TWO_EXPERTS = {"model.overrides.n_experts": "2"}
 # name: (processes, overrides, the one-process run it must equal). The references hold all 8 rows in one
 # micro-batch; "single" and "ep2" save checkpoints, for the resume test.
 SAVES = {"checkpoint.enable": "true", "checkpoint.interval": "3"}
@@ -77,6 +78,9 @@ RUNS = {
         "single_dropout",
     ),
     "cp2_ep2": (4, {"parallel.cp": "2", "parallel.ep": "2", **NO_AUX}, "single_no_aux"),
+    # One expert per ep rank over 2 FSDP ranks: FSDP shards it by rows (titan/parallel/fsdp.py expert_placement).
+    "single_2_experts": (1, TWO_EXPERTS, None),
+    "ep2_fsdp2_rows_of_an_expert": (4, {"parallel.ep": "2", **TWO_EXPERTS}, "single_2_experts"),
 }
 # Measured here: every layout within 2.3e-7 of one process (the gradients' sums run in other orders; the resume
 # bitwise), and no token routed otherwise at any step (docs/moe.md has the table). assert_close_losses's 1e-6 is ~4x

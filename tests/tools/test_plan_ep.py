@@ -44,8 +44,8 @@ def all_to_all_by_hand(config, world: int, recomputing: int) -> int:
 
 @pytest.mark.parametrize(
     "world, ep, mode, imbalance",
-    [(2, 2, "full", None), (4, 2, "selective", "1")],
-    ids=["ep2-full-imbalance-1.25", "ep2-efsdp2-selective-balanced"],
+    [(2, 2, "full", None), (4, 2, "selective", "1"), (128, 8, "none", None)],
+    ids=["ep2-full-imbalance-1.25", "ep2-efsdp2-selective-balanced", "ep8-efsdp16-at-128-ranks"],
 )
 def test_the_counted_all_to_all_bytes_are_the_formula(tmp_path, world, ep, mode, imbalance):
     """The dispatch the trace runs is the real one (titan/parallel/ep.py), with the split the plan assumes; what the
