@@ -70,7 +70,8 @@ RUNS = {
     "single_dropout": (1, DROPOUT, None),
     "single_no_aux": (1, NO_AUX, None),
     "ep2": (2, {"parallel.ep": "2", **SAVES}, "single"),
-    "ep2_fsdp2": (4, {"parallel.ep": "2"}, "single"),  # ep alone on 4 processes: EP2 x FSDP2
+    # ep alone on 4 processes: EP2 x FSDP2; one row per micro-batch, two micro-batches per step.
+    "ep2_fsdp2": (4, {"parallel.ep": "2", "training.local_batch_size": "1"}, "single"),
     "pp2_ep2": (4, {"parallel.pp": "2", "parallel.ep": "2"}, "single"),
     "ep2_dropout_selective_ac": (
         2,
