@@ -11,11 +11,17 @@ from titan.config import LRScheduler, Optimizer
 
 
 def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.Optimizer:
-    # Norm gains (1-D) are not decayed: decay would pull them towards zero instead of regularising.
+    from torch.distributed.tensor import DTensor
+
+    # Norm gains (1-D) are not decayed: decay would pull them towards zero instead of regularising. The fused kernel
+    # takes DTensors or plain tensors, not both: tensor parallelism without FSDP leaves some parameters plain (a
+    # mixture of experts' router and routed experts, whole on every tp rank) beside its DTensors.
     params = [p for p in params if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": chosen, "weight_decay": weight_decay}
+        for weight_decay, matrices in ((cfg.weight_decay, True), (0.0, False))
+        for dtensors in (False, True)
+        if (chosen := [p for p in params if (p.ndim >= 2) == matrices and isinstance(p, DTensor) == dtensors])
     ]
     # fused: one kernel per parameter group on CPU and GPU (about 7x the CPU's default per-tensor loop), and the
     # only implementation that reads found_inf, which skips a non-finite step on the device without a host sync.

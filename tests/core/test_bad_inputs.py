@@ -803,12 +803,13 @@ CASES = [
      {"WORLD_SIZE": "8"}, ["parallel.ep = 2 must be a multiple of parallel.cp = 4"]),
     ("ep without data parallelism", "show", ["--model.name", "moe", "--parallel.cp", "2", "--parallel.ep", "2"],
      None, {"WORLD_SIZE": "2"}, ["parallel.ep = 2 without data parallelism", "not supported yet", "dp_shard >= 2"]),
-    ("cp with the balance loss", "show", ["--model.name", "moe", "--parallel.cp", "2"], None, {"WORLD_SIZE": "2"},
-     ["parallel.cp = 2 with the balance loss", "not supported yet", "aux_loss_coef = 0"]),
     ("planned expert load below the mean", "show", ["--plan.moe_load_imbalance", "0.5"], None, {},
      ["plan.moe_load_imbalance must be >= 1", "got 0.5"]),
     ("tokens batching with the balance loss", "show", ["--model.name", "moe", "--data.batching", "tokens"], None, {},
      ["does not support the balance loss", "each row's tokens", "set aux_loss_coef to 0 (the bias balances alone)"]),
+    ("tp not dividing the shared experts", "show", ["--model.name", "moe", "--parallel.tp", "2",
+     "--model.overrides.n_shared_experts", "1", "--model.overrides.expert_hidden_dim", "177"], None,
+     {"WORLD_SIZE": "2"}, ["parallel.tp = 2 must divide the model's shared experts' width (1 x 177)"]),
 ]  # fmt: skip
 
 

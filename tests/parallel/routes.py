@@ -1,8 +1,9 @@
 """`titan train` recording each router's choices: the CLI's own entry point with the arguments given, started as
 `python tests/parallel/routes.py train ...`, alone or under torchrun. Every rank saves to $TITAN_ROUTES/rank<r>.pt,
 for each training forward of a router (not a recomputation, nor evaluation): the step, the layer, the global rows
-and the positions its tokens hold (None: whole rows), and each token's experts. Global module hooks see every
-model part and router whatever wraps them, and the optimizer hook counts the steps: nothing of titan is patched."""
+and the positions its tokens hold, and each token's experts. Under tensor parallelism a router sees its tp rank's
+share of the positions (Shard(1), tp innermost in the mesh). Global module hooks see every model part and router
+whatever wraps them, and the optimizer hook counts the steps: nothing of titan is patched."""
 
 from __future__ import annotations
 
@@ -27,12 +28,17 @@ class Routes:
         if isinstance(module, Transformer) and len(args) > 1:
             self.rows = args[1].cpu().clone()  # a pipeline stage receives them into a reused buffer
             ring = module.context_parallel
-            self.positions = None if ring is None else ring.positions.cpu()
+            # The positions of each row this rank holds: the ring's, or the whole row's (the input's length).
+            self.positions = torch.arange(args[0].shape[1]) if ring is None else ring.positions.cpu()
             self.layers = {id(m): name.split(".")[1] for name, m in module.named_modules() if isinstance(m, Router)}
 
     def route(self, module: nn.Module, args: tuple, output) -> None:
         if isinstance(module, Router) and counting():
-            self.records.append((self.step, self.layers[id(module)], self.rows, self.positions, output[1].cpu()))
+            experts = output[1].cpu()
+            positions, shards = self.positions, len(self.positions) * len(self.rows) // len(experts)
+            if shards > 1:  # tensor parallelism: this tp rank's chunk of each row's positions
+                positions = positions.chunk(shards)[int(os.environ.get("RANK", "0")) % shards]
+            self.records.append((self.step, self.layers[id(module)], self.rows, positions, experts))
 
     def stepped(self, *_) -> None:
         self.step += 1

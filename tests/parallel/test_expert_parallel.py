@@ -59,7 +59,6 @@ MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
 STEPS = int(os.environ.get("MOE_LAYOUT_STEPS", "6"))
 SEQ_LEN = int(os.environ.get("MOE_LAYOUT_SEQ_LEN", "64"))
 GLOBAL_BATCH, TOP_K = 8, 2
-NO_AUX = {"model.overrides.aux_loss_coef": "0"}  # context parallelism refuses the balance loss
 DROPOUT = {"model.overrides.resid_dropout": "0.1"}
 TWO_EXPERTS = {"model.overrides.n_experts": "2"}
 # name: (processes, overrides, the one-process run it must equal). The references hold all 8 rows in one
@@ -68,7 +67,6 @@ SAVES = {"checkpoint.enable": "true", "checkpoint.interval": "3"}
 RUNS = {
     "single": (1, SAVES, None),
     "single_dropout": (1, DROPOUT, None),
-    "single_no_aux": (1, NO_AUX, None),
     "ep2": (2, {"parallel.ep": "2", **SAVES}, "single"),
     # ep alone on 4 processes: EP2 x FSDP2; one row per micro-batch, two micro-batches per step.
     "ep2_fsdp2": (4, {"parallel.ep": "2", "training.local_batch_size": "1"}, "single"),
@@ -78,10 +76,16 @@ RUNS = {
         {"parallel.ep": "2", "activation_checkpoint.mode": "selective", **DROPOUT},
         "single_dropout",
     ),
-    "cp2_ep2": (4, {"parallel.cp": "2", "parallel.ep": "2", **NO_AUX}, "single_no_aux"),
     # One expert per ep rank over 2 FSDP ranks: FSDP shards it by rows (titan/parallel/fsdp.py expert_placement).
     "single_2_experts": (1, TWO_EXPERTS, None),
     "ep2_fsdp2_rows_of_an_expert": (4, {"parallel.ep": "2", **TWO_EXPERTS}, "single_2_experts"),
+    # Tensor parallelism: each tp rank routes its sequence shard; the routed experts whole on it (tp2) or split
+    # over an ep group of the ranks with its tp index (ep2_tp2).
+    "ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2"}, "single"),
+    "tp2": (2, {"parallel.tp": "2"}, "single"),
+    # The balance loss with a row's tokens split over the cp group (and its positions over tp): whole rows' counts.
+    "cp2_ep2_aux": (4, {"parallel.cp": "2", "parallel.ep": "2"}, "single"),
+    "cp2_tp2_aux": (4, {"parallel.cp": "2", "parallel.tp": "2"}, "single"),
 }
 # Measured here: every layout within 2.3e-7 of one process (the gradients' sums run in other orders; the resume
 # bitwise), and no token routed otherwise at any step (docs/moe.md has the table). assert_close_losses's 1e-6 is ~4x

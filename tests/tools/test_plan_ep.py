@@ -26,15 +26,16 @@ def all_to_all_by_hand(config, world: int, recomputing: int) -> int:
     """Expert parallelism's all-to-all bytes per step of a rank, by hand (docs/planning.md): per MoE layer and
     micro-batch, the dispatch and the combine forward, their mirrors backward and, in a block that recomputes
     (`recomputing` of them), its forward's again, each carrying the f T k / ep rows the most loaded rank receives
-    from each of the ep - 1 others (f the load imbalance, T the rank's tokens, top k) of dim x bytes (bf16 under
-    FSDP's mixed precision); and once per forward the experts' token counts (int64, an even share each)."""
+    from each of the ep - 1 others (f the load imbalance, T the rank's tokens: its share of each row's positions
+    over cp and, in the MoE layers, over tp; top k) of dim x bytes (bf16 under FSDP's mixed precision); and once
+    per forward the experts' token counts (int64, an even share each)."""
     layout, t = Layout.from_config(config.parallel, world), config.training
     if layout.ep == 1:
         return 0
     args = resolve_model(config).args
     micro_batches = t.global_batch_size // (layout.dp * t.local_batch_size)
     row = args.dim * (2 if t.mixed_precision == "bf16" else 4)
-    pairs = t.local_batch_size * t.seq_len // layout.cp * args.top_k
+    pairs = t.local_batch_size * t.seq_len // (layout.cp * layout.tp) * args.top_k
     received = round(config.plan.moe_load_imbalance * pairs / layout.ep) * (layout.ep - 1)
     moe = len(args.moe_layers)
     tokens = (4 * moe + 2 * recomputing) * received * row
@@ -143,3 +144,15 @@ def test_titan_plan_compares_ep_degrees_and_picks_the_fastest_that_fits(tmp_path
 def test_wrong_ep_inputs_are_one_line_errors(args, error):
     result = run_titan("plan", "--config", str(MOE_RECIPE), *args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and error in result.stderr
+
+
+def test_under_tp_a_rank_dispatches_its_share_of_the_sequence(tmp_path):
+    """Tensor parallelism gives each tp rank's MoE layers its share of the sequence, which it routes and dispatches
+    alone: the all-to-all the trace counts is the formula's with T that share (the formula had the whole sequence,
+    twice the counted bytes at tp 2)."""
+    world, extra = 4, {"parallel.ep": "2", "parallel.tp": "2", "activation_checkpoint.mode": "none"}
+    config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **extra), world_size=world)
+    (rank,) = estimate_step(config, world).ranks
+    by_hand = all_to_all_by_hand(config, world, recomputing=0)
+    assert rank.traffic[("all-to-all", "ep")] == by_hand
+    assert rank.all_to_all_formula == by_hand

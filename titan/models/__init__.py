@@ -58,7 +58,7 @@ def _moe() -> ModelSpec:
         flops_per_token=moe.flops_per_token,
         kv_width=moe.kv_width,
         check_parallelism=parallelize.check_parallelism,
-        tp_plan=llama.tp_plan,  # never reached: check_parallelism refuses tp > 1
+        tp_plan=parallelize.tp_plan,
         blocks=llama.blocks,
         pipeline_stage=llama.pipeline_stage,
         pipeline_io=llama.pipeline_io,

@@ -56,10 +56,13 @@ class Model(Protocol):
     # stacks its experts' parameters along dim 0, which titan/parallel/ep.py shards over the ep group, and when the
     # slot is set calls `expert_parallel(compute, x, counts, *weights)` in place of `compute(x, counts, *weights)`
     # (x its tokens sorted by expert, counts[e] of them for expert e), which computes each token on its experts' rank.
+    # A module the family's TP plan marks with a true `tp_gradient_shares` attribute computes on its tp rank's own
+    # tokens with its parameters whole on every tp rank: the step sums their gradients over tp (titan/parallel/tp.py).
     # A mixture of experts' routing, which the step drives (None: a dense model): `set_loss_scale(scale)` before each
     # micro-batch (the auxiliary balance loss is on the step loss's scale), and after the optimizer
     # `end_step(groups, finite)`, which sums the step's expert loads over the ranks that split its tokens, moves the
-    # balancing biases unless the step was skipped, and returns the step's routing metrics (titan/models/moe/).
+    # balancing biases unless the step was skipped, and returns the step's routing metrics (titan/models/moe/);
+    # `split_rows(cp_group, tp_group)` names the groups that split each row's tokens (None: not split there).
     routing: Any
 
     def __call__(

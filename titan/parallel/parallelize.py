@@ -180,6 +180,9 @@ def parallelize(
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
     if layout.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
+    if model.routing is not None:
+        # A mixture of experts' balance loss counts each row whole over the ranks that split its tokens.
+        model.routing.split_rows(*(mesh[d].get_group() if getattr(layout, d) > 1 else None for d in ("cp", "tp")))
     apply_activation_checkpointing(blocks, checkpointing, config.activation_checkpoint.save_ops)
     if config.compile.enable:
         import torch._inductor.config as inductor  # a process-wide setting: every compiled block follows the recipe

@@ -23,6 +23,7 @@ from titan.parallel.cp.ring import all_reduce_gradients
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.float8 import precomputes_scales
 from titan.parallel.parallelize import ModelParts
+from titan.parallel.tp import gradient_shares
 from titan.rng import dropout_step
 from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan
@@ -42,6 +43,7 @@ class StepRules:
     loss_parallel: bool  # the output projection's logits stay sharded over tp into the loss
     autocast: bool  # bf16 matmuls on fp32 parameters (bf16 without FSDP; with FSDP its policy casts)
     cp_gradient_group: dist.ProcessGroup | None  # without FSDP, the cp ranks sum their gradients themselves
+    tp_gradient_group: dist.ProcessGroup | None  # tp ranks sum their own tokens' gradients (titan/parallel/tp.py)
     pp_group: dist.ProcessGroup | None  # the gradient norm sums over pipeline stages
     loss_groups: tuple[dist.ProcessGroup, ...]  # where the ranks' loss shares are summed
     token_groups: tuple[dist.ProcessGroup, ...]  # the ranks that split the step's tokens: expert loads sum over them
@@ -56,9 +58,11 @@ class StepRules:
             loss_parallel=layout.tp > 1 and config.parallel.loss_parallel,
             autocast=plan.precision.autocast,
             cp_gradient_group=mesh["cp"].get_group() if layout.cp > 1 and layout.dp == 1 else None,
+            tp_gradient_group=mesh["tp"].get_group() if layout.tp > 1 else None,
             pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
             loss_groups=tuple(mesh[d].get_group() for d in ("dp", "cp", "pp") if getattr(layout, d) > 1),
-            token_groups=tuple(mesh[d].get_group() for d in ("dp", "cp") if getattr(layout, d) > 1),
+            # A mixture of experts splits its tokens over tp too (titan/models/moe/parallelize.py).
+            token_groups=tuple(mesh[d].get_group() for d in ("dp", "cp", "tp") if getattr(layout, d) > 1),
             max_grad_norm=config.training.max_grad_norm or math.inf,
             float8_scales=precomputes_scales(config, layout),
         )
@@ -72,14 +76,19 @@ class StepRules:
         return torch.autocast(device_type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
     def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> tuple[torch.Tensor, dict]:
-        """After the step's backwards: sum the gradients where FSDP did not, clip by the global gradient norm, step,
-        drop the gradients, precompute float8's scales, move a mixture of experts' balancing biases, advance the lr;
-        returns the norm and the step's routing metrics (tensors). A NaN or inf norm leaves the weights, biases and
-        optimizer state as they were, decided on the device (the host reads the norm later)."""
+        """After the step's backwards: sum the gradients where FSDP did not, and those whose shares tp ranks hold,
+        clip by the global gradient norm, step, drop the gradients, precompute float8's scales, move a mixture of
+        experts' balancing biases, advance the lr; returns the norm and the step's routing metrics (tensors). A NaN
+        or inf norm leaves the weights, biases and optimizer state as they were, decided on the device (the host
+        reads the norm later)."""
         params = [p for part in parts for p in part.parameters()]
         if self.cp_gradient_group is not None:
             with clock.phase("backward"):
                 all_reduce_gradients(params, self.cp_gradient_group)
+        shares = gradient_shares(parts) if self.tp_gradient_group is not None else []
+        if shares:
+            with clock.phase("backward"):
+                all_reduce_gradients(shares, self.tp_gradient_group)
         with clock.phase("optimizer"):  # with the gradient-norm all-reduce
             grad_norm = clip_grad_norm_(params, self.max_grad_norm, self.pp_group)
             skip_if_nonfinite(optimizer, grad_norm)

@@ -35,16 +35,15 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         with record_function("moe.router"):  # profiler marks: scripts/bench.py --compare moe sums them
             scores, experts, weights = self.router(tokens)
-            balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing.loss_scale)
+            balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing)
             # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
             order = experts.flatten().argsort(stable=True)
             counts = expert_counts(experts, self.n_experts)
         routed = self.experts(tokens[order // self.top_k], counts)
         per_pair = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim)
-        out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1)  # in expert order
+        out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1).view(rows, seq, dim)  # in expert order
         if self.shared is not None:
-            out = out + self.shared(tokens)
-        out = out.view(rows, seq, dim)
+            out = out + self.shared(x)  # (rows, seq, dim): tensor parallelism splits it as a dense feed-forward
         return out if balance_loss is None else BalanceLoss.apply(out, balance_loss)
 
 
@@ -54,6 +53,11 @@ class MoETransformer(Transformer):
     def __init__(self, args: MoEArgs, traceable: bool = False):
         self.routing = Routing(self, args.bias_update_rate)  # before the blocks, which share it
         super().__init__(args, traceable)
+
+    def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False):
+        """Llama's; the routing notes whether the rows are this rank's own (`local`), not split over a cp group."""
+        self.routing.local = local
+        return super().forward(tokens, rows, document_ids, cache, local)
 
     def block(self, layer_id: int) -> TransformerBlock:
         args = self.args

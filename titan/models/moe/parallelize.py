@@ -1,29 +1,83 @@
-"""How the MoE family is parallelised. Its blocks, pipeline stages and their tensors are Llama's
-(titan/models/llama/parallelize.py); what differs is what the degrees must divide."""
+"""How the MoE family is parallelised. Its blocks and pipeline stages are Llama's (titan/models/llama/parallelize.py),
+and so is its tensor-parallel plan but for the MoE layers: each tp rank routes and computes its own share of the
+sequence, with the router and the routed experts whole on it (or split over the ep group of the ranks with its tp
+index), and the shared experts split as a dense feed-forward."""
 
 from __future__ import annotations
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
+
 from titan.models.llama import parallelize as llama
 from titan.models.moe.args import MoEArgs
+from titan.models.moe.model import MoE, MoETransformer
 
 
 def check_parallelism(args: MoEArgs, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
     """Raise ValueError when the degrees cannot split this model."""
-    if cp > 1 and args.aux_loss_coef:
-        raise ValueError(
-            f"parallel.cp = {cp} with the balance loss (model aux_loss_coef {args.aux_loss_coef}) is not supported "
-            "yet: it counts each row's tokens per expert on one rank, and context parallelism splits a row's "
-            "tokens over the cp group; set model.overrides.aux_loss_coef = 0 (the bias balances alone) or "
-            "parallel.cp = 1"
-        )
     if args.n_experts % ep:
         raise ValueError(
             f"parallel.ep = {ep} must divide the model's n_experts ({args.n_experts}): each expert-parallel rank "
             "holds as many experts; use a divisor of n_experts"
         )
-    if tp > 1:
-        raise ValueError(
-            f"parallel.tp = {tp} is not supported for the moe family yet (tensor parallelism of the routed "
-            "experts is not built); use parallel.tp = 1"
-        )
     llama.check_parallelism(args, tp, pp_stages)
+    shared = args.n_shared_experts * args.expert_hidden_dim
+    if shared % tp:
+        raise ValueError(
+            f"parallel.tp = {tp} must divide the model's shared experts' width ({args.n_shared_experts} x "
+            f"{args.expert_hidden_dim}): tensor parallelism splits their hidden units as a dense feed-forward's; "
+            f"use a parallel.tp that divides {shared}"
+        )
+
+
+def tp_plan(
+    model: MoETransformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
+) -> dict[str, nn.Module]:
+    """Llama's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE layer,
+    the layer on this rank's sequence shard (TokenShards) and its shared experts split as Llama's feed-forward:
+    w1 and w3 by output columns, w2 by input rows, on the layer's tokens gathered over tp."""
+    colwise, rowwise, prepare_input = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    plan = llama.tp_plan(model, sequence_parallel, loss_parallel, styles)
+    for name, block in model.layers.items():
+        if not isinstance(block.feed_forward, MoE):
+            continue
+        moe = f"layers.{name}.feed_forward"
+        for linear in ("w1", "w2", "w3"):
+            del plan[f"{moe}.{linear}"]  # Llama's dense feed-forward, which this layer has not
+        plan[moe] = TokenShards(Shard(1) if sequence_parallel else Replicate())
+        if block.feed_forward.shared is not None:
+            plan[f"{moe}.shared"] = prepare_input(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+            plan[f"{moe}.shared.w1"] = colwise()
+            plan[f"{moe}.shared.w3"] = colwise()
+            plan[f"{moe}.shared.w2"] = rowwise(output_layouts=Shard(1))
+    return plan
+
+
+class TokenShards(PrepareModuleInputOutput):
+    """A MoE layer on its tp rank's share of the sequence (Shard(1): the sequence-parallel shard as it comes, or,
+    without sequence parallelism, a slice of the replicated tokens, gathered back after). Its router and routed
+    experts see only these tokens, so tp ranks route distinct tokens as data-parallel ranks do: no token is
+    computed twice, and each rank's gradients of them are its tokens' share, which the step sums over tp."""
+
+    def __init__(self, between: Placement):
+        super().__init__(
+            input_layouts=(between,),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(between,),
+        )
+
+    def _apply(self, module: MoE, device_mesh: DeviceMesh) -> nn.Module:
+        for whole in (module.router, module.experts):
+            whole.tp_gradient_shares = True  # the model contract's mark: the step sums their gradients over tp
+        return super()._apply(module, device_mesh)

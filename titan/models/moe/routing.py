@@ -10,8 +10,10 @@ tokens are split over ranks:
 * The sequence-level auxiliary loss, per row r: aux_loss_coef * sum_i f_ri P_ri, with f_ri = n_experts / (top_k T)
   x the row's tokens routed to expert i and P_ri = the mean over its T tokens of expert i's normalised score. A row
   weighs T / (the step's loss tokens) in the step, as the token loss's rows do, so the sum over the global batch is
-  the same whichever ranks hold the rows. Its gradient reaches the router inside the backward (BalanceLoss), so a
-  pipeline stage needs nothing of the last stage's loss.
+  the same whichever ranks hold the rows. Where a row's tokens are split over ranks (context parallelism's ring,
+  tensor parallelism's sequence shards), its counts are summed over them first, so f_ri is the whole row's. Its
+  gradient reaches the router inside the backward (BalanceLoss), so a pipeline stage needs nothing of the last
+  stage's loss.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Tokens per expert, (n_experts,): bincount's sum with its shape fixed, as titan plan's fake tensors need."""
     flat = experts.flatten()
     return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+# The all-reduce runs eagerly in a compiled block.
+@torch.compiler.disable
+def whole_rows(counts: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """Each row's counts (rows, n_experts) summed over the process groups that split its tokens."""
+    for group in groups:
+        dist.all_reduce(counts, group=group)
+    return counts
 
 
 def counting() -> bool:
@@ -70,10 +81,11 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return scores, experts, weights * self.route_scale
 
-    def account(self, scores: torch.Tensor, experts: torch.Tensor, rows: int, coef: float, loss_scale: torch.Tensor):
+    def account(self, scores: torch.Tensor, experts: torch.Tensor, rows: int, coef: float, routing: Routing):
         """Count this forward's tokens per expert for the step's bias update, and return its balance loss (None
-        without one): scores and experts of `rows` whole rows, in row order. Activation checkpointing's
-        recomputation computes the loss again, as its backward needs the same graph, but counts nothing."""
+        without one) on the step loss's scale (`routing`'s): scores and experts of `rows` rows, in row order, each
+        row's tokens split over `routing.row_groups()`. Activation checkpointing's recomputation computes the loss
+        again, as its backward needs the same graph, but counts nothing."""
         if not torch.is_grad_enabled():
             return None
         n_experts, first = scores.shape[-1], counting()
@@ -84,12 +96,14 @@ class Router(nn.Module):
         per_row = torch.zeros(rows, n_experts, device=experts.device).scatter_add_(
             1, experts.view(rows, -1), torch.ones_like(experts, dtype=torch.float32).view(rows, -1)
         )
-        tokens = scores.shape[0] // rows
-        frequency = per_row * (n_experts / (self.top_k * tokens))  # f_ri: no gradient flows through the choice
+        per_row = whole_rows(per_row, routing.row_groups())
+        tokens = per_row.sum(dim=-1, keepdim=True) / self.top_k  # the whole row's T
+        frequency = per_row * (n_experts / self.top_k) / tokens  # f_ri: no gradient flows through the choice
         normalised = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-        # sum_r sum_t sum_i f_ri s_ti = sum_r T sum_i f_ri P_ri: each row's loss weighted by its tokens.
-        weighted = (frequency.unsqueeze(1) * normalised.view(rows, tokens, -1)).sum()
-        loss = weighted * (coef * loss_scale.to(weighted.device))
+        # sum_r sum_t sum_i f_ri s_ti = sum_r T sum_i f_ri P_ri: each row's loss weighted by its tokens (a rank's
+        # share: the sum over this rank's tokens t of the row).
+        weighted = (frequency.unsqueeze(1) * normalised.view(rows, -1, n_experts)).sum()
+        loss = weighted * (coef * routing.loss_scale.to(weighted.device))
         if first:
             self.balance_loss += loss.detach()
         return loss
@@ -103,6 +117,20 @@ class Routing:
         self.model, self.bias_update_rate = model, bias_update_rate
         # A tensor, not a float: a compiled block then reads its value rather than recompiling for each new one.
         self.loss_scale = torch.ones((), device="cpu")  # models are built on the meta device
+        # The process groups that split a row's tokens (split_rows), and whether this forward's rows are the rank's
+        # own, whole on its context-parallel group (a local micro-batch).
+        self.cp_group = self.tp_group = None
+        self.local = False
+
+    def split_rows(self, cp_group, tp_group) -> None:
+        """Context parallelism's group (None: none), whose ring splits each row's tokens, and tensor parallelism's
+        (None: none), over whose ranks the MoE layers split each row's positions."""
+        self.cp_group, self.tp_group = cp_group, tp_group
+
+    def row_groups(self) -> tuple:
+        """The groups that split this forward's rows: the cp group (but for a rank's own rows) and the tp group."""
+        ring = None if self.local else self.cp_group
+        return tuple(group for group in (ring, self.tp_group) if group is not None)
 
     def set_loss_scale(self, scale: float) -> None:
         self.loss_scale.fill_(scale)

@@ -21,12 +21,13 @@ def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, routed: Route
     """The bytes a rank's all-to-alls carry per step in their busier direction: per MoE layer and micro-batch, the
     dispatch and the combine forward, their mirrors backward and, in a block that recomputes, its forward's again,
     each the f T k / ep rows (f the load imbalance, T the rank's tokens, top k) of dim x bytes that the most loaded
-    rank receives from each of the ep - 1 others; and once per forward the experts' token counts (int64, an even
+    rank receives from each of the ep - 1 others (a rank routes its share of each row's positions: over cp, and in
+    the MoE layers over tp); and once per forward the experts' token counts (int64, an even
     share each)."""
     layout, config = estimate.layout, estimate.config
     if layout.ep == 1:
         return 0
-    pairs = estimate.rows * config.training.seq_len // layout.cp * routed.top_k
+    pairs = estimate.rows * config.training.seq_len // (layout.cp * layout.tp) * routed.top_k
     received = round(config.plan.moe_load_imbalance * pairs / layout.ep) * (layout.ep - 1)
     row = routed.width * (2 if estimate.run.precision.stream_bf16 else 4)
     mode = config.activation_checkpoint.mode  # auto was traced as full, and planned: rank.checkpointing
