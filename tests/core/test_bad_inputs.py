@@ -809,6 +809,8 @@ CASES = [
      ["plan.moe_load_imbalance must be >= 1", "got 0.5"]),
     ("tokens batching with the balance loss", "show", ["--model.name", "moe", "--data.batching", "tokens"], None, {},
      ["does not support the balance loss", "each row's tokens", "set aux_loss_coef to 0 (the bias balances alone)"]),
+    ("unknown text unit", "show", ["--data.text_unit", "sentence"], None, {},
+     ["data.text_unit", "'paragraph'", "sentence"]),
 ]  # fmt: skip
 
 
