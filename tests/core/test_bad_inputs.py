@@ -810,6 +810,8 @@ CASES = [
     ("tp not dividing the shared experts", "show", ["--model.name", "moe", "--parallel.tp", "2",
      "--model.overrides.n_shared_experts", "1", "--model.overrides.expert_hidden_dim", "177"], None,
      {"WORLD_SIZE": "2"}, ["parallel.tp = 2 must divide the model's shared experts' width (1 x 177)"]),
+    ("unknown text unit", "show", ["--data.text_unit", "sentence"], None, {},
+     ["data.text_unit", "'paragraph'", "sentence"]),
 ]  # fmt: skip
 
 

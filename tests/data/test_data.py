@@ -88,6 +88,7 @@ weight = 3.0
 [[data.sources]]
 source = "{other}"
 weight = 1.0
+text_unit = "line"
 """
     )
     result = run_titan(

@@ -77,7 +77,7 @@ def test_a_folder_of_text_files_reads_in_file_order_one_document_per_line(tmp_pa
     (tmp_path / "corpus" / "b").mkdir(parents=True)
     (tmp_path / "corpus" / "a.txt").write_text("first line\nsecond line\n")
     (tmp_path / "corpus" / "b" / "c.txt").write_text("third line\n\nfourth line\n")
-    path = prepare(DataSource(str(tmp_path / "corpus")), TOKENIZER, tmp_path / "cache", 1, False)
+    path = prepare(DataSource(str(tmp_path / "corpus"), text_unit="line"), TOKENIZER, tmp_path / "cache", 1, False)
     documents = PreparedDocuments(path)
     tokenizer = Tokenizer(TOKENIZER)
     assert [tokenizer.decode(documents.tokens(i, 1, -1).tolist()) for i in range(documents.n_documents)] == [
@@ -350,6 +350,7 @@ BAD_SOURCES = {
     "missing_text_field": ("corpus.jsonl", b'{"body": "a"}\n', ["corpus.jsonl", "'text'", "body"]),
     "non_text_field": ("corpus.jsonl", b'{"text": "a"}\n{"text": 5}\n', ["corpus.jsonl", "record 2", "int"]),
     "text_field_in_some": ("corpus.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["corpus.jsonl", "record 2", "'text'"]),
+    "corrupt_gzip": ("corpus.txt.gz", b"not gzip data\n", ["corpus.txt.gz", "Not a gzipped file"]),
 }
 
 

@@ -43,12 +43,14 @@ class DataSource:
     source: str = "data/stories.jsonl"
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"  # auto: from the files' suffixes
     text_field: str = "text"  # the record field holding the document's text (json, parquet, hub)
-    split: str = "train"  # the hub dataset's split
+    split: str = "train"  # the hub dataset's split, or a saved DatasetDict's (save_to_disk)
     subset: str = ""  # the hub dataset's configuration name, if it has several
     # The hub dataset's revision (branch, tag or commit; "" = its default branch), part of the prepared tokens' key:
     # pin a commit to read, and reuse, the same documents whatever the hub holds later.
     revision: str = ""
     weight: float = 1.0  # in a mixture: this source's share of the training samples, relative to the others
+    # A .txt file's documents: the whole file (a book), its paragraphs (split at blank lines), or each line.
+    text_unit: Literal["file", "paragraph", "line"] = "file"
 
 
 # A mixture's sources take turns in a pattern of samples, repeated (titan/data/loader.py's Blend), in which each
@@ -74,6 +76,7 @@ class Data:
     source: str = "data/stories.jsonl"  # a local file or folder, a HF hub dataset, or "titan:shakespeare"
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
+    text_unit: Literal["file", "paragraph", "line"] = "file"  # .txt: a document per file; or per "paragraph", or "line"
     split: str = "train"
     subset: str = ""
     revision: str = ""
@@ -100,7 +103,11 @@ class Data:
         """The sources to blend: [[data.sources]], or the single source these keys describe."""
         if self.sources:
             return self.sources
-        return [DataSource(self.source, self.format, self.text_field, self.split, self.subset, self.revision, 1.0)]
+        return [
+            DataSource(
+                self.source, self.format, self.text_field, self.split, self.subset, self.revision, 1.0, self.text_unit
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class Validation:
     source: str = ""  # a separate source of validation documents; "" = hold out `fraction` of the training ones
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
+    text_unit: Literal["file", "paragraph", "line"] = "file"  # as data.text_unit
     split: str = "validation"
     revision: str = ""
 

@@ -39,7 +39,9 @@ def open_prepared(config: Config, source: DataSource):
 
 def validation_source(config: Config) -> DataSource | None:
     v = config.validation
-    return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision) if v.source else None
+    if not v.source:
+        return None
+    return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision, text_unit=v.text_unit)
 
 
 def split(config: Config, documents) -> tuple[Split, Split]:

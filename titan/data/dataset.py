@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +15,10 @@ from titan.errors import ConfigError, import_extra
 from titan.progress import Progress
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_COMPRESSED = (".gz", ".bz2", ".zst")  # text and JSON files read as streams ("a.txt.gz", "web.jsonl.zst")
+# A document is tokenized whole, and the tokenizer holds hundreds of bytes per token while it works (2.7 GB for
+# 16M characters): a longer one (a .txt file read whole, or a paragraph) is refused rather than read.
+MAX_DOCUMENT_CHARS = 32 * 2**20
 
 
 @dataclass
@@ -21,7 +28,7 @@ class Documents:
 
     cfg: Data | DataSource
     path: str  # cfg.source, with a `titan:` corpus resolved to its local file
-    fmt: str  # text, json, parquet or hub
+    fmt: str  # text, json, parquet, arrow (a dataset saved by HF datasets) or hub
     files: list[Path]  # the local files in reading order; empty for a hub dataset
 
     @property
@@ -29,21 +36,51 @@ class Documents:
         return sum(f.stat().st_size for f in self.files)
 
 
+def _format_of(file: Path) -> str | None:
+    """The format a file's name says: text for "a.txt" and "a.txt.gz", json for "web.jsonl.zst", else None."""
+    if file.suffix in _COMPRESSED:
+        fmt = _FORMAT_BY_SUFFIX.get(Path(file.stem).suffix)
+        return fmt if fmt in ("text", "json") else None  # parquet compresses inside; a compressed one is not read
+    return _FORMAT_BY_SUFFIX.get(file.suffix)
+
+
 def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
     files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     if fmt == "auto":
-        formats = {_FORMAT_BY_SUFFIX.get(p.suffix) for p in files} - {None}
+        formats = {_format_of(p) for p in files} - {None}
         if len(formats) != 1:
-            found = sorted(formats) or "no .txt/.jsonl/.json/.parquet files"
+            found = sorted(formats) or "no .txt/.jsonl/.json/.parquet files, plain or .gz/.bz2/.zst"
             raise ConfigError(
                 f"data.source: cannot tell the format of {source} (found {found}); "
                 "set data.format to text, json or parquet"
             )
         fmt = formats.pop()
-    files = [p for p in files if _FORMAT_BY_SUFFIX.get(p.suffix) == fmt] if source.is_dir() else [source]
+    files = [p for p in files if _format_of(p) == fmt] if source.is_dir() else [source]
     if not files:
         raise ConfigError(f"data.source: no {fmt} files in {source}")
     return fmt, files
+
+
+def _saved_dataset(source: Path, split: str) -> tuple[Path, list[Path]] | None:
+    """A folder HF datasets' save_to_disk wrote: (the folder of its Dataset, or of the `split` of a DatasetDict,
+    and that Dataset's .arrow files in order), else None."""
+    try:
+        if (source / "dataset_dict.json").is_file():  # a DatasetDict: a Dataset's folder per split
+            splits = json.loads((source / "dataset_dict.json").read_text())["splits"]
+            if split not in splits:
+                raise ConfigError(
+                    f"data.split: {source} holds the splits {', '.join(splits)}, not {split!r}; set data.split "
+                    "to one of them"
+                )
+            source = source / split
+        if not (source / "state.json").is_file():
+            return None
+        state = json.loads((source / "state.json").read_text())
+        return source, [source / file["filename"] for file in state["_data_files"]]
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # malformed JSON, or not the layout datasets writes
+        raise ConfigError(f"data.source: {source} is not a folder datasets' save_to_disk wrote: {e!r}") from None
 
 
 def open_documents(cfg: Data | DataSource) -> Documents:
@@ -54,11 +91,15 @@ def open_documents(cfg: Data | DataSource) -> Documents:
 
         path = resolve_source(path)
     source = Path(path).expanduser()
-    looks_local = source.exists() or path.startswith((".", "/", "~")) or source.suffix in _FORMAT_BY_SUFFIX
+    looks_local = source.exists() or path.startswith((".", "/", "~")) or _format_of(source) is not None
     if cfg.format == "hub" or not looks_local:
         return Documents(cfg, path, "hub", [])
     if not source.exists():
         raise ConfigError(f"data.source: file or folder not found: {source}")
+    # "arrow" is no format a recipe names: it is what a saved dataset's prepared tokens record (titan data ls).
+    if cfg.format in ("auto", "arrow") and (saved := _saved_dataset(source, cfg.split)):
+        source, files = saved
+        return Documents(cfg, str(source), "arrow", files)
     fmt, files = _local_files(source, cfg.format)
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"data.source: {cfg.source} has no documents (empty files)")
@@ -75,10 +116,11 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
     if file is None:
         yield from _hub_texts(documents)
         return
+    read = _TEXT_READERS[cfg.text_unit] if documents.fmt == "text" else _LOCAL_READERS[documents.fmt]
     try:
-        for number, text in enumerate(_LOCAL_READERS[documents.fmt](file, cfg.text_field, str(file)), 1):
+        for text in read(file, cfg.text_field, str(file)):
             if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
-                raise ConfigError(_unreadable(file, "text", f"line {number} holds NUL bytes (binary data?)"))
+                raise ConfigError(_unreadable(file, "text", "holds NUL bytes (binary data?)"))
             yield text
     except ConfigError:
         raise
@@ -86,21 +128,76 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
         raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
 
 
-# Local files are read here rather than through HF datasets, which a cluster image may lack: one record per line
-# of a text file (newline dropped, as datasets' text loader does), one JSON object per line or one JSON array of
-# them, and a parquet column through pyarrow.
+# Local files are read here rather than through HF datasets, which a cluster image may lack: a text file whole,
+# by paragraph or by line (newline dropped, as datasets' text loader does), one JSON object per line or one JSON
+# array of them, a parquet column through pyarrow. Text and JSON files may be compressed: they are read as streams.
+
+
+def _open_binary(file: Path) -> io.BufferedIOBase:
+    if file.suffix == ".gz":
+        return gzip.open(file)
+    if file.suffix == ".bz2":
+        return bz2.open(file)
+    if file.suffix == ".zst":
+        zstandard = import_extra("zstandard", "zstd", f"reading {file} (zstd)")
+        # Across frames: a file of concatenated frames is one stream. Long-window files (zstd --long) read too.
+        reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(
+            open(file, "rb"), read_across_frames=True
+        )
+        return io.BufferedReader(reader)  # its own reader reads no lines
+    return open(file, "rb")
+
+
+def _open_text(file: Path, encoding: str = "utf-8") -> io.TextIOWrapper:
+    return io.TextIOWrapper(_open_binary(file), encoding=encoding)  # universal newlines: \r\n and \r end a line
+
+
+def _text_file(file: Path, field: str, where: str) -> Iterator[str]:
+    with _open_text(file) as f:
+        text = f.read(MAX_DOCUMENT_CHARS + 1)
+    if len(text) > MAX_DOCUMENT_CHARS:
+        raise ConfigError(
+            f"data.text_unit: {where} is one document of over {MAX_DOCUMENT_CHARS:,} characters, more than titan "
+            "tokenizes at once; set data.text_unit = 'paragraph' or 'line' to split it, or split the file"
+        )
+    yield text
+
+
+def _text_paragraphs(file: Path, field: str, where: str) -> Iterator[str]:
+    with _open_text(file) as f:
+        lines, chars = [], 0
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                lines.append(line)
+                chars += len(line)
+                if chars > MAX_DOCUMENT_CHARS:
+                    raise ConfigError(
+                        f"data.text_unit: the paragraph at line {number - len(lines) + 1} of {where} runs over "
+                        f"{MAX_DOCUMENT_CHARS:,} characters, more than titan tokenizes at once; set "
+                        "data.text_unit = 'line', or add blank lines between its paragraphs"
+                    )
+            elif lines:  # a blank line (or one of spaces) ends a paragraph
+                yield "".join(lines).removesuffix("\n")
+                lines, chars = [], 0
+        if lines:
+            yield "".join(lines).removesuffix("\n")
 
 
 def _text_lines(file: Path, field: str, where: str) -> Iterator[str]:
-    with open(file, encoding="utf-8") as f:  # universal newlines: \r\n and \r end a line too
+    with _open_text(file) as f:
         for line in f:
             yield line.removesuffix("\n")
 
 
+def _json_array(file: Path) -> bool:
+    """Whether a JSON file holds one array of records, rather than one record per line."""
+    with _open_text(file, "utf-8-sig") as f:
+        return f.read(4096).lstrip().startswith("[")
+
+
 def _json_records(file: Path, field: str, where: str) -> Iterator[str]:
-    with open(file, encoding="utf-8-sig") as f:
-        array = f.read(4096).lstrip().startswith("[")  # one JSON array of records, else one record per line
-        f.seek(0)
+    array = _json_array(file)
+    with _open_text(file, "utf-8-sig") as f:
         if array:
             records = enumerate(json.load(f), 1)
         else:
@@ -114,19 +211,30 @@ def _json_records(file: Path, field: str, where: str) -> Iterator[str]:
 def _parquet_records(file: Path, field: str, where: str) -> Iterator[str]:
     parquet = import_extra("pyarrow.parquet", "hub", f"reading {file.name} (parquet)")
     table = parquet.ParquetFile(file)
-    if field not in table.schema_arrow.names:
-        raise ConfigError(
-            f"data.text_field: records of {where} have no field {field!r}; "
-            f"fields: {', '.join(table.schema_arrow.names)}"
-        )
-    number = 0
-    for batch in table.iter_batches(columns=[field]):
-        for text in batch.column(0).to_pylist():
-            number += 1
-            yield _field_text({field: text}, field, number, where)
+    _check_column(table.schema_arrow.names, field, where)
+    texts = (text for batch in table.iter_batches(columns=[field]) for text in batch.column(0).to_pylist())
+    for number, text in enumerate(texts, 1):
+        yield _field_text({field: text}, field, number, where)
 
 
-_LOCAL_READERS = {"text": _text_lines, "json": _json_records, "parquet": _parquet_records}
+def _arrow_records(file: Path, field: str, where: str) -> Iterator[str]:
+    """One .arrow file of a dataset HF datasets saved (save_to_disk), memory-mapped: read by file, as the other
+    formats are, so that a preparation's units, progress and errors name the file."""
+    datasets = import_extra("datasets", "hub", f"reading {file} (a dataset saved by datasets' save_to_disk)")
+    dataset = datasets.Dataset.from_file(str(file))
+    _check_column(dataset.column_names, field, where)
+    texts = (text for batch in dataset.select_columns([field]).iter(batch_size=1024) for text in batch[field])
+    for number, text in enumerate(texts, 1):
+        yield _field_text({field: text}, field, number, where)
+
+
+def _check_column(columns: list[str], field: str, where: str) -> None:
+    if field not in columns:
+        raise ConfigError(f"data.text_field: records of {where} have no field {field!r}; fields: {', '.join(columns)}")
+
+
+_TEXT_READERS = {"file": _text_file, "paragraph": _text_paragraphs, "line": _text_lines}
+_LOCAL_READERS = {"json": _json_records, "parquet": _parquet_records, "arrow": _arrow_records}
 
 
 def _field_text(record: dict, field: str, number: int, where: str) -> str:
@@ -180,16 +288,19 @@ def _split_records(dataset, split: str) -> int | None:
 
 def _unreadable(file: Path, fmt: str, error: str) -> str:
     """The message for a local file the reader failed on: binary data, or the first malformed JSON line."""
-    if fmt in ("text", "json") and (binary := _binary_line(file)):
-        return f"data.source: {file} is not a text file: {binary}; remove it from the source"
-    if fmt == "json" and (bad := _bad_json_line(file)):
-        return f"data.source: {file}: {bad}; fix or remove that line"
+    try:
+        if fmt in ("text", "json") and (binary := _binary_line(file)):
+            return f"data.source: {file} is not a text file: {binary}; remove it from the source"
+        if fmt == "json" and (bad := _bad_json_line(file)):
+            return f"data.source: {file}: {bad}; fix or remove that line"
+    except Exception:  # a damaged compressed file fails here as it did in the reader: the reader's error says it
+        pass
     return f"data.source: could not read {file} as {fmt}: {error}"
 
 
 def _binary_line(file: Path) -> str | None:
     """Where a file first holds a NUL byte or invalid UTF-8, e.g. 'line 3 holds NUL bytes (binary data?)'."""
-    with open(file, "rb") as f:
+    with _open_binary(file) as f:
         for number, line in enumerate(f, 1):
             if b"\x00" in line:
                 return f"line {number} holds NUL bytes (binary data?)"
@@ -205,15 +316,14 @@ def _bad_json_line(file: Path) -> str | None:
 
     A parse error names a column of the line it was given; on one, the file is read again for the line number.
     """
-    with open(file, encoding="utf-8-sig") as f:
-        if f.read(4096).lstrip().startswith("["):  # one JSON array: parse it whole
-            f.seek(0)
+    array = _json_array(file)
+    with _open_text(file, "utf-8-sig") as f:
+        if array:  # one JSON array: parse it whole
             try:
                 json.load(f)
             except json.JSONDecodeError as e:
                 return f"line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
             return None
-        f.seek(0)
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -130,6 +130,9 @@ def _identity(documents: Documents, tokenizer_cfg: TokenizerConfig, tokenizer_js
             "format": documents.fmt,
             "text_field": cfg.text_field,
         }
+        # Text files by line, as titan read them before text_unit, keep the key they had then.
+        if documents.fmt == "text" and cfg.text_unit != "line":
+            source["text_unit"] = cfg.text_unit
     else:
         source = {"hub": documents.path, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field}
         if cfg.revision:

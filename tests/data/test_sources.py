@@ -1,0 +1,161 @@
+"""Local sources as users have them: .txt read by file, paragraph or line, compressed text and JSON lines, folders
+of parquet files, and datasets saved with HF datasets' save_to_disk."""
+
+import bz2
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DEBUG_RECIPE, ROOT, run_titan
+from titan.config import DataSource
+from titan.config import Tokenizer as TokenizerConfig
+from titan.data import dataset
+from titan.data.prepared import PreparedDocuments, cached_sources, prepare
+from titan.data.tokenizer import Tokenizer
+from titan.errors import ConfigError
+
+TOKENIZER = TokenizerConfig(path=str(ROOT / "data" / "tokenizer.json"))
+# Three small books: a title, paragraphs of one or more lines, blank lines (one holds spaces) between them.
+BOOKS = {
+    "a.txt": "THE CAT\n\nThe cat sat on the mat.\nIt looked at the sun.\n\nThe end.\n",
+    "b.txt": "THE DOG\n\n\nThe dog ran.\n   \nIt ran far away,\nand home again.\n",
+    "c.txt": "A POEM\n\nRoses are red.\n",
+}
+TEXTS = [f"Story {i}: " + "the cat sat on the mat and looked at the sun. " * (i % 5) for i in range(20)]
+
+
+def write_books(folder: Path, compress=None, suffix: str = "") -> Path:
+    folder.mkdir()
+    for name, text in BOOKS.items():
+        data = text.encode()
+        (folder / (name + suffix)).write_bytes(compress(data) if compress else data)
+    return folder
+
+
+def texts_of(path: Path) -> list[list[int]]:
+    """The tokens of each document of a prepared folder."""
+    documents = PreparedDocuments(path)
+    return [documents.tokens(i).tolist() for i in range(documents.n_documents)]
+
+
+def encoded(texts: list[str]) -> list[list[int]]:
+    tokenizer = Tokenizer(TOKENIZER)
+    return [tokenizer.encode(t) for t in texts]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def test_a_txt_file_is_one_document_by_default_or_one_per_paragraph_or_line(tmp_path):
+    books = write_books(tmp_path / "books")
+    cache = tmp_path / "cache"
+    by_file = prepare(DataSource(str(books)), TOKENIZER, cache, 1, False)
+    assert texts_of(by_file) == encoded(list(BOOKS.values()))
+    paragraphs = [
+        "THE CAT", "The cat sat on the mat.\nIt looked at the sun.", "The end.",
+        "THE DOG", "The dog ran.", "It ran far away,\nand home again.",
+        "A POEM", "Roses are red.",
+    ]  # fmt: skip
+    by_paragraph = prepare(DataSource(str(books), text_unit="paragraph"), TOKENIZER, cache, 1, False)
+    assert texts_of(by_paragraph) == encoded(paragraphs)
+    lines = [line for text in BOOKS.values() for line in text.splitlines() if line.strip()]
+    by_line = prepare(DataSource(str(books), text_unit="line"), TOKENIZER, cache, 1, False)
+    assert texts_of(by_line) == encoded(lines)
+    # The unit is part of the prepared tokens' key: each unit has its own folder.
+    assert len({by_file, by_paragraph, by_line}) == 3
+
+
+COMPRESSIONS = {
+    "gz": gzip.compress,
+    "bz2": bz2.compress,
+    "zst": lambda data: __import__("zstandard").ZstdCompressor().compress(data),
+}
+
+
+@pytest.mark.parametrize("suffix", COMPRESSIONS)
+def test_compressed_text_and_json_lines_give_the_documents_of_the_plain_files(tmp_path, suffix):
+    compress, cache = COMPRESSIONS[suffix], tmp_path / "cache"
+    plain_books = write_books(tmp_path / "plain")
+    packed_books = write_books(tmp_path / "packed", compress, f".{suffix}")
+    for unit in ("file", "paragraph", "line"):
+        plain = prepare(DataSource(str(plain_books), text_unit=unit), TOKENIZER, cache, 1, False)
+        packed = prepare(DataSource(str(packed_books), text_unit=unit), TOKENIZER, cache, 1, False)
+        assert texts_of(packed) == texts_of(plain), unit
+    jsonl = write_jsonl(tmp_path / "web.jsonl", TEXTS)
+    packed_jsonl = tmp_path / f"web.jsonl.{suffix}"
+    packed_jsonl.write_bytes(compress(jsonl.read_bytes()))
+    assert texts_of(prepare(DataSource(str(packed_jsonl)), TOKENIZER, cache, 1, False)) == encoded(TEXTS)
+
+
+def test_zstd_without_zstandard_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    source = tmp_path / "web.jsonl.zst"
+    source.write_bytes(b"(\xb5/\xfd")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed: importing it fails
+    with pytest.raises(ConfigError) as error:
+        prepare(DataSource(str(source)), TOKENIZER, tmp_path / "cache", 1, False)
+    message = str(error.value)
+    assert "\n" not in message and "web.jsonl.zst" in message and "titan-pretrain[zstd]" in message
+
+
+def test_a_folder_of_parquet_files_gives_the_documents_of_its_files_in_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "corpus").mkdir()
+    for i, part in enumerate((TEXTS[:7], TEXTS[7:])):
+        pq.write_table(pa.table({"text": part}), tmp_path / "corpus" / f"part-{i}.parquet")
+    assert texts_of(prepare(DataSource(str(tmp_path / "corpus")), TOKENIZER, tmp_path / "cache", 1, False)) == (
+        encoded(TEXTS)
+    )
+
+
+def test_a_dataset_saved_by_save_to_disk_gives_the_documents_of_its_jsonl(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    jsonl = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
+    saved = datasets.Dataset.from_json(str(jsonl), cache_dir=str(tmp_path / "hf"))
+    saved.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    cache = tmp_path / "cache"
+    expected = texts_of(prepare(DataSource(str(jsonl)), TOKENIZER, cache, 1, False))
+    assert texts_of(prepare(DataSource(str(tmp_path / "saved")), TOKENIZER, cache, 1, False)) == expected
+    # A DatasetDict holds a folder per split: data.split picks one.
+    splits = datasets.DatasetDict(train=saved, validation=saved.select(range(5)))
+    splits.save_to_disk(str(tmp_path / "splits"))
+    train = prepare(DataSource(str(tmp_path / "splits")), TOKENIZER, cache, 1, False)
+    assert texts_of(train) == expected
+    held = prepare(DataSource(str(tmp_path / "splits"), split="validation"), TOKENIZER, cache, 1, False)
+    assert texts_of(held) == expected[:5]
+    # titan data ls finds each prepared source (the jsonl, the saved dataset, its two splits) matches its files.
+    assert [source.state for source in cached_sources(cache)] == ["current"] * 4
+    with pytest.raises(ConfigError, match=r"^data.split: .*splits holds the splits train, validation, not 'test'"):
+        prepare(DataSource(str(tmp_path / "splits"), split="test"), TOKENIZER, cache, 1, False)
+    with pytest.raises(ConfigError, match=r"^data.text_field: records of .*00003.arrow have no field 'body'"):
+        prepare(DataSource(str(tmp_path / "saved"), text_field="body"), TOKENIZER, cache, 1, False)
+
+
+@pytest.mark.parametrize("unit", ["file", "paragraph"])
+def test_a_document_too_long_to_tokenize_at_once_is_one_line(tmp_path, monkeypatch, unit):
+    monkeypatch.setattr(dataset, "MAX_DOCUMENT_CHARS", 30)
+    books = write_books(tmp_path / "books")
+    with pytest.raises(ConfigError) as error:
+        prepare(DataSource(str(books), text_unit=unit), TOKENIZER, tmp_path / "cache", 1, False)
+    message = str(error.value)
+    assert "\n" not in message and "a.txt" in message and "30 characters" in message, message
+    assert ("'paragraph' or 'line'" if unit == "file" else "'line'") in message, message
+
+
+def test_the_cli_prepares_a_folder_of_gzipped_books(tmp_path):
+    books = write_books(tmp_path / "books", gzip.compress, ".gz")
+    (books / "more").mkdir()
+    (books / "more" / "d.txt.gz").write_bytes(gzip.compress(b"ANOTHER BOOK\n\nIts one paragraph.\n"))
+    result = run_titan(
+        "data", "prepare", "--config", str(DEBUG_RECIPE), "--tokenizer.path", TOKENIZER.path,
+        "--data.source", str(books), "--data.cache_dir", str(tmp_path / "cache"), "--workers", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{books}: {tmp_path / 'cache'}/books-") and "4 documents" in result.stdout
