@@ -85,7 +85,6 @@ RUNS = {
     "tp2": (2, {"parallel.tp": "2"}, "single"),
     # The balance loss with a row's tokens split over the cp group (and its positions over tp): whole rows' counts.
     "cp2_ep2_aux": (4, {"parallel.cp": "2", "parallel.ep": "2"}, "single"),
-    "cp2_tp2_aux": (4, {"parallel.cp": "2", "parallel.tp": "2"}, "single"),
 }
 # Measured here: every layout within 2.3e-7 of one process (the gradients' sums run in other orders; the resume
 # bitwise), and no token routed otherwise at any step (docs/moe.md has the table). assert_close_losses's 1e-6 is ~4x

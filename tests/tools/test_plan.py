@@ -29,12 +29,12 @@ LAYOUTS = {
     "pp2": (2, {"parallel.pp": "2"}),
 }
 
-# The debug model, and one of a few hundred million parameters (283M: 24 blocks of dim 1024, GQA 16/8 heads).
+# The debug model, and one of over a hundred million parameters (143M: 12 blocks of dim 1024, GQA 16/8 heads).
 SIZES = {
     "debug": {},
-    "283M": {
+    "143M": {
         "model.overrides.dim": "1024",
-        "model.overrides.n_layers": "24",
+        "model.overrides.n_layers": "12",
         "model.overrides.n_heads": "16",
         "model.overrides.n_kv_heads": "8",
     },
