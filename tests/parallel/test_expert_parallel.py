@@ -55,7 +55,7 @@ def test_the_dispatch_computes_each_token_on_its_experts_rank_even_for_a_rank_wi
 
 MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
 # 6 steps of 64 tokens here; the table in docs/moe.md is these tests at the recipe's settings, 20 steps of 256:
-# MOE_LAYOUT_STEPS=20 MOE_LAYOUT_SEQ_LEN=256 python -m pytest tests/parallel/test_expert_parallel.py -k layout -s
+# MOE_LAYOUT_STEPS=20 MOE_LAYOUT_SEQ_LEN=256 python -m pytest tests/parallel/test_expert_parallel.py -k each_layout -s
 STEPS = int(os.environ.get("MOE_LAYOUT_STEPS", "6"))
 SEQ_LEN = int(os.environ.get("MOE_LAYOUT_SEQ_LEN", "64"))
 GLOBAL_BATCH, TOP_K = 8, 2
@@ -154,8 +154,9 @@ def test_each_layout_trains_the_one_process_losses_and_routes(moe_runs, name, ca
         print(f"\n| {name} | {RUNS[name][0]} | {worst:.1e} | {', '.join(map(str, flipped_tokens(got[1], want[1])))} |")
     assert_close_losses(got[0], want[0], name)
     assert flipped_tokens(got[1], want[1]) == [0] * STEPS, name
-    # Clipping (max_grad_norm 1) acts at every step: the norm sums the experts' gradients over ep and FSDP too.
-    assert min(want[2].values()) > 1
+    # Clipping (max_grad_norm 1) acts at each of the first 6 steps: the norm sums the experts' gradients over ep and
+    # FSDP too.
+    assert min(list(want[2].values())[:6]) > 1
     assert_close_losses(got[2], want[2], f"{name}: gradient norms")
 
 
