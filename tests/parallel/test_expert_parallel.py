@@ -3,6 +3,7 @@ token's experts on every layout, and a run resumed on another layout."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -130,6 +131,12 @@ def flipped_tokens(got: dict, want: dict) -> list[int]:
     return [int((got[s] != want[s]).any(-1).sum()) for s in want]
 
 
+def routing_metrics(run_dir) -> dict[int, dict[str, float]]:
+    """Each step's logged routing metrics: the balance loss, and per layer the most and least loaded expert."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("moe/")} for r in records if "loss" in r}
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory) -> dict:
     """Every run of RUNS once, shared by the tests below: {name: (losses, routes, gradient norms)}."""
@@ -138,7 +145,7 @@ def moe_runs(tmp_path_factory) -> dict:
     for name, (world, overrides, _) in RUNS.items():
         result = moe_run(tmp, name, world, overrides)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        done[name] = (losses(tmp / name), routes(tmp / name), grad_norms(tmp / name))
+        done[name] = (losses(tmp / name), routes(tmp / name), grad_norms(tmp / name), routing_metrics(tmp / name))
     done["folder"] = tmp
     return done
 
@@ -158,6 +165,11 @@ def test_each_layout_trains_the_one_process_losses_and_routes(moe_runs, name, ca
     # FSDP too.
     assert min(list(want[2].values())[:6]) > 1
     assert_close_losses(got[2], want[2], f"{name}: gradient norms")
+    # The expert loads the biases move by, summed over the step's global batch, and the balance loss: unchanged.
+    loads = [{s: {k: v for k, v in m.items() if "load" in k} for s, m in run.items()} for run in (got[3], want[3])]
+    assert loads[0] == loads[1] and len(loads[1][1]) == 6, name
+    balance = [{s: m["moe/balance_loss"] for s, m in metrics.items()} for metrics in (got[3], want[3])]
+    assert_close_losses(*balance, f"{name}: balance loss")
 
 
 @pytest.mark.distributed

@@ -60,8 +60,9 @@ class Model(Protocol):
     # tokens with its parameters whole on every tp rank: the step sums their gradients over tp (titan/parallel/tp.py).
     # A mixture of experts' routing, which the step drives (None: a dense model): `set_loss_scale(scale)` before each
     # micro-batch (the auxiliary balance loss is on the step loss's scale), and after the optimizer
-    # `end_step(groups, finite)`, which sums the step's expert loads over the ranks that split its tokens, moves the
-    # balancing biases unless the step was skipped, and returns the step's routing metrics (titan/models/moe/);
+    # `end_step(groups, finite, stages)`, which sums the step's expert loads over the ranks that split its tokens and
+    # the pipeline's (with `stages`, this rank's other stages' routing), moves the balancing biases unless the step
+    # was skipped, and returns the step's routing metrics for the whole model (titan/models/moe/);
     # `split_rows(cp_group, tp_group)` names the groups that split each row's tokens (None: not split there).
     routing: Any
 

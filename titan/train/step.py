@@ -97,9 +97,9 @@ class StepRules:
             if self.float8_scales:
                 precompute_float8_scales(parts)
             routing = {}
-            for part in parts:
-                if part.routing is not None:
-                    routing.update(part.routing.end_step(self.token_groups, grad_norm.isfinite()))
+            if routings := [part.routing for part in parts if part.routing is not None]:
+                pipeline = () if self.pp_group is None else (self.pp_group,)
+                routing = routings[0].end_step(self.token_groups + pipeline, grad_norm.isfinite(), tuple(routings[1:]))
             lr_scheduler.step()
         return grad_norm, routing
 

@@ -140,26 +140,37 @@ class Routing:
         return {name.split(".")[1]: module for name, module in self.model.named_modules() if isinstance(module, Router)}
 
     @torch.no_grad()
-    def end_step(self, groups: tuple, finite: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Sum the step's expert loads and balance losses over `groups` (the ranks that split the step's tokens),
-        move the biases unless the step was skipped (`finite` false: its update was not applied), reset the counts;
-        returns the step's routing metrics, on the device: per layer the most and the least loaded expert's tokens
-        over the mean, and the balance loss summed over layers."""
-        routers = self.routers()
-        if not routers:
-            return {}
-        loads = torch.stack([r.load for r in routers.values()])
-        losses = torch.stack([r.balance_loss for r in routers.values()])
+    def end_step(
+        self, groups: tuple, finite: torch.Tensor, stages: tuple[Routing, ...] = ()
+    ) -> dict[str, torch.Tensor]:
+        """Sum the step's expert loads and balance losses over `groups` (the ranks that split the step's tokens, and
+        a pipeline's ranks, which hold the other layers), move the biases unless the step was skipped (`finite`
+        false: its update was not applied), reset the counts; `stages`: the routing of this rank's other pipeline
+        stages, accounted in the same collectives. Returns the step's routing metrics for every MoE layer of the
+        model, on the device: per layer the most and the least loaded expert's tokens over the mean, and the balance
+        loss summed over layers."""
+        routers = {layer: router for routing in (self, *stages) for layer, router in routing.routers().items()}
+        args, device = self.model.args, self.model.rope.device  # every stage holds the RoPE table
+        layers = [str(layer) for layer in args.moe_layers]
+        # Every MoE layer's row, zero where another stage holds it: the sum over the pipeline fills them in.
+        loads = torch.zeros(len(layers), args.n_experts, dtype=torch.long, device=device)
+        losses = torch.zeros(len(layers), device=device)
+        for i, layer in enumerate(layers):
+            if layer in routers:
+                loads[i], losses[i] = routers[layer].load, routers[layer].balance_loss
         for group in groups:
             dist.all_reduce(loads, group=group)
             dist.all_reduce(losses, group=group)
         metrics = {"moe/balance_loss": losses.sum()}
-        for (layer, router), load in zip(routers.items(), loads.double()):
+        for layer, load in zip(layers, loads.double()):
             mean = load.mean()
-            step = self.bias_update_rate * torch.sign(mean - load) * finite
-            router.expert_bias += step.to(router.expert_bias.dtype)
-            router.load.zero_()
-            router.balance_loss.zero_()
+            if layer in routers:
+                router = routers[layer]
+                router.expert_bias += (self.bias_update_rate * torch.sign(mean - load) * finite).to(
+                    router.expert_bias.dtype
+                )
+                router.load.zero_()
+                router.balance_loss.zero_()
             metrics[f"moe/load_max/{layer}"] = load.max() / mean
             metrics[f"moe/load_min/{layer}"] = load.min() / mean
         return metrics
