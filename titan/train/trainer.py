@@ -150,8 +150,8 @@ class Trainer:
         """Train to step `until` (default: training.steps, which the lr schedule spans), saving and logging there
         as at the end; returns the loss of every step run (metrics.jsonl holds the logged ones).
 
-        SIGTERM or SIGUSR1 (a SLURM preemption notice) saves a checkpoint at the next step boundary and
-        raises Preempted.
+        SIGTERM, SIGUSR1 (a SLURM preemption notice) or Ctrl-C saves a checkpoint at the next step boundary and
+        raises Preempted; a second Ctrl-C raises KeyboardInterrupt at once.
         """
         total = until or self.config.training.steps
         if self.step >= total:
@@ -203,7 +203,7 @@ class Trainer:
                     if self.config.checkpoint.enable:
                         self._save(saved_loss(), wait=True)
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
-                    raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}")
+                    raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}", self.stop.reason)
                 self.step_times.append(time.perf_counter() - step_start)
                 profiler_start = time.perf_counter()
                 if self.profiler.step():  # writing the trace is not step time
