@@ -809,6 +809,9 @@ CASES = [
      ["plan.moe_load_imbalance must be >= 1", "got 0.5"]),
     ("tokens batching with the balance loss", "show", ["--model.name", "moe", "--data.batching", "tokens"], None, {},
      ["does not support the balance loss", "each row's tokens", "set aux_loss_coef to 0 (the bias balances alone)"]),
+    # -- dtypes: titan's names and torch's
+    ("dtype in neither spelling", "show", ["--training.mixed_precision", "half"], None, {},
+     ["training.mixed_precision must be one of fp32, bf16", "'bf16' is 'bfloat16'", "got 'half'"]),
 ]  # fmt: skip
 
 

@@ -281,3 +281,11 @@ def test_the_recipe_option_has_torchtitans_name_and_a_short_one():
     for option in ("--job.config_file", "-c"):
         result = run_titan("config", "show", option, str(DEBUG_RECIPE), "--training.steps", "7")
         assert result.returncode == 0 and "steps = 7" in result.stdout, result.stderr
+
+
+def test_a_dtype_takes_titans_and_torchs_names():
+    """fp32/float32 and bf16/bfloat16 name the same dtype in a recipe, as in --dtype of generate and convert."""
+    for given, resolved in (("bfloat16", "bf16"), ("float32", "fp32"), ("bf16", "bf16")):
+        config = load_config(DEBUG_RECIPE, ["--training.mixed_precision", given])
+        assert config.training.mixed_precision == resolved
+    assert 'mixed_precision = "bf16"' in to_toml(load_config(DEBUG_RECIPE, ["--training.mixed_precision", "bfloat16"]))

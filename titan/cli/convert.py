@@ -35,7 +35,7 @@ def convert_dcp_to_hf(
     ),
     out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16)."),
     tokenizer: Path = typer.Option(
         None, "--tokenizer", help="A tokenizer.json to export instead of the one the checkpoint's recipe names."
     ),

@@ -32,7 +32,9 @@ def generate(
     ),
     seed: int = typer.Option(0, "--seed", help="Seeds the sampling, so a run repeats."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="A tokenizer.json instead of the recipe's."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16: the weights are loaded in this dtype."),
+    dtype: str = typer.Option(
+        "fp32", "--dtype", help="fp32 or bf16 (or float32, bfloat16): the weights are loaded in this dtype."
+    ),
     tp: int = typer.Option(
         1, "--tp", help="Tensor-parallel shards, one per process: run under torchrun --nproc-per-node N --tp N."
     ),

@@ -18,6 +18,7 @@ import tomli_w
 from titan.config.checks import validate
 from titan.config.layout import LayoutError, other_degrees
 from titan.config.sections import Config, Parallel, to_dict
+from titan.dtypes import TORCH_NAMES, parse_dtype
 from titan.errors import ConfigError
 from titan.schema import parse_toml
 
@@ -185,6 +186,8 @@ def _convert(tp, value, key: str):  # noqa: C901 (one branch per type a recipe k
     elif isinstance(value, _CliValue):
         value = str(value)
     if origin is Literal:
+        if set(typing.get_args(tp)) <= TORCH_NAMES.keys():  # a dtype: torch's name for it is taken too
+            return parse_dtype(value, typing.get_args(tp), key)
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key} must be one of {_type_name(tp)}, got {value!r}")
         return value
