@@ -289,3 +289,12 @@ def test_a_dtype_takes_titans_and_torchs_names():
         config = load_config(DEBUG_RECIPE, ["--training.mixed_precision", given])
         assert config.training.mixed_precision == resolved
     assert 'mixed_precision = "bf16"' in to_toml(load_config(DEBUG_RECIPE, ["--training.mixed_precision", "bfloat16"]))
+
+
+def test_torchtitans_names_lead_to_titans_keys():
+    from titan.config.load import _all_keys
+    from titan.config.torchtitan import TORCHTITAN_KEYS
+
+    keys = set(_all_keys())
+    assert not keys & TORCHTITAN_KEYS.keys()  # a name titan shares needs no entry
+    assert {ours.split()[0] for ours in TORCHTITAN_KEYS.values()} <= keys
