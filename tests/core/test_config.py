@@ -298,3 +298,22 @@ def test_torchtitans_names_lead_to_titans_keys():
     keys = set(_all_keys())
     assert not keys & TORCHTITAN_KEYS.keys()  # a name titan shares needs no entry
     assert {ours.split()[0] for ours in TORCHTITAN_KEYS.values()} <= keys
+
+
+@pytest.mark.parametrize("group", [[], ["config"], ["convert"], ["data"], ["simulate"]], ids=lambda g: g or "titan")
+def test_every_command_summary_in_the_help_is_a_whole_sentence(group):
+    """On an 80-column terminal, each command's line in its group's --help is its help's first paragraph, whole: one
+    sentence, not cut short."""
+    import typer.main
+
+    from titan.cli.common import app
+
+    result = run_titan(*group, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    summaries = dict(re.findall(r"^  (\S+) +(.+)$", result.stdout.split("Commands:\n")[1], flags=re.M))
+    commands = typer.main.get_command(app)
+    for name in group:
+        commands = commands.commands[name]
+    for name, command in commands.commands.items():
+        first = " ".join(command.help.split("\n\n")[0].split())
+        assert summaries[name] == first and first.endswith(".") and first.count(". ") == 0, (name, summaries[name])

@@ -22,7 +22,8 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 convert_app = typer.Typer(
-    help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True
+    help="Convert checkpoints between titan and Hugging Face.\n\ntitan's are DCP, Hugging Face's safetensors.",
+    no_args_is_help=True,
 )
 app.add_typer(convert_app, name="convert")
 data_app = typer.Typer(help="Prepare data: tokenize sources once into token shards.", no_args_is_help=True)

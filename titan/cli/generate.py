@@ -40,8 +40,10 @@ def generate(
     ),
     batch_size: int = typer.Option(0, "--batch-size", help="Prompts decoded together; 0: all of them at once."),
 ) -> None:
-    """Continue prompts with a checkpoint's model, using a KV cache: the text on stdout (one JSON line per prompt
-    when there are several), the loading and speed on stderr."""
+    """Continue prompts with a checkpoint's model.
+
+    With a KV cache: the text on stdout (one JSON line per prompt when there are several), the loading and speed
+    on stderr."""
     prompts = list(prompt or [])
     if any(not text for text in prompts):
         raise UserError("--prompt is empty; give the text to continue")

@@ -19,10 +19,11 @@ INTERRUPTED_EXIT_CODE = 130
 
 @recipe_command()
 def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
-    """Train a model from a recipe, e.g. titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3.
+    """Train a model from a recipe.
 
-    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed
-    below the options, with its type, default and meaning.
+    For example: titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3. Run alone, under `torchrun
+    --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed below the options, with its type,
+    default and meaning.
     """
     try:
         cfg = preflight(config, ctx.args)
