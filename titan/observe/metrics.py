@@ -290,6 +290,14 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def log_to_file(path: Path) -> None:
+    """Also write the console's log lines to `path`, appended (a resumed run continues its file), with the date:
+    a file's lines may span days."""
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)  # the root's: setup_logging's basicConfig(force=True) closes it
+
+
 class ThroughputWindow:
     """The steps since the last log line, for throughput: evaluation, traces and checkpoints restart it."""
 
