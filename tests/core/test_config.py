@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import assert_one_line_error
 from titan.config import Config, load_config, read_config, to_dict, to_toml, toml_value
 from titan.errors import ConfigError
@@ -317,3 +317,22 @@ def test_every_command_summary_in_the_help_is_a_whole_sentence(group):
     for name, command in commands.commands.items():
         first = " ".join(command.help.split("\n\n")[0].split())
         assert summaries[name] == first and first.endswith(".") and first.count(". ") == 0, (name, summaries[name])
+
+
+# The everyday commands, each as a newcomer runs it (on the project's local corpus), with what makes each noisy if
+# anything does: for data prepare, a run shorter than the recipe's warmup (no concern of preparing data).
+QUIET_COMMANDS = {
+    "config show": (["config", "show"], []),
+    "data prepare": (["data", "prepare"], ["--training.steps", "5", "--lr_scheduler.warmup_steps", "20"]),
+    "plan --cp": (["plan"], ["--cp", "1,2", "--world-size", "2"]),
+    "train, wandb offline": (["train"], ["--training.steps", "1", "--metrics.wandb", "offline"]),
+}
+
+
+@pytest.mark.parametrize("name", QUIET_COMMANDS)
+def test_the_everyday_commands_print_no_warning(name, tmp_path):
+    words, extra = QUIET_COMMANDS[name]
+    result = run_titan(*words, "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *extra)
+    assert result.returncode == 0, result.stderr
+    noise = [line for line in result.stderr.splitlines() if re.search(r"warn|warmup_steps", line, re.IGNORECASE)]
+    assert not noise, noise

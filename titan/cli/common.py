@@ -10,6 +10,7 @@ import typer
 
 from titan import __version__
 from titan.config import Config, load_config
+from titan.config.checks import warn_of_a_short_warmup
 from titan.run_plan import run_plan
 
 app = typer.Typer(
@@ -88,4 +89,5 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(path, overrides, world_size)
     run_plan(config, world_size)
+    warn_of_a_short_warmup(config)
     return config

@@ -151,13 +151,9 @@ class MetricsLogger:
                 config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
                 settings=wandb.Settings(silent=True),  # titan prints the run's address itself, once
             )
-            log.info("wandb: %s run %s", mode, self._wandb.url or run_dir / "wandb")
-            tracking["wandb"] = {
-                "project": config.metrics.wandb_project,
-                "id": run_id,
-                "mode": mode,
-                "url": self._wandb.url,
-            }
+            url = self._wandb.url if mode == "online" else None  # an offline run has none: wandb warns if asked
+            log.info("wandb: %s run %s", mode, url or run_dir / "wandb")
+            tracking["wandb"] = {"project": config.metrics.wandb_project, "id": run_id, "mode": mode, "url": url}
         (run_dir / "tracking.json").write_text(json.dumps(tracking, indent=2) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:
