@@ -2,6 +2,7 @@
 
 import io
 import math
+import os
 import signal
 import struct
 import subprocess
@@ -18,6 +19,7 @@ from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.format import single_process_quiet
 from titan.checkpoint.resume import complete_checkpoints
 from titan.rng.shards import full_tensor
+from titan.train.step import StepHook
 
 
 @pytest.mark.smoke
@@ -147,6 +149,49 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path):
     assert "stopped by SIGTERM" in rest and "run the same command to resume" in rest
     (step,) = complete_checkpoints(tmp_path / "debug" / "checkpoints")
     assert step >= 1
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path):
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    assert "Ctrl-C again to quit at once" in rest  # said as soon as it is pressed
+    assert "stopped by SIGINT" in rest and "run the same command to resume" in rest
+    (step,) = complete_checkpoints(tmp_path / "debug" / "checkpoints")
+    assert step >= 1
+
+
+class CtrlCAtStep(StepHook):
+    """Presses Ctrl-C (sends this process SIGINT) during step `step`."""
+
+    def __init__(self, step: int):
+        self.at = step
+
+    def step(self, step, batches, run):
+        if step + 1 == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return run(batches)
+
+
+def test_a_second_ctrl_c_while_saving_quits_at_once_keeping_the_last_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def save_then_ctrl_c(state, storage_writer, **kwargs):
+        real_save(state, storage_writer=storage_writer, **kwargs)
+        if str(storage_writer.path).endswith("step-3"):  # the stop's save has written its shards, not sealed them
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(dcp, "save", save_then_ctrl_c)
+    trainer = trainer_for(tmp_path, CtrlCAtStep(3), **{"checkpoint.interval": "2"})
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.step == 3
+    folder = tmp_path / "debug" / "checkpoints"
+    assert sorted(complete_checkpoints(folder)) == [2] and (folder / ".tmp-step-3").exists()
+    assert trainer_for(tmp_path).step == 2  # resumes from the last complete checkpoint
 
 
 def reshard_job(root, layout: dict, batch):

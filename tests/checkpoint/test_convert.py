@@ -266,6 +266,13 @@ def test_hf_to_dcp_to_hf_round_trip_is_exact(converted, hf_dir, tmp_path):
         assert config_back[key] == config[key], key
 
 
+def test_dcp_to_hf_takes_titans_dtype_names(converted, tmp_path):
+    out, _ = converted
+    hf_io.dcp_to_hf(out, tmp_path / "bf16", dtype="bf16")
+    config, weights = read_checkpoint(tmp_path / "bf16")
+    assert config["torch_dtype"] == "bfloat16" and {w.dtype for w in weights.values()} == {torch.bfloat16}
+
+
 # -- titan -> HF -------------------------------------------------------------------------------------------------
 
 # Few steps at a high learning rate move the weights far from their init; no dropout.

@@ -812,6 +812,24 @@ CASES = [
      {"WORLD_SIZE": "2"}, ["parallel.tp = 2 must divide the model's shared experts' width (1 x 177)"]),
     ("unknown text unit", "show", ["--data.text_unit", "sentence"], None, {},
      ["data.text_unit", "'paragraph'", "sentence"]),
+    # -- dtypes: titan's names and torch's
+    ("dtype in neither spelling", "show", ["--training.mixed_precision", "half"], None, {},
+     ["training.mixed_precision must be one of fp32, bf16", "'bf16' is 'bfloat16'", "got 'half'"]),
+    # -- TorchTitan's names for keys: titan's, not the nearest spelling (training.dataset is near training.steps)
+    *[(f"TorchTitan's {key}", "show", [f"--{key}", "1"], None, {},
+       [f"'{key}'", f"TorchTitan's name; titan's is {ours}"]) for key, ours in {
+          "training.dataset": "data.source", "training.dataset_path": "data.source",
+          "training.compile": "compile.enable", "job.dump_folder": "job.output_dir",
+          "training.batch_size": "training.local_batch_size", "training.max_norm": "training.max_grad_norm",
+          "training.warmup_steps": "lr_scheduler.warmup_steps", "checkpoint.folder": "job.output_dir",
+          "parallelism.data_parallel_shard_degree": "parallel.dp_shard",
+          "parallelism.tensor_parallel_degree": "parallel.tp",
+          "parallelism.pipeline_parallel_degree": "parallel.pp", "parallelism.context_parallel_degree": "parallel.cp",
+          "parallelism.expert_parallel_degree": "parallel.ep", "metrics.enable_wandb": "metrics.wandb",
+          "metrics.enable_tensorboard": "metrics.tensorboard",
+      }.items()],
+    ("TorchTitan's section in a recipe", "show", [], recipe_file("[parallelism]\ntensor_parallel_degree = 2\n"), {},
+     ["'parallelism.tensor_parallel_degree'", "TorchTitan's name; titan's is parallel.tp"]),
 ]  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import assert_one_line_error
 from titan.config import Config, load_config, read_config, to_dict, to_toml, toml_value
 from titan.errors import ConfigError
@@ -281,3 +281,58 @@ def test_the_recipe_option_has_torchtitans_name_and_a_short_one():
     for option in ("--job.config_file", "-c"):
         result = run_titan("config", "show", option, str(DEBUG_RECIPE), "--training.steps", "7")
         assert result.returncode == 0 and "steps = 7" in result.stdout, result.stderr
+
+
+def test_a_dtype_takes_titans_and_torchs_names():
+    """fp32/float32 and bf16/bfloat16 name the same dtype in a recipe, as in --dtype of generate and convert."""
+    for given, resolved in (("bfloat16", "bf16"), ("float32", "fp32"), ("bf16", "bf16")):
+        config = load_config(DEBUG_RECIPE, ["--training.mixed_precision", given])
+        assert config.training.mixed_precision == resolved
+    assert 'mixed_precision = "bf16"' in to_toml(load_config(DEBUG_RECIPE, ["--training.mixed_precision", "bfloat16"]))
+
+
+def test_torchtitans_names_lead_to_titans_keys():
+    from titan.config.load import _all_keys
+    from titan.config.torchtitan import TORCHTITAN_KEYS
+
+    keys = set(_all_keys())
+    assert not keys & TORCHTITAN_KEYS.keys()  # a name titan shares needs no entry
+    assert {ours.split()[0] for ours in TORCHTITAN_KEYS.values()} <= keys
+
+
+@pytest.mark.parametrize("group", [[], ["config"], ["convert"], ["data"], ["simulate"]], ids=lambda g: g or "titan")
+def test_every_command_summary_in_the_help_is_a_whole_sentence(group):
+    """On an 80-column terminal, each command's line in its group's --help is its help's first paragraph, whole: one
+    sentence, not cut short."""
+    import typer.main
+
+    from titan.cli.common import app
+
+    result = run_titan(*group, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    summaries = dict(re.findall(r"^  (\S+) +(.+)$", result.stdout.split("Commands:\n")[1], flags=re.M))
+    commands = typer.main.get_command(app)
+    for name in group:
+        commands = commands.commands[name]
+    for name, command in commands.commands.items():
+        first = " ".join(command.help.split("\n\n")[0].split())
+        assert summaries[name] == first and first.endswith(".") and first.count(". ") == 0, (name, summaries[name])
+
+
+# The everyday commands, each as a newcomer runs it (on the project's local corpus), with what makes each noisy if
+# anything does: for data prepare, a run shorter than the recipe's warmup (no concern of preparing data).
+QUIET_COMMANDS = {
+    "config show": (["config", "show"], []),
+    "data prepare": (["data", "prepare"], ["--training.steps", "5", "--lr_scheduler.warmup_steps", "20"]),
+    "plan --cp": (["plan"], ["--cp", "1,2", "--world-size", "2"]),
+    "train, wandb offline": (["train"], ["--training.steps", "1", "--metrics.wandb", "offline"]),
+}
+
+
+@pytest.mark.parametrize("name", QUIET_COMMANDS)
+def test_the_everyday_commands_print_no_warning(name, tmp_path):
+    words, extra = QUIET_COMMANDS[name]
+    result = run_titan(*words, "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path), *extra)
+    assert result.returncode == 0, result.stderr
+    noise = [line for line in result.stderr.splitlines() if re.search(r"warn|warmup_steps", line, re.IGNORECASE)]
+    assert not noise, noise

@@ -345,3 +345,10 @@ def test_loading_sets_every_weight_and_never_initialises_them(trained, checkpoin
     weights = dict(load_model(checkpoint, torch.device("cpu")).model.named_parameters())
     assert weights.keys() == trained[1].keys()
     assert all(torch.equal(weights[name], value) for name, value in trained[1].items())
+
+
+def test_cli_takes_torchs_dtype_names(run_dir):
+    result = run_titan("generate", "--checkpoint", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "2",
+                       "--dtype", "bfloat16")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "bf16" in result.stderr

@@ -421,6 +421,13 @@ def test_wrong_inputs_are_one_line_errors():
     assert unsized.returncode == 0 and "planned on 1 device" in unsized.stdout and "--world-size" in unsized.stdout
 
 
+@pytest.mark.parametrize("args", [[], ["--cp", "1"]], ids=["plan", "cp"])
+def test_the_planned_mfu_is_printed_as_an_upper_bound_not_a_measurement(args):
+    result = run_titan("plan", "--config", str(DEBUG_RECIPE), *args)
+    assert result.returncode == 0, result.stderr
+    assert "MFU" in result.stdout and "(an upper bound): modelled, not measured" in result.stdout
+
+
 def test_every_plannable_device_has_figures():
     assert set(DEVICES) == set(typing.get_args(typing.get_type_hints(PlanTarget)["device"]))
 

@@ -44,6 +44,29 @@ def test_debug_recipe_trains_from_the_cli_and_the_loss_falls(tmp_path):
     assert "MFU: relative to metrics.peak_flops = 1e+11 FLOP/s" in result.stderr  # what the MFU figure means
 
 
+def test_a_run_ends_with_a_summary_and_its_console_log_is_kept_in_the_run_folder(tmp_path):
+    steps = {"training.steps": "3", "validation.interval": "3", "checkpoint.interval": "2"}
+    first = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **steps))
+    assert first.returncode == 0, first.stderr
+    run_dir = tmp_path / "debug"
+    console = (run_dir / "console.log").read_text()
+    summary = first.stderr[first.stderr.index("run summary:") :]
+    assert "steps 1-3 of 3" in summary and f"{3 * 4 * 64:,} tokens seen" in summary and "tokens/s" in summary
+    assert "peak memory" in summary and "validation loss" in summary
+    loss = read_metrics(run_dir)[-1]["loss"]
+    assert f"loss {loss:.4f}" in summary
+    assert f"in {run_dir}: checkpoints/step-3, metrics.jsonl, console.log" in summary
+    step_lines = [line for line in first.stderr.splitlines() if " step 1/3 " in line or " step 3/3 " in line]
+    for line in (*step_lines, *summary.splitlines()):  # each in console.log, after its time of day
+        assert line.removeprefix(line.split(" ")[0]) in console, line
+    more = {**steps, "training.steps": "4", "checkpoint.allow_changes": "training.steps"}
+    resumed = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **more))
+    assert resumed.returncode == 0, resumed.stderr
+    appended = (run_dir / "console.log").read_text()
+    assert appended.startswith(console) and "step 4/4" in appended[len(console) :]
+    assert "step 4 of 4" in appended[len(console) :]
+
+
 def test_mfu_peaks_name_their_source_and_gpus_match_exactly(monkeypatch):
     assert peak_flops(torch.device("cpu"), 5e12) == (5e12, "metrics.peak_flops = 5e+12 FLOP/s")
     rate, what = peak_flops(torch.device("cpu"))

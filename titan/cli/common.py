@@ -10,6 +10,7 @@ import typer
 
 from titan import __version__
 from titan.config import Config, load_config
+from titan.config.checks import warn_of_a_short_warmup
 from titan.run_plan import run_plan
 
 app = typer.Typer(
@@ -22,7 +23,8 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 convert_app = typer.Typer(
-    help="Convert checkpoints between titan (DCP) and Hugging Face (safetensors).", no_args_is_help=True
+    help="Convert checkpoints between titan and Hugging Face.\n\ntitan's are DCP, Hugging Face's safetensors.",
+    no_args_is_help=True,
 )
 app.add_typer(convert_app, name="convert")
 data_app = typer.Typer(help="Prepare data: tokenize sources once into token shards.", no_args_is_help=True)
@@ -87,4 +89,5 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(path, overrides, world_size)
     run_plan(config, world_size)
+    warn_of_a_short_warmup(config)
     return config

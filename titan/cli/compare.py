@@ -20,10 +20,10 @@ def compare(
     ),
     x_axis: str = typer.Option("steps", "--x-axis", help="The plot's x axis: steps or tokens (seen)."),
 ) -> None:
-    """Compare runs from their folders: a table of loss, throughput, MFU, memory and time, and the config keys
-    that differ.
+    """Compare runs side by side from their folders.
 
-    Reads only the run folders (config.toml, metrics.jsonl, run_info.json); works offline.
+    A table of loss, throughput, MFU, memory and time, and the config keys that differ. Reads only the run folders
+    (config.toml, metrics.jsonl, run_info.json); works offline.
     """
     from titan.tools.compare import X_AXES, format_report, load_run, plot_format
     from titan.tools.compare import plot as draw

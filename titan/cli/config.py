@@ -20,9 +20,11 @@ def config_show(
         None, "--world-size", help="Check for this many processes; default: $WORLD_SIZE, else the recipe's degrees."
     ),
 ) -> None:
-    """Print the fully resolved recipe (defaults and overrides applied) as TOML, once it passes what `titan train`
-    checks before it reads any data: the keys, the model, the parallel layout and the run plan (and, where the
-    recipe's device is on this machine, what the layout asks of it)."""
+    """Print the fully resolved recipe as TOML.
+
+    Defaults and overrides applied, once it passes what `titan train` checks before it reads any data: the keys,
+    the model, the parallel layout and the run plan (and, where the recipe's device is on this machine, what the
+    layout asks of it)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
@@ -41,7 +43,7 @@ def config_keys(
     section: str = typer.Argument(None, help="Only this section's keys, e.g. training."),
     markdown: bool = typer.Option(False, "--markdown", help="As Markdown tables, as in docs/config.md."),
 ) -> None:
-    """Every recipe key: its type, default and what it does."""
+    """List every recipe key: its type, default and meaning."""
     import shutil
 
     from titan.config_keys import keys_markdown, keys_text, recipe_keys

@@ -22,7 +22,9 @@ def convert_hf_to_dcp(
         "", "--flavor", help="Express the model as this flavor + overrides; default: the closest."
     ),
 ) -> None:
-    """Write an HF checkpoint as a titan checkpoint (model weights only), and print the recipe lines that load it."""
+    """Write an HF checkpoint as a titan checkpoint.
+
+    The model weights only; prints the recipe lines that load it."""
     from titan.checkpoint.hf import hf_to_dcp  # imported late: torch takes a while to import
 
     typer.echo(hf_to_dcp(hf_dir, out_dir, model or None, flavor or None))
@@ -35,13 +37,15 @@ def convert_dcp_to_hf(
     ),
     out_dir: Path = typer.Argument(..., help="The HF model folder to write (must not exist, or be empty)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16)."),
     tokenizer: Path = typer.Option(
         None, "--tokenizer", help="A tokenizer.json to export instead of the one the checkpoint's recipe names."
     ),
 ) -> None:
-    """Export a titan checkpoint's model and tokenizer as an HF folder (config.json, safetensors, tokenizer and
-    generation config) that transformers' AutoModelForCausalLM and AutoTokenizer load."""
+    """Export a titan checkpoint as an HF model folder.
+
+    The model and tokenizer (config.json, safetensors, tokenizer and generation config), which transformers'
+    AutoModelForCausalLM and AutoTokenizer load."""
     from titan.checkpoint.hf import dcp_to_hf
 
     typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype, tokenizer))
@@ -53,7 +57,9 @@ def convert_upgrade(
         ..., help="A checkpoint of an older titan (step-N), or a checkpoints/ or run folder: all of its checkpoints."
     ),
 ) -> None:
-    """Rewrite checkpoints of an older titan (DCP's pickled .metadata) to titan's JSON index, in place, once."""
+    """Rewrite an older titan's checkpoints in today's format.
+
+    DCP's pickled .metadata becomes titan's JSON index, in place, once."""
     from titan.checkpoint.format import upgrade
     from titan.checkpoint.resume import checkpoints_at
 
@@ -67,8 +73,10 @@ def download(
     weights: bool = typer.Option(False, "--weights", help="Also fetch its safetensors weights."),
     revision: str = typer.Option(None, "--revision", help="A branch, tag or commit; default: main."),
 ) -> None:
-    """Fetch a hub model's config and tokenizer (and with --weights its safetensors) into the local HF cache,
-    where titan finds them offline: tokenizer.path = NAME, checkpoint.init_from_hf, titan convert hf-to-dcp.
+    """Fetch a hub model's config and tokenizer for offline use.
+
+    They go (and with --weights its safetensors) into the local HF cache, where titan finds them offline:
+    tokenizer.path = NAME, checkpoint.init_from_hf, titan convert hf-to-dcp.
 
     A gated model needs its terms accepted on the hub and a login (hf auth login, or HF_TOKEN).
     """

@@ -26,10 +26,11 @@ def data_prepare(
         "sharing data.cache_dir; the part that finishes last merges them.",
     ),
 ) -> None:
-    """Tokenize a recipe's sources once into token shards, where `titan train` finds them.
+    """Tokenize a recipe's sources once into token shards.
 
-    Prepares data.source (or every [[data.sources]]) and validation.source, if set, into data.cache_dir; a source
-    already prepared with the same files and tokenizer is skipped, and an interrupted one resumes where it stopped.
+    `titan train` finds them there. Prepares data.source (or every [[data.sources]]) and validation.source, if set, into
+    data.cache_dir; a source already prepared with the same files and tokenizer is skipped, and an interrupted one
+    resumes where it stopped.
     """
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
@@ -66,8 +67,10 @@ def _prepared_cache(config: Path | None) -> Path:
 
 @data_app.command("ls")
 def data_ls(config: Path = CACHE_CONFIG_OPTION) -> None:
-    """List the prepared sources in the cache: size, documents and tokens, and whether each still matches its
-    source (a local source whose files changed or are gone can never be read again: `titan data clean --stale`)."""
+    """List the prepared sources in the cache.
+
+    Their size, documents and tokens, and whether each still matches its source (a local source whose files
+    changed or are gone can never be read again: `titan data clean --stale`)."""
     from titan.data.prepared import cached_sources, describe
 
     root = _prepared_cache(config)
@@ -86,7 +89,9 @@ def data_clean(
     remove_all: bool = typer.Option(False, "--all", help="Remove every prepared source."),
     config: Path = CACHE_CONFIG_OPTION,
 ) -> None:
-    """Remove prepared sources from the cache; a folder that a process is preparing now is left alone."""
+    """Remove prepared sources from the cache.
+
+    A folder that a process is preparing now is left alone."""
     from titan.data.prepared import cached_sources, remove_cached
 
     if not (names or stale or unfinished or remove_all):

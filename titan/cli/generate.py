@@ -32,14 +32,18 @@ def generate(
     ),
     seed: int = typer.Option(0, "--seed", help="Seeds the sampling, so a run repeats."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="A tokenizer.json instead of the recipe's."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16: the weights are loaded in this dtype."),
+    dtype: str = typer.Option(
+        "fp32", "--dtype", help="fp32 or bf16 (or float32, bfloat16): the weights are loaded in this dtype."
+    ),
     tp: int = typer.Option(
         1, "--tp", help="Tensor-parallel shards, one per process: run under torchrun --nproc-per-node N --tp N."
     ),
     batch_size: int = typer.Option(0, "--batch-size", help="Prompts decoded together; 0: all of them at once."),
 ) -> None:
-    """Continue prompts with a checkpoint's model, using a KV cache: the text on stdout (one JSON line per prompt
-    when there are several), the loading and speed on stderr."""
+    """Continue prompts with a checkpoint's model.
+
+    With a KV cache: the text on stdout (one JSON line per prompt when there are several), the loading and speed
+    on stderr."""
     prompts = list(prompt or [])
     if any(not text for text in prompts):
         raise UserError("--prompt is empty; give the text to continue")

@@ -33,11 +33,11 @@ def plan(
         help="Instead: compare ep degrees, e.g. 1,2,8.",
     ),
 ) -> None:
-    """Check that a recipe's training step fits its devices, and predict its step time, before launching it.
+    """Check that a recipe fits its devices; predict its step time.
 
-    On this CPU: one step of each pipeline rank, built and parallelised as for training, is traced under fake
-    tensors on a fake process group of the run's world size. Prints a table per pipeline rank; exit status 1 when
-    a rank's peak (with --cp or --ep: every degree) does not fit.
+    Before launching it, on this CPU: one step of each pipeline rank, built and parallelised as for training, is traced
+    under fake tensors on a fake process group of the run's world size. Prints a table per pipeline rank; exit status 1
+    when a rank's peak (with --cp or --ep: every degree) does not fit.
     """
     overrides = [*ctx.args, *(["--plan.device", device] if device else [])]
     if world_size is None:

@@ -23,7 +23,9 @@ def simulate_stragglers(
     blip_rate: float = typer.Option(1e-5, help="Chance per device and step of a brief slowdown."),
     seed: int = typer.Option(0),
 ) -> None:
-    """Static even shares, titan's straggler re-planning, and an oracle, on one speed trace."""
+    """Compare ways of sharing work with stragglers.
+
+    Static even shares, titan's straggler re-planning, and an oracle, on one speed trace."""
     from titan.tools.simulate.stragglers import Scenario, compare
 
     if devices % (tp * pp):
@@ -53,9 +55,11 @@ def simulate_packing(
         1, help="Context-parallel degree: > 1 compares placements of documents up to 128k tokens on cp groups."
     ),
 ) -> None:
-    """Token-balanced against cost-balanced packing of long-tailed documents, without and with a 4-stage
-    pipeline: mean predicted step time, a lower bound no placement beats, imbalance (slowest replica over
-    mean) and planning time. With --cp: static context parallelism against CP placement."""
+    """Compare packings of long-tailed documents.
+
+    Token-balanced against cost-balanced packing, without and with a 4-stage pipeline: mean predicted step time, a lower
+    bound no placement beats, imbalance (slowest replica over mean) and planning time. With --cp: static context
+    parallelism against CP placement."""
     from titan.tools.simulate.packing import PackingScenario, simulate
 
     if cp > 1:

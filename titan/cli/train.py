@@ -12,14 +12,18 @@ from titan.files import WRITE_ERRORS, write_error
 
 # Exit status after a signal-triggered checkpoint: EX_TEMPFAIL, "try again later" (SLURM scripts requeue on it).
 PREEMPTED_EXIT_CODE = 75
+# After Ctrl-C's checkpoint: the shell's status for a command interrupted by SIGINT (128 + 2); a user's stop is
+# not requeued.
+INTERRUPTED_EXIT_CODE = 130
 
 
 @recipe_command()
 def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
-    """Train a model from a recipe, e.g. titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3.
+    """Train a model from a recipe.
 
-    Run alone, under `torchrun --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed
-    below the options, with its type, default and meaning.
+    For example: titan train -c recipes/debug.toml --training.steps 30 --optimizer.lr 1e-3. Run alone, under `torchrun
+    --nproc-per-node N`, or from a SLURM batch script. Every recipe key is listed below the options, with its type,
+    default and meaning.
     """
     try:
         cfg = preflight(config, ctx.args)
@@ -30,7 +34,8 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
             Trainer(cfg).train()
         except Preempted as e:
             typer.echo(f"titan: {e}", err=True)
-            raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
+            code = INTERRUPTED_EXIT_CODE if e.reason == "SIGINT" else PREEMPTED_EXIT_CODE
+            raise typer.Exit(code=code) from None
     except OSError as e:  # a full, read-only or forbidden disk is the machine's state: one line, not a traceback
         if e.errno not in WRITE_ERRORS:
             raise

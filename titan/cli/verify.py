@@ -19,10 +19,10 @@ def verify(
         False, "--reuse-reference", help="Keep the 1-process runs already in --out if their recipe is the same."
     ),
 ) -> None:
-    """Check that a parallel layout trains as one process does, tensor by tensor, and name where it departs.
+    """Check that a parallel layout trains as one process does.
 
-    Give the layout as overrides, e.g. --parallel.dp_shard 2 --parallel.tp 2; the processes are started for you.
-    Exit status 1 when the layout is not equivalent.
+    Tensor by tensor, naming where it departs. Give the layout as overrides, e.g. --parallel.dp_shard 2 --parallel.tp 2;
+    the processes are started for you. Exit status 1 when the layout is not equivalent.
     """
     from titan.tools.verify.runs import verify as run_verify  # imported late: torch takes a while to import
 

@@ -18,6 +18,8 @@ import tomli_w
 from titan.config.checks import validate
 from titan.config.layout import LayoutError, other_degrees
 from titan.config.sections import Config, Parallel, to_dict
+from titan.config.torchtitan import TORCHTITAN_KEYS
+from titan.dtypes import TORCH_NAMES, parse_dtype
 from titan.errors import ConfigError
 from titan.schema import parse_toml
 
@@ -138,8 +140,7 @@ def _build(cls, raw: dict, prefix: str):
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
-            what = "section" if not prefix else "key"
-            raise ConfigError(f"unknown {what} '{prefix}{key}'{_suggest(prefix, key, cls)}")
+            raise _unknown(prefix, key, value, cls)
         kwargs[key] = _convert(hints[key], value, prefix + key)
     # Sections absent from the recipe take their defaults.
     for name in names:
@@ -149,7 +150,19 @@ def _build(cls, raw: dict, prefix: str):
 
 
 # Keys users bring from other frameworks, and what titan calls them.
-ELSEWHERE = {"job.config_file": "the recipe is --config, as in titan train --config recipe.toml"}
+ELSEWHERE = {
+    "job.config_file": "the recipe is --config, as in titan train --config recipe.toml",
+    **{key: f"TorchTitan's name; titan's is {ours}" for key, ours in TORCHTITAN_KEYS.items()},
+}
+
+
+def _unknown(prefix: str, key: str, value, cls) -> ConfigError:
+    """The error for an unknown key; another framework's section (TorchTitan's [parallelism]) is named by its key."""
+    inner = [f"{prefix}{key}.{k}" for k in value] if isinstance(value, dict) else []
+    for name in filter(ELSEWHERE.__contains__, inner):
+        return ConfigError(f"unknown key '{name}' ({ELSEWHERE[name]})")
+    what = "section" if not prefix else "key"
+    return ConfigError(f"unknown {what} '{prefix}{key}'{_suggest(prefix, key, cls)}")
 
 
 def _suggest(prefix: str, key: str, cls) -> str:
@@ -185,6 +198,8 @@ def _convert(tp, value, key: str):  # noqa: C901 (one branch per type a recipe k
     elif isinstance(value, _CliValue):
         value = str(value)
     if origin is Literal:
+        if set(typing.get_args(tp)) <= TORCH_NAMES.keys():  # a dtype: torch's name for it is taken too
+            return parse_dtype(value, typing.get_args(tp), key)
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key} must be one of {_type_name(tp)}, got {value!r}")
         return value

@@ -134,7 +134,8 @@ class Training:
     seq_len: int = 256  # tokens per sequence (a row of the global batch)
     steps: int = 100  # optimizer steps to train; the lr schedule spans them
     max_grad_norm: float = 1.0  # 0 disables clipping
-    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 matmuls, fp32 weights and optimizer
+    # bf16: bf16 matmuls, fp32 weights and optimizer; torch's names (float32, bfloat16) work too
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
     # A step whose loss or gradient norm is NaN or inf: stop (nothing saved after the last good step), or
     # skip its update and go on, stopping after max_skipped_steps such steps in a row.

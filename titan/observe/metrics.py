@@ -151,13 +151,9 @@ class MetricsLogger:
                 config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
                 settings=wandb.Settings(silent=True),  # titan prints the run's address itself, once
             )
-            log.info("wandb: %s run %s", mode, self._wandb.url or run_dir / "wandb")
-            tracking["wandb"] = {
-                "project": config.metrics.wandb_project,
-                "id": run_id,
-                "mode": mode,
-                "url": self._wandb.url,
-            }
+            url = self._wandb.url if mode == "online" else None  # an offline run has none: wandb warns if asked
+            log.info("wandb: %s run %s", mode, url or run_dir / "wandb")
+            tracking["wandb"] = {"project": config.metrics.wandb_project, "id": run_id, "mode": mode, "url": url}
         (run_dir / "tracking.json").write_text(json.dumps(tracking, indent=2) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:
@@ -288,6 +284,14 @@ def setup_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+def log_to_file(path: Path) -> None:
+    """Also write the console's log lines to `path`, appended (a resumed run continues its file), with the date:
+    a file's lines may span days."""
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)  # the root's: setup_logging's basicConfig(force=True) closes it
 
 
 class ThroughputWindow:

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, checkpoint_tokenizer, load_tensors, open_model_checkpoint
 from titan.checkpoint.train_state import model_buffers
+from titan.dtypes import parse_dtype
 from titan.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -264,8 +265,8 @@ def device_and_mesh(tp: int):
 
 @dataclass(frozen=True)
 class Loading:
-    """How a checkpoint's model is loaded: its dtype (a key of DTYPES), split over `tp` processes, with a progress
-    bar or not."""
+    """How a checkpoint's model is loaded: its dtype (a key of DTYPES, or torch's name for it), split over `tp`
+    processes, with a progress bar or not."""
 
     dtype: str = "fp32"
     tp: int = 1
@@ -284,12 +285,11 @@ def continue_texts(
     """The continuation of each text in `prompts` by the model of a titan checkpoint, on the GPU if there is one,
     in batches of batch_size prompts (0: all in one)."""
     check_options(max_new_tokens, sampling)  # before the model loads, which may take long
-    if loading.dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {loading.dtype!r}")
+    dtype = DTYPES[parse_dtype(loading.dtype, DTYPES)]
     if batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0 (0: every prompt in one batch), got {batch_size}")
     device, mesh = device_and_mesh(loading.tp)
-    loaded = load_model(checkpoint, device, DTYPES[loading.dtype], mesh, loading.progress)
+    loaded = load_model(checkpoint, device, dtype, mesh, loading.progress)
     tokenizer = checkpoint_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size, tokenizer_path)
     # Training frames each document as BOS + text + EOS; a prompt is a document still going on.
     ids = [tokenizer.encode(prompt)[:-1] for prompt in prompts]

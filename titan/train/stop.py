@@ -1,5 +1,6 @@
 """Stopping early. SIGTERM or SIGUSR1 (a SLURM preemption notice) on any rank stops every rank at the same step,
-after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it. A NaN or inf gradient
+after a checkpoint, and the run exits 75 (EX_TEMPFAIL) so that a batch script requeues it; Ctrl-C (SIGINT) stops
+the same way and exits 130, as an interrupted command does, and a second Ctrl-C quits at once. A NaN or inf gradient
 norm stops the run without saving (or skips the step, as the recipe says), naming the last checkpoint whose next
 step was finite: the checkpoint of the step before the NaN holds the weights the NaN came from."""
 
@@ -25,7 +26,11 @@ STOP_VOTE_SECONDS = 1.0
 
 
 class Preempted(Exception):
-    """Training stopped early on a signal, after saving a checkpoint."""
+    """Training stopped early on a signal, after saving a checkpoint; `reason`: the signal's name (StopVote.reason)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class StopVote:
@@ -44,16 +49,25 @@ class StopVote:
 
     @contextlib.contextmanager
     def on_signals(self):
-        """SIGTERM and SIGUSR1 request a stop while the block runs; the previous handlers come back after it."""
-        previous = {
-            sig: signal.signal(sig, lambda signum, _frame: self.request(signal.Signals(signum).name))
-            for sig in (signal.SIGTERM, signal.SIGUSR1)
-        }
+        """SIGTERM, SIGUSR1 and SIGINT request a stop while the block runs; the previous handlers come back after it."""
+        handlers = {signal.SIGTERM: self._on_signal, signal.SIGUSR1: self._on_signal, signal.SIGINT: self._on_ctrl_c}
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def _on_ctrl_c(self, signum: int, frame) -> None:
+        """The first Ctrl-C stops at the step's end, as SIGTERM does; the second quits at once (a save it interrupts
+        is left under its temporary name: the last complete checkpoint stays as it was)."""
+        if self.reason == "SIGINT":
+            raise KeyboardInterrupt
+        self._on_signal(signum, frame)
+        log.info("Ctrl-C: stopping at the end of this step (Ctrl-C again to quit at once, saving nothing)")
 
     def agreed(self, step: int, step_seconds: float) -> bool:
         """Whether every rank stops after `step` (the last step took `step_seconds` on this rank)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titan.checkpoint.resume import complete_checkpoints
 from titan.config import Config, to_toml
 from titan.data import DocumentBatchLoader
 from titan.observe.metrics import (
@@ -19,12 +20,14 @@ from titan.observe.metrics import (
     RemainingTime,
     ThroughputWindow,
     format_line,
+    log_to_file,
     peak_flops,
     peak_memory_bytes,
     run_info,
     setup_logging,
 )
 from titan.observe.profiling import DeviceTimer, Profiler, StepClock
+from titan.observe.runs import duration
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.run_plan import RunPlan
 from titan.train.build import (
@@ -61,6 +64,7 @@ class Due:
 class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
+        self.started = time.perf_counter()  # the run's wall time, in its summary
         self.device, device_reason = pick_device(config.training.device)
         setup_logging(int(os.environ.get("RANK", "0")))  # the pre-flight logs the activation budget it resolves
         # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
@@ -78,6 +82,8 @@ class Trainer:
         self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
         on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
+        if self.rank == 0:  # from here on: the folder is this run's
+            log_to_file(self.run_dir / "console.log")
         torch.manual_seed(config.job.seed)
         if config.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -94,6 +100,7 @@ class Trainer:
         self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops, run_dtype)
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
+        self.val_loss: float | None = None  # the last evaluation's
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
         info = run_info(self.device, self.world_size, self.layout)
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=info)
@@ -150,8 +157,8 @@ class Trainer:
         """Train to step `until` (default: training.steps, which the lr schedule spans), saving and logging there
         as at the end; returns the loss of every step run (metrics.jsonl holds the logged ones).
 
-        SIGTERM or SIGUSR1 (a SLURM preemption notice) saves a checkpoint at the next step boundary and
-        raises Preempted.
+        SIGTERM, SIGUSR1 (a SLURM preemption notice) or Ctrl-C saves a checkpoint at the next step boundary and
+        raises Preempted; a second Ctrl-C raises KeyboardInterrupt at once.
         """
         total = until or self.config.training.steps
         if self.step >= total:
@@ -164,6 +171,7 @@ class Trainer:
         unsettled = UnsettledSteps(self.stepper.global_loss, self.nonfinite.check, self.device)
         self.stepper.parts.train()
         first_step, window = self.step, ThroughputWindow()
+        begun = (first_step, self.tokens_seen, time.perf_counter())  # what this call trains, for the summary
         compute = DeviceTimer(self.device)  # the step's forward, backward and update, for the packing log
         with self.stop.on_signals(), self.profiler:
             while self.step < total:
@@ -203,7 +211,8 @@ class Trainer:
                     if self.config.checkpoint.enable:
                         self._save(saved_loss(), wait=True)
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
-                    raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}")
+                    self._log_summary(begun, unsettled.settle())
+                    raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}", self.stop.reason)
                 self.step_times.append(time.perf_counter() - step_start)
                 profiler_start = time.perf_counter()
                 if self.profiler.step():  # writing the trace is not step time
@@ -214,6 +223,7 @@ class Trainer:
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
             self.metrics.close()
+            self._log_summary(begun, unsettled.settle())
         return unsettled.losses
 
     def _due(self, total: int, first_step: int) -> Due:
@@ -280,8 +290,30 @@ class Trainer:
         loss = self.evaluate()
         perplexity, seconds = math.exp(min(loss, 50.0)), time.perf_counter() - start
         self.metrics.log(self.step, {"val_loss": loss, "val_perplexity": perplexity, "val_time_s": seconds})
+        self.val_loss = loss
         self.remaining.record("validation", seconds)
         log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
+
+    def _log_summary(self, begun: tuple[int, int, float], loss: float) -> None:
+        """The run's end in one block: what this call trained and how fast, its last losses, and where its
+        checkpoint and metrics are. begun: the step, tokens seen and time it started from; loss: the last step's."""
+        first_step, first_tokens, start = begun
+        if self.step == first_step:
+            return  # nothing trained: said when train() began
+        steps = f"steps {first_step + 1}-{self.step}" if self.step > first_step + 1 else f"step {self.step}"
+        tokens_per_s = (self.tokens_seen - first_tokens) / (time.perf_counter() - start)
+        memory = f"{peak_memory_bytes(self.device) / 2**30:.2f} GiB" + (" (rank 0)" if self.world_size > 1 else "")
+        validation = f" | validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        saved = complete_checkpoints(self.checkpointer.folder)
+        files = ["metrics.jsonl", "console.log"]
+        if saved:
+            files.insert(0, str(saved[max(saved)].relative_to(self.run_dir)))
+        wall = duration(time.perf_counter() - self.started)
+        log.info(
+            f"run summary: {steps} of {self.config.training.steps} | {self.tokens_seen:,} tokens seen | {wall} wall "
+            f"time | {tokens_per_s:,.0f} tokens/s mean | peak memory {memory}\n  loss {loss:.4f}{validation}\n  "
+            f"in {self.run_dir}: {', '.join(files)}{'' if saved else ' (no checkpoint: checkpoint.enable = false)'}"
+        )
 
     def _log_start(self) -> None:
         c = self.config

@@ -22,6 +22,7 @@ from titan.checkpoint.hf.memory import PeakMemory
 from titan.checkpoint.resume import find_checkpoint
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, read_train_state
 from titan.config import saved_section
+from titan.dtypes import TORCH_NAMES, parse_dtype
 from titan.errors import ConfigError
 from titan.progress import Progress
 
@@ -196,8 +197,7 @@ def dcp_to_hf(
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    if dtype not in _DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    dtype = TORCH_NAMES[parse_dtype(dtype, TORCH_NAMES)]  # torch's name, as HF's config.json has it
     max_bytes, out_dtype = parse_size(max_shard_size), _DTYPES[dtype]
     with PeakMemory() as peak:
         found = open_model_checkpoint(checkpoint)

@@ -61,11 +61,12 @@ def format_estimate(estimate: StepEstimate) -> str:
         lines += [f"  {label:<24}{value}" for label, value in _rows(estimate, rank)]
     lines += [
         "",
-        f"step {estimate.step_seconds:.3g} s, "
+        f"step {estimate.step_seconds:.3g} s (a lower bound), "
         f"{global_batch * c.training.seq_len / estimate.step_seconds:,.0f} tokens/s, "
-        f"MFU {estimate.mfu:.1%}: a lower bound on the step time, each op at the slower of",
-        f"{device.peak_flops / 1e12:g} TFLOP/s and {device.hbm_gbs:g} GB/s of HBM, links at {device.intra_node_gbs:g} "
-        f"GB/s within a node of {device.gpus_per_node} and {device.inter_node_gbs:g} GB/s between nodes",
+        f"MFU {estimate.mfu:.1%} {MODELLED}, each op at the",
+        f"slower of {device.peak_flops / 1e12:g} TFLOP/s and {device.hbm_gbs:g} GB/s of HBM, links at "
+        f"{device.intra_node_gbs:g} GB/s within a node of {device.gpus_per_node} and {device.inter_node_gbs:g} GB/s "
+        "between nodes",
     ]
     return "\n".join(lines)
 
@@ -74,6 +75,10 @@ def _share(estimate: StepEstimate) -> str:
     """Under context parallelism, what a rank computes of each row."""
     cp = estimate.layout.cp
     return f" ({estimate.config.training.seq_len // cp:,} tokens of each, its 2 of 2·cp chunks)" if cp > 1 else ""
+
+
+# What the plan's step time and MFU are: the step as modelled (no kernel gaps, ideal overlap), not measured.
+MODELLED = "(an upper bound): modelled, not measured"
 
 
 def format_comparison(dimension: str, plans: dict[int, StepEstimate | str], world_size: int) -> str:
@@ -97,6 +102,8 @@ def format_comparison(dimension: str, plans: dict[int, StepEstimate | str], worl
             f"{plan.step_seconds:>8.3g}s{tokens / plan.step_seconds:>12,.0f}{plan.mfu:>7.1%}"
         )
     planned = [plan for plan in plans.values() if not isinstance(plan, str)]
+    if planned:
+        lines.append(f"step (a lower bound), tokens/s and MFU {MODELLED}")
     where = f"{world_size} x {planned[0].device.name}" if planned else f"{world_size} devices"
     if fitting:
         best = min(fitting, key=fitting.get)
