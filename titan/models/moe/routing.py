@@ -40,6 +40,12 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def pair_order(experts: torch.Tensor) -> torch.Tensor:
+    """The (token, expert) pairs of experts (tokens, top_k), flat, sorted by expert and within an expert by token
+    (each expert's tokens in a row, as the grouped matmul takes them): the pair at each place."""
+    return experts.flatten().argsort(stable=True)
+
+
 def counting() -> bool:
     """Whether a forward is the step's own: not evaluation (no gradient), nor activation checkpointing's recomputation
     inside the backward, which would count the same tokens twice."""
