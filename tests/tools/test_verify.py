@@ -1,15 +1,21 @@
 """`titan verify`: the comparison's rules on hand-made records, then real runs from the command line: it passes
 on correct layouts and, on layouts broken on purpose, names the module and step where they first depart."""
 
+import dataclasses
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import TINY_MODEL
+from titan.models.moe import FLAVORS
+from titan.models.moe.model import MoE
+from titan.models.moe.routing import Routing
 from titan.tools.verify.comparison import PHASES, Records, assemble, compare
+from titan.tools.verify.recording import Recorder
 
 
 def whole(t):
@@ -118,6 +124,31 @@ def test_sharded_pieces_assemble_into_the_full_tensor_and_a_gap_is_an_error():
         assemble(pieces[:1], "w")
 
 
+def test_a_moe_is_recorded_per_token_whichever_rows_a_rank_holds():
+    """The MoE's modules take the rows' tokens flattened, the router returns a tuple and the experts' pairs come sorted
+    by expert: each is recorded per (row, position), so a rank's half of the batch matches the whole batch's rows."""
+    args = dataclasses.replace(FLAVORS["debug"], dim=32, n_experts=4, expert_hidden_dim=16, n_shared_experts=1)
+    moe = MoE(args, Routing(torch.nn.Module(), 0.0))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(0))
+    part = torch.nn.ModuleDict({"moe": moe})
+    part.forward = lambda x, rows: moe(x)
+    model_parts = SimpleNamespace(parts=[part], named_parameters=part.named_parameters)
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+
+    def recorded(*halves):
+        recorder = Recorder(model_parts, torch.optim.SGD(moe.parameters()))
+        for rows in halves:
+            part(x[rows], rows)
+        return records(recorder.forward, {}, {})
+
+    whole = Records([recorded(torch.arange(4))])
+    for _, module, rows, output in recorded(torch.arange(2), torch.arange(2, 4))["forward"]:
+        assert torch.allclose(output, whole.rows(0, module, rows), atol=1e-6), module
+    assert whole.rows(0, "moe.router", ROWS).shape == (2, 8, 4)  # each token's weight for each expert
+    assert whole.rows(0, "moe.experts", ROWS).shape == (2, 8, 2, 32)  # each token's top_k results
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # From the command line
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,6 +184,22 @@ BREAKS = {
         "    return cp.RingMask(pairs)\n"
         "cp.ContextParallel.mask = dropped\n"
     ),
+    # Expert parallelism's rank 1 returns the first pairs of its first two experts with tokens each the other's result,
+    # so the combine weighs them with the wrong expert's output.
+    "ep_swaps_two_experts": (
+        "import torch\n"
+        "from titan.parallel import ep\n"
+        "call = ep.ExpertParallel.__call__\n"
+        "def swapped(self, compute, x, counts, *weights):\n"
+        "    out = call(self, compute, x, counts, *weights)\n"
+        "    if torch.distributed.get_rank(self.group) != 1:\n"
+        "        return out\n"
+        "    a, b = (counts.cumsum(0) - counts)[counts > 0][:2].tolist()\n"
+        "    order = torch.arange(len(out))\n"
+        "    order[a], order[b] = b, a\n"
+        "    return out[order]\n"
+        "ep.ExpertParallel.__call__ = swapped\n"
+    ),
 }
 
 
@@ -161,7 +208,7 @@ def verify_folder(tmp_path_factory):
     return tmp_path_factory.mktemp("verify")
 
 
-def verify(folder, layout: dict, break_name: str | None = None):
+def verify(folder, layout: dict, break_name: str | None = None, recipe=DEBUG_RECIPE, settings=RECIPE):
     env = {"OMP_NUM_THREADS": "1"}
     if break_name:
         site = folder / break_name
@@ -171,8 +218,8 @@ def verify(folder, layout: dict, break_name: str | None = None):
         )
         (site / "sitecustomize.py").write_text(code)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    overrides = tiny_overrides(folder, **RECIPE, **layout)
-    return run_titan("verify", "--config", str(DEBUG_RECIPE), *overrides, "--steps", "2", "--reuse-reference", env=env)
+    overrides = tiny_overrides(folder, **settings, **layout)
+    return run_titan("verify", "--config", str(recipe), *overrides, "--steps", "2", "--reuse-reference", env=env)
 
 
 @pytest.mark.distributed
@@ -236,6 +283,40 @@ def test_verify_catches_a_context_parallel_ring_that_drops_a_block(verify_folder
     result = verify(verify_folder, {"parallel.cp": "2"}, "ring_drops_a_block")
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert "step 0, forward, output of layers.0.attention.wo on rank 0" in result.stdout.splitlines()[-1], result.stdout
+
+
+# The debug MoE's first two layers (the second routes), its experts split over 2 ranks: 8 rows of 32 tokens in one
+# micro-batch on one process (the floor: 2), 4 rows on each rank.
+MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
+MOE = {
+    "model.overrides.n_layers": "2",
+    "training.seq_len": "32",
+    "training.global_batch_size": "8",
+    "training.local_batch_size": "8",
+}
+EP2 = {"parallel.ep": "2"}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_passes_on_expert_parallelism(verify_folder):
+    """The experts' weights, gradients and moments gathered from their ep shards; the router's and the experts'
+    outputs per token."""
+    result = verify(verify_folder, EP2, recipe=MOE_RECIPE, settings=MOE)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "layout dp_shard2-ep2 (2 processes)" in result.stdout
+    assert "equivalent: every tensor within tolerance" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_names_the_experts_when_the_dispatch_returns_results_to_the_wrong_pairs(verify_folder):
+    """The experts' output on the rank whose results were swapped is the first tensor that departs, before the MoE
+    combines them."""
+    result = verify(verify_folder, EP2, "ep_swaps_two_experts", recipe=MOE_RECIPE, settings=MOE)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    last = result.stdout.splitlines()[-1]
+    assert "step 0, forward, output of layers.1.feed_forward.experts on rank 1:" in last, result.stdout
 
 
 def test_verify_of_one_process_or_packed_documents_is_a_clear_error(tmp_path):

@@ -16,7 +16,7 @@ from torch.profiler import record_function
 from titan.models.llama.model import FeedForward, Transformer, TransformerBlock
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.experts import GroupedExperts
-from titan.models.moe.routing import BalanceLoss, Router, Routing, expert_counts
+from titan.models.moe.routing import BalanceLoss, Router, Routing, expert_counts, pair_order
 
 
 class MoE(nn.Module):
@@ -36,8 +36,7 @@ class MoE(nn.Module):
         with record_function("moe.router"):  # profiler marks: scripts/bench.py --compare moe sums them
             scores, experts, weights = self.router(tokens)
             balance_loss = self.router.account(scores, experts, rows, self.aux_loss_coef, self.routing)
-            # Each (token, expert) pair, sorted by expert and within an expert by token: each expert's tokens in a row.
-            order = experts.flatten().argsort(stable=True)
+            order = pair_order(experts)
             counts = expert_counts(experts, self.n_experts)
         routed = self.experts(tokens[order // self.top_k], counts)
         per_pair = torch.empty_like(routed).index_copy_(0, order, routed).view(-1, self.top_k, dim)

@@ -51,6 +51,12 @@ def whole_rows(counts: torch.Tensor, groups: tuple) -> torch.Tensor:
     return counts
 
 
+def pair_order(experts: torch.Tensor) -> torch.Tensor:
+    """The (token, expert) pairs of experts (tokens, top_k), flat, sorted by expert and within an expert by token
+    (each expert's tokens in a row, as the grouped matmul takes them): the pair at each place."""
+    return experts.flatten().argsort(stable=True)
+
+
 def counting() -> bool:
     """Whether a forward is the step's own: not evaluation (no gradient), nor activation checkpointing's recomputation
     inside the backward, which would count the same tokens twice."""

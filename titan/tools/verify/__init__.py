@@ -17,7 +17,9 @@ parameters must be bitwise equal.
 A tensor-parallel rank holds a slice of some outputs (a sequence shard, a head or column shard): its record is
 compared with the matching chunk of the reference, found from the one dim whose size is the reference's / tp.
 A context-parallel rank's tokens and outputs hold its positions of each row (the run plan's sequence): they are
-compared with the reference's at those positions.
+compared with the reference's at those positions. A MoE's router is recorded as each token's weight for each expert,
+its experts as each token's top_k results (under expert parallelism, computed on the experts' ranks and returned);
+the experts' weights, sharded over ep, are gathered as any DTensor's.
 
 recording.py records a run inside its processes (started by __main__.py), comparison.py compares the records
 with their tolerances, runs.py starts the three runs and reports.

@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from titan.config import Config
 
@@ -31,6 +32,8 @@ class Recorder:
     def __init__(self, model_parts, optimizer, stages=()):
         self.step = 0
         self.rows = None
+        self.seq = 1  # the positions of each row this rank holds
+        self.routes: dict = {}  # a MoE's name -> its router's experts (tokens, top_k) in this forward
         self.inferring = False
         for stage in stages:
             # torch's pipeline stages run a forward on uninitialised tensors at their first step to learn the
@@ -68,18 +71,43 @@ class Recorder:
         # Stage inputs are (tokens or hidden states, rows, ...) positionally, as the trainer and schedules pass them.
         first = args[0]
         self.rows = args[1].cpu().clone() if len(args) > 1 else torch.arange(first.shape[0])
+        self.seq = first.shape[1]
         if not first.is_floating_point():
             self.tokens.append((self.step, self.rows, first.cpu().clone()))
 
-    def _output(self, name: str, _module, _args, output) -> None:
+    def _output(self, name: str, module: nn.Module, _args, output) -> None:
         # Activation checkpointing re-runs forwards inside backward: those are the same values, recorded once.
         if torch._C._current_graph_task_id() != -1 or self.inferring:
             return
-        if isinstance(output, tuple):
-            output = output[0] if output else None
+        output = self._compared(name, module, output)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
+            rows = len(self.rows)
+            if output.dim() and output.shape[0] == rows * self.seq != rows:
+                # A MoE's modules take the rows' tokens flattened: per row again, as the comparison matches rows.
+                output = output.view(rows, self.seq, *output.shape[1:])
             # A tensor-parallel shard stays local: the comparison finds its chunk of the reference.
             self.forward.append((self.step, name, self.rows, _local(output)))
+
+    def _compared(self, name: str, module: nn.Module, output):
+        """What of a module's output is compared: a tuple's first tensor, but for a MoE's router and experts,
+        whose outputs follow the routing rather than the rows."""
+        from titan.models.moe.experts import GroupedExperts
+        from titan.models.moe.routing import Router, pair_order
+
+        moe = name.rpartition(".")[0]
+        if isinstance(module, Router):
+            scores, experts, weights = output
+            self.routes[moe] = experts
+            # Each token's weight for each expert, 0 where not chosen: a token routed otherwise differs there.
+            return torch.zeros_like(scores).scatter_(1, experts, weights)
+        if isinstance(module, GroupedExperts):
+            # The (token, expert) pairs of this rank's tokens sorted by expert (under expert parallelism, computed
+            # on the experts' ranks and returned): in token order, (tokens, top_k, dim), as the MoE combines them.
+            experts = self.routes.pop(moe)
+            return torch.empty_like(output).index_copy_(0, pair_order(experts), output).view(*experts.shape, -1)
+        if isinstance(output, tuple):
+            return output[0] if output else None
+        return output
 
     def _piece(self, name: str, t: torch.Tensor) -> tuple:
         from torch.distributed.tensor import DTensor, Replicate

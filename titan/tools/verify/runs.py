@@ -20,8 +20,13 @@ from titan.tools.verify.recording import RECORDS
 
 
 def world_size_of(p) -> int:
-    """The processes a layout takes, dp_shard = -1 counting as 1."""
-    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
+    """The processes a layout takes, dp_shard = -1 counting as the fewest it can be: 1, or under expert
+    parallelism, which takes its ranks from dp_shard x cp and runs under data parallelism, ep / cp and at least 2
+    without replicas."""
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        dp_shard = 1 if p.ep == 1 else max(p.ep // p.cp, 1 if p.dp_replicate > 1 else 2)
+    return p.dp_replicate * dp_shard * p.cp * p.tp * p.pp
 
 
 def run_configs(config: Config, folder: Path) -> dict[str, Config]:
@@ -40,7 +45,7 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
         profiling=dataclasses.replace(config.profiling, enable=False),
     )
     single = dataclasses.replace(
-        config.parallel, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, dp_weights=[], pp_layers_per_stage=[]
+        config.parallel, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, dp_weights=[], pp_layers_per_stage=[]
     )
     local = config.training.local_batch_size
     runs = {
