@@ -19,7 +19,6 @@ GLOBAL_BATCH = 8
 LAYOUTS = {
     "fsdp2": (2, {"parallel.dp_shard": "2"}, 2),
     "tp2": (2, {"parallel.tp": "2"}, 1),
-    "pp2": (2, {"parallel.pp": "2"}, 1),
     "cp2": (2, {"parallel.cp": "2"}, 1),
     "hsdp2x2": (4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}, 4),
     "fsdp2_tp2": (4, {"parallel.dp_shard": "2", "parallel.tp": "2"}, 2),
@@ -58,7 +57,7 @@ def assert_close_losses(got: dict, want: dict, what: str):
 
 # Gradient accumulation (local batch below the data-parallel share) on some layouts and not others: the
 # losses must not depend on it either.
-ACCUMULATE = {"fsdp2": True, "tp2": False, "pp2": False, "cp2": False, "hsdp2x2": False, "fsdp2_tp2": True,
+ACCUMULATE = {"fsdp2": True, "tp2": False, "cp2": False, "hsdp2x2": False, "fsdp2_tp2": True,
               "pp2_fsdp2": True}  # fmt: skip
 MAX_NORM = 0.25
 

@@ -61,7 +61,6 @@ STEPS = int(os.environ.get("MOE_LAYOUT_STEPS", "6"))
 SEQ_LEN = int(os.environ.get("MOE_LAYOUT_SEQ_LEN", "64"))
 GLOBAL_BATCH, TOP_K = 8, 2
 DROPOUT = {"model.overrides.resid_dropout": "0.1"}
-TWO_EXPERTS = {"model.overrides.n_experts": "2"}
 # name: (processes, overrides, the one-process run it must equal). The references hold all 8 rows in one
 # micro-batch; "single" and "ep2" save checkpoints, for the resume test.
 SAVES = {"checkpoint.enable": "true", "checkpoint.interval": "3"}
@@ -77,13 +76,9 @@ RUNS = {
         {"parallel.ep": "2", "activation_checkpoint.mode": "selective", **DROPOUT},
         "single_dropout",
     ),
-    # One expert per ep rank over 2 FSDP ranks: FSDP shards it by rows (titan/parallel/fsdp.py expert_placement).
-    "single_2_experts": (1, TWO_EXPERTS, None),
-    "ep2_fsdp2_rows_of_an_expert": (4, {"parallel.ep": "2", **TWO_EXPERTS}, "single_2_experts"),
-    # Tensor parallelism: each tp rank routes its sequence shard; the routed experts whole on it (tp2) or split
-    # over an ep group of the ranks with its tp index (ep2_tp2).
+    # Tensor parallelism: each tp rank routes its sequence shard, the routed experts split over an ep group of the
+    # ranks with its tp index (TP2 alone, and EP2 x FSDP2 with one expert per rank, in docs/moe.md, by hand).
     "ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2"}, "single"),
-    "tp2": (2, {"parallel.tp": "2"}, "single"),
     # The balance loss with a row's tokens split over the cp group (and its positions over tp): whole rows' counts.
     "cp2_ep2_aux": (4, {"parallel.cp": "2", "parallel.ep": "2"}, "single"),
 }

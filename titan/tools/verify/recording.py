@@ -82,7 +82,7 @@ class Recorder:
         output = self._compared(name, module, output)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             rows = len(self.rows)
-            if output.dim() and output.shape[0] == rows * self.seq != rows:
+            if output.ndim and output.shape[0] == rows * self.seq != rows:
                 # A MoE's modules take the rows' tokens flattened: per row again, as the comparison matches rows.
                 output = output.view(rows, self.seq, *output.shape[1:])
             # A tensor-parallel shard stays local: the comparison finds its chunk of the reference.
