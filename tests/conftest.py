@@ -15,6 +15,25 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("TITAN_CACHE", tempfile.mkdtemp(prefix="titan-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (no test paths named) runs on up to 4 pytest-xdist workers, one test file each: a serial run
+    leaves a third of the CPU idle while single-process tests import torch and wait on their subprocesses. Named
+    files, `-s`, `-n` and `-p no:xdist` run as asked."""
+    if (
+        config.pluginmanager.has_plugin("xdist")
+        and "PYTEST_XDIST_WORKER" not in os.environ
+        and config.args_source != pytest.Config.ArgsSource.ARGS
+        and config.option.numprocesses is None
+        and config.option.capture != "no"
+        and not config.option.collectonly
+        and (os.cpu_count() or 1) > 1
+    ):
+        config.option.numprocesses = min(4, os.cpu_count())
+        config.option.dist = "loadfile"
+
 DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
 
 
