@@ -146,7 +146,8 @@ def measure(mode: str, recipe: str, steps: int, warmup: int, overrides: list[str
     from titan.data import build_loaders
     from titan.observe.metrics import peak_flops, peak_memory_bytes
     from titan.run_plan import run_plan
-    from titan.train.build import build_model, pick_device
+    from titan.train.build import build_model
+    from titan.train.device import pick_device
     from titan.train.model import resolve_model
     from titan.train.trainer import Trainer
 

@@ -17,6 +17,9 @@ os.environ.setdefault("TITAN_CACHE", tempfile.mkdtemp(prefix="titan-test-cache-"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The whole suite (no test paths named) runs on up to 4 pytest-xdist workers, one test file each: a serial run
@@ -33,8 +36,6 @@ def pytest_cmdline_main(config):
     ):
         config.option.numprocesses = min(4, os.cpu_count())
         config.option.dist = "loadfile"
-
-DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
 
 
 def run_titan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

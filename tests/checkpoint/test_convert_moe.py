@@ -81,7 +81,7 @@ def hf_model(folder):
 def test_hf_to_dcp_prints_the_recipe_model_that_builds_it(hf_dir, converted):
     _, printed = converted
     spec = models.get_model_spec("moe")
-    args = models.model_args(spec, printed["flavor"], printed["overrides"])
+    args = models.model_args(spec.name, printed["flavor"], printed["overrides"])
     hf_args = spec.hf.args_from_config(read_checkpoint(hf_dir)[0])
     # The same network; the training choices (load balancing among them) are the flavor's.
     choices = {name: getattr(args, name) for name in spec.hf.training_choices}

@@ -865,12 +865,21 @@ def test_a_bad_input_is_one_line_and_exit_2(results, case):
     assert_one_line_error(results[case[0]], *case[-1])
 
 
-def test_a_refused_recipe_exits_without_importing_torch():
-    """Through a fresh interpreter, as a user runs it: a recipe error is found before torch's ~4 s import."""
-    result = run_titan(
-        "config", "show", "--config", str(DEBUG_RECIPE), "--training.step", "3", env={"PYTHONPROFILEIMPORTTIME": "1"}
-    )
-    assert_one_line_error(result, "training.step", "did you mean training.steps")
+@pytest.mark.parametrize(
+    "command, override, words",
+    [
+        ("show", ("--training.step", "3"), ("training.step", "did you mean training.steps")),
+        ("train", ("--model.flavor", "9B"), ("unknown model.flavor '9B'", "flavors: debug")),
+        ("train", ("--model.overrides.n_heads", "7"), ("must divide by n_heads (7)",)),
+        ("train", ("--model.overrides.n_experts", "8"), ("n_experts belongs to the moe family",)),
+    ],
+    ids=["key typo", "unknown flavor", "model that cannot be built", "MoE key on a dense flavor"],
+)
+def test_a_refused_recipe_exits_without_importing_torch(command, override, words):
+    """Through a fresh interpreter, as a user runs it: a recipe error is found before torch's ~2-4 s import."""
+    args = ("config", "show") if command == "show" else ("train",)
+    result = run_titan(*args, "--config", str(DEBUG_RECIPE), *override, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert_one_line_error(result, *words)
     lines = result.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
     assert "titan.config" in imported and "torch" not in imported

@@ -221,7 +221,7 @@ def test_the_cost_fit_of_a_deep_stage_matches_a_deep_model_timed_directly():
     from titan.train.model import ResolvedModel
 
     spec = models.get_model_spec("llama3")
-    args = models.model_args(spec, "debug", {"n_layers": 4, "dim": 1024, "n_heads": 16, "n_kv_heads": 8,
+    args = models.model_args(spec.name, "debug", {"n_layers": 4, "dim": 1024, "n_heads": 16, "n_kv_heads": 8,
                                              "max_seq_len": 4096})  # fmt: skip
     model = ResolvedModel(spec, args)
     cuda = torch.device("cuda")

@@ -165,7 +165,7 @@ def test_the_measured_cost_model_fits_a_tiny_llama_on_this_cpu():
     spec = models.get_model_spec("llama3")
     # dim 128: big enough that compute, not per-call overhead, sets the times (dim 64 fits with R² ~0.8-0.96).
     overrides = {"n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 2048, "max_seq_len": 2048}
-    args = models.model_args(spec, "debug", overrides)
+    args = models.model_args(spec.name, "debug", overrides)
     cost, r2, samples = measure(ResolvedModel(spec, args), 2, 2048, 2048, torch.device("cpu"), torch.float32, seed=0)
     assert r2 > 0.9, samples
     assert cost.a > 0 and cost.b > 0

@@ -44,8 +44,7 @@ def test_flops_per_token_is_six_per_matmul_weight_plus_attention():
 
 
 def build(seed=0, **overrides):
-    spec = models.get_model_spec("llama3")
-    args = models.model_args(spec, "debug", {"max_seq_len": 64, **overrides})
+    args = models.model_args("llama3", "debug", {"max_seq_len": 64, **overrides})
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -115,11 +114,10 @@ def test_init_buffers_completes_a_model_whose_weights_are_loaded(flavor):
 
 
 def test_unknown_override_is_rejected():
-    spec = models.get_model_spec("llama3")
     with pytest.raises(ValueError, match="unknown model.overrides.n_layer"):
-        models.model_args(spec, "debug", {"n_layer": 2})
+        models.model_args("llama3", "debug", {"n_layer": 2})
     with pytest.raises(ValueError, match="must be int"):
-        models.model_args(spec, "debug", {"n_layers": "two"})
+        models.model_args("llama3", "debug", {"n_layers": "two"})
 
 
 def _small_model(traceable=False, **overrides):

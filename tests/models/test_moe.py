@@ -16,8 +16,7 @@ from titan.models.moe.routing import Router, Routing
 
 
 def build(seed=0, **overrides) -> MoETransformer:
-    spec = models.get_model_spec("moe")
-    args = models.model_args(spec, "debug", {"max_seq_len": 64, **overrides})
+    args = models.model_args("moe", "debug", {"max_seq_len": 64, **overrides})
     with torch.device("meta"):
         model = MoETransformer(args)
     model.to_empty(device="cpu")

@@ -18,7 +18,7 @@ from titan.config import Layout, load_config
 from titan.errors import ConfigError
 from titan.parallel import ac, parallelize
 from titan.parallel.ac_choices import GIB, Option, fastest_choices, gib_rounded_up
-from titan.train.build import device_memory
+from titan.train.device import device_memory
 from titan.train.model import resolve_model
 from titan.train.trainer import Trainer
 

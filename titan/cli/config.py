@@ -28,7 +28,7 @@ def config_show(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
-    from titan.train.build import pick_device  # imported late: torch takes a while to import
+    from titan.train.device import pick_device  # imported late: torch takes a while to import
     from titan.train.preflight import check_run
 
     try:

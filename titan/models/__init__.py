@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +78,12 @@ def _moe() -> ModelSpec:
     )
 
 
-_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3, "moe": _moe}
+# name -> its package, whose FLAVORS import without torch (a recipe's model is checked before torch loads), and
+# its ModelSpec.
+_REGISTRY: dict[str, tuple[str, Callable[[], ModelSpec]]] = {
+    "llama3": ("titan.models.llama", _llama3),
+    "moe": ("titan.models.moe", _moe),
+}
 
 
 def family_of_hf(model_type: str) -> str:
@@ -90,21 +96,32 @@ def family_of_hf(model_type: str) -> str:
     raise KeyError(f"no titan model family reads HF model_type {model_type!r}; titan reads {known}")
 
 
-def get_model_spec(name: str) -> ModelSpec:
+def _family(name: str) -> tuple[str, Callable[[], ModelSpec]]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown model.name {name!r}; known models: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]()
+    return _REGISTRY[name]
 
 
-def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
-    """The flavor's args with the recipe's overrides; unknown names and wrong types raise ValueError."""
-    if flavor not in spec.flavors:
-        raise ValueError(f"unknown model.flavor {flavor!r} for {spec.name}; flavors: {', '.join(spec.flavors)}")
-    args = spec.flavors[flavor]
+def get_model_spec(name: str) -> ModelSpec:
+    return _family(name)[1]()
+
+
+def family_flavors(name: str) -> dict[str, Args]:
+    """A family's flavors by name, without importing torch."""
+    return importlib.import_module(_family(name)[0]).FLAVORS
+
+
+def model_args(name: str, flavor: str, overrides: dict[str, Any]) -> Args:
+    """Family `name`'s flavor with the recipe's overrides; unknown names and wrong types raise ValueError (an
+    unknown family KeyError)."""
+    flavors = family_flavors(name)
+    if flavor not in flavors:
+        raise ValueError(f"unknown model.flavor {flavor!r} for {name}; flavors: {', '.join(flavors)}")
+    args = flavors[flavor]
     fields = {f.name: f for f in dataclasses.fields(args)}
     for key, value in overrides.items():
         if key not in fields:
-            raise ValueError(f"unknown model.overrides.{key}; {_override_hint(spec, key, fields)}")
+            raise ValueError(f"unknown model.overrides.{key}; {_override_hint(name, key, fields)}")
         current = getattr(args, key)
         if (
             current is not None
@@ -115,7 +132,7 @@ def model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> Args:
     return dataclasses.replace(args, **overrides)
 
 
-def _override_hint(spec: ModelSpec, key: str, fields) -> str:
+def _override_hint(family: str, key: str, fields) -> str:
     """What an unknown override may have meant: a close field of this family, or another family that has it."""
     close = difflib.get_close_matches(key, fields, n=1)
     if close:
@@ -123,9 +140,8 @@ def _override_hint(spec: ModelSpec, key: str, fields) -> str:
     owners = [
         name
         for name in _REGISTRY
-        if name != spec.name
-        and key in {f.name for f in dataclasses.fields(next(iter(get_model_spec(name).flavors.values())))}
+        if name != family and key in {f.name for f in dataclasses.fields(next(iter(family_flavors(name).values())))}
     ]
     if owners:
-        return f"{key} belongs to the {owners[0]} family, not to {spec.name}: set model.name = {owners[0]!r}"
-    return f"fields of {spec.name} args: {', '.join(fields)}"
+        return f"{key} belongs to the {owners[0]} family, not to {family}: set model.name = {owners[0]!r}"
+    return f"fields of {family} args: {', '.join(fields)}"

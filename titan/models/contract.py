@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # annotations only: a recipe's model is checked before torch is imported
+    import torch
+    from torch import nn
 
 
 class PerRow(NamedTuple):

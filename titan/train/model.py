@@ -19,11 +19,15 @@ class ResolvedModel:
 
 
 def resolve_model(config: Config) -> ResolvedModel:
-    """The registry spec and the model args (flavor + overrides) the recipe names, checked: a model that
-    cannot be built is a recipe error, found before any work."""
+    """The registry spec and the model args the recipe names, checked."""
+    return ResolvedModel(models.get_model_spec(config.model.name), resolve_args(config))
+
+
+def resolve_args(config: Config) -> Args:
+    """The model args (flavor + overrides) the recipe names, checked without importing torch: a model that cannot
+    be built is a recipe error, found before any work."""
     try:
-        spec = models.get_model_spec(config.model.name)
-        args = models.model_args(spec, config.model.flavor, config.model.overrides)
+        args = models.model_args(config.model.name, config.model.flavor, config.model.overrides)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e.args[0])) from None  # a KeyError's str() would quote its message
     try:
@@ -43,4 +47,4 @@ def resolve_model(config: Config) -> ResolvedModel:
             f"{args.max_seq_len}; lower it (0 = training.seq_len)"
         )
     # The RoPE table only needs to cover the longest sequence trained on.
-    return ResolvedModel(spec, dataclasses.replace(args, max_seq_len=longest))
+    return dataclasses.replace(args, max_seq_len=longest)

@@ -14,7 +14,7 @@ from titan.errors import ConfigError
 from titan.models import Args
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import Blocks, RunPlan, run_plan
-from titan.train.build import device_memory
+from titan.train.device import device_memory
 from titan.train.model import ResolvedModel, resolve_model
 
 

@@ -36,8 +36,8 @@ from titan.train.build import (
     build_step,
     claim_run_folder,
     init_from_hf,
-    pick_device,
 )
+from titan.train.device import pick_device
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps

@@ -53,7 +53,7 @@ def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None)
     spec = hf_spec(model.name)
     try:
         # The flavor's own max_seq_len (or the recipe's override), not training.seq_len: the model's context length.
-        args = models.model_args(spec, model.flavor, model.overrides)
+        args = models.model_args(model.name, model.flavor, model.overrides)
         args.validate()
     except ValueError as e:
         raise ConfigError(f"checkpoint {path}: its recipe's model is invalid: {e}") from None

@@ -1,8 +1,16 @@
 from titan.models.llama.args import ModelArgs
 from titan.models.llama.flavors import FLAVORS
-from titan.models.llama.model import Transformer
 
 __all__ = ["FLAVORS", "ModelArgs", "Transformer", "flops_per_token", "kv_width"]
+
+
+def __getattr__(name: str):
+    """The modules (and torch with them) load on first use: a recipe's flavor and overrides are checked first."""
+    if name == "Transformer":
+        from titan.models.llama.model import Transformer
+
+        return Transformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -1,9 +1,17 @@
 from titan.models.contract import RoutedExperts
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.flavors import FLAVORS
-from titan.models.moe.model import MoETransformer
 
 __all__ = ["FLAVORS", "MoEArgs", "MoETransformer", "active_params", "flops_per_token", "kv_width", "routed_experts"]
+
+
+def __getattr__(name: str):
+    """The modules (and torch with them) load on first use: a recipe's flavor and overrides are checked first."""
+    if name == "MoETransformer":
+        from titan.models.moe.model import MoETransformer
+
+        return MoETransformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def active_params(args: MoEArgs) -> int:
