@@ -15,8 +15,6 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("TITAN_CACHE", tempfile.mkdtemp(prefix="titan-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
 DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
 
 
