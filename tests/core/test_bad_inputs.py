@@ -108,6 +108,10 @@ def output_is_a_file(tmp: Path, _saved: Path) -> dict:
     return {"job.output_dir": str(tmp / "afile")}
 
 
+def saved_checkpoint(_tmp: Path, saved: Path) -> dict:
+    return {"--checkpoint": str(saved)}
+
+
 def tokenizer_out(tmp: Path, _saved: Path) -> dict:
     return {"--out": str(tmp / "tokenizer.json")}
 
@@ -848,6 +852,21 @@ CASES = [
      ["empty.jsonl holds no text to train a tokenizer on"]),
     ("tokenizer vocabulary too small", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl", "--vocab-size",
      "100"], tokenizer_out, {}, ["--vocab-size 100", "at least 258"]),
+    # -- titan eval (on the saved checkpoint)
+    ("eval of nothing", "cli", ["eval"], saved_checkpoint, {}, ["give --data SOURCE", "or --tasks NAMES"]),
+    ("eval of no task", "cli", ["eval", "--tasks", " , "], saved_checkpoint, {}, ["--tasks names no task"]),
+    ("eval --seq-len above the model's", "cli", ["eval", "--data", "data/stories.jsonl", "--seq-len", "4096"],
+     saved_checkpoint, {}, ["--seq-len 4096", "max_seq_len 2048"]),
+    ("eval --batches negative", "cli", ["eval", "--data", "data/stories.jsonl", "--batches", "-1"], saved_checkpoint,
+     {}, ["--batches must be >= 0"]),
+    ("eval --text-unit unknown", "cli", ["eval", "--data", "data/stories.jsonl", "--text-unit", "page"],
+     saved_checkpoint, {}, ["data.text_unit", "'paragraph'", "page"]),
+    ("eval on a missing source", "cli", ["eval", "--data", "missing/held.jsonl"], saved_checkpoint, {},
+     ["data.source", "not found", "missing/held.jsonl"]),
+    ("eval of an unknown task", "cli", ["eval", "--tasks", "no_such_task"], saved_checkpoint, {},
+     ["--tasks: no_such_task is no lm-eval task", "--include-path"]),
+    ("eval with a missing task folder", "cli", ["eval", "--tasks", "mine", "--include-path", "missing/tasks"],
+     saved_checkpoint, {}, ["--include-path missing/tasks: no such folder"]),
 ]  # fmt: skip
 
 

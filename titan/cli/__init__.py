@@ -13,7 +13,7 @@ import sys
 import typer
 
 # Imported in the order `titan --help` lists the commands: the order they register in.
-from titan.cli import train, config, data, tokenizer, compare, convert, generate, verify, plan, simulate  # isort: skip  # noqa: F401
+from titan.cli import train, config, data, tokenizer, compare, convert, generate, evaluate, verify, plan, simulate  # isort: skip  # noqa: F401
 from titan.cli.common import app
 from titan.errors import UserError
 
