@@ -108,13 +108,27 @@ def output_is_a_file(tmp: Path, _saved: Path) -> dict:
     return {"job.output_dir": str(tmp / "afile")}
 
 
+def saved_checkpoint(_tmp: Path, saved: Path) -> dict:
+    return {"--checkpoint": str(saved)}
+
+
+def tokenizer_out(tmp: Path, _saved: Path) -> dict:
+    return {"--out": str(tmp / "tokenizer.json")}
+
+
+def empty_documents(tmp: Path, saved: Path) -> dict:
+    (tmp / "empty.jsonl").write_text('{"text": ""}\n' * 3)
+    return {"--data": str(tmp / "empty.jsonl"), **tokenizer_out(tmp, saved)}
+
+
 def metrics_on_a_full_disk(tmp: Path, _saved: Path) -> dict:
     (tmp / "debug").mkdir()
     (tmp / "debug" / "metrics.jsonl").symlink_to("/dev/full")
     return SAVED
 
 
-# (id, command, overrides: dict for `train` (on top of a tiny run) or list for `show`, setup, env, words)
+# (id, command, overrides: dict for `train` (on top of a tiny run), list for `show` or the arguments of `cli` (any
+# command, with the options `setup` returns), setup, env, words)
 CASES = [
     # -- the recipe: keys, types, ranges
     ("key typo", "show", ["--training.step", "3"], None, {}, ["training.step", "did you mean training.steps"]),
@@ -830,6 +844,29 @@ CASES = [
       }.items()],
     ("TorchTitan's section in a recipe", "show", [], recipe_file("[parallelism]\ntensor_parallel_degree = 2\n"), {},
      ["'parallelism.tensor_parallel_degree'", "TorchTitan's name; titan's is parallel.tp"]),
+    # -- titan tokenizer train
+    ("tokenizer train without a source", "cli", ["tokenizer", "train"], tokenizer_out, {}, ["--data SOURCE"]),
+    ("tokenizer train on a missing source", "cli", ["tokenizer", "train", "--data", "missing/b.jsonl"], tokenizer_out,
+     {}, ["data.source", "not found", "missing/b.jsonl"]),
+    ("tokenizer train on empty documents", "cli", ["tokenizer", "train"], empty_documents, {},
+     ["empty.jsonl holds no text to train a tokenizer on"]),
+    ("tokenizer vocabulary too small", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl", "--vocab-size",
+     "100"], tokenizer_out, {}, ["--vocab-size 100", "at least 258"]),
+    # -- titan eval (on the saved checkpoint)
+    ("eval of nothing", "cli", ["eval"], saved_checkpoint, {}, ["give --data SOURCE", "or --tasks NAMES"]),
+    ("eval of no task", "cli", ["eval", "--tasks", " , "], saved_checkpoint, {}, ["--tasks names no task"]),
+    ("eval --seq-len above the model's", "cli", ["eval", "--data", "data/stories.jsonl", "--seq-len", "4096"],
+     saved_checkpoint, {}, ["--seq-len 4096", "max_seq_len 2048"]),
+    ("eval --batches negative", "cli", ["eval", "--data", "data/stories.jsonl", "--batches", "-1"], saved_checkpoint,
+     {}, ["--batches must be >= 0"]),
+    ("eval --text-unit unknown", "cli", ["eval", "--data", "data/stories.jsonl", "--text-unit", "page"],
+     saved_checkpoint, {}, ["data.text_unit", "'paragraph'", "page"]),
+    ("eval on a missing source", "cli", ["eval", "--data", "missing/held.jsonl"], saved_checkpoint, {},
+     ["data.source", "not found", "missing/held.jsonl"]),
+    ("eval of an unknown task", "cli", ["eval", "--tasks", "no_such_task"], saved_checkpoint, {},
+     ["--tasks: no_such_task is no lm-eval task", "--include-path"]),
+    ("eval with a missing task folder", "cli", ["eval", "--tasks", "mine", "--include-path", "missing/tasks"],
+     saved_checkpoint, {}, ["--include-path missing/tasks: no such folder"]),
 ]  # fmt: skip
 
 
@@ -848,6 +885,8 @@ def case_run(case, tmp: Path, saved: Path) -> tuple[list[str], dict]:
     config = extra.pop("--config", str(DEBUG_RECIPE))
     if command == "show":
         return ["config", "show", "--config", config, *overrides], env
+    if command == "cli":  # another command: its arguments, then the setup's options
+        return [*overrides, *(item for option in extra.items() for item in option)], env
     return ["train", "--config", config, *tiny_overrides(tmp, **{**SMALL, **overrides, **extra})], env
 
 

@@ -1,4 +1,5 @@
-"""The `titan` command line: train, config show, data prepare, compare, convert, download, generate.
+"""The `titan` command line: train, config show, data prepare, tokenizer train, compare, convert, download, generate,
+eval.
 
 One module per command group; importing it registers its commands on the apps of titan.cli.common."""
 
@@ -12,7 +13,7 @@ import sys
 import typer
 
 # Imported in the order `titan --help` lists the commands: the order they register in.
-from titan.cli import train, config, data, compare, convert, generate, verify, plan, simulate  # isort: skip  # noqa: F401
+from titan.cli import train, config, data, tokenizer, compare, convert, generate, evaluate, verify, plan, simulate  # isort: skip  # noqa: F401
 from titan.cli.common import app
 from titan.errors import UserError
 

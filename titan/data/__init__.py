@@ -24,6 +24,7 @@ __all__ = [
     "open_prepared",
     "prepared_record",
     "validation_source",
+    "whole_source",
 ]
 log = logging.getLogger("titan")
 
@@ -104,10 +105,7 @@ def build_loaders(
     if not v.interval:
         return loader, None
     if v.source:
-        documents = open_prepared(config, validation_source(config))
-        every_block = np.arange(len(documents.block_offsets) - 1)
-        held = [(1.0, PackedSamples(documents, every_block, t.seq_len, 0, False))]
-        check_enough_tokens(held[0][1], f"validation.source {v.source}")
+        held = [(1.0, whole_source(config, validation_source(config), f"validation.source {v.source}"))]
     elif not held:
         raise ConfigError(
             f"validation.fraction = {v.fraction} holds out no document; raise it, set validation.source, "
@@ -127,6 +125,16 @@ def build_loaders(
     return loader, GlobalBatchLoader(
         list(held), Blend(list(weights)), global_batch, rows, micro_batches, d.document_mask
     )
+
+
+def whole_source(config: Config, source: DataSource, what: str) -> PackedSamples:
+    """Every document of a source of its own (validation's, or what `titan eval` scores) in the order it holds them,
+    cut into windows of training.seq_len + 1 tokens; `what` names it in the error for too few tokens."""
+    documents = open_prepared(config, source)
+    every_block = np.arange(len(documents.block_offsets) - 1)
+    samples = PackedSamples(documents, every_block, config.training.seq_len, 0, False)
+    check_enough_tokens(samples, what)
+    return samples
 
 
 def document_pieces(config: Config) -> DocumentPieces:

@@ -13,9 +13,13 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)  # order here fixes their ids: 0 and 1
 
 
 def train_bpe(
-    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+    texts: Iterable[str],
+    vocab_size: int,
+    min_frequency: int = 2,
+    show_progress: bool = False,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
 ) -> HFTokenizer:
-    """A byte-level BPE tokenizer trained on `texts`, with SPECIAL_TOKENS as ids 0 and 1.
+    """A byte-level BPE tokenizer trained on `texts`, with `special_tokens` as ids 0, 1, ...
 
     Byte-level means every string is encodable (no <unk>): the 256 byte symbols are always in the vocab,
     whatever the training text contained. No BOS/EOS post-processor is attached on purpose: titan's data
@@ -29,7 +33,7 @@ def train_bpe(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),  # added first -> ids 0..len-1
+        special_tokens=list(special_tokens),  # added first -> ids 0..len-1
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )

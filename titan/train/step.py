@@ -67,6 +67,11 @@ class StepRules:
             float8_scales=precomputes_scales(config, layout),
         )
 
+    @classmethod
+    def one_process(cls, autocast: bool) -> StepRules:
+        """One process without parallelism, as `titan eval` scores a checkpoint: nothing to sum over ranks."""
+        return cls(False, autocast, None, None, None, (), (), math.inf, False)
+
     def loss_context(self):
         """A fresh context per use: loss_parallel() is a generator-based context, usable once."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
