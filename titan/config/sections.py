@@ -30,7 +30,8 @@ class Model:
 @dataclass(frozen=True)
 class Tokenizer:
     # A HF tokenizers `tokenizer.json`, a model folder holding one, a hub model's in the local HF cache, or
-    # "titan:shakespeare". "" (none): a run takes checkpoint.init_from_hf's, or checkpoint.resume's checkpoint's.
+    # "titan:shakespeare". Left "" only by a run that starts from weights: it takes theirs (checkpoint.init_from_hf,
+    # or the checkpoint checkpoint.resume names).
     path: str = ""
     bos_token: str = "<|begin_of_text|>"  # starts every document
     eos_token: str = "<|end_of_text|>"  # ends every document
