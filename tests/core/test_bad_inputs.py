@@ -103,6 +103,22 @@ def resume_saved(**extra):
     return use
 
 
+def hf_model_with_a_larger_tokenizer(tmp: Path, saved: Path) -> dict:
+    """Setup: the saved checkpoint as an HF folder whose tokenizer has one token more than its embedding rows, which
+    a recipe naming no tokenizer takes."""
+    from tokenizers import Tokenizer
+
+    from titan.checkpoint.hf import dcp_to_hf
+
+    folder = tmp / "hf"
+    dcp_to_hf(saved, folder)
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(rows + 1 - tokenizer.get_vocab_size())])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return {"checkpoint.init_from_hf": str(folder), "tokenizer.path": ""}
+
+
 def output_is_a_file(tmp: Path, _saved: Path) -> dict:
     (tmp / "afile").write_text("")
     return {"job.output_dir": str(tmp / "afile")}
@@ -867,6 +883,18 @@ CASES = [
      ["--tasks: no_such_task is no lm-eval task", "--include-path"]),
     ("eval with a missing task folder", "cli", ["eval", "--tasks", "mine", "--include-path", "missing/tasks"],
      saved_checkpoint, {}, ["--include-path missing/tasks: no such folder"]),
+    # -- what a run reads: named by the recipe, never a test file by default
+    ("recipe without a tokenizer", "show", [], recipe_file('[data]\nsource = "data/stories.jsonl"\n'), {},
+     ["the recipe names no tokenizer: set tokenizer.path", "a model folder or a hub name"]),
+    ("recipe without data", "show", [], recipe_file('[tokenizer]\npath = "data/tokenizer.json"\n'), {},
+     ["the recipe names no data: set data.source", "[[data.sources]]"]),
+    ("train without a tokenizer", "train", {"tokenizer.path": ""}, None, {},
+     ["the recipe names no tokenizer: set tokenizer.path"]),
+    ("init_from_hf of a hub model not downloaded", "train", {"checkpoint.init_from_hf": "acme/not-downloaded"}, None,
+     {"HF_HUB_CACHE": "/nonexistent"}, ["checkpoint.init_from_hf: acme/not-downloaded is no folder",
+     "nor a hub model in the local HF cache", "titan download acme/not-downloaded --weights"]),
+    ("init_from_hf of a model whose tokenizer outnumbers its embedding", "train", {}, hf_model_with_a_larger_tokenizer,
+     {}, ["tokenizer has 2049 tokens", "vocab_size is 2048"]),
 ]  # fmt: skip
 
 

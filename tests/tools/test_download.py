@@ -135,7 +135,7 @@ def test_download_fetches_config_and_tokenizer_then_weights_and_works_offline(mi
     assert str(folder) in result.stdout and f'tokenizer.path = "{MODEL}"' in result.stdout
 
     # Offline, a recipe finds the tokenizer by the model's name in the cache.
-    check = f"from titan.data.tokenizer import hub_tokenizer; print(hub_tokenizer({MODEL!r}))"
+    check = f"from titan.data.tokenizer import tokenizer_file; print(tokenizer_file({MODEL!r}))"
     found = run_python(check, hub_env(mirror, cache, offline=True))[0]
     assert found.strip() == str(folder / "tokenizer.json")
     # Offline, the weights are not there: one line, no traceback.

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from titan import __version__
-from titan.config import Config, load_config
+from titan.config import Config, load_config, require_inputs
 from titan.config.checks import warn_of_a_short_warmup
 from titan.run_plan import run_plan
 from titan.train.model import resolve_args
@@ -91,6 +91,7 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     recipe that cannot run is refused here, before torch is imported."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(path, overrides, world_size)
+    require_inputs(config)
     resolve_args(config)
     run_plan(config, world_size)
     warn_of_a_short_warmup(config)

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from titan.cli.common import CONFIG_OPTION, data_app, recipe_command
-from titan.config import degrees_world_size, load_config, read_config
+from titan.config import degrees_world_size, load_config, read_config, require_inputs
 from titan.errors import UserError
 
 
@@ -35,10 +35,13 @@ def data_prepare(
     overrides = [*ctx.args, *(["--data.prepare_workers", str(workers)] if workers is not None else [])]
     # Preparing runs anywhere (a login node): the recipe is checked at the world its own degrees make.
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
+    require_inputs(cfg)
     share = _part(part)
-    from titan.data import validation_source  # imported late, as in train: titan.data imports torch
+    from titan.checkpoint.hf import with_weights_tokenizer  # imported late, as in train: they import torch
+    from titan.data import validation_source
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 
+    cfg = with_weights_tokenizer(cfg)
     cache_root = cache_root_for(cfg.data)
     for source in [*cfg.data.source_list(), *filter(None, [validation_source(cfg)])]:
         start = time.perf_counter()

@@ -9,7 +9,7 @@ by the parallel degrees and resume_keys.py names the keys a resume checks.
 
 from __future__ import annotations
 
-from titan.config.checks import MAY_BE_INFINITE, require, validate
+from titan.config.checks import MAY_BE_INFINITE, NO_DATA, NO_TOKENIZER, require, require_inputs, validate
 from titan.config.layout import LAYOUT_SPEC, Layout, LayoutError, degrees_world_size
 from titan.config.load import (
     DEGREES,
@@ -57,6 +57,8 @@ __all__ = [
     "MATH_KEYS",
     "MAX_BLEND_PERIOD",
     "MAY_BE_INFINITE",
+    "NO_DATA",
+    "NO_TOKENIZER",
     "PREPARED_KEYS",
     "ActivationCheckpoint",
     "Checkpoint",
@@ -87,6 +89,7 @@ __all__ = [
     "parse_overrides",
     "read_config",
     "require",
+    "require_inputs",
     "saved_section",
     "to_dict",
     "to_toml",

@@ -12,6 +12,7 @@ from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
 from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
 from titan.errors import ConfigError
+from titan.hub import model_folder
 
 log = logging.getLogger("titan")
 
@@ -69,6 +70,25 @@ def _validate_run(config: Config) -> None:
     require(config.metrics.peak_flops >= 0, f"metrics.peak_flops must be >= 0, got {config.metrics.peak_flops}")
 
 
+NO_TOKENIZER = "the recipe names no tokenizer: set tokenizer.path (a tokenizer.json, a model folder or a hub name)"
+NO_DATA = (
+    "the recipe names no data: set data.source (a .jsonl, .parquet or .txt file or folder, a hub dataset or "
+    "titan:shakespeare), or [[data.sources]]"
+)
+
+
+def require_inputs(config: Config) -> None:
+    """What a run reads besides its recipe, named there: a tokenizer (or weights that bring their own:
+    checkpoint.init_from_hf's, a checkpoint.resume path's), data, and checkpoint.init_from_hf's model, found. The
+    commands that train, show or prepare a run check it; `titan plan` reads none of them."""
+    c = config.checkpoint
+    if c.init_from_hf:
+        model_folder(c.init_from_hf, "checkpoint.init_from_hf")
+    brings_tokenizer = c.init_from_hf or c.resume not in ("auto", "never")
+    require(config.tokenizer.path != "" or bool(brings_tokenizer), NO_TOKENIZER)
+    require(config.data.source != "" or bool(config.data.sources), NO_DATA)
+
+
 def warn_of_a_short_warmup(config: Config) -> None:
     """A run shorter than its warmup (a smoke run of a long recipe) trains all the same, its lr never at its peak:
     said by the commands that train or show the run, not by those that only read the recipe (data prepare)."""
@@ -107,9 +127,7 @@ def _validate_parallel(p: Parallel) -> None:
 
 def _validate_data(config: Config) -> None:
     """The tokenizer, the data sources and their batching, and the held-out validation share."""
-    require(config.tokenizer.path != "", "tokenizer.path must name a tokenizer.json file")
     d, v = config.data, config.validation
-    require(d.source != "", "data.source must name a local file, folder or hub dataset")
     if d.batching == "tokens":
         require(
             d.document_mask,

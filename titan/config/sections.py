@@ -29,7 +29,10 @@ class Model:
 
 @dataclass(frozen=True)
 class Tokenizer:
-    path: str = "data/tokenizer.json"  # a HF tokenizers `tokenizer.json`
+    # A HF tokenizers `tokenizer.json`, a model folder holding one, a hub model's in the local HF cache, or
+    # "titan:shakespeare". Left "" only by a run that starts from weights: it takes theirs (checkpoint.init_from_hf,
+    # or the checkpoint checkpoint.resume names).
+    path: str = ""
     bos_token: str = "<|begin_of_text|>"  # starts every document
     eos_token: str = "<|end_of_text|>"  # ends every document
 
@@ -40,7 +43,7 @@ class DataSource:
 
     # A local file or folder (text, jsonl/json, parquet), a HF hub dataset name (in the HF cache when offline),
     # or a corpus titan fetches and caches itself ("titan:shakespeare").
-    source: str = "data/stories.jsonl"
+    source: str = ""
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"  # auto: from the files' suffixes
     text_field: str = "text"  # the record field holding the document's text (json, parquet, hub)
     split: str = "train"  # the hub dataset's split, or a saved DatasetDict's (save_to_disk)
@@ -73,7 +76,7 @@ def blend_period(weights: list[float]) -> int:
 @dataclass(frozen=True)
 class Data:
     # One source (the keys mean what they mean in DataSource) ...
-    source: str = "data/stories.jsonl"  # a local file or folder, a HF hub dataset, or "titan:shakespeare"
+    source: str = ""  # a local file or folder, a HF hub dataset, or "titan:shakespeare"; a run needs one
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     text_field: str = "text"
     text_unit: Literal["file", "paragraph", "line"] = "file"  # .txt: a document per file; or per "paragraph", or "line"
@@ -296,8 +299,8 @@ class Checkpoint:
     # ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
     allow_changes: list[str] = field(default_factory=list)
     verify: bool = True  # check every file against the checkpoint's SHA-256 manifest before loading
-    # Start from a HF checkpoint folder (config.json + *.safetensors: Llama, Qwen3-MoE for the moe family) when not
-    # resuming.
+    # Start from a HF checkpoint (config.json + *.safetensors: Llama, Qwen3-MoE for the moe family) when not
+    # resuming: a folder, or a hub model in the local HF cache (titan download NAME --weights).
     init_from_hf: str = ""
 
 

@@ -6,40 +6,44 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from titan.config import NO_TOKENIZER
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data.corpora import resolve_tokenizer_path
 from titan.errors import ConfigError
+from titan.hub import hub_folder, looks_like_hub_name
 
 
-def looks_like_hub_name(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".json")
-
-
-def hub_tokenizer(name: str) -> Path | None:
-    """The tokenizer.json of HF hub model `name` (e.g. "meta-llama/Llama-3.2-1B") in the local HF cache, or
-    None when `name` is no hub name or the cache does not hold it: titan never downloads at run time."""
-    if not looks_like_hub_name(name):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(name, "tokenizer.json")
-    return Path(found) if isinstance(found, str) else None
+def tokenizer_file(path: str) -> Path:
+    """The tokenizer.json that tokenizer.path `path` names: the file itself, a model folder's, a `titan:` corpus's
+    (built on first use) or a hub model's in the local HF cache; ConfigError (one line) otherwise."""
+    if not path:
+        raise ConfigError(NO_TOKENIZER)
+    found = Path(resolve_tokenizer_path(path)).expanduser()
+    if found.is_dir():
+        found = found / "tokenizer.json"
+        if not found.is_file():
+            raise ConfigError(f"tokenizer.path: the folder {path} has no tokenizer.json; name one, or its file")
+    elif not found.exists():
+        hub = hub_folder(path)
+        if hub is not None and (hub / "tokenizer.json").is_file():
+            return hub / "tokenizer.json"
+    if not found.is_file():
+        hub = ""
+        if looks_like_hub_name(path):
+            hub = (
+                f", nor a hub model whose tokenizer.json is in the local HF cache (fetch it where there is "
+                f"internet: titan download {path})"
+            )
+        raise ConfigError(
+            f"tokenizer.path: file not found: {found}{hub}; point it at a tokenizer.json or a model folder"
+        )
+    return found
 
 
 class Tokenizer:
     def __init__(self, cfg: TokenizerConfig):
-        path = Path(resolve_tokenizer_path(cfg.path))  # a `titan:` corpus's tokenizer is built on first use
-        if not path.exists():
-            path = hub_tokenizer(cfg.path) or path
+        path = tokenizer_file(cfg.path)
         self.path = path  # the file read, for what must hash or copy it
-        if not path.is_file():
-            hub = ""
-            if looks_like_hub_name(cfg.path):
-                hub = (
-                    f", nor a hub model whose tokenizer.json is in the local HF cache (fetch it where there is "
-                    f"internet: hf download {cfg.path} tokenizer.json)"
-                )
-            raise ConfigError(f"tokenizer.path: file not found: {path}{hub}; point it at a tokenizer.json")
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from titan.checkpoint.checkpointer import Checkpointer, RunRecord
+from titan.checkpoint.hf.files import copy_tokenizer_files
 from titan.checkpoint.train_state import model_shapes
 from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record
@@ -18,6 +20,7 @@ from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
+from titan.hub import model_folder
 from titan.observe.profiling import StepClock
 from titan.optim import build_lr_scheduler, build_optimizer
 from titan.parallel import pp
@@ -178,13 +181,38 @@ def build_checkpointer(
     shapes = model_shapes(model.spec, model.args)
     record = RunRecord(
         {"name": config.model.name, "flavor": config.model.flavor, "shapes": shapes},
-        to_toml(config),
+        to_toml(with_absolute_tokenizer(config)),
         math_values(config, plan.global_rows) | prepared_record(config),
     )
     folder = config.run_dir / "checkpoints"
     return Checkpointer(
         config.checkpoint, folder, states, record, rank=rank, save_group=new_gloo_group(), control_group=control_group
     )
+
+
+def with_absolute_tokenizer(config: Config) -> Config:
+    """The recipe with a local tokenizer.path made absolute: as a checkpoint saves it, so that `titan generate`,
+    `titan convert dcp-to-hf` and a resume read its tokenizer from any folder (a hub name or `titan:` corpus is
+    found from anywhere as it is)."""
+    path = Path(config.tokenizer.path).expanduser()
+    if not config.tokenizer.path or not path.exists():
+        return config
+    return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(path.absolute())))
+
+
+def keep_hf_tokenizer(config: Config) -> Config:
+    """A tokenizer read from checkpoint.init_from_hf's folder (the HF model's own, which a recipe that names none
+    takes) copied into the run folder's tokenizer/ and read from there: the run's recipe and checkpoints name a copy
+    that outlives the HF folder, or cache. Rank 0's work, once the run folder is claimed."""
+    source = config.checkpoint.init_from_hf
+    given = Path(config.tokenizer.path).parent
+    if not source or given != model_folder(source, "checkpoint.init_from_hf").absolute():
+        return config
+    folder = config.run_dir.absolute() / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    names = copy_tokenizer_files(given, folder)
+    log.info("tokenizer: %s of checkpoint.init_from_hf's %s, copied into %s", ", ".join(names), source, folder)
+    return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(folder / names[0])))
 
 
 def claim_run_folder(folder) -> None:

@@ -8,7 +8,8 @@ import dataclasses
 
 import torch
 
-from titan.config import Config, Layout
+from titan.checkpoint.hf import with_weights_tokenizer
+from titan.config import Config, Layout, require_inputs
 from titan.data import Tokenizer
 from titan.errors import ConfigError
 from titan.models import Args
@@ -33,6 +34,8 @@ class CheckedRun:
 def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
     """Everything the recipe asks, checked before any process group is joined. device None: not on this machine,
     so what the layout asks of it, and the budget it leaves, wait for the run."""
+    require_inputs(config)
+    config = with_weights_tokenizer(config)
     model = resolve_model(config)
     per_row = model.args.per_row
     if config.data.batching == "tokens" and per_row is not None:

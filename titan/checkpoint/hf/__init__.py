@@ -30,7 +30,6 @@ match.py: which recipe model an HF checkpoint is.
 
 from titan.checkpoint.hf.exports import (
     DEFAULT_MAX_SHARD_SIZE,
-    TOKENIZER_FILES,
     ModelCheckpoint,
     checkpoint_tokenizer,
     dcp_to_hf,
@@ -44,8 +43,10 @@ from titan.checkpoint.hf.files import (
     FLOAT_WEIGHTS,
     INDEX_FILE,
     SINGLE_FILE,
+    TOKENIZER_FILES,
     WEIGHT_INDEX,
     HFFolder,
+    copy_tokenizer_files,
     hf_spec,
     hf_weight_files,
     open_hf,
@@ -53,7 +54,7 @@ from titan.checkpoint.hf.files import (
     read_into,
     read_part,
 )
-from titan.checkpoint.hf.imports import hf_to_dcp, init_from_hf
+from titan.checkpoint.hf.imports import hf_to_dcp, init_from_hf, with_weights_tokenizer
 from titan.checkpoint.hf.memory import PeakMemory
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "ModelCheckpoint",
     "PeakMemory",
     "checkpoint_tokenizer",
+    "copy_tokenizer_files",
     "dcp_to_hf",
     "hf_spec",
     "hf_to_dcp",
@@ -80,5 +82,6 @@ __all__ = [
     "read_hf_config",
     "read_into",
     "read_part",
+    "with_weights_tokenizer",
     "write_tokenizer_files",
 ]

@@ -17,7 +17,15 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointReader, dcp_error, single_process_quiet, verify
-from titan.checkpoint.hf.files import CONFIG_FILE, INDEX_FILE, atomic_folder, hf_shapes, hf_spec, stacked
+from titan.checkpoint.hf.files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    TOKENIZER_FILES,
+    atomic_folder,
+    hf_shapes,
+    hf_spec,
+    stacked,
+)
 from titan.checkpoint.hf.memory import PeakMemory
 from titan.checkpoint.resume import find_checkpoint
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, read_train_state
@@ -49,7 +57,7 @@ def open_model_checkpoint(path: Path, rank: int = 0, world: int = 1, group=None)
     if problem:
         raise ConfigError(f"checkpoint {problem}; use another checkpoint")
     model = _saved_section(path, "model")
-    _saved_section(path, "tokenizer")  # read after the weights, checked before them
+    saved_tokenizer(path)  # read after the weights, checked before them
     spec = hf_spec(model.name)
     try:
         # The flavor's own max_seq_len (or the recipe's override), not training.seq_len: the model's context length.
@@ -77,6 +85,11 @@ def _saved_section(path: Path, name: str):
         return saved_section(read_train_state(path)["recipe"], name)
     except ValueError as e:
         raise ConfigError(f"checkpoint {path} is corrupt: the recipe in train_state.json: {e}") from None
+
+
+def saved_tokenizer(path: Path):
+    """The [tokenizer] of the recipe saved in the checkpoint at `path` (a step-N folder)."""
+    return _saved_section(path, "tokenizer")
 
 
 @torch.no_grad()
@@ -122,17 +135,16 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-
-
 def checkpoint_tokenizer(path: Path, vocab_size: int, override: Path | None = None):
     """The tokenizer a checkpoint's recipe names (or the tokenizer.json `override`, with the recipe's BOS/EOS), as
     titan.data.Tokenizer; ConfigError when it cannot be read or has more tokens than the model."""
     from titan.data.tokenizer import Tokenizer
 
-    cfg = _saved_section(path, "tokenizer")
+    cfg = saved_tokenizer(path)
     if override is not None:
         cfg = replace(cfg, path=str(override))
+    elif not cfg.path:  # converted from an HF folder without a tokenizer.json
+        raise ConfigError(f"checkpoint {path}'s recipe names no tokenizer: pass --tokenizer (its tokenizer.json)")
     try:
         tokenizer = Tokenizer(cfg)
     except ConfigError as e:
@@ -277,8 +289,8 @@ def _hf_tensors(spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[s
 
 def _export_tokenizer(path: Path, vocab_size: int, override: Path | None):
     """(the tokenizer to export with checkpoint `path`, or None; what the report says of it). A recipe's
-    tokenizer that is not here (a checkpoint converted from HF names titan's default) leaves the export without
-    tokenizer files, which the report says; a --tokenizer that fails is an error."""
+    tokenizer that is not here (or none: a checkpoint converted from an HF folder without one) leaves the export
+    without tokenizer files, which the report says; a --tokenizer that fails is an error."""
     try:
         tok = checkpoint_tokenizer(path, vocab_size, override)
     except ConfigError as e:

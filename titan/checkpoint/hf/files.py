@@ -16,6 +16,7 @@ from torch import Tensor
 
 from titan import models
 from titan.checkpoint.train_state import model_shapes
+from titan.config import Tokenizer
 from titan.errors import ConfigError
 from titan.progress import Progress
 from titan.schema import FILE_NAME, MapOf, Table, read_json
@@ -25,6 +26,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # An index names each tensor's file: a plain file name, so that every file read is one of the folder's own.
 WEIGHT_INDEX = Table({"weight_map": MapOf(FILE_NAME, filled=True)}, required=frozenset({"weight_map"}))
+# A model's tokenizer as transformers reads it; tokenizer.json is what titan reads, the others say its BOS and EOS.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # The safetensors dtypes of weights titan reads (as floats, cast to the model's dtype); an integer tensor is not one.
 FLOAT_WEIGHTS = ("F64", "F32", "BF16", "F16")
 
@@ -61,6 +64,38 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return config
+
+
+def hf_tokenizer(folder: Path) -> Tokenizer | None:
+    """The tokenizer of HF folder `folder` as a recipe's [tokenizer]: its tokenizer.json, framing documents with the
+    BOS and EOS its tokenizer_config.json (else special_tokens_map.json) names; None without a tokenizer.json."""
+    folder = Path(folder)
+    if not (folder / TOKENIZER_FILES[0]).is_file():
+        return None
+    special: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter's wins
+        try:
+            content = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("bos_token", "eos_token") if isinstance(content, dict) else ():
+            token = content.get(key)
+            token = token.get("content") if isinstance(token, dict) else token  # an AddedToken, serialised
+            if isinstance(token, str) and token:
+                special[key] = token
+    # A tokenizer without a BOS (Qwen's) starts documents with its EOS, as GPT-2's does.
+    bos, eos = special.get("bos_token", special.get("eos_token")), special.get("eos_token")
+    default = Tokenizer()
+    path = folder.absolute() / TOKENIZER_FILES[0]  # not resolved: a hub snapshot's files are links to its blobs
+    return Tokenizer(str(path), bos or default.bos_token, eos or default.eos_token)
+
+
+def copy_tokenizer_files(folder: Path, out: Path) -> list[str]:
+    """Copy HF folder `folder`'s TOKENIZER_FILES that it has into `out`; returns their names."""
+    names = [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+    for name in names:
+        shutil.copyfile(Path(folder) / name, Path(out) / name)
+    return names
 
 
 def hf_weight_files(folder: Path) -> list[Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -13,12 +14,24 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointWriter, dcp_error, seal, single_process_quiet
-from titan.checkpoint.hf.files import atomic_folder, hf_spec, open_hf, read_hf_config, read_into
+from titan.checkpoint.hf.exports import saved_tokenizer
+from titan.checkpoint.hf.files import (
+    TOKENIZER_FILES,
+    atomic_folder,
+    copy_tokenizer_files,
+    hf_spec,
+    hf_tokenizer,
+    open_hf,
+    read_hf_config,
+    read_into,
+)
 from titan.checkpoint.hf.match import check_model_matches, describe_match, model_toml
 from titan.checkpoint.hf.memory import PeakMemory
+from titan.checkpoint.resume import find_checkpoint
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, write_train_state
-from titan.config import Config, Model, to_toml, toml_value
+from titan.config import NO_TOKENIZER, Config, Model, Tokenizer, to_toml, toml_value
 from titan.errors import ConfigError
+from titan.hub import model_folder
 
 log = logging.getLogger("titan")
 
@@ -41,6 +54,7 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor
     spec = hf_spec(model_name)
     hf = open_hf(hf_dir, spec)
     sentence, flavor, overrides = describe_match(spec, hf.args, flavor)
+    tokenizer = _tokenizer_of(hf_dir, out_dir, hf.args.vocab_size)
     shapes = model_shapes(spec, hf.args)
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
     tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
@@ -48,8 +62,9 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor
     # The state besides the parameters (a MoE's routing biases) has no place in an HF checkpoint: the HF model is
     # the one with it at zero, which is what the export requires of it (the adapter's check_buffers).
     tensors.update({name: torch.zeros(shape) for name, shape in buffer_shapes(spec, hf.args).items()})
-    recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides))
+    recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides), tokenizer=tokenizer)
     with atomic_folder(out_dir) as tmp:
+        copied = copy_tokenizer_files(hf_dir, tmp) if tokenizer.path else []  # sealed with the weights
         try:
             writer = CheckpointWriter(tmp, progress=f"writing {out_dir.name}")
             with single_process_quiet():
@@ -73,10 +88,11 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor
         [
             f"wrote {out_dir}: a titan checkpoint (model weights only, float32) of the {spec.name} model in {hf_dir} "
             f"({len(tensors)} tensors, {n_params / 1e6:.2f}M parameters, {hf.dtypes} in the HF files)",
-            f"{sentence}. Start a run from it with, in the recipe:",
+            f"{sentence}; its tokenizer: {_copied(copied, hf_dir)}. Start a run from it with, in the recipe:",
             "",
             model_toml(spec.name, flavor, overrides),
             "",
+            *([_tokenizer_toml(tokenizer), ""] if copied else []),
             "[checkpoint]",
             f"resume = {toml_value(str(out_dir))}",
             'load_only = ["model"]',
@@ -88,16 +104,61 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor
     )
 
 
+def _tokenizer_of(hf_dir: Path, out_dir: Path, vocab_size: int) -> Tokenizer:
+    """The [tokenizer] of the checkpoint hf-to-dcp writes to `out_dir`: the HF folder's tokenizer, read from its
+    copy there (an absolute path: the recipe is read from any folder); none when the folder has no tokenizer.json.
+    ConfigError when it does not fit the model's `vocab_size` embedding rows."""
+    from titan.data.tokenizer import Tokenizer as TitanTokenizer
+
+    found = hf_tokenizer(hf_dir)
+    if found is None:
+        return Tokenizer()
+    tokenizer = TitanTokenizer(found)  # its BOS and EOS are in the vocabulary
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"{hf_dir}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model's embedding only "
+            f"{vocab_size} rows: not this model's tokenizer"
+        )
+    return replace(found, path=str(out_dir.resolve() / TOKENIZER_FILES[0]))
+
+
+def _copied(names: list[str], hf_dir: Path) -> str:
+    return f"{', '.join(names)}, copied beside the weights" if names else f"none ({hf_dir} has no tokenizer.json)"
+
+
+def _tokenizer_toml(tokenizer: Tokenizer) -> str:
+    return "\n".join(["[tokenizer]", *(f"{key} = {toml_value(value)}" for key, value in asdict(tokenizer).items())])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoint.init_from_hf
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def with_weights_tokenizer(config: Config) -> Config:
+    """A recipe that names no tokenizer takes the one of the weights it starts from: the [tokenizer] saved in the
+    checkpoint that checkpoint.resume names (a path), else checkpoint.init_from_hf's HF folder's (with the BOS and
+    EOS its tokenizer config says). Any other recipe as it is."""
+    c = config.checkpoint
+    resumes = c.resume not in ("auto", "never")
+    if config.tokenizer.path or not (resumes or c.init_from_hf):
+        return config
+    if resumes:
+        path = find_checkpoint(Path(c.resume), "checkpoint.resume")
+        tokenizer, where = saved_tokenizer(path), f"checkpoint.resume's {path}"
+    else:
+        tokenizer = hf_tokenizer(model_folder(c.init_from_hf, "checkpoint.init_from_hf"))
+        where = f"checkpoint.init_from_hf's {c.init_from_hf}"
+    if tokenizer is None or not tokenizer.path:
+        raise ConfigError(f"{NO_TOKENIZER}: {where} has none")
+    return replace(config, tokenizer=tokenizer)
 
 
 def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
     """Load the HF folder `source` into these parameters (this rank's, of any layout), after checking that
     it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug").
     Each rank reads only the parts of the files its shards hold."""
-    source = Path(source)
+    source = model_folder(str(source), "checkpoint.init_from_hf")
     spec = hf_spec(spec.name)
     with PeakMemory() as peak:
         try:
