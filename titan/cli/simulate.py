@@ -184,7 +184,10 @@ def _job_mtbf(job_hours: float | None, node_hours: float | None, nodes: int) -> 
     (any node's failure stops the job)."""
     if node_hours is None:
         return (job_hours or 2.0) * 3600, f"{job_hours or 2.0:g} h for the whole job"
-    return node_hours * 3600 / nodes, f"{node_hours / nodes:.3g} h: {node_hours:g} h per node over {nodes} nodes"
+    return (
+        node_hours * 3600 / nodes,
+        f"{node_hours / nodes:.3g} h: {node_hours:g} h per node over {nodes} node{'s' * (nodes > 1)}",
+    )
 
 
 def _intervals(option: str, text: str, kind: type) -> list:
