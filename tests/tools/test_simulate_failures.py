@@ -101,8 +101,9 @@ def test_measure_times_this_machine_and_uses_its_restarts():
         (["--every-steps", "0,10"], ["--every-steps 0,10", "intervals > 0"]),
         (["--disk-write-gbs", "nan"], ["--disk-write-gbs must be > 0", "nan"]),
         (["--config", "recipes/llama3_70b.toml", "--world-size", "8"], ["do not multiply to the world size 8"]),
+        (["--world-size", "0"], ["--world-size must be > 0, got 0"]),
     ],
-    ids=["mtbf zero", "node mtbf negative", "both mtbfs", "interval zero", "bandwidth nan", "world size"],
+    ids=["mtbf zero", "node mtbf negative", "both mtbfs", "interval zero", "bandwidth nan", "world size", "no world"],
 )
 def test_bad_input_is_one_line(args, words):
     config = [] if "--config" in args else ["--config", str(DEBUG_RECIPE)]

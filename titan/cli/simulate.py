@@ -152,14 +152,16 @@ def simulate_failures(
 
     _require(mtbf_hours is None or node_mtbf_hours is None, "give --mtbf-hours or --node-mtbf-hours, not both")
     minutes, steps = _intervals("--every-minutes", every_minutes, float), _intervals("--every-steps", every_steps, int)
-    positive = {"--mtbf-hours": mtbf_hours, "--node-mtbf-hours": node_mtbf_hours, "--failures": failures,
-                "--disk-write-gbs": disk_write_gbs, "--disk-read-gbs": disk_read_gbs}  # fmt: skip
+    positive = {"--world-size": world_size, "--mtbf-hours": mtbf_hours, "--node-mtbf-hours": node_mtbf_hours,
+                "--failures": failures, "--disk-write-gbs": disk_write_gbs,
+                "--disk-read-gbs": disk_read_gbs}  # fmt: skip
     for name, value in positive.items():
         _require(value is None or value > 0, f"{name} must be > 0, got {value}")
     for name, value in {"--host-gbs": host_gbs, "--network-gbs": network_gbs, "--relaunch-s": relaunch_s,
                         "--elastic-restart-s": elastic_restart_s}.items():  # fmt: skip
         _require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
-    world_size = world_size or degrees_world_size(read_config(config, ctx.args).parallel)
+    if world_size is None:
+        world_size = degrees_world_size(read_config(config, ctx.args).parallel)
     workload = model.planned_workload(load_config(config, ctx.args, world_size=world_size), world_size)
     measured = _measure() if measure else None
     restarts = {"relaunch_s": relaunch_s, "elastic_restart_s": elastic_restart_s}
