@@ -1,1 +1,1 @@
-"""Simulators of clusters larger than this machine: stragglers and packing."""
+"""Simulators of clusters larger than this machine: stragglers, packing and failures."""
