@@ -66,6 +66,11 @@ def assert_one_line_error(result, *words: str) -> None:
     assert all(w in errors[0] for w in words), (words, errors[0])
 
 
+def imported_modules(result) -> set[str]:
+    """The modules a CLI run imported, from its stderr under PYTHONPROFILEIMPORTTIME=1."""
+    return {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+
+
 def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
     """`torchrun -m titan train ARGS` on `world` local processes, as a user would start it."""
     from distributed import free_port

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides  # noqa: E402
-from helpers import assert_one_line_error, randomize_, tiny_hf_config  # noqa: E402
+from helpers import assert_one_line_error, imported_modules, randomize_, tiny_hf_config  # noqa: E402
 from titan.checkpoint.hf import TOKENIZER_FILES  # noqa: E402
 
 TEXTS = ["The otter swims in the cold river.", "A heron waits by the reeds at dawn.", "Rain falls on the mill."] * 20
@@ -157,15 +157,16 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_at_import(tmp_path):
 
 
 def test_init_from_hf_of_a_hub_model_not_in_the_cache_fails_at_once(tmp_path):
-    """Before torch is imported: one line within 2 s (34 s before, after building the model)."""
+    """Before torch is imported (34 s before, after building the model): the import list shows it, where a time
+    would vary with the machine's load (about 0.5 s on a quiet 2-core machine)."""
     start = time.perf_counter()
     result = run_titan("train", "--config", str(DEBUG_RECIPE), "--checkpoint.init_from_hf", "acme/not-downloaded",
-                       env={"HF_HUB_CACHE": str(tmp_path)})  # fmt: skip
-    seconds = time.perf_counter() - start
+                       env={"HF_HUB_CACHE": str(tmp_path), "PYTHONPROFILEIMPORTTIME": "1"})  # fmt: skip
+    print(f"refused in {time.perf_counter() - start:.2f} s")
     assert_one_line_error(
         result, "checkpoint.init_from_hf: acme/not-downloaded", "titan download acme/not-downloaded --weights"
     )
-    assert seconds < 2, seconds
+    assert "titan.config" in imported_modules(result) and "torch" not in imported_modules(result)
 
 
 def test_init_from_hf_takes_a_hub_model_from_the_local_cache(hf_dir, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
-from helpers import SAVED, SMALL, assert_one_line_error, torchrun, trainer_for
+from helpers import SAVED, SMALL, assert_one_line_error, imported_modules, torchrun, trainer_for
 from titan.checkpoint.format import INDEX, MANIFEST, MARKER, PROVEN, CheckpointReader, sha256_files
 
 
@@ -947,9 +947,7 @@ def test_a_refused_recipe_exits_without_importing_torch(command, override, words
     args = ("config", "show") if command == "show" else ("train",)
     result = run_titan(*args, "--config", str(DEBUG_RECIPE), *override, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert_one_line_error(result, *words)
-    lines = result.stderr.splitlines()
-    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
-    assert "titan.config" in imported and "torch" not in imported
+    assert "titan.config" in imported_modules(result) and "torch" not in imported_modules(result)
 
 
 def test_the_table_covers_every_area():
