@@ -45,16 +45,20 @@ def test_debug_recipe_trains_from_the_cli_and_the_loss_falls(tmp_path):
 
 
 def test_a_run_ends_with_a_summary_and_its_console_log_is_kept_in_the_run_folder(tmp_path):
-    steps = {"training.steps": "3", "validation.interval": "3", "checkpoint.interval": "2"}
+    steps = {"training.steps": "3", "validation.interval": "1", "validation.steps": "1", "checkpoint.interval": "2"}
     first = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **steps))
     assert first.returncode == 0, first.stderr
     run_dir = tmp_path / "debug"
     console = (run_dir / "console.log").read_text()
     summary = first.stderr[first.stderr.index("run summary:") :]
     assert "steps 1-3 of 3" in summary and f"{3 * 4 * 64:,} tokens seen" in summary and "tokens/s" in summary
-    assert "peak memory" in summary and "validation loss" in summary
+    assert "peak memory" in summary
     loss = read_metrics(run_dir)[-1]["loss"]
     assert f"loss {loss:.4f}" in summary
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    best = min(validated, key=validated.get)
+    assert f"validation loss {validated[3]:.4f} (best {validated[best]:.4f}, step {best})" in summary
     assert f"in {run_dir}: checkpoints/step-3, metrics.jsonl, console.log" in summary
     step_lines = [line for line in first.stderr.splitlines() if " step 1/3 " in line or " step 3/3 " in line]
     for line in (*step_lines, *summary.splitlines()):  # each in console.log, after its time of day

@@ -103,6 +103,7 @@ class Trainer:
         (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.val_loss: float | None = None  # the last evaluation's
+        self.best_val: tuple[float, int] | None = None  # this call's lowest validation loss, and its step
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
         info = run_info(self.device, self.world_size, self.layout)
         self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=info)
@@ -293,6 +294,7 @@ class Trainer:
         perplexity, seconds = math.exp(min(loss, 50.0)), time.perf_counter() - start
         self.metrics.log(self.step, {"val_loss": loss, "val_perplexity": perplexity, "val_time_s": seconds})
         self.val_loss = loss
+        self.best_val = min(self.best_val or (loss, self.step), (loss, self.step))
         self.remaining.record("validation", seconds)
         log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
 
@@ -305,7 +307,10 @@ class Trainer:
         steps = f"steps {first_step + 1}-{self.step}" if self.step > first_step + 1 else f"step {self.step}"
         tokens_per_s = (self.tokens_seen - first_tokens) / (time.perf_counter() - start)
         memory = f"{peak_memory_bytes(self.device) / 2**30:.2f} GiB" + (" (rank 0)" if self.world_size > 1 else "")
-        validation = f" | validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        validation = ""
+        if self.best_val is not None:
+            best, at = self.best_val
+            validation = f" | validation loss {self.val_loss:.4f} (best {best:.4f}, step {at})"
         saved = complete_checkpoints(self.checkpointer.folder)
         files = ["metrics.jsonl", "console.log"]
         if saved:
