@@ -164,7 +164,10 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
         )
         hf.post_processor = prepend if hf.post_processor is None else processors.Sequence([hf.post_processor, prepend])
     hf.save(str(folder / "tokenizer.json"))
-    special = {"bos_token": bos, "eos_token": eos}
+    # Pad with EOS, as Llama 3's exports do: titan's tokenizers have no pad token, and a new one would be an id
+    # the embedding never trained. Padded positions are masked (attention_mask 0), so which id fills them does
+    # not change a prompt's tokens; transformers' batched tokenization (padding=True) needs one set.
+    special = {"bos_token": bos, "eos_token": eos, "pad_token": eos}
     files = {
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",  # the tokenizer.json as it is, as Llama 3 ships it
@@ -174,7 +177,7 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
             "model_input_names": ["input_ids", "attention_mask"],
         },
         "special_tokens_map.json": special,
-        # Greedy, as `titan generate` by default; no pad token of its own: batches pad with EOS.
+        # Greedy, as `titan generate` by default; batches pad with EOS (the tokenizer's pad token).
         "generation_config.json": {
             "bos_token_id": tokenizer.bos_id,
             "eos_token_id": tokenizer.eos_id,

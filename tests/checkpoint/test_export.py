@@ -1,0 +1,87 @@
+"""An export people share: `titan convert dcp-to-hf` writes a folder that batches in transformers (a pad token),
+whose files have the modes the user's umask gives, with a model card (README.md) of the run, and that
+`--push-to-hub` uploads through huggingface_hub, here to a local hub server (HF_ENDPOINT) that keeps what it is
+sent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides  # noqa: E402
+from helpers import SMALL  # noqa: E402
+from titan.config import load_config  # noqa: E402
+from titan.train.trainer import Trainer  # noqa: E402
+
+# Four steps, validated and saved every two: a checkpoint before the run's end, whose card must not take the
+# losses logged after it.
+RUN = {
+    **SMALL,
+    "training.steps": "4",
+    "lr_scheduler.warmup_steps": "0",
+    "optimizer.lr": "1e-2",
+    "validation.interval": "2",
+    "validation.steps": "1",
+    "checkpoint.enable": "true",
+    "checkpoint.interval": "2",
+}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(root, **RUN))).train()
+    return root / "debug"
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir) -> Path:
+    """The run's newest checkpoint (step 4) through the CLI."""
+    out = run_dir.parent / "hf"
+    result = run_titan("convert", "dcp-to-hf", str(run_dir), str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def metrics(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """({step: training loss}, {step: validation loss}) as the run logged them."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r["loss"] for r in records if "loss" in r}
+    return train, {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+# -- pad token: batches in transformers ----------------------------------------------------------------------------
+
+PROMPTS = ["The dog ran", "Once upon a time there was a little girl who", "Tom"]
+
+
+def test_the_export_pads_batches_and_left_padded_generation_is_each_prompts_own(exported, run_dir):
+    """transformers' tokenizer pads a batch; greedy generate of a left-padded batch gives each prompt the tokens
+    it gets alone, and the text `titan generate` prints."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported, padding_side="left")
+    assert tokenizer.pad_token == tokenizer.eos_token
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["pad_token_id"] == tokenizer.pad_token_id == tokenizer.eos_token_id
+    batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+    assert batch["input_ids"].shape[0] == 3 and (batch["attention_mask"] == 0).any()  # lengths differ: padded
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    new = 16
+    with torch.no_grad():
+        batched = model.generate(**batch, max_new_tokens=new, do_sample=False)[:, batch["input_ids"].shape[1] :]
+        alone = [model.generate(**tokenizer(p, return_tensors="pt"), max_new_tokens=new, do_sample=False)[0]
+                 for p in PROMPTS]  # fmt: skip
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in batched]
+    for prompt, row, single in zip(PROMPTS, texts, alone):
+        ids = tokenizer(prompt)["input_ids"]
+        assert row == tokenizer.decode(single[len(ids) :], skip_special_tokens=True), prompt
+
+    generated = run_titan("generate", "--checkpoint", str(run_dir), *[a for p in PROMPTS for a in ("--prompt", p)],
+                          "--max-new-tokens", str(new))  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    assert [json.loads(line)["text"] for line in generated.stdout.splitlines()] == texts
