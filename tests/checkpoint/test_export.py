@@ -6,6 +6,9 @@ sent."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import DEBUG_RECIPE, run_titan, tiny_overrides  # noqa: E402
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides  # noqa: E402
 from helpers import SMALL  # noqa: E402
 from titan.config import load_config  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -85,3 +88,18 @@ def test_the_export_pads_batches_and_left_padded_generation_is_each_prompts_own(
                           "--max-new-tokens", str(new))  # fmt: skip
     assert generated.returncode == 0, generated.stderr
     assert [json.loads(line)["text"] for line in generated.stdout.splitlines()] == texts
+
+
+# -- file modes ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_have_the_modes_the_users_umask_gives(run_dir, tmp_path, umask):
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "titan", "convert", "dcp-to-hf", str(run_dir), str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            preexec_fn=lambda: os.umask(umask))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and modes == dict.fromkeys(modes, oct(0o666 & ~umask))
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
