@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides  # noqa: E402
 from helpers import SMALL  # noqa: E402
+from titan.checkpoint import hf as hf_io  # noqa: E402
 from titan.config import load_config  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
@@ -103,3 +104,51 @@ def test_exported_files_have_the_modes_the_users_umask_gives(run_dir, tmp_path, 
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
     assert "model.safetensors" in modes and modes == dict.fromkeys(modes, oct(0o666 & ~umask))
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+# -- the model card ------------------------------------------------------------------------------------------------
+
+
+def card(folder: Path) -> tuple[dict, str]:
+    """(the README's YAML front matter, as huggingface_hub reads a model card; its text)."""
+    from huggingface_hub import ModelCard
+
+    text = (folder / "README.md").read_text()
+    return ModelCard(text).data.to_dict(), text
+
+
+def test_the_model_card_holds_the_recipe_tokens_and_losses_of_the_run(exported, run_dir):
+    data, text = card(exported)
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert {"titan", "llama3"} <= set(data["tags"]) and "license" not in data
+    assert "# license:" in text.split("---")[1]  # left for the user, who is told where
+    train, val = metrics(run_dir)
+    n_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(exported).parameters())
+    for fact in (
+        "| steps | 4 |",
+        "| tokens seen | 512 |",  # 4 steps of 4 rows of 32 tokens
+        f"| parameters | {n_params:,} |",
+        "| model | llama3, flavor debug (dim = 64, n_heads = 4, n_kv_heads = 2, n_layers = 2, multiple_of = 32, "
+        "resid_dropout = 0.1) |",
+        "| data | data/stories.jsonl |",
+        "| batch | 4 sequences of 32 tokens |",
+        "| optimizer | adamw, lr 0.01, weight decay 0.1; no warmup, cosine decay to 0.1 x lr |",
+        f"| final training loss (step 4) | {train[4]:.4f} |",
+        f"| final validation loss (step 4) | {val[4]:.4f} |",
+        f"| best validation loss (step {min(val, key=val.get)}) | {min(val.values()):.4f} |",
+        "1,170 tokens; BOS `<|begin_of_text|>` (0), EOS `<|end_of_text|>` (1), which also pads",
+        f'AutoTokenizer.from_pretrained("{exported}", padding_side="left")',  # the folder, where not pushed
+    ):
+        assert fact in text, (fact, text)
+
+
+def test_the_card_of_an_earlier_checkpoint_has_its_own_losses(run_dir, tmp_path):
+    """Exported from step 2 of the 4-step run: the losses logged at step 2, not the run's last ones."""
+    hf_io.dcp_to_hf(run_dir / "checkpoints" / "step-2", tmp_path / "step2")
+    train, val = metrics(run_dir)
+    _, text = card(tmp_path / "step2")
+    assert "| steps | 2 |" in text and "| tokens seen | 256 |" in text
+    assert f"| final training loss (step 2) | {train[2]:.4f} |" in text
+    assert f"| final validation loss (step 2) | {val[2]:.4f} |" in text
+    assert f"| best validation loss (step 2) | {val[2]:.4f} |" in text
+    assert f"{val[4]:.4f}" not in text and f"{train[4]:.4f}" not in text
