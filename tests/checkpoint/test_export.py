@@ -5,11 +5,15 @@ sent."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides  # noqa: E402
-from helpers import SMALL  # noqa: E402
+from helpers import SMALL, assert_one_line_error  # noqa: E402
 from titan.checkpoint import hf as hf_io  # noqa: E402
 from titan.config import load_config  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -152,3 +156,108 @@ def test_the_card_of_an_earlier_checkpoint_has_its_own_losses(run_dir, tmp_path)
     assert f"| final validation loss (step 2) | {val[2]:.4f} |" in text
     assert f"| best validation loss (step 2) | {val[2]:.4f} |" in text
     assert f"{val[4]:.4f}" not in text and f"{train[4]:.4f}" not in text
+
+
+# -- --push-to-hub -------------------------------------------------------------------------------------------------
+
+TOKEN = "hf_local_test_token"
+DENIED = "acme/denied"
+
+
+class Hub:
+    """A hub that answers what huggingface_hub's create_repo and upload_folder send: the repo's creation, the
+    model card's check, the preupload check (every file a regular git blob, sent inline in the commit, base64),
+    and the commit. It keeps each repo's files and refuses a request without TOKEN, and any upload to DENIED."""
+
+    def __init__(self):
+        self.repos: dict[str, dict[str, bytes]] = {}
+        self.requests: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                hub.answer(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, request: BaseHTTPRequestHandler) -> None:
+        path = unquote(urlparse(request.path).path)
+        body = request.rfile.read(int(request.headers.get("Content-Length", 0)))
+        self.requests.append(f"POST {path}")
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return self.send(request, 401, {"error": "Invalid credentials in Authorization header"})
+        if path == "/api/validate-yaml":  # the model card's front matter, checked before the upload
+            return self.send(request, 200, {"errors": [], "warnings": []})
+        if path == "/api/repos/create":
+            payload = json.loads(body)
+            repo = f"{payload['organization']}/{payload['name']}"
+            if repo == DENIED:
+                return self.send(request, 403, {"error": "You don't have the rights to create a model under acme"})
+            self.repos.setdefault(repo, {})
+            return self.send(request, 200, {"url": f"{self.url}/{repo}"})
+        repo, action = "/".join(path.split("/")[3:5]), path.split("/")[5]
+        if action == "preupload":
+            files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                     for f in json.loads(body)["files"]]  # fmt: skip
+            return self.send(request, 200, {"files": files})
+        if action == "commit":
+            for line in body.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.repos[repo][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            return self.send(request, 200, {"commitUrl": f"{self.url}/{repo}/commit/1", "commitOid": "1" * 40})
+        self.send(request, 404, {"error": "not found"})
+
+    @staticmethod
+    def send(request, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def hub():
+    server = Hub()
+    yield server
+    server.server.shutdown()
+
+
+def hub_env(hub: Hub, tmp_path: Path, token: str = TOKEN) -> dict:
+    """The local hub, and no credentials but `token` (none cached)."""
+    return {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_TOKEN_PATH": str(tmp_path / "no-token"),
+            "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+
+
+def test_push_to_hub_uploads_the_exported_files(run_dir, hub, tmp_path):
+    out = tmp_path / "hf"
+    result = run_titan("convert", "dcp-to-hf", str(run_dir), str(out), "--push-to-hub", "acme/tiny-story",
+                       env=hub_env(hub, tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "README.md", *hf_io.TOKENIZER_FILES} <= files.keys()
+    assert hub.repos["acme/tiny-story"] == files  # every file, byte for byte
+    assert f"{hub.url}/acme/tiny-story" in result.stdout
+    assert 'from_pretrained("acme/tiny-story")' in files["README.md"].decode()  # the card names the repo
+
+
+def test_push_to_hub_without_credentials_or_rights_is_one_line(run_dir, hub, tmp_path):
+    """No token: refused before exporting. A bad name: the same. A hub that refuses: the export is kept."""
+    args = ["convert", "dcp-to-hf", str(run_dir), str(tmp_path / "hf"), "--push-to-hub"]
+    result = run_titan(*args, "acme/tiny", env=hub_env(hub, tmp_path, token=""))
+    assert_one_line_error(result, "--push-to-hub acme/tiny", "no Hugging Face credentials", "hf auth login", "HF_TOKEN")
+    assert_one_line_error(run_titan(*args, "not a repo", env=hub_env(hub, tmp_path)), "'not a repo'", "owner/name")
+    assert not (tmp_path / "hf").exists()
+    result = run_titan(*args, DENIED, env=hub_env(hub, tmp_path))
+    assert_one_line_error(result, f"--push-to-hub {DENIED}", "403", "the export in", "is complete", "hf upload")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    nowhere = {**hub_env(hub, tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on port 9
+    result = run_titan(*args[:3], str(tmp_path / "hf2"), "--push-to-hub", "acme/tiny", env=nowhere)
+    assert_one_line_error(result, "--push-to-hub acme/tiny", "cannot reach the hub at http://127.0.0.1:9")
