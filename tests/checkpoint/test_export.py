@@ -171,7 +171,7 @@ class Hub:
 
     def __init__(self):
         self.repos: dict[str, dict[str, bytes]] = {}
-        self.requests: list[str] = []
+        self.created: dict[str, dict] = {}  # repo -> what create_repo asked
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -188,7 +188,6 @@ class Hub:
     def answer(self, request: BaseHTTPRequestHandler) -> None:
         path = unquote(urlparse(request.path).path)
         body = request.rfile.read(int(request.headers.get("Content-Length", 0)))
-        self.requests.append(f"POST {path}")
         if request.headers.get("Authorization") != f"Bearer {TOKEN}":
             return self.send(request, 401, {"error": "Invalid credentials in Authorization header"})
         if path == "/api/validate-yaml":  # the model card's front matter, checked before the upload
@@ -199,6 +198,7 @@ class Hub:
             if repo == DENIED:
                 return self.send(request, 403, {"error": "You don't have the rights to create a model under acme"})
             self.repos.setdefault(repo, {})
+            self.created[repo] = payload
             return self.send(request, 200, {"url": f"{self.url}/{repo}"})
         repo, action = "/".join(path.split("/")[3:5]), path.split("/")[5]
         if action == "preupload":
@@ -239,12 +239,13 @@ def hub_env(hub: Hub, tmp_path: Path, token: str = TOKEN) -> dict:
 def test_push_to_hub_uploads_the_exported_files(run_dir, hub, tmp_path):
     out = tmp_path / "hf"
     result = run_titan("convert", "dcp-to-hf", str(run_dir), str(out), "--push-to-hub", "acme/tiny-story",
-                       env=hub_env(hub, tmp_path))  # fmt: skip
+                       "--private", env=hub_env(hub, tmp_path))  # fmt: skip
     assert result.returncode == 0, result.stderr
     files = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "README.md", *hf_io.TOKENIZER_FILES} <= files.keys()
     assert hub.repos["acme/tiny-story"] == files  # every file, byte for byte
     assert f"{hub.url}/acme/tiny-story" in result.stdout
+    assert hub.created["acme/tiny-story"].get("visibility") == "private"
     assert 'from_pretrained("acme/tiny-story")' in files["README.md"].decode()  # the card names the repo
 
 
