@@ -158,6 +158,15 @@ def test_the_card_of_an_earlier_checkpoint_has_its_own_losses(run_dir, tmp_path)
     assert f"{val[4]:.4f}" not in text and f"{train[4]:.4f}" not in text
 
 
+def test_the_card_of_weights_titan_did_not_train_says_so(exported, tmp_path):
+    """HF -> titan -> HF: a step-0 checkpoint, whose recipe's data and optimizer are defaults that trained nothing."""
+    hf_io.hf_to_dcp(exported, tmp_path / "dcp")
+    hf_io.dcp_to_hf(tmp_path / "dcp", tmp_path / "back")
+    _, text = card(tmp_path / "back")
+    assert "not trained by titan" in text and "| training | none in titan (step 0) |" in text
+    assert "| parameters |" in text and "| optimizer |" not in text and "| tokens seen |" not in text
+
+
 # -- --push-to-hub -------------------------------------------------------------------------------------------------
 
 TOKEN = "hf_local_test_token"

@@ -27,8 +27,9 @@ def model_card(found, n_params: int, tokenizer, dtype: str, name: str) -> str:
     lines = [
         f"---\n{front.to_yaml()}\n{license_hint}\n---\n",
         f"# {Path(name).name}\n",
-        f"A {family} causal language model of {n_params / 1e6:.2f}M parameters trained with titan, exported from "
-        f"its checkpoint at step {step} by `titan convert dcp-to-hf` ({dtype} weights).\n",
+        f"A {family} causal language model of {n_params / 1e6:.2f}M parameters "
+        f"{'trained with titan' if step else 'not trained by titan (its weights as converted or initialised)'}, "
+        f"exported from its checkpoint at step {step} by `titan convert dcp-to-hf` ({dtype} weights).\n",
         "## Training\n",
         _table(_recipe_rows(recipe, state, n_params, found.args.max_seq_len)),
         "## Results\n",
@@ -48,14 +49,18 @@ def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list
     """What was trained, on what and how: the recipe's math, not its layout (which changes no number here)."""
     model, data, training = recipe.get("model", {}), recipe.get("data", {}), recipe.get("training", {})
     overrides = ", ".join(f"{key} = {value}" for key, value in model.get("overrides", {}).items())
-    sources = data.get("sources") or [{"source": data.get("source", "?")}]
-    weighted = len(sources) > 1
     rows = [
         ("model", f"{model.get('name')}, flavor {model.get('flavor')}" + (f" ({overrides})" if overrides else "")),
         ("parameters", f"{n_params:,}"),
         ("context length", f"{context:,} tokens"),
-        ("data", ", ".join(s["source"] + (f" (weight {s.get('weight', 1.0)})" if weighted else "") for s in sources)),
     ]
+    if state["step"] == 0:  # the recipe's training keys are defaults that trained nothing
+        return rows
+    sources = data.get("sources") or [{"source": data.get("source", "?")}]
+    weighted = len(sources) > 1
+    rows.append(
+        ("data", ", ".join(s["source"] + (f" (weight {s.get('weight', 1.0)})" if weighted else "") for s in sources))
+    )
     batch = state.get("math", {}).get("training.global_batch")  # as resolved for the run's layout
     if batch:
         rows.append(("batch", f"{batch} sequences of {training.get('seq_len')} tokens"))
