@@ -98,7 +98,7 @@ def test_the_export_pads_batches_and_left_padded_generation_is_each_prompts_own(
 # -- file modes ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
 def test_exported_files_have_the_modes_the_users_umask_gives(run_dir, tmp_path, umask):
     out = tmp_path / "hf"
     command = [sys.executable, "-m", "titan", "convert", "dcp-to-hf", str(run_dir), str(out)]
