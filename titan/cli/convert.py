@@ -41,14 +41,26 @@ def convert_dcp_to_hf(
     tokenizer: Path = typer.Option(
         None, "--tokenizer", help="A tokenizer.json to export instead of the one the checkpoint's recipe names."
     ),
+    push_to_hub: str = typer.Option(
+        None, "--push-to-hub", metavar="REPO", help="Then upload the folder to this hub model, e.g. alice/my-model."
+    ),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repository private."),
 ) -> None:
     """Export a titan checkpoint as an HF model folder.
 
     The model and tokenizer (config.json, safetensors, tokenizer and generation config), which transformers'
-    AutoModelForCausalLM and AutoTokenizer load."""
-    from titan.checkpoint.hf import dcp_to_hf
+    AutoModelForCausalLM and AutoTokenizer load, and a model card (README.md) of the run.
 
-    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype, tokenizer))
+    --push-to-hub uploads it with the hub credentials found (HF_TOKEN, or hf auth login)."""
+    if push_to_hub:
+        from titan.tools.upload import check_push, push
+
+        check_push(push_to_hub)  # before the export, which can take long
+    from titan.checkpoint.hf import dcp_to_hf  # imported late: torch takes a while to import
+
+    typer.echo(dcp_to_hf(checkpoint, out_dir, max_shard_size, dtype, tokenizer, name=push_to_hub))
+    if push_to_hub:
+        typer.echo(push(out_dir, push_to_hub, private))
 
 
 @convert_app.command("upgrade")

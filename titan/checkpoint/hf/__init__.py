@@ -17,7 +17,8 @@ bf16 files, which read whole by each of a node's 8 ranks would take 1.1 TB; read
 * dcp-to-hf exports the model part of any titan checkpoint (whatever layout saved it): the output files are
   planned from the checkpoint's metadata (huggingface_hub's shard split), then each is filled by loading just its
   tensors from DCP, written, and freed before the next. `config.json` plus safetensors shards, with an index when
-  there are several, and the recipe's tokenizer as transformers' AutoTokenizer and generate read it.
+  there are several, the recipe's tokenizer as transformers' AutoTokenizer and generate read it (padding with
+  EOS), and a model card (README.md) of the run. `--push-to-hub` then uploads the folder (titan/tools/upload.py).
   `titan generate` reads a checkpoint's model alike (open_model_checkpoint, then load_tensors into its own
   parameters, a layer at a time).
 
@@ -25,6 +26,7 @@ init_from_hf and dcp-to-hf report the peak host memory they added (`PeakMemory`,
 
 files.py: HF folders (config.json, the weights and their index), checked, and read a shard's box at a time;
 imports.py: hf-to-dcp and init_from_hf; exports.py: a titan checkpoint's model and tokenizer, and dcp-to-hf;
+card.py: the export's model card;
 match.py: which recipe model an HF checkpoint is.
 """
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointReader, dcp_error, single_process_quiet, verify
+from titan.checkpoint.hf.card import model_card
 from titan.checkpoint.hf.files import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -35,6 +36,7 @@ from titan.errors import ConfigError
 from titan.progress import Progress
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
+CARD_FILE = "README.md"  # the model card, as the hub shows it
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -176,7 +178,10 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
         )
         hf.post_processor = prepend if hf.post_processor is None else processors.Sequence([hf.post_processor, prepend])
     hf.save(str(folder / "tokenizer.json"))
-    special = {"bos_token": bos, "eos_token": eos}
+    # Pad with EOS, as Llama 3's exports do: titan's tokenizers have no pad token, and a new one would be an id
+    # the embedding never trained. Padded positions are masked (attention_mask 0), so which id fills them does
+    # not change a prompt's tokens; transformers' batched tokenization (padding=True) needs one set.
+    special = {"bos_token": bos, "eos_token": eos, "pad_token": eos}
     files = {
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",  # the tokenizer.json as it is, as Llama 3 ships it
@@ -186,7 +191,7 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
             "model_input_names": ["input_ids", "attention_mask"],
         },
         "special_tokens_map.json": special,
-        # Greedy, as `titan generate` by default; no pad token of its own: batches pad with EOS.
+        # Greedy, as `titan generate` by default; batches pad with EOS (the tokenizer's pad token).
         "generation_config.json": {
             "bos_token_id": tokenizer.bos_id,
             "eos_token_id": tokenizer.eos_id,
@@ -203,8 +208,10 @@ def dcp_to_hf(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     dtype: str = "float32",
     tokenizer: Path | None = None,
+    name: str | None = None,
 ) -> str:
-    """Export the model of a titan checkpoint, and the tokenizer its recipe names (or `tokenizer`), as an HF folder,
+    """Export the model of a titan checkpoint, and the tokenizer its recipe names (or `tokenizer`), as an HF folder
+    with a model card (README.md, whose loading example names `name`: the hub repository, by default the folder),
     one weights file in memory at a time; returns the report to print."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
@@ -248,9 +255,10 @@ def dcp_to_hf(
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             if tok is not None:
                 write_tokenizer_files(tmp, tok, args.max_seq_len)
+            (tmp / CARD_FILE).write_text(model_card(found, n_params, tok, dtype, name or str(out_dir)))
     files = len(split.filename_to_tensors)
     return (
-        f"wrote {out_dir}: {CONFIG_FILE}, {files} safetensors file{'s' * (files > 1)}"
+        f"wrote {out_dir}: {CARD_FILE}, {CONFIG_FILE}, {files} safetensors file{'s' * (files > 1)}"
         f"{' with ' + INDEX_FILE if split.is_sharded else ''} ({len(planned)} tensors, {n_params / 1e6:.2f}M "
         f"parameters, {dtype}) from {path}, one file in memory at a time (peak host memory added: {peak}), and "
         f"{tokenizer_note}"

@@ -310,8 +310,19 @@ def atomic_folder(out: Path):
     tmp.mkdir()
     try:
         yield tmp
+        _umask_modes(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above); rename does not replace a folder everywhere
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give the files in `folder` the mode the user's umask gives a new file: some writers use their own
+    (safetensors writes 0600), and an export is meant to be shared as the user's other files are."""
+    umask = os.umask(0)  # reading the umask sets it: put back at once
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)

@@ -1,0 +1,139 @@
+"""The model card (README.md) that `titan convert dcp-to-hf` writes beside the weights: Hugging Face's YAML front
+matter, then the recipe, the tokens seen and the losses of the checkpoint's run, the tokenizer, and how to load it
+with transformers. The facts come from the checkpoint's train_state.json (step, tokens, the step's loss, the
+recipe) and, for validation, from the run folder's metrics.jsonl where the checkpoint still sits in its run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from titan.checkpoint.train_state import read_train_state
+from titan.schema import parse_toml
+
+
+def model_card(found, n_params: int, tokenizer, dtype: str, name: str) -> str:
+    """README.md for the export of `found` (a ModelCheckpoint) with `tokenizer` (titan's, or None), named `name`
+    in its loading example (the hub repository, or the folder)."""
+    from huggingface_hub import ModelCardData
+
+    state = read_train_state(found.path)
+    recipe = parse_toml(state["recipe"])  # read as saved: a key another titan named otherwise is left out
+    family = found.spec.name
+    front = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=["titan", family])
+    # No license is guessed: the user chooses one for their data and weights before sharing.
+    license_hint = "# license: set the license you share these weights under (e.g. apache-2.0, mit, other)"
+    step = state["step"]
+    lines = [
+        f"---\n{front.to_yaml()}\n{license_hint}\n---\n",
+        f"# {Path(name).name}\n",
+        f"A {family} causal language model of {n_params / 1e6:.2f}M parameters "
+        f"{'trained with titan' if step else 'not trained by titan (its weights as converted or initialised)'}, "
+        f"exported from its checkpoint at step {step} by `titan convert dcp-to-hf` ({dtype} weights).\n",
+        "## Training\n",
+        _table(_recipe_rows(recipe, state, n_params, found.args.max_seq_len)),
+        "## Results\n",
+        _table(_loss_rows(state, found.path)),
+    ]
+    if tokenizer is not None:
+        lines += ["## Tokenizer\n", _tokenizer_text(tokenizer, recipe.get("tokenizer", {}))]
+    lines += ["## Use\n", _usage(name)]
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "| | |\n|---|---|\n" + "".join(f"| {key} | {value} |\n" for key, value in rows)
+
+
+def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list[tuple[str, str]]:
+    """What was trained, on what and how: the recipe's math, not its layout (which changes no number here)."""
+    model, data, training = recipe.get("model", {}), recipe.get("data", {}), recipe.get("training", {})
+    overrides = ", ".join(f"{key} = {value}" for key, value in model.get("overrides", {}).items())
+    rows = [
+        ("model", f"{model.get('name')}, flavor {model.get('flavor')}" + (f" ({overrides})" if overrides else "")),
+        ("parameters", f"{n_params:,}"),
+        ("context length", f"{context:,} tokens"),
+    ]
+    if state["step"] == 0:  # the recipe's training keys are defaults that trained nothing
+        return rows
+    sources = data.get("sources") or [{"source": data.get("source", "?")}]
+    weighted = len(sources) > 1
+    rows.append(
+        ("data", ", ".join(s["source"] + (f" (weight {s.get('weight', 1.0)})" if weighted else "") for s in sources))
+    )
+    batch = state.get("math", {}).get("training.global_batch")  # as resolved for the run's layout
+    if batch:
+        rows.append(("batch", f"{batch} sequences of {training.get('seq_len')} tokens"))
+    rows += [
+        ("optimizer", _optimizer(recipe.get("optimizer", {}), recipe.get("lr_scheduler", {}))),
+        ("precision", str(training.get("mixed_precision", "fp32"))),
+        ("steps", str(state["step"])),
+        ("tokens seen", f"{state.get('tokens_seen', 0):,}"),
+    ]
+    start = recipe.get("checkpoint", {}).get("init_from_hf")
+    if start:
+        rows.append(("started from", f"the Hugging Face weights {start}"))
+    return rows
+
+
+def _optimizer(optimizer: dict, schedule: dict) -> str:
+    """e.g. 'adamw, lr 0.003, weight decay 0.1; 20 warmup steps, cosine decay to 0.1 x lr'."""
+    warmup = schedule.get("warmup_steps", 0)
+    decay = schedule.get("decay", "cosine")
+    after = "constant lr" if decay == "constant" else f"{decay} decay to {schedule.get('min_lr_ratio')} x lr"
+    return (
+        f"{optimizer.get('name', 'adamw')}, lr {optimizer.get('lr')}, weight decay {optimizer.get('weight_decay')}; "
+        f"{f'{warmup} warmup step' + 's' * (warmup > 1) if warmup else 'no warmup'}, {after}"
+    )
+
+
+def _loss_rows(state: dict, path: Path) -> list[tuple[str, str]]:
+    """The checkpoint step's training loss, and the last and best validation losses logged up to that step."""
+    step = state["step"]
+    if step == 0:
+        return [("training", "none in titan (step 0)")]
+    loss = state.get("loss")
+    rows = [(f"final training loss (step {step})", "not finite" if loss is None else f"{loss:.4f}")]
+    validation = _validation(path.parent.parent, step)
+    if not validation:
+        return rows + [("validation loss", "none logged (validation.interval = 0, or no metrics.jsonl in the run)")]
+    last, best = max(validation), min(validation, key=validation.get)
+    return rows + [
+        (f"final validation loss (step {last})", f"{validation[last]:.4f}"),
+        (f"best validation loss (step {best})", f"{validation[best]:.4f}"),
+    ]
+
+
+def _validation(run_dir: Path, step: int) -> dict[int, float]:
+    """{step: validation loss} of the run folder's metrics.jsonl, up to `step` (a later checkpoint's run went on
+    past it); empty where the checkpoint is not in its run folder."""
+    from titan.tools.compare import CompareError, load_run
+
+    try:
+        records = load_run(run_dir).validation
+    except CompareError:
+        return {}
+    return {r["step"]: r["val_loss"] for r in records if r["step"] <= step and math.isfinite(r["val_loss"])}
+
+
+def _tokenizer_text(tokenizer, section: dict) -> str:
+    """The exported tokenizer: its size and special tokens (as the recipe names them, whichever file was read)."""
+    bos, eos = section.get("bos_token"), section.get("eos_token")
+    return (
+        f"`tokenizer.json`, {tokenizer.vocab_size:,} tokens; BOS `{bos}` ({tokenizer.bos_id}), EOS `{eos}` "
+        f"({tokenizer.eos_id}), which also pads. titan trained on documents framed BOS + text + EOS, so the "
+        "tokenizer prepends BOS to what it encodes.\n"
+    )
+
+
+def _usage(name: str) -> str:
+    return f"""```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{name}", padding_side="left")  # left: batches for generate
+model = AutoModelForCausalLM.from_pretrained("{name}")
+inputs = tokenizer(["Once upon a time", "The dog ran"], return_tensors="pt", padding=True)
+outputs = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+print(tokenizer.batch_decode(outputs, skip_special_tokens=True))
+```
+"""
