@@ -830,6 +830,10 @@ CASES = [
       }.items()],
     ("TorchTitan's section in a recipe", "show", [], recipe_file("[parallelism]\ntensor_parallel_degree = 2\n"), {},
      ["'parallelism.tensor_parallel_degree'", "TorchTitan's name; titan's is parallel.tp"]),
+    ("negative step timeout", "show", ["--fault.step_timeout_s", "-1"], None, {},
+     ["fault.step_timeout_s must be seconds >= 0", "-1"]),
+    ("zero collective timeout", "show", ["--fault.collective_timeout_s", "0"], None, {},
+     ["fault.collective_timeout_s must be seconds > 0"]),
 ]  # fmt: skip
 
 

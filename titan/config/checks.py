@@ -191,6 +191,15 @@ def _validate_recovery(config: Config) -> None:
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
     require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
+    f = config.fault
+    require(
+        0 <= f.step_timeout_s < float("inf"),
+        f"fault.step_timeout_s must be seconds >= 0 (0: off), got {f.step_timeout_s}",
+    )
+    require(
+        0 < f.collective_timeout_s < float("inf"),
+        f"fault.collective_timeout_s must be seconds > 0, got {f.collective_timeout_s}",
+    )
 
 
 def _validate_performance(config: Config) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
+from titan.train.watchdog import Watchdog
 
 log = logging.getLogger("titan")
 
@@ -74,12 +76,13 @@ class Trainer:
         self.model, self.layout = checked.model, checked.layout
         self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
         check_tokenizer(config, self.model.args)
-        self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
+        waits = config.fault.collective_timeout_s  # joining and every collective of the groups titan makes
+        self.rank, self.world_size = init_distributed(config.parallel.backend, self.device, waits)
         self.rank_plan = self.run_plan.rank(self.rank)
         # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
         cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
         (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
-        self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
+        self.control_group = new_gloo_group(waits)  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
         on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
         if self.rank == 0:  # from here on: the folder is this run's
@@ -93,6 +96,8 @@ class Trainer:
             config, self.run_plan, self.rank_plan, self.model, self.mesh, self.device, self.control_group
         )
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
+        self.watchdog = Watchdog(config.fault.step_timeout_s, self.rank, self.world_size)
+        self.clock.on_phase = self.watchdog.enter  # the step's phases, as the watchdog names a hang's
         self.hook = hook or StepHook()
         self.stepper = self._build_step(self.run_plan)
         self.flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
@@ -173,8 +178,10 @@ class Trainer:
         first_step, window = self.step, ThroughputWindow()
         begun = (first_step, self.tokens_seen, time.perf_counter())  # what this call trains, for the summary
         compute = DeviceTimer(self.device)  # the step's forward, backward and update, for the packing log
-        with self.stop.on_signals(), self.profiler:
+        self.watchdog.start()
+        with self.stop.on_signals(), self.profiler, contextlib.closing(self.watchdog):
             while self.step < total:
+                self.watchdog.enter("logging", self.step + 1)  # a deferred non-finite check settles the loss
                 unsettled.settle_if_nonfinite()  # stops the run, or logs the skipped step
                 step_start = time.perf_counter()
                 with self.clock.phase("data"):
@@ -189,6 +196,7 @@ class Trainer:
                 self.tokens_seen += step_tokens
                 window.add(step_tokens)
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
+                self.watchdog.enter("logging")
                 due = self._due(total, first_step)
                 if due.anything:
                     loss = unsettled.settle()
@@ -198,14 +206,17 @@ class Trainer:
                         self._log_packing(compute.seconds())
                     window.restart()
                 if due.replan:
+                    self.watchdog.enter("re-plan")
                     self._replan()
                 if due.validate:
+                    self.watchdog.enter("validation")
                     self._log_validation()
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if due.save:  # its blocking time is not step time: the ETA counts it apart
                     window.start += self._save(saved_loss(), wait=self.step == total)
+                self.watchdog.enter("stop vote")
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
@@ -253,6 +264,7 @@ class Trainer:
 
     def _save(self, loss: float, wait: bool) -> float:
         """Save a checkpoint; returns the seconds training was blocked."""
+        self.watchdog.enter("checkpoint save")
         metrics = self.checkpointer.save(self.step, self.tokens_seen, loss, wait=wait)
         self.metrics.log(self.step, metrics)
         self.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
