@@ -39,6 +39,7 @@ from titan.train.build import (
     init_from_hf,
     pick_device,
 )
+from titan.train.elastic import restart_count
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
@@ -119,7 +120,12 @@ class Trainer:
         self.checkpointer = build_checkpointer(config, self.model, self.run_plan, states, self.rank, self.control_group)
         v, c = config.validation, config.checkpoint
         self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
-        self.step = self.checkpointer.resume()
+        restart = restart_count(self.control_group)
+        self.step = self.checkpointer.resume(restarted=restart > 0)
+        if restart:  # the time from a failure to the next step is read from this record on
+            log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
+                     self.layout.name, self.step)  # fmt: skip
+            self.metrics.log(self.step, {"elastic_restart": restart, "world_size": self.world_size})
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
