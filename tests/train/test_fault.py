@@ -152,3 +152,34 @@ def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_
     for step in range(1, steps + 1):
         assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step  # the same data position
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_uninterrupted_losses(tmp_path, monkeypatch, capsys):
+    """A run that snapshots every step into shared memory and saves no checkpoint before its end is killed with
+    SIGKILL at step 6; its elastic restart (TORCHELASTIC_RESTART_COUNT) restores the newest snapshot, not the
+    disk's nothing, and trains on to the uninterrupted run's losses."""
+    steps, kill_at = 10, 6
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000"}
+    args = tiny_overrides(tmp_path / "killed", **run) + ["--fault.snapshot_interval", "1"]
+    metrics = tmp_path / "killed" / "debug" / "metrics.jsonl"
+    killed = subprocess.Popen([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for_step(metrics, kill_at, [killed])
+    finally:
+        killed.kill()
+        killed.wait()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = Trainer(load_config(DEBUG_RECIPE, args))
+    assert restarted.step >= kill_at - 1 and "restoring the in-memory snapshot" in capsys.readouterr().err
+    restarted.train()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    reference = tmp_path / "reference"
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
+    expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
+    got = last_losses(logged_steps(metrics))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step

@@ -200,6 +200,7 @@ def _validate_recovery(config: Config) -> None:
         0 < f.collective_timeout_s < float("inf"),
         f"fault.collective_timeout_s must be seconds > 0, got {f.collective_timeout_s}",
     )
+    require(f.snapshot_interval >= 0, f"fault.snapshot_interval must be steps >= 0 (0: off), got {f.snapshot_interval}")
 
 
 def _validate_performance(config: Config) -> None:

@@ -312,6 +312,10 @@ class Fault:
     # How long a collective of the default process group and titan's gloo groups (stop votes, checkpoint
     # barriers and saves) waits for the other ranks before it fails; also the time the ranks wait to join.
     collective_timeout_s: float = 600.0
+    # Snapshot the whole training state every N steps into host shared memory (/dev/shm), which outlives the
+    # workers: an elastic restart restores from it, losing no step, and from the disk checkpoint only when the
+    # snapshot is gone or older. 0: off.
+    snapshot_interval: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from titan.train.build import (
     init_from_hf,
     pick_device,
 )
-from titan.train.elastic import restart_count
+from titan.train.elastic import build_snapshots, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
@@ -58,10 +59,11 @@ class Due:
     replan: bool
     validate: bool
     save: bool
+    snapshot: bool = False  # an in-memory one (fault.snapshot_interval), where no checkpoint is saved
 
     @property
     def anything(self) -> bool:
-        return self.log or self.replan or self.validate or self.save
+        return self.log or self.replan or self.validate or self.save or self.snapshot
 
 
 class Trainer:
@@ -121,7 +123,8 @@ class Trainer:
         v, c = config.validation, config.checkpoint
         self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
         restart = restart_count(self.control_group)
-        self.step = self.checkpointer.resume(restarted=restart > 0)
+        self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
+        self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
         if restart:  # the time from a failure to the next step is read from this record on
             log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
                      self.layout.name, self.step)  # fmt: skip
@@ -222,6 +225,8 @@ class Trainer:
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if due.save:  # its blocking time is not step time: the ETA counts it apart
                     window.start += self._save(saved_loss(), wait=self.step == total)
+                if due.snapshot:
+                    window.start += self._snapshot(saved_loss())
                 self.watchdog.enter("stop vote")
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
@@ -239,6 +244,8 @@ class Trainer:
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
+            if self.snapshots is not None and self.rank == 0:  # shared memory outlives the run: free it
+                shutil.rmtree(self.snapshots.folder, ignore_errors=True)
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())
         return unsettled.losses
@@ -246,11 +253,13 @@ class Trainer:
     def _due(self, total: int, first_step: int) -> Due:
         """What the step just taken is followed by."""
         step, interval = self.step, self.config.validation.interval
+        save = self.checkpointer.due(step, final=step == total)
         return Due(
             log=step % self.config.metrics.log_freq == 0 or step in (total, first_step + 1),
             replan=self.replanner.due(step),
             validate=bool(interval) and (step % interval == 0 or step == total),
-            save=self.checkpointer.due(step, final=step == total),
+            save=save,
+            snapshot=self.snapshots is not None and self.snapshots.due(step) and not save,
         )
 
     @torch.no_grad()
@@ -275,6 +284,13 @@ class Trainer:
         self.metrics.log(self.step, metrics)
         self.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
         return metrics["checkpoint_blocked_s"]
+
+    def _snapshot(self, loss: float) -> float:
+        """Snapshot the state into shared memory; returns the seconds training was blocked."""
+        self.watchdog.enter("snapshot")
+        blocked = self.snapshots.save(self.step, self.tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
+        self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
+        return blocked
 
     def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
         total = self.config.training.steps
