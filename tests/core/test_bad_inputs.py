@@ -895,6 +895,10 @@ CASES = [
      "nor a hub model in the local HF cache", "titan download acme/not-downloaded --weights"]),
     ("init_from_hf of a model whose tokenizer outnumbers its embedding", "train", {}, hf_model_with_a_larger_tokenizer,
      {}, ["tokenizer has 2049 tokens", "vocab_size is 2048"]),
+    ("negative step timeout", "show", ["--fault.step_timeout_s", "-1"], None, {},
+     ["fault.step_timeout_s must be seconds >= 0", "-1"]),
+    ("zero collective timeout", "show", ["--fault.collective_timeout_s", "0"], None, {},
+     ["fault.collective_timeout_s must be seconds > 0"]),
 ]  # fmt: skip
 
 

@@ -18,6 +18,7 @@ train_state.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -375,11 +376,16 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def resume(self) -> int:
-        """Load what the recipe asks for; returns the step to start from (0 for a fresh start)."""
-        path = find_resume_point(self.cfg, self.folder, self._verify)
+    def resume(self, restarted: bool = False) -> int:
+        """Load what the recipe asks for; returns the step to start from (0 for a fresh start). restarted: an
+        elastic restart of this run, which continues from its own newest checkpoint, whole, once it saved one,
+        whatever checkpoint.resume, load_step and load_only chose for its first start."""
+        cfg = self.cfg
+        if restarted and complete_checkpoints(self.folder):
+            cfg = dataclasses.replace(cfg, resume="auto", load_step=-1, load_only=[])
+        path = find_resume_point(cfg, self.folder, self._verify)
         if path is None:
-            if self.cfg.resume == "auto":
+            if cfg.resume == "auto":
                 log.info("no checkpoint in %s: starting from step 0", self.folder)
             return 0
-        return self.load(path, tuple(self.cfg.load_only) or PARTS)
+        return self.load(path, tuple(cfg.load_only) or PARTS)

@@ -209,6 +209,16 @@ def _validate_recovery(config: Config) -> None:
     require(c.resume != "", "checkpoint.resume must be 'auto', 'never' or a checkpoint path")
     parts = {"model", "optimizer", "lr_scheduler", "data", "train_state"}
     require(set(c.load_only) <= parts, f"checkpoint.load_only entries must be among {sorted(parts)}, got {c.load_only}")
+    f = config.fault
+    require(
+        0 <= f.step_timeout_s < float("inf"),
+        f"fault.step_timeout_s must be seconds >= 0 (0: off), got {f.step_timeout_s}",
+    )
+    require(
+        0 < f.collective_timeout_s < float("inf"),
+        f"fault.collective_timeout_s must be seconds > 0, got {f.collective_timeout_s}",
+    )
+    require(f.snapshot_interval >= 0, f"fault.snapshot_interval must be steps >= 0 (0: off), got {f.snapshot_interval}")
 
 
 def _validate_performance(config: Config) -> None:

@@ -305,6 +305,23 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Fault:
+    """Failures as torchrun's elastic agent needs them (docs/fault-tolerance.md): a hang becomes an exit."""
+
+    # A rank whose step phase (data, forward, backward, optimizer) or work between steps (checkpoint save, stop
+    # vote, validation) lasts longer than this is hung: it names itself, its step and phase and the ranks it waits
+    # for, in one line, and exits 1 so that the elastic agent restarts the workers. 0 disables the watchdog.
+    step_timeout_s: float = 1800.0
+    # How long a collective of the default process group and titan's gloo groups (stop votes, checkpoint
+    # barriers and saves) waits for the other ranks before it fails; also the time the ranks wait to join.
+    collective_timeout_s: float = 600.0
+    # Snapshot the whole training state every N steps into host shared memory (/dev/shm), which outlives the
+    # workers: an elastic restart restores from it, losing no step, and from the disk checkpoint only when the
+    # snapshot is gone or older. 0: off.
+    snapshot_interval: int = 0
+
+
+@dataclass(frozen=True)
 class PlanTarget:
     """The recipe's [plan] section: the accelerator `titan plan` plans a run for (titan/train/estimate/devices.py); a
     figure set here replaces the device's own."""
@@ -342,6 +359,7 @@ class Config:
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fault: Fault = field(default_factory=Fault)
     plan: PlanTarget = field(default_factory=PlanTarget)
 
     @property

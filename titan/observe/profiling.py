@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -145,9 +146,11 @@ class StepClock:
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled, self.device = enabled, device
         self.seconds: dict[str, float] = {}
+        self.on_phase: Callable[[str], None] = lambda name: None  # told of every phase entered (the watchdog)
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        self.on_phase(name)
         if not self.enabled:
             yield
             return

@@ -24,8 +24,9 @@ from titan.errors import UserError
 T = TypeVar("T")
 
 
-def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
-    """Join the job's process group when launched by torchrun/srun; returns (rank, world size)."""
+def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the job's process group when launched by torchrun/srun; returns (rank, world size). timeout_s: how long
+    joining and each collective wait for the other ranks (TITAN_DIST_TIMEOUT_S, when set, wins: for tests)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -33,7 +34,7 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=int(os.environ.get("TITAN_DIST_TIMEOUT_S", "600")))
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TITAN_DIST_TIMEOUT_S", timeout_s)))
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     return dist.get_rank(), dist.get_world_size()
 
@@ -85,10 +86,14 @@ def _expert_meshes(root: DeviceMesh, layout: Layout) -> dict[str, DeviceMesh]:
     }
 
 
-def new_gloo_group():
+def new_gloo_group(timeout_s: float | None = None):
     """A gloo group over every rank (None for one process): for work that must not share a group with
-    training's collectives, such as checkpoint barriers, stop votes and DCP's background saves."""
-    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+    training's collectives, such as checkpoint barriers, stop votes and DCP's background saves. timeout_s: how
+    long its collectives wait for the other ranks (None: torch's default)."""
+    if not dist.is_initialized():
+        return None
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def on_rank_0(work: Callable[[], T], group=None, device: torch.device | None = None) -> T:

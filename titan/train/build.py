@@ -186,7 +186,13 @@ def build_checkpointer(
     )
     folder = config.run_dir / "checkpoints"
     return Checkpointer(
-        config.checkpoint, folder, states, record, rank=rank, save_group=new_gloo_group(), control_group=control_group
+        config.checkpoint,
+        folder,
+        states,
+        record,
+        rank=rank,
+        save_group=new_gloo_group(config.fault.collective_timeout_s),
+        control_group=control_group,
     )
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,11 +41,13 @@ from titan.train.build import (
     keep_hf_tokenizer,
 )
 from titan.train.device import pick_device
+from titan.train.elastic import build_snapshots, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
+from titan.train.watchdog import Watchdog
 
 log = logging.getLogger("titan")
 
@@ -56,10 +60,11 @@ class Due:
     replan: bool
     validate: bool
     save: bool
+    snapshot: bool = False  # an in-memory one (fault.snapshot_interval), where no checkpoint is saved
 
     @property
     def anything(self) -> bool:
-        return self.log or self.replan or self.validate or self.save
+        return self.log or self.replan or self.validate or self.save or self.snapshot
 
 
 class Trainer:
@@ -75,12 +80,13 @@ class Trainer:
         self.model, self.layout = checked.model, checked.layout
         self.run_plan, self.blocks = checked.plan, checked.blocks  # the plan's blocks: a re-plan splits them
         check_tokenizer(config, self.model.args)
-        self.rank, self.world_size = init_distributed(config.parallel.backend, self.device)
+        waits = config.fault.collective_timeout_s  # joining and every collective of the groups titan makes
+        self.rank, self.world_size = init_distributed(config.parallel.backend, self.device, waits)
         self.rank_plan = self.run_plan.rank(self.rank)
         # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
         cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
         (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
-        self.control_group = new_gloo_group()  # agreement on errors, checkpoint barriers and the stop vote
+        self.control_group = new_gloo_group(waits)  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
         on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
         self.config = config = on_rank_0(lambda: keep_hf_tokenizer(config), self.control_group)
@@ -95,6 +101,8 @@ class Trainer:
             config, self.run_plan, self.rank_plan, self.model, self.mesh, self.device, self.control_group
         )
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
+        self.watchdog = Watchdog(config.fault.step_timeout_s, self.rank, self.world_size)
+        self.clock.on_phase = self.watchdog.enter  # the step's phases, as the watchdog names a hang's
         self.hook = hook or StepHook()
         self.stepper = self._build_step(self.run_plan)
         self.flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
@@ -117,7 +125,13 @@ class Trainer:
         self.checkpointer = build_checkpointer(config, self.model, self.run_plan, states, self.rank, self.control_group)
         v, c = config.validation, config.checkpoint
         self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
-        self.step = self.checkpointer.resume()
+        restart = restart_count(self.control_group)
+        self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
+        self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
+        if restart:  # the time from a failure to the next step is read from this record on
+            log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
+                     self.layout.name, self.step)  # fmt: skip
+            self.metrics.log(self.step, {"elastic_restart": restart, "world_size": self.world_size})
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
@@ -176,8 +190,10 @@ class Trainer:
         first_step, window = self.step, ThroughputWindow()
         begun = (first_step, self.tokens_seen, time.perf_counter())  # what this call trains, for the summary
         compute = DeviceTimer(self.device)  # the step's forward, backward and update, for the packing log
-        with self.stop.on_signals(), self.profiler:
+        self.watchdog.start()
+        with self.stop.on_signals(), self.profiler, contextlib.closing(self.watchdog):
             while self.step < total:
+                self.watchdog.enter("logging", self.step + 1)  # a deferred non-finite check settles the loss
                 unsettled.settle_if_nonfinite()  # stops the run, or logs the skipped step
                 step_start = time.perf_counter()
                 with self.clock.phase("data"):
@@ -192,6 +208,7 @@ class Trainer:
                 self.tokens_seen += step_tokens
                 window.add(step_tokens)
                 phases = self.clock.take()  # the step's own phases; logged with the step if it is logged
+                self.watchdog.enter("logging")
                 due = self._due(total, first_step)
                 if due.anything:
                     loss = unsettled.settle()
@@ -201,14 +218,19 @@ class Trainer:
                         self._log_packing(compute.seconds())
                     window.restart()
                 if due.replan:
+                    self.watchdog.enter("re-plan")
                     self._replan()
                 if due.validate:
+                    self.watchdog.enter("validation")
                     self._log_validation()
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if due.save:  # its blocking time is not step time: the ETA counts it apart
                     window.start += self._save(saved_loss(), wait=self.step == total)
+                if due.snapshot:
+                    window.start += self._snapshot(saved_loss())
+                self.watchdog.enter("stop vote")
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
@@ -225,6 +247,8 @@ class Trainer:
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
+            if self.snapshots is not None and self.rank == 0:  # shared memory outlives the run: free it
+                shutil.rmtree(self.snapshots.folder, ignore_errors=True)
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())
         return unsettled.losses
@@ -232,11 +256,13 @@ class Trainer:
     def _due(self, total: int, first_step: int) -> Due:
         """What the step just taken is followed by."""
         step, interval = self.step, self.config.validation.interval
+        save = self.checkpointer.due(step, final=step == total)
         return Due(
             log=step % self.config.metrics.log_freq == 0 or step in (total, first_step + 1),
             replan=self.replanner.due(step),
             validate=bool(interval) and (step % interval == 0 or step == total),
-            save=self.checkpointer.due(step, final=step == total),
+            save=save,
+            snapshot=self.snapshots is not None and self.snapshots.due(step) and not save,
         )
 
     @torch.no_grad()
@@ -256,10 +282,18 @@ class Trainer:
 
     def _save(self, loss: float, wait: bool) -> float:
         """Save a checkpoint; returns the seconds training was blocked."""
+        self.watchdog.enter("checkpoint save")
         metrics = self.checkpointer.save(self.step, self.tokens_seen, loss, wait=wait)
         self.metrics.log(self.step, metrics)
         self.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
         return metrics["checkpoint_blocked_s"]
+
+    def _snapshot(self, loss: float) -> float:
+        """Snapshot the state into shared memory; returns the seconds training was blocked."""
+        self.watchdog.enter("snapshot")
+        blocked = self.snapshots.save(self.step, self.tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
+        self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
+        return blocked
 
     def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
         total = self.config.training.steps

@@ -1,0 +1,185 @@
+"""Faults: a hung rank becomes a failure that names it (the watchdog), and under torchrun's elastic agent a run
+that loses a node goes on on the survivors with the uninterrupted run's losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
+from distributed import free_port
+from helpers import TINY_MODEL
+from titan.config import load_config
+from titan.train.trainer import Trainer
+
+RUN = {**TINY_MODEL, "training.seq_len": "32", "optimizer.lr": "3e-3", "training.global_batch_size": "8"}
+
+
+def logged_steps(metrics: Path) -> list[dict]:
+    """metrics.jsonl's step records (a resumed run logs its steps again)."""
+    if not metrics.exists():
+        return []
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+
+
+def wait_for_step(metrics: Path, step: int, processes: list, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in logged_steps(metrics)):
+        assert all(p.poll() is None for p in processes), f"a process ended before step {step}"
+        assert time.monotonic() < deadline, f"no step {step} in {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_other_within_the_step_timeout(tmp_path):
+    """Two ranks as torchrun starts them; rank 1 is SIGSTOPped at step 3. Rank 0 waits in a collective, and its
+    watchdog ends it within fault.step_timeout_s (plus a beat) with one line naming rank 1 as silent."""
+    timeout_s = 5
+    args = tiny_overrides(tmp_path, **{**RUN, "training.steps": "1000", "checkpoint.enable": "false"})
+    args += ["--fault.step_timeout_s", str(timeout_s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    logs = [tmp_path / f"rank{r}.err" for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=logs[r].open("w"),
+        )
+        for r in range(2)
+    ]
+    try:
+        wait_for_step(tmp_path / "debug" / "metrics.jsonl", 3, ranks)
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        ranks[0].wait(timeout=60)
+        detected = time.monotonic() - stopped
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    err = logs[0].read_text()
+    print(f"hang detected {detected:.1f}s after the SIGSTOP (fault.step_timeout_s = {timeout_s})")
+    assert ranks[0].returncode == 1, err[-3000:]
+    hung = [line for line in err.splitlines() if "hung at step" in line]
+    assert len(hung) == 1 and "Traceback" not in err, err[-3000:]
+    assert hung[0].startswith("titan: rank 0 hung at step ") and "waiting for rank 1 (silent for" in hung[0], hung
+    assert detected < timeout_s + 3, hung
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (torchrun starts its workers in sessions of their own: not in its group)."""
+    tree = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            tree += process_tree(int(child))
+    return tree
+
+
+def last_losses(records: list[dict]) -> dict[int, dict]:
+    """The last logged record of every step: a step run again after a restart replaces the earlier one."""
+    return {r["step"]: r for r in records}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_losses(tmp_path):
+    """The issue's two nodes on one machine: two torchrun agents (--nnodes 1:2, one worker each, c10d rendezvous
+    on 127.0.0.1), a checkpoint every step; the agent that does not host the rendezvous store is killed with its
+    worker at step 5. The other agent's worker fails on the lost peer, the agent restarts it on a world of one,
+    and it continues from the newest checkpoint, though checkpoint.resume = never chose a fresh first start: the
+    per-step losses and tokens equal an uninterrupted one-process run's, no step is lost or repeated."""
+    steps, kill_at = 12, 5
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1", "checkpoint.resume": "never"}
+    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
+    port = free_port()
+
+    def agent(is_host: bool, log: Path) -> subprocess.Popen:
+        conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
+        launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--rdzv-conf", conf,
+                    "--monitor-interval", "0.2"]  # fmt: skip
+        return subprocess.Popen(
+            [*launcher, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    logs = [tmp_path / "host.log", tmp_path / "lost.log"]
+    agents = [agent(True, logs[0]), agent(False, logs[1])]
+    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+    try:
+        wait_for_step(metrics, kill_at, agents)
+        for pid in process_tree(agents[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while not any("elastic_restart" in r for r in map(json.loads, metrics.read_text().splitlines())):
+            assert agents[0].poll() is None and time.monotonic() - killed < 120, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        restart_line = len(metrics.read_text().splitlines())
+        while not any("loss" in json.loads(line) for line in metrics.read_text().splitlines()[restart_line:]):
+            assert agents[0].poll() is None and time.monotonic() - killed < 120, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        recovered = time.monotonic() - killed
+        assert agents[0].wait(timeout=300) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for process in agents:
+            process.kill()
+            process.wait()
+    print(f"from the kill to the next finished step: {recovered:.1f}s")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restart = next(r for r in records if "elastic_restart" in r)
+    assert restart["world_size"] == 1 and restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
+    assert "x 2 (dp_shard2)" in logs[0].read_text() + logs[1].read_text()  # the run began on both nodes
+
+    reference = tmp_path / "reference"
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
+    expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
+    got = last_losses(logged_steps(metrics))
+    assert sorted(got) == list(range(1, steps + 1))
+    after = records[records.index(restart) :]
+    assert [r["step"] for r in after if "loss" in r] == list(range(restart["step"] + 1, steps + 1))  # none repeated
+    for step in range(1, steps + 1):
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step  # the same data position
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_uninterrupted_losses(tmp_path, monkeypatch, capsys):
+    """A run that snapshots every step into shared memory and saves no checkpoint before its end is killed with
+    SIGKILL at step 6; its elastic restart (TORCHELASTIC_RESTART_COUNT) restores the newest snapshot, not the
+    disk's nothing, and trains on to the uninterrupted run's losses."""
+    steps, kill_at = 10, 6
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000"}
+    args = tiny_overrides(tmp_path / "killed", **run) + ["--fault.snapshot_interval", "1"]
+    metrics = tmp_path / "killed" / "debug" / "metrics.jsonl"
+    killed = subprocess.Popen([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for_step(metrics, kill_at, [killed])
+    finally:
+        killed.kill()
+        killed.wait()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = Trainer(load_config(DEBUG_RECIPE, args))
+    assert restarted.step >= kill_at - 1 and "restoring the in-memory snapshot" in capsys.readouterr().err
+    restarted.train()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    reference = tmp_path / "reference"
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
+    expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
+    got = last_losses(logged_steps(metrics))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step

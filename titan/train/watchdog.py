@@ -1,0 +1,120 @@
+"""Hangs become failures. A thread on every rank watches how long the rank has been in its current phase (the
+trainer and the step say where they are: "data", "forward", "backward", "optimizer", "checkpoint save", ...); one
+that lasts longer than fault.step_timeout_s is a hang: the rank prints one line naming itself, its step and phase,
+and the ranks it waits for, and exits 1, so that torchrun's elastic agent restarts the workers (a hung collective
+would otherwise hold every rank until the process group's timeout, or for ever).
+
+The ranks it waits for: every rank's thread writes a heartbeat (its step, phase and wall time) into the job's
+TCP store about once a second. A rank that is stopped, dead or wedged in the interpreter stops writing, and is
+named as silent; else the ranks in another step or phase are named."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+# A heartbeat older than this many beats is a silent rank's.
+SILENT_BEATS = 3
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int, world_size: int):
+        """timeout_s: the longest a phase may last (0: no watchdog, enter() alone keeps the position)."""
+        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.beat_s = min(1.0, timeout_s / 4) if timeout_s else 1.0
+        self.where = (0, "start-up", time.monotonic())  # the step in progress, its phase, and since when
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store = None
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        """The rank now works on `phase` of step `step` (default: the same step). One assignment: the thread reads
+        the tuple whole."""
+        self.where = (self.where[0] if step is None else step, phase, time.monotonic())
+
+    def start(self) -> None:
+        if not self.timeout_s or self._thread is not None:
+            return
+        self._stopped.clear()
+        self._store = self._connect() if self.world_size > 1 else None
+        self._thread = threading.Thread(target=self._watch, name="titan-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stopped.set()
+            self._thread.join()
+            self._thread = None
+
+    def _connect(self):
+        """A client of the job's TCP store (torchrun's agent's, or rank 0's) of its own, with a short timeout: a
+        store that does not answer delays the watch by seconds, never for good."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            return None
+        timeout = datetime.timedelta(seconds=max(2 * self.beat_s, 2.0))
+        try:
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        except (RuntimeError, ValueError):  # no store there: the watch goes on, naming no other rank
+            return None
+
+    def _watch(self) -> None:
+        while True:  # a beat at once: a rank stopped in its first second is named with where it was
+            step, phase, since = self.where
+            self._beat(step, phase)
+            stuck = time.monotonic() - since
+            if stuck > self.timeout_s:
+                sys.stderr.write(self._hang_line(step, phase, stuck) + "\n")
+                sys.stderr.flush()
+                os._exit(1)
+            if self._stopped.wait(self.beat_s):
+                return
+
+    def _beat(self, step: int, phase: str) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"titan/heartbeat/{self.rank}", json.dumps([step, phase, time.time()]))
+        except (RuntimeError, ValueError):  # a store that went away is named in the hang's line, if one comes
+            pass
+
+    def _hang_line(self, step: int, phase: str, stuck: float) -> str:
+        waits = self._suspects(step, phase)
+        return (
+            f"titan: rank {self.rank} hung at step {step} in {phase} for {stuck:.0f}s (fault.step_timeout_s = "
+            f"{self.timeout_s:g}); {waits}; exiting so that the elastic agent restarts the workers"
+        )
+
+    def _suspects(self, step: int, phase: str) -> str:
+        """The ranks this one waits for, from their heartbeats: the silent ones, else those elsewhere."""
+        if self._store is None:
+            return "the other ranks are unknown (no store)"
+        silent, elsewhere = [], []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                key = f"titan/heartbeat/{rank}"
+                beat = json.loads(self._store.get(key)) if self._store.check([key]) else None
+            except (RuntimeError, ValueError):
+                return "the store does not answer"
+            if beat is None:
+                silent.append(f"rank {rank} (no heartbeat)")
+                continue
+            their_step, their_phase, at = beat
+            age = time.time() - at
+            if age > SILENT_BEATS * self.beat_s:
+                silent.append(f"rank {rank} (silent for {age:.0f}s, last at step {their_step} in {their_phase})")
+            elif (their_step, their_phase) != (step, phase):
+                elsewhere.append(f"rank {rank} (at step {their_step} in {their_phase})")
+        if silent:
+            return "waiting for " + ", ".join(silent)
+        if elsewhere:
+            return "the others are elsewhere: " + ", ".join(elsewhere)
+        return "every rank is in the same phase"
