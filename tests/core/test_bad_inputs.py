@@ -943,8 +943,21 @@ def test_a_bad_input_is_one_line_and_exit_2(results, case):
         ("train", ("--model.flavor", "9B"), ("unknown model.flavor '9B'", "flavors: debug")),
         ("train", ("--model.overrides.n_heads", "7"), ("must divide by n_heads (7)",)),
         ("train", ("--model.overrides.n_experts", "8"), ("n_experts belongs to the moe family",)),
+        (
+            "train",
+            ("--data.source", "missing/books.jsonl"),
+            ("data.source: file or folder not found: missing/books.jsonl",),
+        ),
+        ("train", ("--tokenizer.path", "missing/tok.json"), ("tokenizer.path: file not found: missing/tok.json",)),
     ],
-    ids=["key typo", "unknown flavor", "model that cannot be built", "MoE key on a dense flavor"],
+    ids=[
+        "key typo",
+        "unknown flavor",
+        "model that cannot be built",
+        "MoE key on a dense flavor",
+        "missing data",
+        "missing tokenizer",
+    ],  # fmt: skip
 )
 def test_a_refused_recipe_exits_without_importing_torch(command, override, words):
     """Through a fresh interpreter, as a user runs it: a recipe error is found before torch's ~2-4 s import."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from titan.cli.common import CONFIG_OPTION, preflight, recipe_command
+from titan.data import check_paths
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, write_error
 
@@ -27,6 +28,7 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     """
     try:
         cfg = preflight(config, ctx.args)
+        check_paths(cfg)
         from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
         from titan.train.trainer import Trainer
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from titan.config import Config, DataSource
-from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
-from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens
 from titan.data.order import Split, hold_out
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
+    from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples
 
 __all__ = [
     "IGNORE",
@@ -27,6 +30,36 @@ __all__ = [
     "whole_source",
 ]
 log = logging.getLogger("titan")
+# The loaders (and torch with them) load on first use, not with titan.data: a recipe's tokenizer and data paths are
+# checked before torch's import.
+_LAZY = {
+    "IGNORE": "titan.data.loader",
+    "Batch": "titan.data.loader",
+    "GlobalBatchLoader": "titan.data.loader",
+    "DocumentBatchLoader": "titan.data.document_batches",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_paths(config: Config) -> None:
+    """The recipe's local tokenizer and data files exist (one line each when not), checked before torch is
+    imported; `titan:` corpora are fetched, and hub datasets opened, when the run reads them."""
+    from titan.data.dataset import open_documents
+    from titan.data.tokenizer import tokenizer_file
+
+    if config.tokenizer.path and not config.tokenizer.path.startswith("titan:"):
+        tokenizer_file(config.tokenizer.path)
+    own = validation_source(config) if config.validation.interval else None
+    for source in [*config.data.source_list(), *([own] if own else [])]:
+        if not source.source.startswith("titan:"):
+            open_documents(source)
 
 
 def open_prepared(config: Config, source: DataSource):
@@ -80,6 +113,8 @@ def build_loaders(
     """The training loader of rows (None under data.batching = "tokens", which trains on document_pieces) and, when
     validation is on, the validation loader: global batches of `global_batch` rows, of which this rank reads `rows`
     in micro-batches of `micro_batches` rows."""
+    from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens
+
     d, v, t = config.data, config.validation, config.training
     sources = d.source_list()
     train_rows = d.batching == "rows"
@@ -130,6 +165,8 @@ def build_loaders(
 def whole_source(config: Config, source: DataSource, what: str) -> PackedSamples:
     """Every document of a source of its own (validation's, or what `titan eval` scores) in the order it holds them,
     cut into windows of training.seq_len + 1 tokens; `what` names it in the error for too few tokens."""
+    from titan.data.loader import PackedSamples, check_enough_tokens
+
     documents = open_prepared(config, source)
     every_block = np.arange(len(documents.block_offsets) - 1)
     samples = PackedSamples(documents, every_block, config.training.seq_len, 0, False)
@@ -139,6 +176,8 @@ def whole_source(config: Config, source: DataSource, what: str) -> PackedSamples
 
 def document_pieces(config: Config) -> DocumentPieces:
     """The training documents (validation's held out) as pieces for data.batching = "tokens"."""
+    from titan.data.document_batches import DocumentPieces
+
     d = config.data
     source = d.source_list()[0]
     documents = open_prepared(config, source)
