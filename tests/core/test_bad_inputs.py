@@ -830,6 +830,10 @@ CASES = [
       }.items()],
     ("TorchTitan's section in a recipe", "show", [], recipe_file("[parallelism]\ntensor_parallel_degree = 2\n"), {},
      ["'parallelism.tensor_parallel_degree'", "TorchTitan's name; titan's is parallel.tp"]),
+    ("negative spike threshold", "show", ["--replay.spike_zscore", "-1"], None, {},
+     ["replay.spike_zscore must be >= 0 (0: off)", "got -1"]),
+    ("spike window too short", "show", ["--replay.spike_window", "2"], None, {},
+     ["replay.spike_window must be >= 3 steps", "got 2"]),
 ]  # fmt: skip
 
 
