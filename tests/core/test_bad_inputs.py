@@ -899,6 +899,10 @@ CASES = [
      ["fault.step_timeout_s must be seconds >= 0", "-1"]),
     ("zero collective timeout", "show", ["--fault.collective_timeout_s", "0"], None, {},
      ["fault.collective_timeout_s must be seconds > 0"]),
+    ("negative spike threshold", "show", ["--replay.spike_zscore", "-1"], None, {},
+     ["replay.spike_zscore must be >= 0 (0: off)", "got -1"]),
+    ("spike window too short", "show", ["--replay.spike_window", "2"], None, {},
+     ["replay.spike_window must be >= 3 steps", "got 2"]),
 ]  # fmt: skip
 
 

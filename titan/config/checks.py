@@ -222,7 +222,7 @@ def _validate_recovery(config: Config) -> None:
 
 
 def _validate_performance(config: Config) -> None:
-    """float8, the plan's device, activation checkpointing and the straggler probe."""
+    """float8, the plan's device, activation checkpointing, the straggler probe and the replay's spike watch."""
     f8 = config.float8
     require(
         not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
@@ -265,6 +265,10 @@ def _validate_performance(config: Config) -> None:
     require(g.threshold >= 1, f"straggler.threshold must be >= 1 (times the fastest rank's time), got {g.threshold}")
     require(g.hysteresis > 0, f"straggler.hysteresis must be > 0, got {g.hysteresis}")
     require(g.interval >= 1 and g.window >= 1, "straggler.interval and straggler.window must be >= 1")
+    r = config.replay
+    require(r.spike_zscore >= 0, f"replay.spike_zscore must be >= 0 (0: off), got {r.spike_zscore}")
+    # A deviation needs a few steps to mean anything.
+    require(r.spike_window >= 3, f"replay.spike_window must be >= 3 steps, got {r.spike_window}")
 
 
 def _validate_context_parallel(config: Config) -> None:

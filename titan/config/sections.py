@@ -229,6 +229,20 @@ class Straggler:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """What `titan verify --replay` compares a replayed step with, and the spikes that call for one
+    (titan/train/digests.py, docs/verify.md)."""
+
+    # Each rank writes a bitwise digest of its loss share, gradients, gradient norm and updated weights every step
+    # into <run>/digests/ (one pass over the gradients and weights and one device-to-host copy per step).
+    digests: bool = False
+    # Log a step whose loss or gradient norm is this many standard deviations above the last spike_window steps',
+    # with the replay that checks it, into <run>/spikes.jsonl; 0: off.
+    spike_zscore: float = 0.0
+    spike_window: int = 50  # steps the spike's mean and deviation are taken over
+
+
+@dataclass(frozen=True)
 class ActivationCheckpoint:
     # Recompute activations in backward: all (full), all but save_ops' outputs (selective), or per block as measured
     # and planned to fit budget_gib (auto: keep, selective, full, or on a GPU offload to host memory).
@@ -354,6 +368,7 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     parallel: Parallel = field(default_factory=Parallel)
     straggler: Straggler = field(default_factory=Straggler)
+    replay: Replay = field(default_factory=Replay)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     profiling: Profiling = field(default_factory=Profiling)

@@ -142,6 +142,10 @@ class StepHook:
         """Each micro-batch's loss share, before its backward."""
         return loss
 
+    def gradients(self, step: int, parts: ModelParts) -> None:
+        """The step's gradients as this rank's backward left them (FSDP's reduced shards), before the sums over
+        context- and tensor-parallel ranks, clipping and the update."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
@@ -184,6 +188,7 @@ class TrainStep:
 
     def _step(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.forward_backward(batches, step)
+        self.loss.hook.gradients(step, self.parts)
         grad_norm, self.routing_metrics = self.rules.update(
             self.parts.parts, self.optimizer, self.lr_scheduler, self.clock
         )

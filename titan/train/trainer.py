@@ -41,6 +41,7 @@ from titan.train.build import (
     keep_hf_tokenizer,
 )
 from titan.train.device import pick_device
+from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
 from titan.train.elastic import build_snapshots, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
@@ -104,6 +105,9 @@ class Trainer:
         self.watchdog = Watchdog(config.fault.step_timeout_s, self.rank, self.world_size)
         self.clock.on_phase = self.watchdog.enter  # the step's phases, as the watchdog names a hang's
         self.hook = hook or StepHook()
+        if config.replay.digests:  # what `titan verify --replay` compares a replayed step with
+            digests = self.run_dir / DIGESTS
+            self.hook = StepDigests(self.hook, digests, self.rank, self.world_size, self.layout.tp, self.device)
         self.stepper = self._build_step(self.run_plan)
         self.flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
         run_dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
@@ -136,6 +140,7 @@ class Trainer:
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.nonfinite = NonFiniteSteps(config, self.checkpointer, self.metrics)
+        self.spikes = SpikeWatch(config.replay, self.run_dir, self.rank)
         # A re-planned run resumes on the plan in force when it stopped (the replanner dropped a plan measured
         # on another layout or other devices).
         self.follow(self.replanner.plan())
@@ -185,7 +190,7 @@ class Trainer:
                 self.step,
                 total,
             )
-        unsettled = UnsettledSteps(self.stepper.global_loss, self.nonfinite.check, self.device)
+        unsettled = UnsettledSteps(self.stepper.global_loss, self._settled, self.device)
         self.stepper.parts.train()
         first_step, window = self.step, ThroughputWindow()
         begun = (first_step, self.tokens_seen, time.perf_counter())  # what this call trains, for the summary
@@ -252,6 +257,11 @@ class Trainer:
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())
         return unsettled.losses
+
+    def _settled(self, step: int, loss: float, grad_norm: float) -> None:
+        """A step's global loss and gradient norm, once on the host."""
+        self.nonfinite.check(step, loss, grad_norm)
+        self.spikes.check(step, loss, grad_norm)
 
     def _due(self, total: int, first_step: int) -> Due:
         """What the step just taken is followed by."""

@@ -106,7 +106,7 @@ def load_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
         raise ConfigError(f"checkpoint {path} is corrupt or incomplete: {dcp_error(e)}") from None
 
 
-def _load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
+def load_parameters(path: Path, saved: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Tensor]:
     """The whole tensors `saved` names ({name: (shape, dtype)}), as saved."""
     # Zeros, not empty: were an element ever left unread, the export would hold no stale process memory.
     tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved.items()}
@@ -242,7 +242,7 @@ def dcp_to_hf(
                 config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             for file, hf_names in split.filename_to_tensors.items():
-                tensors = _load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})
+                tensors = load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})
                 weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype)
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
                 progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
@@ -273,7 +273,7 @@ def _hf_config(found: ModelCheckpoint, dtype: str) -> dict[str, Any]:
         config = spec.hf.config_from_args(args, dtype)
         buffers = buffer_shapes(spec, args)
         if buffers:
-            spec.hf.check_buffers(args, _load_parameters(found.path, {name: found.saved[name] for name in buffers}))
+            spec.hf.check_buffers(args, load_parameters(found.path, {name: found.saved[name] for name in buffers}))
     except ValueError as e:
         raise ConfigError(f"cannot export checkpoint {found.path} to Hugging Face: {e}") from None
     return config

@@ -36,7 +36,7 @@ class Difference:
         return f" on rank {self.rank}" if self.rank >= 0 else ""
 
 
-def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     absolute = float((got - want).abs().max()) if got.numel() else 0.0
     scale = float(want.abs().max()) if want.numel() else 0.0
     return (absolute / scale if scale else absolute), absolute
@@ -125,11 +125,11 @@ def phase_differences(ref: Records, run: Records, step: int, phase: str) -> list
                 want = _matching_chunk(want, output, r["tp"], r["tp_rank"])
                 if want is None:
                     raise ConfigError(f"{module}: output of shape {list(output.shape)} matches no reference slice")
-                found.append(Difference(step, phase, module, rank, *_difference(output, want)))
+                found.append(Difference(step, phase, module, rank, *relative_difference(output, want)))
         return sorted(found, key=lambda d: ref.order.index(d.tensor))
     wanted, got = (ref.grads, run.grads) if phase == "backward" else (ref.updated, run.updated)
     for name, tensor in got.get(step, {}).items():
-        found.append(Difference(step, phase, name, -1, *_difference(tensor, wanted[step][name])))
+        found.append(Difference(step, phase, name, -1, *relative_difference(tensor, wanted[step][name])))
     backward_order = phase == "backward"  # gradients arrive from the last module to the first
     return sorted(found, key=lambda d: ref.module_rank(d.tensor), reverse=backward_order)
 
@@ -145,7 +145,7 @@ def exact_differences(ref: Records, run: Records) -> list[Difference]:
                     found.append(Difference(step, "data", f"tokens of global row {row}", rank, 1.0, 1.0))
     for name, got in run.init.items():
         if not torch.equal(got, ref.init[name]):
-            found.append(Difference(-1, "init", name, -1, *_difference(got, ref.init[name])))
+            found.append(Difference(-1, "init", name, -1, *relative_difference(got, ref.init[name])))
     return found
 
 

@@ -165,3 +165,11 @@ def record(config: Config, steps: int) -> None:
     recorder.save(folder / f"rank{trainer.rank}.pt", tp_rank, tp, trainer.stepper.sequence)
     if dist.is_initialized():
         dist.barrier(group=trainer.control_group)
+
+
+def replay_run(config: Config, until: int) -> None:
+    """Train from the recipe's checkpoint (checkpoint.resume) to step `until`, where the trainer saves: its digests
+    (replay.digests) and that checkpoint are what the replay compares."""
+    from titan.train.trainer import Trainer
+
+    Trainer(config).train(until=until)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from titan.config import Config, Layout, read_config, to_toml, validate
+from titan.config import Config, Layout, Parallel, read_config, to_toml, validate
 from titan.errors import ConfigError
 from titan.run_plan import run_plan
 from titan.tools.verify.comparison import Records, compare, floor_of
@@ -27,6 +27,13 @@ def world_size_of(p) -> int:
     if dp_shard == -1:
         dp_shard = 1 if p.ep == 1 else max(p.ep // p.cp, 1 if p.dp_replicate > 1 else 2)
     return p.dp_replicate * dp_shard * p.cp * p.tp * p.pp
+
+
+def one_process(parallel: Parallel) -> Parallel:
+    """The layout of one process."""
+    return dataclasses.replace(
+        parallel, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, dp_weights=[], pp_layers_per_stage=[]
+    )
 
 
 def run_configs(config: Config, folder: Path) -> dict[str, Config]:
@@ -44,9 +51,7 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
         compile=dataclasses.replace(config.compile, enable=False),
         profiling=dataclasses.replace(config.profiling, enable=False),
     )
-    single = dataclasses.replace(
-        config.parallel, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, dp_weights=[], pp_layers_per_stage=[]
-    )
+    single = one_process(config.parallel)
     local = config.training.local_batch_size
     runs = {
         "reference": dataclasses.replace(base, parallel=single),
@@ -58,15 +63,17 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
     return {name: dataclasses.replace(run, job=dataclasses.replace(run.job, name=name)) for name, run in runs.items()}
 
 
-def launch(run: Config, processes: int, steps: int, folder: Path) -> None:
-    """Record one run in its own processes (torchrun for several); its log goes to <folder>/<name>.log."""
+def launch(run: Config, processes: int, what: list[str], folder: Path) -> None:
+    """Record one run in its own processes (torchrun for several): `what` is ["--steps", N] from the start, or
+    ["--until", STEP] from its checkpoint (a replay); its log goes to <folder>/<name>.log."""
     recipe = folder / f"{run.job.name}.toml"
     recipe.write_text(to_toml(run))
     shutil.rmtree(run.run_dir, ignore_errors=True)
-    entry = ["-m", "titan.tools.verify", "--config", str(recipe), "--steps", str(steps)]
+    entry = ["-m", "titan.tools.verify", "--config", str(recipe), *what]
     if processes > 1:
         entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *entry]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+    # The user's thread count stands: a replay compared bitwise must compute as the run did.
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)), **os.environ}
     log = folder / f"{run.job.name}.log"
     with log.open("w") as out:
         done = subprocess.run([sys.executable, *entry], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -117,7 +124,7 @@ def verify(
     for name, run in runs.items():
         if name != "layout" and reused:
             continue
-        launch(run, processes if name == "layout" else 1, steps, folder)
+        launch(run, processes if name == "layout" else 1, ["--steps", str(steps)], folder)
     ref = load_records(runs["reference"].run_dir)
     floor = floor_of(ref, load_records(runs["floor"].run_dir))
     lines, ok = compare(ref, floor, load_records(runs["layout"].run_dir), config.training.mixed_precision)
