@@ -66,6 +66,26 @@ def assert_one_line_error(result, *words: str) -> None:
     assert all(w in errors[0] for w in words), (words, errors[0])
 
 
+def start_ranks(args: list[str], logs: list[Path], cores: list[int] | None = None) -> list[subprocess.Popen]:
+    """`titan train ARGS` as len(logs) ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ...),
+    each rank's stderr to its log; with `cores`, rank r pinned to cores[r]."""
+    from distributed import free_port
+
+    world = len(logs)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    ranks = []
+    for r, log in enumerate(logs):
+        pin = (lambda r=r: os.sched_setaffinity(0, {cores[r]})) if cores else None
+        with open(log, "w") as err:
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args], cwd=ROOT,
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL, stderr=err,
+                preexec_fn=pin,
+            ))  # fmt: skip
+    return ranks
+
+
 def imported_modules(result) -> set[str]:
     """The modules a CLI run imported, from its stderr under PYTHONPROFILEIMPORTTIME=1."""
     return {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}

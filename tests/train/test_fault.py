@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from distributed import free_port
-from helpers import TINY_MODEL
+from helpers import TINY_MODEL, start_ranks
 from titan.config import load_config
 from titan.train.trainer import Trainer
 
@@ -43,19 +43,8 @@ def test_a_stopped_rank_is_named_by_the_other_within_the_step_timeout(tmp_path):
     timeout_s = 5
     args = tiny_overrides(tmp_path, **{**RUN, "training.steps": "1000", "checkpoint.enable": "false"})
     args += ["--fault.step_timeout_s", str(timeout_s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     logs = [tmp_path / f"rank{r}.err" for r in range(2)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
-            cwd=ROOT,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=logs[r].open("w"),
-        )
-        for r in range(2)
-    ]
+    ranks = start_ranks(args, logs)
     try:
         wait_for_step(tmp_path / "debug" / "metrics.jsonl", 3, ranks)
         os.kill(ranks[1].pid, signal.SIGSTOP)

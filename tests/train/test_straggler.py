@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
-from distributed import free_port, run_distributed
-from helpers import MODEL, assert_matches_one_process, layout_overrides
+from conftest import DEBUG_RECIPE, tiny_overrides
+from distributed import run_distributed
+from helpers import MODEL, assert_matches_one_process, layout_overrides, start_ranks
 from titan.balance import data_shares
 from titan.config import load_config
 from titan.train.preflight import check_run
@@ -62,20 +62,7 @@ def train_pinned(tmp, name: str, overrides: dict, slow_from: int | None = None) 
     credit, and other work on the machine slows rank 0 too). Returns metrics.jsonl."""
     cores = sorted(os.sched_getaffinity(0))[:2]
     args = tiny_overrides(tmp, **{**MODEL, "job.name": name, "checkpoint.enable": "false", **overrides})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    logs = [open(tmp / f"{name}-rank{r}.err", "w") for r in range(2)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
-            cwd=ROOT,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=logs[r],
-            preexec_fn=lambda r=r: os.sched_setaffinity(0, {cores[r]}),
-        )
-        for r in range(2)
-    ]
+    ranks = start_ranks(args, [tmp / f"{name}-rank{r}.err" for r in range(2)], cores)
     metrics, hogs = tmp / name / "metrics.jsonl", []
     try:
         while slow_from is not None and not hogs and ranks[0].poll() is None:
@@ -90,8 +77,6 @@ def train_pinned(tmp, name: str, overrides: dict, slow_from: int | None = None) 
         for process in [*ranks, *hogs]:
             if process.poll() is None:
                 process.kill()
-        for log in logs:
-            log.close()
     assert codes == [0, 0], (tmp / f"{name}-rank0.err").read_text()[-3000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
