@@ -1,6 +1,6 @@
 """Evaluate torchft for replica-level recovery: a replica group drops out and rejoins while the other trains on.
 
-    python scripts/torchft_eval.py                       # every run, a table, JSON in outputs/torchft_eval/
+    python scripts/torchft_eval.py                       # every run: a JSON line each, outputs/torchft_eval/
     python scripts/torchft_eval.py --steps 24 --kill-at 8 --down-steps 4
 
 torchft is not a titan dependency. Install it beside the system's torch without letting pip replace torch:
@@ -23,13 +23,15 @@ The model is titan's debug Llama with dropout 0.1 from titan's counter-based RNG
 row in the global batch). Sample g of the run is a sequence keyed by g alone, as in titan's data order (global
 sample g is row g % G of step g // G). Printed: the survivor's stall after the kill, the restarted group's rejoin
 time (process start, then quorum and healing from the survivor's live state), and each run's loss and weights
-against the reference. docs/torchft.md has the measurements and what they mean for titan.
+against the reference (results.json; the lighthouse's log in lighthouse.log, each process's in its .err).
+docs/torchft.md has the measurements and what they mean for titan.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -302,6 +304,13 @@ def summarize(args, run: str, result: dict, ref: list[float]) -> dict:
     return row
 
 
+def quiet_lighthouse(out: Path) -> None:
+    """The lighthouse logs every quorum on file descriptor 2: send that to a file, Python's stderr staying put."""
+    saved = os.dup(2)
+    os.dup2(os.open(out / "lighthouse.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.stderr = os.fdopen(saved, "w", buffering=1)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("role", nargs="?", default="main", choices=["main", "replica"])
@@ -330,6 +339,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.role == "replica":
         return replica(args)
+    quiet_lighthouse(args.out)
     ref = reference(args)
     rows = [summarize(args, run, two_groups(args, run, run != "control"), ref) for run in args.runs.split(",")]
     (args.out / "results.json").write_text(json.dumps({"reference": ref, "runs": rows}, indent=1))
