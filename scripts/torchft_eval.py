@@ -15,14 +15,15 @@ lighthouse in this process, two replica groups of one process each, a synchronou
   control    two replica groups under torchft, no failure (the summation order's own difference)
   fixed      each group reads its own half of every global batch and the gradients are averaged over the groups
              present (torchft's DistributedSampler and Manager.allreduce); group 1 is killed with SIGKILL after
-             step --kill-at and started again once the survivor has committed --down-steps more steps
+             step --kill-at; a spare process, started with the others, takes its place once the survivor has
+             committed --down-steps more steps
   replan     the same failure, but at each step the groups in the quorum share the whole global batch (titan's run
              plan over the groups present) and the gradients are summed and divided by the global batch's tokens
 
 The model is titan's debug Llama with dropout 0.1 from titan's counter-based RNG (masks keyed by the step and the
 row in the global batch). Sample g of the run is a sequence keyed by g alone, as in titan's data order (global
-sample g is row g % G of step g // G). Printed: the survivor's stall after the kill, the restarted group's rejoin
-time (process start, then quorum and healing from the survivor's live state), and each run's loss and weights
+sample g is row g % G of step g // G). Printed: the survivor's stall after the kill, the spare's cold start and its
+rejoin (quorum and healing from the survivor's live state), and each run's loss and weights
 against the reference (results.json; the lighthouse's log in lighthouse.log, each process's in its .err).
 docs/torchft.md has the measurements and what they mean for titan.
 """
