@@ -903,6 +903,9 @@ CASES = [
      ["replay.spike_zscore must be >= 0 (0: off)", "got -1"]),
     ("spike window too short", "show", ["--replay.spike_window", "2"], None, {},
      ["replay.spike_window must be >= 3 steps", "got 2"]),
+    ("snapshots without the node's shared memory", "train", {"fault.snapshot_interval": "1"}, None,
+     {"TITAN_SNAPSHOT_DIR": "/nonexistent/shm"}, ["fault.snapshot_interval needs host shared memory (/nonexistent/shm)",
+     "set $TITAN_SNAPSHOT_DIR to a folder in it"]),
 ]  # fmt: skip
 
 

@@ -561,3 +561,18 @@ def test_the_trace_moves_what_the_step_moves_after_the_backward_and_a_step_only_
     assert planned  # each of these layouts moves something after the backward
     assert run_distributed(traffic_after_backward, 2, overrides, None)[0] == planned
     assert run_distributed(traffic_after_backward, 2, overrides, decision)[0] != planned
+
+
+def test_the_plan_gives_the_snapshot_s_host_memory_and_copy_time(tmp_path):
+    """Per rank: its parameters and AdamW moments twice in host memory (its own and a buddy's), and the time to copy
+    them to the host and over the network at the device's stated bandwidths."""
+    from titan.train.estimate.report import format_estimate
+
+    overrides = tiny_overrides(tmp_path) + ["--fault.snapshot_interval", "5"]
+    estimate = estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=1), 1)
+    (rank,) = estimate.ranks
+    state, device = rank.trace.param_bytes + rank.trace.optimizer_bytes, estimate.device
+    seconds = state / (device.host_gbs * 1e9) + state / (device.inter_node_gbs * 1e9)
+    (line,) = [line for line in format_estimate(estimate).splitlines() if "in-memory snapshot" in line]
+    assert f"{2 * state / 2**20:.3g} MiB of host memory" in line and f"{seconds:.3g} s each" in line, line
+    assert f"{device.host_gbs:g} GB/s to the host" in line and "fault.snapshot_interval 5" in line, line

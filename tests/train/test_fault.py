@@ -3,6 +3,7 @@ that loses a node goes on on the survivors with the uninterrupted run's losses."
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,40 +79,31 @@ def last_losses(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_losses(tmp_path):
-    """The issue's two nodes on one machine: two torchrun agents (--nnodes 1:2, one worker each, c10d rendezvous
-    on 127.0.0.1), a checkpoint every step; the agent that does not host the rendezvous store is killed with its
-    worker at step 5. The other agent's worker fails on the lost peer, the agent restarts it on a world of one,
-    and it continues from the newest checkpoint, though checkpoint.resume = never chose a fresh first start: the
-    per-step losses and tokens equal an uninterrupted one-process run's, no step is lost or repeated."""
-    steps, kill_at = 12, 5
-    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1", "checkpoint.resume": "never"}
-    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
-    port = free_port()
+def start_agent(args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """One node's torchrun agent (--nnodes 1:2, one worker, c10d rendezvous on 127.0.0.1) training `args`; the
+    rendezvous conf lets a dead node leave within seconds."""
+    conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
+    launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend",
+                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--rdzv-conf", conf,
+                "--monitor-interval", "0.2"]  # fmt: skip
+    return subprocess.Popen(
+        [*launcher, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
-    def agent(is_host: bool, log: Path) -> subprocess.Popen:
-        conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
-        launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend",
-                    "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--rdzv-conf", conf,
-                    "--monitor-interval", "0.2"]  # fmt: skip
-        return subprocess.Popen(
-            [*launcher, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
 
-    logs = [tmp_path / "host.log", tmp_path / "lost.log"]
-    agents = [agent(True, logs[0]), agent(False, logs[1])]
-    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+def lose_a_node(agents: list, logs: list[Path], metrics: Path, kill_at: int, lost=lambda: None) -> float:
+    """At step `kill_at`, kill agents[1] with its worker and call `lost` (what else the node takes with it); wait
+    for agents[0]'s run to end. Returns the seconds from the kill to the survivor's next finished step."""
     try:
         wait_for_step(metrics, kill_at, agents)
         for pid in process_tree(agents[1].pid):
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
+        lost()
         while not any("elastic_restart" in r for r in map(json.loads, metrics.read_text().splitlines())):
             assert agents[0].poll() is None and time.monotonic() - killed < 120, logs[0].read_text()[-3000:]
             time.sleep(0.05)
@@ -126,11 +118,16 @@ def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_
             process.kill()
             process.wait()
     print(f"from the kill to the next finished step: {recovered:.1f}s")
+    return recovered
+
+
+def check_the_uninterrupted_losses(tmp_path: Path, run: dict, metrics: Path) -> dict:
+    """Every step's loss and token count, after a restart on a world of one, equal an uninterrupted one-process
+    run's, none lost or repeated; returns the restart's record."""
+    steps = int(run["training.steps"])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     restart = next(r for r in records if "elastic_restart" in r)
-    assert restart["world_size"] == 1 and restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
-    assert "x 2 (dp_shard2)" in logs[0].read_text() + logs[1].read_text()  # the run began on both nodes
-
+    assert restart["world_size"] == 1, restart
     reference = tmp_path / "reference"
     Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
     expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
@@ -141,6 +138,77 @@ def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_
     for step in range(1, steps + 1):
         assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step  # the same data position
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+    return restart
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_losses(tmp_path):
+    """The issue's two nodes on one machine: two torchrun agents (--nnodes 1:2, one worker each, c10d rendezvous
+    on 127.0.0.1), a checkpoint every step; the agent that does not host the rendezvous store is killed with its
+    worker at step 5. The other agent's worker fails on the lost peer, the agent restarts it on a world of one,
+    and it continues from the newest checkpoint, though checkpoint.resume = never chose a fresh first start: the
+    per-step losses and tokens equal an uninterrupted one-process run's, no step is lost or repeated."""
+    steps, kill_at = 12, 5
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1", "checkpoint.resume": "never"}
+    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
+    port = free_port()
+    logs = [tmp_path / "host.log", tmp_path / "lost.log"]
+    agents = [start_agent(args, port, True, logs[0]), start_agent(args, port, False, logs[1])]
+    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+    lose_a_node(agents, logs, metrics, kill_at)
+    restart = check_the_uninterrupted_losses(tmp_path, run, metrics)
+    assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
+    assert "x 2 (dp_shard2)" in logs[0].read_text() + logs[1].read_text()  # the run began on both nodes
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("buddy_lost", [False, True], ids=["restored-from-the-buddy", "buddy-lost-too"])
+def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_disk(tmp_path, buddy_lost):
+    """Two torchrun agents as above, each node's shared memory a folder of its own (TITAN_SNAPSHOT_DIR), a
+    snapshot every step and a disk checkpoint every 3 steps (never, when the buddy survives). At step 7 the
+    non-host agent is killed with its worker and its node's snapshots deleted: the survivor restores the lost
+    rank's files from the copy it holds as its buddy, and resumes from the snapshot. With that copy deleted too,
+    the run says so in one line and falls back to the newest disk checkpoint. Either way the losses are the
+    uninterrupted run's, no step lost or repeated."""
+    steps, kill_at = 12, 7
+    interval = "3" if buddy_lost else "1000"
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": interval}
+    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
+    args += ["--fault.snapshot_interval", "1"]
+    port = free_port()
+    nodes = [tmp_path / "node0-shm", tmp_path / "node1-shm"]
+    for node in nodes:
+        node.mkdir()
+    logs = [tmp_path / "host.log", tmp_path / "lost.log"]
+    agents = [
+        start_agent(args, port, is_host, log, {"TITAN_SNAPSHOT_DIR": str(node)})
+        for is_host, log, node in zip((True, False), logs, nodes)
+    ]
+
+    def lost() -> None:
+        held = [sorted(p.name for p in node.glob("titan-snapshots-*/snap-*/rank-*")) for node in nodes]
+        assert "rank-1" in held[0] and "rank-0" in held[1], held  # each node holds the other's copy
+        shutil.rmtree(nodes[1])  # the node's memory, with rank 1's snapshots and its copy of rank 0's
+        if buddy_lost:  # once the survivor's worker, which may be writing a copy it received, has ended
+            survivor = process_tree(agents[0].pid)[1:]
+            while any(Path(f"/proc/{pid}").exists() for pid in survivor):
+                time.sleep(0.05)
+            for copy in nodes[0].glob("titan-snapshots-*/snap-*/rank-1"):
+                shutil.rmtree(copy)
+
+    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+    lose_a_node(agents, logs, metrics, kill_at, lost)
+    restart = check_the_uninterrupted_losses(tmp_path, run, metrics)
+    log = logs[0].read_text()
+    fell_back = [line for line in log.splitlines() if "no in-memory snapshot newer than the disk's step" in line]
+    if buddy_lost:
+        assert len(fell_back) == 1 and "a rank and its buddy copy both lost" in fell_back[0], log[-3000:]
+        assert restart["step"] in (6, 9) and f"disk's step {restart['step']} " in fell_back[0], fell_back
+    else:
+        assert not fell_back and "restoring the in-memory snapshot" in log, log[-3000:]
+        assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
 
 
 @pytest.mark.slow

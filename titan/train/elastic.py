@@ -18,9 +18,11 @@ from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.resume import PARTS, complete_checkpoints
 from titan.config import Config
 from titan.errors import ConfigError
+from titan.train.buddy import BuddySnapshots
 
 log = logging.getLogger("titan")
 SHARED_MEMORY = Path("/dev/shm")
+SNAPSHOT_DIR = "TITAN_SNAPSHOT_DIR"  # where this node's host shared memory is (default /dev/shm)
 
 
 def restart_count(group) -> int:
@@ -34,59 +36,59 @@ def restart_count(group) -> int:
     return int(count)
 
 
+def shared_memory() -> Path:
+    """This node's host shared memory: $TITAN_SNAPSHOT_DIR, else /dev/shm."""
+    return Path(os.environ.get(SNAPSHOT_DIR) or SHARED_MEMORY)
+
+
 def snapshot_folder(run_dir: Path) -> Path:
     """Where a run's in-memory snapshots live: host shared memory, which outlives the workers that an elastic
     restart replaces, named after the run folder."""
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return SHARED_MEMORY / f"titan-snapshots-{key}"
+    return shared_memory() / f"titan-snapshots-{key}"
 
 
-def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool) -> Checkpointer | None:
-    """A checkpointer of the same state into the run's snapshot folder (fault.snapshot_interval; None when off):
-    the checkpoint's own files and code, in memory, without async saves, keeping the newest. A first start clears
-    what an earlier run in the same folder left."""
+def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool) -> BuddySnapshots | None:
+    """A checkpointer of the same state into the run's snapshot folder on every node (fault.snapshot_interval;
+    None when off): the checkpoint's own files and code, in memory, without async saves, keeping the newest, each
+    rank's files also on its buddy's node. A first start clears what an earlier run in the same folder left."""
     if not config.fault.snapshot_interval:
         return None
-    if not SHARED_MEMORY.is_dir():
-        raise ConfigError(f"fault.snapshot_interval needs host shared memory ({SHARED_MEMORY}); set it to 0")
+    memory = shared_memory()
+    if not memory.is_dir():
+        raise ConfigError(
+            f"fault.snapshot_interval needs host shared memory ({memory}); set ${SNAPSHOT_DIR} to a folder in it, "
+            "or fault.snapshot_interval to 0"
+        )
     folder = snapshot_folder(config.run_dir)
-    if not restarted and checkpointer.rank == 0:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not restarted and local_rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     every = config.fault.snapshot_interval
     cfg = dataclasses.replace(config.checkpoint, enable=True, interval=every, async_save=False, keep_latest_k=1)
     c = checkpointer
-    return Checkpointer(
-        cfg, folder, c.states, c.record, rank=c.rank, save_group=c.save_group, control_group=c.control_group
-    )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    groups = {"save_group": c.save_group, "control_group": c.control_group}
+    return BuddySnapshots(cfg, folder, c.states, c.record, rank=c.rank, **groups, local_rank=local_rank,
+                          local_world=local_world)  # fmt: skip
 
 
-def agreed_snapshot(snapshots: Checkpointer, after: int) -> Path | None:
-    """The newest complete snapshot newer than step `after` (the disk checkpoint's) if every rank sees the same one
-    (ranks on other hosts see their own shared memory), else None."""
-    found = complete_checkpoints(snapshots.folder)
-    mine = max((s for s in found if s > after), default=-1)
-    if snapshots.control_group is not None:
-        steps = torch.tensor([mine, -mine])
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=snapshots.control_group)
-        if int(steps[0]) != -int(steps[1]):
-            return None
-    return found.get(mine)
-
-
-def resume(checkpointer: Checkpointer, snapshots: Checkpointer | None, restarted: bool) -> int:
-    """Load the state to continue from; returns its step. An elastic restart restores the newest snapshot when
-    every rank has it and it is newer than the disk's newest checkpoint; a restart without one says so in one
-    line and resumes from the disk."""
+def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restarted: bool) -> int:
+    """Load the state to continue from; returns its step. An elastic restart restores the newest snapshot that
+    the survivors hold whole (each rank's files, or its buddy's copy) when it is newer than the disk's newest
+    checkpoint; a restart without one says so in one line and resumes from the disk."""
     if restarted and snapshots is not None:
         disk = max(complete_checkpoints(checkpointer.folder), default=0)
-        snapshot = agreed_snapshot(snapshots, after=disk)
+        snapshot = snapshots.gather(after=disk)
         if snapshot is not None:
             log.info("elastic restart: restoring the in-memory snapshot %s (the disk's newest: step %d)", snapshot,
                      disk)  # fmt: skip
-            return checkpointer.load(snapshot, PARTS)
+            step = checkpointer.load(snapshot, PARTS)
+            shutil.rmtree(snapshot, ignore_errors=True)
+            return step
         log.warning(
-            "elastic restart: no in-memory snapshot newer than the disk's step %d on every rank (lost with its "
-            "rank): resuming from the disk checkpoint",
+            "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors (a "
+            "rank and its buddy copy both lost): resuming from the disk checkpoint",
             disk,
         )
     return checkpointer.resume(restarted)

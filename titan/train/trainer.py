@@ -252,7 +252,7 @@ class Trainer:
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
-            if self.snapshots is not None and self.rank == 0:  # shared memory outlives the run: free it
+            if self.snapshots is not None and self.snapshots.leader:  # shared memory outlives the run: free it
                 shutil.rmtree(self.snapshots.folder, ignore_errors=True)
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())

@@ -156,7 +156,20 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
         ("traffic per step", _traffic(rank.traffic)),
         *([("all-to-all (ep)", _all_to_all(estimate, rank))] if estimate.layout.ep > 1 else []),
         ("busy per step", f"{rank.seconds:.3g} s"),
+        ("in-memory snapshot", _snapshot(estimate, t.param_bytes + t.optimizer_bytes)),
     ]
+
+
+def _snapshot(estimate: StepEstimate, state: int) -> str:
+    """A snapshot's cost for a rank holding `state` bytes of parameters and optimizer moments: host memory for
+    its own copy and the one it keeps of a buddy's, and the time to copy it to the host and send it to the buddy."""
+    device, every = estimate.device, estimate.config.fault.snapshot_interval
+    seconds = state / (device.host_gbs * 1e9) + state / (device.inter_node_gbs * 1e9)
+    when = f"fault.snapshot_interval {every}" if every else "off: fault.snapshot_interval 0"
+    return (
+        f"{_size(2 * state)} of host memory (its state and a buddy's copy), {seconds:.3g} s each at "
+        f"{device.host_gbs:g} GB/s to the host and {device.inter_node_gbs:g} GB/s to the buddy ({when})"
+    )
 
 
 def _expert_sharding(estimate: StepEstimate, params: int) -> str:
