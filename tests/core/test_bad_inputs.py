@@ -903,6 +903,9 @@ CASES = [
      ["replay.spike_zscore must be >= 0 (0: off)", "got -1"]),
     ("spike window too short", "show", ["--replay.spike_window", "2"], None, {},
      ["replay.spike_window must be >= 3 steps", "got 2"]),
+    ("torchrun restarts on its shared store", "train", {}, None,
+     {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"},
+     ["torchrun --max-restarts with its shared store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
 ]  # fmt: skip
 
 
