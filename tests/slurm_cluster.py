@@ -178,6 +178,7 @@ class SlurmCluster:
             "MpiDefault=none",
             "SwitchType=switch/none",
             "ReturnToService=2",
+            "SlurmdTimeout=10",  # a lost node's jobs complete once it is marked down
             "SlurmdParameters=config_overrides",  # trust the CPUs below, not the hardware
             "MinJobAge=3600",  # keep finished jobs visible to scontrol (there is no accounting database)
             "SlurmctldDebug=info",
@@ -255,6 +256,18 @@ class SlurmCluster:
             except OSError:
                 continue
         return pids
+
+    def lose_node(self, node: str) -> None:
+        """The node's loss as its jobs see it: its slurmd and every process of its job steps (SLURMD_NODENAME)
+        killed at once."""
+        self._daemons.pop(f"slurmd-{node}").kill()
+        marker = f"SLURMD_NODENAME={node}".encode()
+        for pid in self._leftover_pids():
+            try:
+                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
 
     # -----------------------------------------------------------------------------------------
     # Jobs

@@ -906,6 +906,9 @@ CASES = [
     ("snapshots without the node's shared memory", "train", {"fault.snapshot_interval": "1"}, None,
      {"TITAN_SNAPSHOT_DIR": "/nonexistent/shm"}, ["fault.snapshot_interval needs host shared memory (/nonexistent/shm)",
      "set $TITAN_SNAPSHOT_DIR to a folder in it"]),
+    ("torchrun restarts on its shared store", "train", {}, None,
+     {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"},
+     ["torchrun --max-restarts with its shared store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
 ]  # fmt: skip
 
 

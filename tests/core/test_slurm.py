@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import DEBUG_RECIPE, ROOT
 from slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, unavailable
+from titan.config import load_config
+from titan.train.trainer import Trainer
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 TINY = [
@@ -71,8 +73,9 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(cluster, out_dir: Path, name: str, *overrides: str) -> int:
+def submit(cluster, out_dir: Path, name: str, *overrides: str, env: dict | None = None) -> int:
     env = {
+        **(env or {}),
         # The job runs this interpreter's torchrun and titan, from the repository.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": "1",
@@ -141,3 +144,44 @@ def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, t
     assert f"step {steps}/{steps}" not in first_run, "the first run finished before the signal: raise `steps`"
     # The trainers saved a checkpoint when signalled and the requeued job resumed from it: every step once.
     assert [m["step"] for m in read_metrics(metrics_file.parent)] == list(range(1, steps + 1)), output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_elastic_job_loses_a_node_and_finishes_on_the_other(cluster, tmp_path):
+    """TITAN_MIN_NODES=1: a job on both nodes, a checkpoint every step; at step 4 node2 is lost (its slurmd and
+    its job step's processes killed). The allocation stays (--no-kill), srun keeps node1's task, whose torchrun
+    restarts its worker on a world of one from the newest checkpoint; the job completes, every step's loss within
+    1e-5 of a one-process run's and its tokens equal."""
+    steps, lost_at = 12, 4
+    run = ["--training.steps", str(steps), "--training.global_batch_size", "4", "--checkpoint.interval", "1"]
+    job_id = submit(cluster, tmp_path, "lost", *run, env={"TITAN_MIN_NODES": "1"})
+    metrics_file = tmp_path / "lost" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics_file.exists() and len(read_metrics(metrics_file.parent)) >= lost_at):
+        state = cluster.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, job_output(tmp_path, job_id))
+        time.sleep(0.2)
+    cluster.lose_node("node2")
+    lost = time.monotonic()
+    while not any("elastic_restart" in json.loads(line) for line in metrics_file.read_text().splitlines()):
+        assert time.monotonic() - lost < 120, job_output(tmp_path, job_id)
+        time.sleep(0.1)
+    mark = len(metrics_file.read_text().splitlines())
+    while not any("loss" in json.loads(line) for line in metrics_file.read_text().splitlines()[mark:]):
+        assert time.monotonic() - lost < 120, job_output(tmp_path, job_id)
+        time.sleep(0.1)
+    print(f"from the node's loss to the next finished step: {time.monotonic() - lost:.1f}s")
+    info = cluster.wait(job_id, timeout=240)
+    output = job_output(tmp_path, job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    assert "a world of 1 (single)" in output and "a node finished the run" in output, output
+
+    args = [*TINY, *run, "--job.output_dir", str(tmp_path / "reference"), "--job.name", "lost"]
+    Trainer(load_config(DEBUG_RECIPE, args)).train()
+    expected = {m["step"]: m for m in read_metrics(tmp_path / "reference" / "lost")}
+    got = {m["step"]: m for m in read_metrics(metrics_file.parent)}  # a step run again: its last record
+    assert sorted(got) == list(range(1, steps + 1)), output
+    for step in range(1, steps + 1):
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step

@@ -30,6 +30,7 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    require_fresh_store()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -37,6 +38,19 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.
     timeout = datetime.timedelta(seconds=float(os.environ.get("TITAN_DIST_TIMEOUT_S", timeout_s)))
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     return dist.get_rank(), dist.get_world_size()
+
+
+def require_fresh_store() -> None:
+    """torchrun's agent by default lends its workers one store for the whole job, and a restarted worker joining
+    the process group there can read the address a dead worker wrote, and fail to connect. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each restart gets a store of its own (rank 0's)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        raise UserError(
+            "torchrun --max-restarts with its shared store: a restarted worker would read a dead one's address and "
+            "fail to connect; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+            "(docs/fault-tolerance.md)"
+        )
 
 
 def build_mesh(layout: Layout, device: torch.device) -> dict[str, DeviceMesh]:
