@@ -46,7 +46,7 @@ COPY titan titan
 # Every feature's extra but the test tools: trackers, plots, hub datasets, zstd data files, Float8 (their versions
 # are bounded in pyproject.toml, which hadolint does not read).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[tracking,plot,hub,zstd,float8]" && titan --help > /dev/null
+RUN pip install --no-cache-dir ".[tracking,plot,hub,zstd,float8,eval]" && titan --help > /dev/null
 COPY recipes recipes
 COPY data data
 COPY scripts scripts

@@ -26,7 +26,7 @@ from titan.config import load_config  # noqa: E402
 from titan.tools.generate import load_model  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
-VOCAB = 1280  # covers the project tokenizer's 1170 tokens, which the converted checkpoint's recipe names
+VOCAB = 1280  # covers the project tokenizer's 1170 tokens, which the HF folder brings
 BATCH, SEQ = 2, 24
 PROMPT = "The dog ran"
 MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
@@ -36,6 +36,10 @@ MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe") / "hf"
     tiny_qwen3_moe(path, vocab_size=VOCAB, max_shard_size="100KB")
+    # Its tokenizer, as an HF model folder has one: the import takes it along, and the export writes it back.
+    shutil.copy(ROOT / "data" / "tokenizer.json", path / "tokenizer.json")
+    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(special))
     assert len(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
     return path
 

@@ -21,7 +21,7 @@ LAYERS = [
     ["titan.rng"],
     ["titan.config_keys", "titan.run_plan"],  # the recipe's keys described; what each rank computes
     ["titan.config"],
-    ["titan.dtypes"],  # a dtype's two spellings, for recipes and commands
+    ["titan.dtypes", "titan.hub"],  # a dtype's two spellings; a hub name's folder in the local HF cache
     ["titan.balance", "titan.errors", "titan.files", "titan.progress", "titan.schema"],
     ["titan"],  # the package's own __init__: its version
 ]

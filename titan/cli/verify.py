@@ -28,14 +28,11 @@ def verify(
         None, "--checkpoint", help="With --replay: the run's checkpoints folder (or its run folder)."
     ),
 ) -> None:
-    """Check that a parallel layout trains as one process does, or replay a step of a run.
+    """Check a layout against one process, or replay a step of a run.
 
-    Tensor by tensor, naming where it departs. Give the layout as overrides, e.g. --parallel.dp_shard 2 --parallel.tp 2;
-    the processes are started for you. Exit status 1 when the layout is not equivalent.
-
-    With --replay STEP --checkpoint DIR: train STEP again from the run's checkpoint before it, on the run's layout
-    (compared bitwise with the digests the run recorded under replay.digests, naming a rank that differs) and on one
-    process or the layout the overrides give (within tolerance). Exit status 1 when the step is not reproduced.
+    Tensor by tensor, naming where it departs: give the layout as overrides, e.g. --parallel.dp_shard 2; the
+    processes are started for you. --replay STEP --checkpoint DIR trains a step again, bitwise on the run's layout
+    and within tolerance on another (docs/verify.md). Exit status 1 when they differ.
     """
     if replay is not None:
         if checkpoint is None or config is not None:

@@ -18,20 +18,11 @@ import numpy as np
 
 from titan.config import Layout
 from titan.errors import UserError, import_extra
-from titan.observe.runs import ENVIRONMENT, RUN_INFO, TRACKING, duration, flatten
-from titan.schema import Integer, Number, Table, Text, check, parse_toml, read_json
+from titan.observe.runs import ENVIRONMENT, RUN_INFO, TRACKING, duration, flatten, read_metrics
+from titan.schema import Integer, Table, Text, check, parse_toml, read_json
 
 REQUIRED = ("config.toml", "metrics.jsonl", "run_info.json")
-# metrics.jsonl's records and config.toml as compare reads them (titan/schema.py); other keys are left alone.
-RECORD = Table(
-    {
-        "step": Integer(),
-        **dict.fromkeys(("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_gib"),
-                        Number(finite=False)),  # a loss may be NaN
-        **dict.fromkeys(("tokens_seen", "elapsed_s", "step_time_s"), Number(0)),  # summed and interpolated
-    },
-    required=frozenset({"step"}),
-)  # fmt: skip
+# config.toml as compare reads it (titan/schema.py); other keys are left alone.
 CONFIG = Table({"job": Table({"name": Text()}), "training": Table({"steps": Integer()})})
 
 
@@ -79,29 +70,11 @@ def load_run(path: str | Path) -> Run:
         tracking = read_json(path / "tracking.json", TRACKING) if (path / "tracking.json").is_file() else {}
     except ValueError as e:
         raise CompareError(f"{path}: {e}") from None
-    return Run(path, flatten(config), info, _read_metrics(path / "metrics.jsonl"), tracking)
-
-
-def _read_metrics(file: Path) -> list[dict]:
-    text = file.read_text(errors="replace")
-    lines = text.splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # JSONDecodeError, an integer of too many digits, nested too deep
-            if number == len(lines) and not text.endswith("\n"):
-                break  # a run killed mid-write leaves a torn last line: everything before it is good
-            raise CompareError(f"{file} line {number} is not valid JSON: {line[:60]!r}") from None
-        try:
-            records.append(check(record, RECORD, f"{file} line {number}"))
-        except ValueError as e:
-            raise CompareError(str(e)) from None
-    if not any("loss" in r for r in records):
-        raise CompareError(f"{file} has no logged steps (did the run reach its first step?)")
-    return records
+    try:
+        records = read_metrics(path / "metrics.jsonl")
+    except ValueError as e:
+        raise CompareError(str(e)) from None
+    return Run(path, flatten(config), info, records, tracking)
 
 
 # ---------------------------------------------------------------------------------------------

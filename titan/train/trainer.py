@@ -249,14 +249,19 @@ class Trainer:
                     window.restart()
                 else:  # nor is starting the profiler, which the next step's window would otherwise hold
                     window.start += time.perf_counter() - profiler_start
+        self._finish(begun, unsettled)
+        return unsettled.losses
+
+    def _finish(self, begun: tuple[int, int, float], unsettled: UnsettledSteps) -> None:
+        """After train()'s loop: its steps settled and saves written; at the run's end, its snapshots freed (shared
+        memory outlives the run), its metrics closed and its summary logged."""
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
-            if self.snapshots is not None and self.snapshots.leader:  # shared memory outlives the run: free it
+            if self.snapshots is not None and self.snapshots.leader:
                 shutil.rmtree(self.snapshots.folder, ignore_errors=True)
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())
-        return unsettled.losses
 
     def _settled(self, step: int, loss: float, grad_norm: float) -> None:
         """A step's global loss and gradient norm, once on the host."""

@@ -107,13 +107,17 @@ def _loss_rows(state: dict, path: Path) -> list[tuple[str, str]]:
 def _validation(run_dir: Path, step: int) -> dict[int, float]:
     """{step: validation loss} of the run folder's metrics.jsonl, up to `step` (a later checkpoint's run went on
     past it); empty where the checkpoint is not in its run folder."""
-    from titan.tools.compare import CompareError, load_run
+    from titan.observe.runs import read_metrics
 
     try:
-        records = load_run(run_dir).validation
-    except CompareError:
+        records = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
         return {}
-    return {r["step"]: r["val_loss"] for r in records if r["step"] <= step and math.isfinite(r["val_loss"])}
+    return {
+        r["step"]: r["val_loss"]
+        for r in records
+        if "val_loss" in r and r["step"] <= step and math.isfinite(r["val_loss"])
+    }
 
 
 def _tokenizer_text(tokenizer, section: dict) -> str:

@@ -176,8 +176,11 @@ def _layouts(start: Path, overrides: list[str], folder: Path) -> tuple[Config, C
         read_config(recipe, overrides) if overrides else dataclasses.replace(base, parallel=one_process(base.parallel))
     )
     rows = state["math"]["training.global_batch"]
+    # The saved recipe names its tokenizer by absolute path; the resume check holds the path as the run gave it.
+    tokenizer = dataclasses.replace(base.tokenizer, path=state["math"]["tokenizer.path"])
     return tuple(
-        dataclasses.replace(c, training=dataclasses.replace(c.training, global_batch_size=rows)) for c in (base, other)
+        dataclasses.replace(c, training=dataclasses.replace(c.training, global_batch_size=rows), tokenizer=tokenizer)
+        for c in (base, other)
     )
 
 
