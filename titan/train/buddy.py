@@ -2,8 +2,9 @@
 
 Per node, `<snapshot folder>/snap-S/rank-R/` holds the files of step S's snapshot that rank R wrote (its model and
 optimizer shards; rank 0 also the shared files and the snapshot's manifest), for the node's own ranks and for the
-ranks whose buddy it is. A restart gathers, from the survivors, every rank's files of the newest step some survivor
-holds for every rank, and loads them as one checkpoint (docs/fault-tolerance.md)."""
+ranks whose buddy it is, streamed a chunk at a time. A restart picks the newest step some survivor holds for every
+rank; each survivor's load then reads the byte ranges it needs from the copies on its own node (links) and from
+other nodes' holders (one all-to-all), so no rank receives more than its load reads (docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
