@@ -79,7 +79,7 @@ def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restart
     checkpoint; a restart without one says so in one line and resumes from the disk."""
     if restarted and snapshots is not None:
         disk = max(complete_checkpoints(checkpointer.folder), default=0)
-        snapshot = snapshots.gather(after=disk)
+        snapshot, missing = snapshots.gather(after=disk)
         if snapshot is not None:
             log.info("elastic restart: restoring the in-memory snapshot %s (the disk's newest: step %d)", snapshot,
                      disk)  # fmt: skip
@@ -87,8 +87,8 @@ def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restart
             shutil.rmtree(snapshot, ignore_errors=True)
             return step
         log.warning(
-            "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors (a "
-            "rank and its buddy copy both lost): resuming from the disk checkpoint",
-            disk,
-        )
+            "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors (%s): "
+            "resuming from the disk checkpoint",
+            disk, missing,
+        )  # fmt: skip
     return checkpointer.resume(restarted)

@@ -168,6 +168,8 @@ class Trainer:
         if plan.stage_layers != self.run_plan.stage_layers:
             scratch = self.checkpointer.folder / f".resplit-step-{self.step}"
             self.stepper, how = resplit(self.stepper, lambda: self._build_step(plan), self.checkpointer, scratch)
+            if self.snapshots is not None:  # they save the rebuilt parts from now on, as the checkpoints do
+                self.snapshots.rebind(model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
             counts = [len(layers) for layers in plan.stage_layers]
             log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, counts, how)
         self.run_plan, self.rank_plan = plan, plan.rank(self.rank)
