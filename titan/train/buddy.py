@@ -99,10 +99,10 @@ class BuddySnapshots(Checkpointer):
         shard = SHARD.match(name)
         return int(shard.group(1)) == self.rank if shard else self.rank == 0
 
-    def gather(self, after: int) -> Path | None:
+    def gather(self, after: int) -> tuple[Path | None, int]:
         """The newest snapshot newer than step `after` whose every rank's files some rank holds, assembled from
-        them into a folder of this rank's, sealed as a checkpoint (its caller deletes it once loaded); None if
-        there is none."""
+        them into a folder of this rank's, sealed as a checkpoint (its caller deletes it once loaded), or None if
+        there is none; and the newest step of which some rank holds any files (`after` if none)."""
         found = _held(self.folder, after)
         everyone = [found]
         if self.control_group is not None:
@@ -115,8 +115,9 @@ class BuddySnapshots(Checkpointer):
                 holders.setdefault(step, {}).update(dict.fromkeys(ranks, holder))
                 worlds[step] = world or worlds.get(step, 0)
         whole = [s for s in holders if worlds[s] and set(holders[s]) >= set(range(worlds[s]))]
+        newest = max(holders, default=after)
         if not whole:
-            return None
+            return None, newest
         step = max(whole)
         mine = {}
         for rank, holder in holders[step].items():
@@ -131,7 +132,7 @@ class BuddySnapshots(Checkpointer):
         folder = self.folder / f".restore-{step}-rank-{self.rank}"
         _write(folder, files)
         seal(folder, index["files"])
-        return folder
+        return folder, newest
 
 
 def _write(folder: Path, files: dict[str, bytes]) -> None:
