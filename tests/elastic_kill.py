@@ -6,13 +6,15 @@ torchrun ... tests/elastic_kill.py train ...`. The i-th kill is in the workers o
 - `snapshot`: inside the in-memory snapshot's save, once the snapshot folder holds the step's partial save;
 - `collective`: as it enters the backward's reduce-scatter, the other ranks already waiting in it.
 
-Workers past the last kill run as titan does."""
+Workers past the last kill run as titan does. With `TITAN_TEST_STEP_S=SECONDS`, every rank sleeps that long as each
+step's data phase begins: a run slow enough for a test to act on it mid-run."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # this checkout's titan, whatever is installed
@@ -65,6 +67,18 @@ def plant(step: int, place: str) -> None:
 
 plant.where = (0, "start-up")
 
+
+def slow_down(seconds: float) -> None:
+    enter = Watchdog.enter
+
+    def entering(self, phase: str, at: int | None = None) -> None:
+        enter(self, phase, at)
+        if phase == "data":
+            time.sleep(seconds)
+
+    Watchdog.enter = entering
+
+
 if __name__ == "__main__":
     kills = os.environ.get("TITAN_TEST_KILL", "").split(",")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -72,6 +86,8 @@ if __name__ == "__main__":
         rank, step, place = kills[restart].split(":")
         if rank == os.environ.get("RANK"):
             plant(int(step), place)
+    if os.environ.get("TITAN_TEST_STEP_S"):
+        slow_down(float(os.environ["TITAN_TEST_STEP_S"]))
     from titan.cli import main
 
     main()

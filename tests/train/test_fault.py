@@ -82,15 +82,18 @@ def last_losses(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def start_agent(args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """One node's torchrun agent (--nnodes 1:2, one worker, c10d rendezvous on 127.0.0.1) training `args`; the
-    rendezvous conf lets a dead node leave within seconds."""
+def start_agent(
+    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=("-m", "titan"), restarts=2
+) -> subprocess.Popen:
+    """One node's torchrun agent (--nnodes 1:2, one worker, c10d rendezvous on 127.0.0.1, --max-restarts `restarts`)
+    training `args` with `entry` (titan, or tests/elastic_kill.py); the rendezvous conf lets a dead node leave
+    within seconds."""
     conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
-    launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend",
-                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--rdzv-conf", conf,
-                "--monitor-interval", "0.2"]  # fmt: skip
+    launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", str(restarts),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+                "--rdzv-conf", conf, "--monitor-interval", "0.2"]  # fmt: skip
     return subprocess.Popen(
-        [*launcher, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
+        [*launcher, *entry, "train", "--config", str(DEBUG_RECIPE), *args],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", **FRESH_STORE, **(env or {})},
         stdout=log.open("w"),
@@ -172,10 +175,11 @@ def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_di
     """Two torchrun agents as above, each node's shared memory a folder of its own (TITAN_SNAPSHOT_DIR), a
     snapshot every step and a disk checkpoint every 3 steps (never, when the buddy survives). At step 7 the
     non-host agent is killed with its worker and its node's snapshots deleted: the survivor restores the lost
-    rank's files from the copy it holds as its buddy, and resumes from the snapshot. With that copy deleted too,
-    the run says so in one line and falls back to the newest disk checkpoint. Either way the losses are the
-    uninterrupted run's, no step lost or repeated."""
-    steps, kill_at = 12, 7
+    rank's files from the copy it holds as its buddy, and resumes from the snapshot. With that copy deleted too
+    (at step 8: step 7's snapshot, newer than the disk's step 6, sealed), the run says so in one line and falls
+    back to the newest disk checkpoint. Either way the losses are the uninterrupted run's, no step lost or
+    repeated."""
+    steps, kill_at = 12, 8 if buddy_lost else 7
     interval = "3" if buddy_lost else "1000"
     run = {**RUN, "training.steps": str(steps), "checkpoint.interval": interval}
     args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
@@ -212,6 +216,83 @@ def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_di
     else:
         assert not fell_back and "restoring the in-memory snapshot" in log, log[-3000:]
         assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
+
+
+def wait_for_restart(metrics: Path, restart: int, agent: subprocess.Popen, log: Path) -> float:
+    """Waits until the `restart`-th elastic_restart record (counted from 1) is followed by a finished step; returns
+    the time then (time.monotonic)."""
+    deadline = time.monotonic() + 120
+    while True:
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        marks = [i for i, r in enumerate(records) if "elastic_restart" in r]
+        if len(marks) >= restart and any("loss" in r for r in records[marks[restart - 1] :]):
+            return time.monotonic()
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_frozen_node_is_dropped_and_taken_in_again_when_it_comes_back(tmp_path):
+    """Two torchrun agents as above, each node's shared memory a folder of its own, a snapshot every step, each step
+    slowed by 0.4 s (tests/elastic_kill.py). At step 4 the non-host node freezes whole: its agent and worker are
+    SIGSTOPped. The host's worker watchdog names the silent rank and exits; its agent restarts it, the rendezvous
+    drops the frozen node (no keep-alive), and the run goes on alone. Then the frozen node's processes are killed and
+    a fresh agent started in its place, its shared memory as the node left it: the host's agent sees a node waiting
+    and restarts its worker, and the run goes on on both nodes from the newest state. The losses are the
+    uninterrupted run's, at most the step in flight at the freeze run again, no step lost or repeated at the
+    rejoin."""
+    steps, freeze_at, timeout_s = 40, 4, 5
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000", "checkpoint.resume": "never"}
+    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", str(timeout_s)]
+    args += ["--fault.snapshot_interval", "1"]
+    port = free_port()
+    nodes = [tmp_path / "node0-shm", tmp_path / "node1-shm"]
+    for node in nodes:
+        node.mkdir()
+    logs = [tmp_path / "host.log", tmp_path / "frozen.log", tmp_path / "back.log"]
+
+    def start(node: int, log: Path, restarts: int) -> subprocess.Popen:
+        env = {"TITAN_SNAPSHOT_DIR": str(nodes[node]), "TITAN_TEST_STEP_S": "0.4"}
+        entry = (str(ROOT / "tests" / "elastic_kill.py"),)
+        return start_agent(args, port, node == 0, log, env, entry, restarts)
+
+    # The freeze spends the host's one restart; the rejoin, which torchrun does not count, must cost no failure:
+    # the node that comes back has none to spend.
+    agents = [start(0, logs[0], 1), start(1, logs[1], 1)]
+    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+    try:
+        wait_for_step(metrics, freeze_at, agents)
+        frozen = process_tree(agents[1].pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        alone = wait_for_restart(metrics, 1, agents[0], logs[0]) - stopped
+        for pid in frozen:
+            os.kill(pid, signal.SIGKILL)
+        agents[1].wait()
+        agents.append(start(1, logs[2], 0))
+        back = time.monotonic()
+        both = wait_for_restart(metrics, 2, agents[0], logs[0]) - back
+        for agent, log in ((agents[0], logs[0]), (agents[2], logs[2])):  # the host, and the node come back
+            assert agent.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        for process in agents:
+            process.kill()
+            process.wait()
+    print(f"from the SIGSTOP to the next finished step, alone: {alone:.1f}s (fault.step_timeout_s = {timeout_s})")
+    print(f"from the fresh agent's start to the next finished step on both nodes: {both:.1f}s")
+    host = logs[0].read_text()
+    hung = [line for line in host.splitlines() if "hung at step" in line]
+    assert len(hung) == 1 and "waiting for rank 1 (silent for" in hung[0], host[-3000:]
+    # The freeze's restart restores the snapshot; the rejoin's, the checkpoint its SIGTERM saved: nothing lost.
+    assert "restoring the in-memory snapshot" in host and "both lost" not in host, host[-3000:]
+    restart = check_the_uninterrupted_losses(tmp_path, run, metrics)
+    assert restart["step"] >= freeze_at - 1, restart  # at most the step in flight lost
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restarts = [r for r in records if "elastic_restart" in r]
+    assert [r["world_size"] for r in restarts] == [1, 2], restarts
+    assert restart["step"] < restarts[1]["step"] < steps, restarts  # taken in mid-run
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ class BuddySnapshots(Checkpointer):
     def gather(self, after: int) -> tuple[Path | None, str]:
         """The newest snapshot newer than step `after` whose every rank's files some rank holds, as a checkpoint
         folder of this rank's holding the bytes this rank's load reads (its caller deletes it once loaded); else
-        None and why: none held whole, or a copy to read from that no longer matches its hash (checkpoint.verify)."""
+        None and why: none held whole, or a copy to read from that no longer matches its hash (checkpoint.verify); ""
+        when no rank holds anything newer (the disk's checkpoint is the newest state: a SIGTERM's save)."""
         holders: dict[int, dict[int, int]] = {}  # step -> {its rank: the lowest rank that holds its files}
         worlds: dict[int, int] = {}
         for holder, steps in reversed(list(enumerate(self._everyone(_held(self.folder, after))))):
@@ -140,8 +141,8 @@ class BuddySnapshots(Checkpointer):
                 holders.setdefault(step, {}).update(dict.fromkeys(ranks, holder))
                 worlds[step] = world or worlds.get(step, 0)
         whole = [s for s in holders if worlds[s] and set(holders[s]) >= set(range(worlds[s]))]
-        if not whole:
-            return None, "a rank and its buddy copy both lost"
+        if not whole:  # some rank's files of a newer step are on no survivor; or none newer exists (nothing lost)
+            return None, "a rank and its buddy copy both lost" if holders else ""
         step = max(whole)
         snap, holder_of = self.folder / f"snap-{step}", holders[step]
         # Rank 0's small files (the index, train state, data position) go to every rank; the shards stay put.

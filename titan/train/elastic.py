@@ -76,7 +76,8 @@ def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool)
 def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restarted: bool) -> int:
     """Load the state to continue from; returns its step. An elastic restart restores the newest snapshot that
     the survivors hold whole (each rank's files, or its buddy's copy) when it is newer than the disk's newest
-    checkpoint; a restart without one says so in one line and resumes from the disk."""
+    checkpoint; one whose newer snapshots were lost says so in one line and resumes from the disk (as does, quietly,
+    one whose disk checkpoint is the newest state: a preemption's save)."""
     if restarted and snapshots is not None:
         disk = max(complete_checkpoints(checkpointer.folder), default=0)
         snapshot, missing = snapshots.gather(after=disk)
@@ -86,9 +87,10 @@ def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restart
             step = checkpointer.load(snapshot, PARTS)
             shutil.rmtree(snapshot, ignore_errors=True)
             return step
-        log.warning(
-            "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors (%s): "
-            "resuming from the disk checkpoint",
-            disk, missing,
-        )  # fmt: skip
+        if missing:
+            log.warning(
+                "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors "
+                "(%s): resuming from the disk checkpoint",
+                disk, missing,
+            )  # fmt: skip
     return checkpointer.resume(restarted)
