@@ -977,6 +977,38 @@ def test_a_refused_recipe_exits_without_importing_torch(command, override, words
     assert "titan.config" in imported_modules(result) and "torch" not in imported_modules(result)
 
 
+@pytest.mark.parametrize(
+    "recipe, override, words",
+    [
+        ("debug", (), ()),
+        ("debug_moe", (), ()),
+        ("debug", ("--parallel.tp", "3"), ("parallel.tp = 3 must divide the model's n_heads (8)",)),
+        ("debug", ("--parallel.pp_schedule", "Zigzag"), ("parallel.pp_schedule: Unknown schedule name 'Zigzag'",)),
+        (
+            "debug",
+            ("--parallel.pp", "2", "--parallel.pp_schedule", "1F1B", "--parallel.pp_stages_per_rank", "2"),
+            ("parallel.pp_schedule 1F1B runs one stage per rank",),
+        ),
+        (
+            "debug_moe",
+            ("--parallel.pp", "2", "--parallel.pp_stage_memory_gib", "[0.001, 0.001]"),
+            ("parallel.pp_stage_memory_gib [0.001, 0.001]: no split", "GiB of weights"),
+        ),
+    ],
+    ids=["llama", "moe", "tp", "schedule name", "stages per rank", "stage memory"],
+)
+def test_config_show_checks_the_model_and_layout_without_importing_torch(recipe, override, words):
+    """The layout's checks and the blocks' memory are worked out from the model's args: torch loads only for what
+    asks about the device (and for training or tracing)."""
+    path = ROOT / "recipes" / f"{recipe}.toml"
+    result = run_titan("config", "show", "--config", str(path), *override, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    if words:
+        assert_one_line_error(result, *words)
+    else:
+        assert result.returncode == 0 and "[parallel]" in result.stdout, result.stderr[-2000:]
+    assert "titan.config" in imported_modules(result) and "torch" not in imported_modules(result)
+
+
 def test_the_table_covers_every_area():
     assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
 

@@ -6,7 +6,10 @@ import sys
 import pytest
 
 from conftest import ROOT
-from titan.config import Config, Parallel, Training
+from titan.config import Config, Layout, Parallel, Training
+from titan.errors import ConfigError
+from titan.models.llama import FLAVORS
+from titan.parallel.checks import PP_SCHEDULES, check_layout
 from titan.run_plan import MULTI_STAGE_SCHEDULES, Blocks, run_plan, stages_per_rank
 
 
@@ -16,6 +19,18 @@ def test_the_multi_stage_schedules_are_torchs():
     names = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
     multi = {n.lower() for n in names if issubclass(get_schedule_class(n), PipelineScheduleMulti)}
     assert multi == MULTI_STAGE_SCHEDULES
+
+
+def test_the_layout_check_knows_torchs_schedules_and_refuses_a_name_in_its_words():
+    """The pipeline schedules are checked without importing torch: by a table of torch's, kept equal to it here."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    assert {name: issubclass(get_schedule_class(name), PipelineScheduleMulti) for name in PP_SCHEDULES} == PP_SCHEDULES
+    with pytest.raises(ValueError) as torchs:
+        get_schedule_class("Zigzag")
+    with pytest.raises(ConfigError) as titans:
+        check_layout(Config(parallel=Parallel(pp_schedule="Zigzag")), FLAVORS["debug"], Layout(), lambda: None)
+    assert str(titans.value) == f"parallel.pp_schedule: {torchs.value}"
 
 
 @pytest.mark.parametrize("schedule,stages", [("1F1B", 1), ("Interleaved1F1B", 2), ("DualPipeV", 2)])

@@ -27,6 +27,19 @@ def test_flavor_parameter_count_matches_the_published_count(flavor):
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[flavor]
 
 
+@pytest.mark.parametrize(
+    "family, flavor", [(family, flavor) for family in models._REGISTRY for flavor in models.family_flavors(family)]
+)
+def test_block_params_count_each_block_as_built(family, flavor):
+    """The layer split sizes the blocks from their args without building the model (`titan config show` loads no
+    torch): every block of every flavor, dense and MoE layers, with and without q/k norms, as the meta model has it."""
+    spec = models.get_model_spec(family)
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        built = [sum(p.numel() for p in block.parameters()) for block in spec.blocks(spec.build(args))]
+    assert [args.block_params(layer) for layer in range(args.n_layers)] == built
+
+
 @pytest.mark.parametrize("flavor", PUBLISHED_PARAMETERS)
 def test_flavor_output_shape_on_meta(flavor):
     with torch.device("meta"):

@@ -15,8 +15,8 @@ from titan.config import load_config
 from titan.parallel import ac
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
-from titan.parallel.parallelize import build_model_parts, model_blocks
-from titan.run_plan import run_plan
+from titan.parallel.parallelize import build_model_parts
+from titan.run_plan import model_blocks, run_plan
 from titan.train.estimate.estimate import estimate_step
 from titan.train.model import resolve_model
 from titan.train.step import token_loss
@@ -38,7 +38,7 @@ def real_cp_rank(overrides: list[str]) -> tuple[dict[str, int], int]:
     config = load_config(DEBUG_RECIPE, overrides, world_size=2)
     resolved = resolve_model(config)
     spec, args = resolved.spec, resolved.args
-    plan = run_plan(config, 2, model_blocks(spec, args))
+    plan = run_plan(config, 2, model_blocks(args))
     rank, mesh = dist.get_rank(), build_mesh(plan.layout, CPU)
     tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     rows = torch.arange(ROWS)

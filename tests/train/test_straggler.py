@@ -189,7 +189,7 @@ def test_a_plan_holds_only_on_the_layout_and_devices_it_was_measured_on():
 def replanner(*overrides: str) -> Replanner:
     """The replanner of a 2-rank FSDP run of the debug recipe with these overrides, on ranks node1:0 and node1:1."""
     config = load_config(DEBUG_RECIPE, ["--parallel.dp_shard", "2", *overrides], world_size=2)
-    checked = check_run(config, 2, torch.device("cpu"))
+    checked = check_run(config, 2, lambda: torch.device("cpu"))
     return Replanner(config, checked.plan, checked.blocks, ["node1:0", "node1:1"], torch.device("cpu"))
 
 

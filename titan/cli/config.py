@@ -28,14 +28,21 @@ def config_show(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
-    from titan.train.device import pick_device  # imported late: torch takes a while to import
     from titan.train.preflight import check_run
 
+    typer.echo(to_toml(check_run(cfg, world_size, lambda: _device_here(cfg.training.device)).config), nl=False)
+
+
+def _device_here(name: str):
+    """The device training.device names, if this machine has it; None: a GPU recipe on a machine without one (a
+    login node), whose device checks wait for the run. Asked only by a check that needs the device: torch loads
+    here, and takes a while."""
+    from titan.train.device import pick_device
+
     try:
-        device, _ = pick_device(cfg.training.device)
-    except ConfigError:  # a GPU recipe on a machine without one (a login node): the device's checks wait for the run
-        device = None
-    typer.echo(to_toml(check_run(cfg, world_size, device).config), nl=False)
+        return pick_device(name)[0]
+    except ConfigError:
+        return None
 
 
 @config_app.command("keys")

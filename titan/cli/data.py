@@ -37,7 +37,7 @@ def data_prepare(
     cfg = load_config(config, overrides, world_size=degrees_world_size(read_config(config, overrides).parallel))
     require_inputs(cfg)
     share = _part(part)
-    from titan.checkpoint.hf import with_weights_tokenizer  # imported late, as in train: they import torch
+    from titan.checkpoint.weights_tokenizer import with_weights_tokenizer
     from titan.data import validation_source
     from titan.data.prepared import cache_root_for, describe, find_prepared, prepare
 

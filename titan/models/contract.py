@@ -42,6 +42,15 @@ class Args(Protocol):
         """ValueError naming what makes these args impossible."""
         ...
 
+    def check_parallelism(self, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
+        """ValueError when these degrees (tensor, pipeline stages, expert, context) cannot split the model."""
+        ...
+
+    def block_params(self, layer: int) -> int:
+        """Parameters of block `layer` as the built model holds them, counted without building it: the layer split
+        sizes the blocks before torch is imported."""
+        ...
+
 
 class Model(Protocol):
     """What ModelSpec.build returns, and pipeline_stage cuts: an nn.Module (parameters, to_empty, train, ... as torch
@@ -173,9 +182,7 @@ class ModelSpec:
     flops_per_token: Callable[[Args, int], float]  # (args, seq_len) -> training FLOPs per token: MFU, titan plan
     # (args) -> the width of one token's keys (as of its values) in one layer: context parallelism's ring traffic
     kv_width: Callable[[Args], int]
-    # Parallelism, applied from outside by titan/parallel:
-    # (args, tp, pipeline stages, ep=1, cp=1); ValueError if impossible
-    check_parallelism: Callable[..., None]
+    # Parallelism, applied from outside by titan/parallel (Args.check_parallelism says which degrees can split it):
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
     blocks: Callable[[Model], list[nn.Module]]  # units for checkpointing, compile, FSDP and titan plan's block graph
     pipeline_stage: Callable[[Model, list[int], bool, bool], Model]  # (model, layer ids, first, last) -> stage

@@ -13,15 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.config import Config, Layout
-from titan.errors import ConfigError
+from titan.config import Config
 from titan.models import ModelSpec, StageBatch
-from titan.parallel import float8, pp
+from titan.parallel import float8
 from titan.parallel.ac import apply_activation_checkpointing, block_choices
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.ep import apply_expert_parallel
 from titan.parallel.fsdp import apply_fsdp
-from titan.run_plan import V_SHAPED, Blocks, RunPlan, stages_per_rank
+from titan.run_plan import RunPlan
 
 
 @dataclass
@@ -76,47 +75,6 @@ class ModelParts:
             part.train(mode)
 
 
-def check_layout(config: Config, spec: ModelSpec, args, layout: Layout, device: torch.device | None) -> None:
-    """Every combination that cannot work with this model and device, refused with its reason before any work
-    starts (run_plan then checks the batch and the layer split). device None: not on this machine, so what the
-    layout asks of it is left to the run."""
-    p = config.parallel
-    pp.schedule_class(p.pp_schedule)  # a misspelt schedule is an error even while pp = 1
-    try:
-        stages = layout.pp * stages_per_rank(p) if layout.pp > 1 else 1
-        spec.check_parallelism(args, layout.tp, stages, layout.ep, layout.cp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if layout.pp > 1:
-        pp.check_stages(p, stages_per_rank(p))
-        if p.fsdp_reshard_after_forward == "always" and p.pp_schedule.lower() in pp.ZERO_BUBBLE and layout.dp > 1:
-            # Known on torch 2.13: the deferred weight-gradient pass then meets resharded parameters and the
-            # gradients come out wrong without any error.
-            raise ConfigError(
-                f"parallel.fsdp_reshard_after_forward = 'always' with the zero-bubble schedule {p.pp_schedule} "
-                "gives wrong "
-                "gradients in torch 2.13; use 'default' or 'never'"
-            )
-        if config.validation.interval and p.pp_schedule.lower() in V_SHAPED:
-            # torch 2.13: a V-shaped schedule's eval() still runs its backward actions and fails at the first
-            # pair of adjacent stages on one rank ("can't steal_bwd_input").
-            raise ConfigError(
-                f"validation with the V-shaped schedule {p.pp_schedule} fails in torch 2.13 (its eval path runs "
-                "backward actions); use another parallel.pp_schedule, or set validation.interval = 0"
-            )
-    if device is None:
-        return
-    if p.backend == "nccl" and device.type != "cuda" and layout.world_size > 1:
-        raise ConfigError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
-    if config.compile.enable and layout.tp > 1 and p.sequence_parallel and device.type == "cpu":
-        # torch 2.13: the backward of a compiled block with sequence-parallel DTensors fails on CPU.
-        raise ConfigError(
-            "compile.enable with parallel.tp > 1 and sequence_parallel fails on CPU in torch 2.13; "
-            "set parallel.sequence_parallel = false or compile.enable = false"
-        )
-    float8.check_float8(config, layout, device, spec, args)
-
-
 def stage_batch(plan: RunPlan, documents: bool, rows: int, seq_len: int, stage: int) -> StageBatch:
     """What pipeline stage `stage` exchanges for a micro-batch of rows x seq_len tokens. FSDP with bf16 casts a
     stage's inputs to bf16 (its mixed-precision policy) and the residual stream stays in it; autocast alone keeps
@@ -131,14 +89,6 @@ def stage_batch(plan: RunPlan, documents: bool, rows: int, seq_len: int, stage: 
         first=stage == 0,
         last=stage == plan.n_stages - 1,
     )
-
-
-def model_blocks(spec: ModelSpec, args) -> Blocks:
-    """The model's blocks for the layer split, with the memory one takes in training: its fp32 weights, gradients
-    and two Adam moments (16 bytes per parameter)."""
-    with torch.device("meta"):
-        block = spec.blocks(spec.build(args))[0]
-    return Blocks(args.n_layers, 16 * sum(p.numel() for p in block.parameters()) / 2**30)
 
 
 def build_model_parts(

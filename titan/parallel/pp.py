@@ -14,23 +14,12 @@ from titan.config import Parallel
 from titan.errors import ConfigError
 from titan.models import StageIO
 
-# Schedules that split backward into input- and weight-gradient passes.
-ZERO_BUBBLE = {"interleavedzerobubble", "zbvzerobubble", "dualpipev"}
-
 
 def schedule_class(name: str):
     try:
         return get_schedule_class(name)
     except ValueError as e:
         raise ConfigError(f"parallel.pp_schedule: {e}") from None
-
-
-def check_stages(cfg: Parallel, stages_per_rank: int) -> None:
-    """A schedule of one stage per rank cannot run several."""
-    if stages_per_rank > 1 and not issubclass(schedule_class(cfg.pp_schedule), PipelineScheduleMulti):
-        raise ConfigError(
-            f"parallel.pp_schedule {cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank = 1"
-        )
 
 
 def build_schedule(

@@ -190,7 +190,7 @@ def load_model(
             model = spec.build(args).to(dtype)
         if tp_mesh is not None:
             try:
-                spec.check_parallelism(args, world, 1)
+                args.check_parallelism(world, 1)
             except ValueError as e:
                 raise ConfigError(f"--tp {world}: {e}") from None
             parallelize_module(model, tp_mesh, spec.tp_plan(model, sequence_parallel=False, loss_parallel=False))

@@ -5,62 +5,74 @@ runs it, and `titan config show`."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from titan.checkpoint.hf import with_weights_tokenizer
+from titan import models
+from titan.checkpoint.weights_tokenizer import with_weights_tokenizer
 from titan.config import Config, Layout, require_inputs
 from titan.data import Tokenizer
 from titan.errors import ConfigError
 from titan.models import Args
-from titan.parallel.parallelize import check_layout, model_blocks
-from titan.run_plan import Blocks, RunPlan, run_plan
-from titan.train.device import device_memory
-from titan.train.model import ResolvedModel, resolve_model
+from titan.parallel.checks import check_layout
+from titan.run_plan import Blocks, RunPlan, model_blocks, run_plan
+from titan.train.model import ResolvedModel, resolve_args
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckedRun:
-    """What the recipe asks of the model and the device, checked: the recipe as it runs, the model, the layout for
-    it, and the run plan with its blocks."""
+    """What the recipe asks of the model and the device, checked: the recipe as it runs, the model's args, the
+    layout for it, and the run plan with its blocks."""
 
     config: Config
-    model: ResolvedModel
+    args: Args
     layout: Layout
     blocks: Blocks
     plan: RunPlan
 
+    @property
+    def model(self) -> ResolvedModel:
+        """The model: its family's spec (torch loads with its code) and the checked args."""
+        return ResolvedModel(models.get_model_spec(self.config.model.name), self.args)
 
-def check_run(config: Config, world_size: int, device: torch.device | None) -> CheckedRun:
-    """Everything the recipe asks, checked before any process group is joined. device None: not on this machine,
-    so what the layout asks of it, and the budget it leaves, wait for the run."""
+
+def check_run(config: Config, world_size: int, device: Callable[[], torch.device | None]) -> CheckedRun:
+    """Everything the recipe asks, checked before any process group is joined; torch-free but for the checks that
+    ask for the device. device(): the run's device, or None where it is not on this machine, so what the layout
+    asks of it, and the budget it leaves, wait for the run."""
     require_inputs(config)
     config = with_weights_tokenizer(config)
-    model = resolve_model(config)
-    per_row = model.args.per_row
+    args = resolve_args(config)
+    per_row = args.per_row
     if config.data.batching == "tokens" and per_row is not None:
         raise ConfigError(
             f"data.batching = 'tokens' does not support {per_row.what} yet: {per_row.why}, and packing places a "
             f"document in other rows on every layout; {per_row.fix} in [model.overrides] or use data.batching = 'rows'"
         )
     layout = Layout.from_config(config.parallel, world_size)
-    check_layout(config, model.spec, model.args, layout, device)
-    blocks = model_blocks(model.spec, model.args)
+    check_layout(config, args, layout, device)
+    blocks = model_blocks(args)
     plan = run_plan(config, layout.world_size, blocks)
-    if device is not None:
-        config = with_device_budget(config, layout.world_size, device)
-    return CheckedRun(config, model, layout, blocks, plan)
+    config = with_device_budget(config, layout.world_size, device)
+    return CheckedRun(config, args, layout, blocks, plan)
 
 
-def with_device_budget(config: Config, world_size: int, device: torch.device) -> Config:
+def with_device_budget(config: Config, world_size: int, device: Callable[[], torch.device | None]) -> Config:
     """activation_checkpoint.mode = "auto" with budget_gib = 0: the budget this rank's device leaves, as `titan plan`
-    works it out."""
+    works it out (none yet where the device is not on this machine)."""
     ac = config.activation_checkpoint
     if ac.mode != "auto" or ac.budget_gib:
         return config
+    here = device()
+    if here is None:
+        return config
+    from titan.train.device import device_memory
     from titan.train.estimate.estimate import with_activation_budget  # tracing's imports take a while
 
-    return with_activation_budget(config, world_size, device_memory(device))
+    return with_activation_budget(config, world_size, device_memory(here))
 
 
 def check_tokenizer(config: Config, args: Args) -> None:

@@ -75,7 +75,7 @@ class Trainer:
         self.device, device_reason = pick_device(config.training.device)
         setup_logging(int(os.environ.get("RANK", "0")))  # the pre-flight logs the activation budget it resolves
         # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
-        checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), self.device)
+        checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), lambda: self.device)
         self.config = config = checked.config  # the recipe as the run runs it
         t = config.training
         self.model, self.layout = checked.model, checked.layout

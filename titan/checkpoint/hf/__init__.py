@@ -56,7 +56,7 @@ from titan.checkpoint.hf.files import (
     read_into,
     read_part,
 )
-from titan.checkpoint.hf.imports import hf_to_dcp, init_from_hf, with_weights_tokenizer
+from titan.checkpoint.hf.imports import hf_to_dcp, init_from_hf
 from titan.checkpoint.hf.memory import PeakMemory
 
 __all__ = [
@@ -84,6 +84,5 @@ __all__ = [
     "read_hf_config",
     "read_into",
     "read_part",
-    "with_weights_tokenizer",
     "write_tokenizer_files",
 ]

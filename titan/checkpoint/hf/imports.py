@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from titan import models
 from titan.checkpoint.format import CheckpointWriter, dcp_error, seal, single_process_quiet
-from titan.checkpoint.hf.exports import saved_tokenizer
 from titan.checkpoint.hf.files import (
     TOKENIZER_FILES,
     atomic_folder,
@@ -27,9 +26,8 @@ from titan.checkpoint.hf.files import (
 )
 from titan.checkpoint.hf.match import check_model_matches, describe_match, model_toml
 from titan.checkpoint.hf.memory import PeakMemory
-from titan.checkpoint.resume import find_checkpoint
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, write_train_state
-from titan.config import NO_TOKENIZER, Config, Model, Tokenizer, to_toml, toml_value
+from titan.config import Config, Model, Tokenizer, to_toml, toml_value
 from titan.errors import ConfigError
 from titan.hub import model_folder
 
@@ -133,25 +131,6 @@ def _tokenizer_toml(tokenizer: Tokenizer) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoint.init_from_hf
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def with_weights_tokenizer(config: Config) -> Config:
-    """A recipe that names no tokenizer takes the one of the weights it starts from: the [tokenizer] saved in the
-    checkpoint that checkpoint.resume names (a path), else checkpoint.init_from_hf's HF folder's (with the BOS and
-    EOS its tokenizer config says). Any other recipe as it is."""
-    c = config.checkpoint
-    resumes = c.resume not in ("auto", "never")
-    if config.tokenizer.path or not (resumes or c.init_from_hf):
-        return config
-    if resumes:
-        path = find_checkpoint(Path(c.resume), "checkpoint.resume")
-        tokenizer, where = saved_tokenizer(path), f"checkpoint.resume's {path}"
-    else:
-        tokenizer = hf_tokenizer(model_folder(c.init_from_hf, "checkpoint.init_from_hf"))
-        where = f"checkpoint.init_from_hf's {c.init_from_hf}"
-    if tokenizer is None or not tokenizer.path:
-        raise ConfigError(f"{NO_TOKENIZER}: {where} has none")
-    return replace(config, tokenizer=tokenizer)
 
 
 def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:

@@ -57,6 +57,17 @@ class ModelArgs:
     def per_row(self) -> PerRow | None:
         return dropout_per_row(self)
 
+    def check_parallelism(self, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
+        if ep > 1:
+            raise ValueError(
+                f"parallel.ep = {ep} splits the experts of a mixture of experts, and the llama3 family's feed-forwards "
+                "are dense; use parallel.ep = 1, or model.name = 'moe'"
+            )
+        check_layer_split(self, tp, pp_stages)
+
+    def block_params(self, layer: int) -> int:
+        return attention_params(self) + 3 * self.dim * self.ffn_hidden_dim
+
     def validate(self) -> None:
         for name, most in LIMITS.items():
             if getattr(self, name) < 1:
@@ -88,3 +99,30 @@ def dropout_per_row(args) -> PerRow | None:
     if args.attn_dropout > 0 or args.resid_dropout > 0:
         return PerRow("dropout", "titan keys its masks by row and position", "set attn_dropout and resid_dropout to 0")
     return None
+
+
+def check_layer_split(args, tp: int, pp_stages: int) -> None:
+    """ValueError when tensor parallelism or the pipeline stages cannot split Llama's layers (the MoE family's too)."""
+    for name, size in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("ffn_hidden_dim", args.ffn_hidden_dim),
+        ("vocab_size", args.vocab_size),
+    ):
+        if size % tp:
+            raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({size})")
+    if args.tie_embeddings and pp_stages > 1:
+        raise ValueError(
+            "tied embeddings (model tie_embeddings) cannot be split across pipeline stages; use parallel.pp = 1"
+        )
+    if pp_stages > args.n_layers:
+        raise ValueError(
+            f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers"
+        )
+
+
+def attention_params(args, qk_norm: bool = False) -> int:
+    """A block's parameters but its feed-forward's: q, k, v and o, each head's q and k norms if it has them, and the
+    block's two RMSNorms."""
+    qkvo = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    return qkvo + (2 * args.head_dim if qk_norm else 0) + 2 * args.dim

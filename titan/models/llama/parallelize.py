@@ -29,31 +29,6 @@ from titan.models.llama.model import Transformer
 from titan.models.llama.rope import rope_table
 
 
-def check_parallelism(args: ModelArgs, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
-    """Raise ValueError when the degrees cannot split this model."""
-    if ep > 1:
-        raise ValueError(
-            f"parallel.ep = {ep} splits the experts of a mixture of experts, and the llama3 family's feed-forwards "
-            "are dense; use parallel.ep = 1, or model.name = 'moe'"
-        )
-    for name, size in (
-        ("n_heads", args.n_heads),
-        ("n_kv_heads", args.n_kv_heads),
-        ("ffn_hidden_dim", args.ffn_hidden_dim),
-        ("vocab_size", args.vocab_size),
-    ):
-        if size % tp:
-            raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({size})")
-    if args.tie_embeddings and pp_stages > 1:
-        raise ValueError(
-            "tied embeddings (model tie_embeddings) cannot be split across pipeline stages; use parallel.pp = 1"
-        )
-    if pp_stages > args.n_layers:
-        raise ValueError(
-            f"{pp_stages} pipeline stages (parallel.pp x stages per rank) exceed the model's {args.n_layers} layers"
-        )
-
-
 def tp_plan(
     model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
 ) -> dict[str, nn.Module]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from titan.models.contract import PerRow
 from titan.models.llama.args import LIMITS as LLAMA_LIMITS
-from titan.models.llama.args import dropout_per_row
+from titan.models.llama.args import attention_params, check_layer_split, dropout_per_row
 
 # Llama's bounds (but its FFN rounding, which this family has not), and the experts'.
 LIMITS = {
@@ -76,6 +76,29 @@ class MoEArgs:
     def ffn_hidden_dim(self) -> int:
         """The dense layers' SwiGLU width (Llama's blocks read this name)."""
         return self.dense_hidden_dim
+
+    def check_parallelism(self, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
+        if self.n_experts % ep:
+            raise ValueError(
+                f"parallel.ep = {ep} must divide the model's n_experts ({self.n_experts}): each expert-parallel rank "
+                "holds as many experts; use a divisor of n_experts"
+            )
+        check_layer_split(self, tp, pp_stages)
+        shared = self.n_shared_experts * self.expert_hidden_dim
+        if shared % tp:
+            raise ValueError(
+                f"parallel.tp = {tp} must divide the model's shared experts' width ({self.n_shared_experts} x "
+                f"{self.expert_hidden_dim}): tensor parallelism splits their hidden units as a dense feed-forward's; "
+                f"use a parallel.tp that divides {shared}"
+            )
+
+    def block_params(self, layer: int) -> int:
+        if layer < self.dense_layers:
+            feed_forward = 3 * self.dim * self.dense_hidden_dim
+        else:  # the router, the routed experts and the shared ones
+            experts = self.n_experts + self.n_shared_experts
+            feed_forward = self.dim * self.n_experts + 3 * self.dim * self.expert_hidden_dim * experts
+        return attention_params(self, self.qk_norm) + feed_forward
 
     def validate(self) -> None:
         for name, most in LIMITS.items():

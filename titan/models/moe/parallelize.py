@@ -16,25 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.models.llama import parallelize as llama
-from titan.models.moe.args import MoEArgs
 from titan.models.moe.model import MoE, MoETransformer
-
-
-def check_parallelism(args: MoEArgs, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
-    """Raise ValueError when the degrees cannot split this model."""
-    if args.n_experts % ep:
-        raise ValueError(
-            f"parallel.ep = {ep} must divide the model's n_experts ({args.n_experts}): each expert-parallel rank "
-            "holds as many experts; use a divisor of n_experts"
-        )
-    llama.check_parallelism(args, tp, pp_stages)
-    shared = args.n_shared_experts * args.expert_hidden_dim
-    if shared % tp:
-        raise ValueError(
-            f"parallel.tp = {tp} must divide the model's shared experts' width ({args.n_shared_experts} x "
-            f"{args.expert_hidden_dim}): tensor parallelism splits their hidden units as a dense feed-forward's; "
-            f"use a parallel.tp that divides {shared}"
-        )
 
 
 def tp_plan(

@@ -27,8 +27,8 @@ import os
 from titan.config import Config, Layout
 from titan.errors import ConfigError
 from titan.parallel.ac_choices import GIB
-from titan.parallel.parallelize import check_layout, model_blocks
-from titan.run_plan import run_plan
+from titan.parallel.checks import check_layout
+from titan.run_plan import model_blocks, run_plan
 from titan.train.estimate.activations import (
     MODES,
     activation_budget,
@@ -56,8 +56,8 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
     model = resolve_model(config)
-    check_layout(config, model.spec, model.args, Layout.from_config(config.parallel, world_size), CPU)
-    run = run_plan(config, world_size, model_blocks(model.spec, model.args))
+    check_layout(config, model.args, Layout.from_config(config.parallel, world_size), lambda: CPU)
+    run = run_plan(config, world_size, model_blocks(model.args))
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     rows, microbatches = run.largest_micro_batch
     estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches, run.schedule_runs)

@@ -1,0 +1,34 @@
+"""The tokenizer of the weights a run starts from, for a recipe that names none. Torch-free until a recipe asks for
+it (the checkpoint readers import torch): `titan config show` answers the others before torch loads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from titan.config import NO_TOKENIZER, Config
+from titan.errors import ConfigError
+from titan.hub import model_folder
+
+
+def with_weights_tokenizer(config: Config) -> Config:
+    """A recipe that names no tokenizer takes the one of the weights it starts from: the [tokenizer] saved in the
+    checkpoint that checkpoint.resume names (a path), else checkpoint.init_from_hf's HF folder's (with the BOS and
+    EOS its tokenizer config says). Any other recipe as it is."""
+    c = config.checkpoint
+    resumes = c.resume not in ("auto", "never")
+    if config.tokenizer.path or not (resumes or c.init_from_hf):
+        return config
+    from titan.checkpoint.hf.exports import saved_tokenizer
+    from titan.checkpoint.hf.files import hf_tokenizer
+    from titan.checkpoint.resume import find_checkpoint
+
+    if resumes:
+        path = find_checkpoint(Path(c.resume), "checkpoint.resume")
+        tokenizer, where = saved_tokenizer(path), f"checkpoint.resume's {path}"
+    else:
+        tokenizer = hf_tokenizer(model_folder(c.init_from_hf, "checkpoint.init_from_hf"))
+        where = f"checkpoint.init_from_hf's {c.init_from_hf}"
+    if tokenizer is None or not tokenizer.path:
+        raise ConfigError(f"{NO_TOKENIZER}: {where} has none")
+    return replace(config, tokenizer=tokenizer)
