@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from titan.balance import layer_split, micro_batch_sizes, plan_shares
 from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
-from titan.models import Args
 
 # torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/core/test_run_plan.py checks it).
 MULTI_STAGE_SCHEDULES = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
@@ -51,12 +50,6 @@ class Blocks:
 
     count: int
     gib: float = 0.0
-
-
-def model_blocks(args: Args) -> Blocks:
-    """The model's blocks for the layer split, with the memory one takes in training: its fp32 weights, gradients
-    and two Adam moments (16 bytes per parameter), counted from the args without building the model."""
-    return Blocks(args.n_layers, 16 * args.block_params(0) / 2**30)
 
 
 def stage_layers(n_layers: int, p: Parallel, layer_gib: float = 0.0, counts: list[int] | None = None):

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
 from titan.config import load_config
+from titan.models import model_blocks
 from titan.parallel import ac
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.mesh import build_mesh
 from titan.parallel.parallelize import build_model_parts
-from titan.run_plan import model_blocks, run_plan
+from titan.run_plan import run_plan
 from titan.train.estimate.estimate import estimate_step
 from titan.train.model import resolve_model
 from titan.train.step import token_loss

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from titan.models.contract import Args, HFAdapter, Model, ModelSpec, RoutedExperts, StageBatch, StageIO
+from titan.run_plan import Blocks
 
 __all__ = [
-    "Args", "HFAdapter", "Model", "ModelSpec", "RoutedExperts", "StageBatch", "StageIO", "get_model_spec", "model_args"
+    "Args", "HFAdapter", "Model", "ModelSpec", "RoutedExperts", "StageBatch", "StageIO", "get_model_spec", "model_args",
+    "model_blocks"
 ]  # fmt: skip
 
 
@@ -143,3 +145,9 @@ def _override_hint(family: str, key: str, fields) -> str:
     if owners:
         return f"{key} belongs to the {owners[0]} family, not to {family}: set model.name = {owners[0]!r}"
     return f"fields of {family} args: {', '.join(fields)}"
+
+
+def model_blocks(args: Args) -> Blocks:
+    """The model's blocks for the layer split, with the memory one takes in training: its fp32 weights, gradients
+    and two Adam moments (16 bytes per parameter), counted from the args without building the model."""
+    return Blocks(args.n_layers, 16 * args.block_params(0) / 2**30)

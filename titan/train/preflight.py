@@ -13,9 +13,9 @@ from titan.checkpoint.weights_tokenizer import with_weights_tokenizer
 from titan.config import Config, Layout, require_inputs
 from titan.data import Tokenizer
 from titan.errors import ConfigError
-from titan.models import Args
+from titan.models import Args, model_blocks
 from titan.parallel.checks import check_layout
-from titan.run_plan import Blocks, RunPlan, model_blocks, run_plan
+from titan.run_plan import Blocks, RunPlan, run_plan
 from titan.train.model import ResolvedModel, resolve_args
 
 if TYPE_CHECKING:

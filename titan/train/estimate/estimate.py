@@ -26,9 +26,10 @@ import os
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
+from titan.models import model_blocks
 from titan.parallel.ac_choices import GIB
 from titan.parallel.checks import check_layout
-from titan.run_plan import model_blocks, run_plan
+from titan.run_plan import run_plan
 from titan.train.estimate.activations import (
     MODES,
     activation_budget,
