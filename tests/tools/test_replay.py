@@ -4,6 +4,7 @@ step reproduced."""
 
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -154,3 +155,80 @@ def test_a_replay_without_its_checkpoint_or_digests_is_a_clear_error(tmp_path):
         (["--replay", "2", "--checkpoint", str(tmp_path / "nothing")], ["--checkpoint", "does not exist"]),
     ):
         assert_one_line_error(run_titan("verify", *args), *words)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the run (replay.on_spike): a spiked step replayed from the in-memory snapshot before it
+# ---------------------------------------------------------------------------------------------------------------
+
+SPIKED = 5
+ON_SPIKE = {
+    **RUN,
+    "model.overrides.resid_dropout": "0.1",  # the replay must draw the step's dropout again
+    "training.steps": "7",
+    "checkpoint.enable": "false",
+    "fault.snapshot_interval": "1",
+    "replay.spike_zscore": "5",
+    "replay.spike_window": "3",
+    "replay.on_spike": "true",
+}
+
+
+class BlowUpOnce(StepHook):
+    """Silent data corruption that spikes the gradient norm: the largest element of rank `rank`'s first gradient
+    shard 10^4 times larger at step `at`, the first time only (the replay computes it as it should be)."""
+
+    def __init__(self, at: int, rank: int):
+        self.at, self.rank, self.done = at, rank, False
+
+    def gradients(self, step, parts):
+        if step + 1 == self.at and dist.get_rank() == self.rank and not self.done:
+            self.done = True
+            shard = next(p.grad for _, p in parts.named_parameters() if p.grad is not None)._local_tensor.view(-1)
+            shard[shard.abs().argmax()] *= 1e4
+
+
+def train_on_spike(tmp, hook, **extra) -> list[float]:
+    os.environ["TITAN_SNAPSHOT_DIR"] = str(tmp / "shm")  # this node's shared memory
+    (tmp / "shm").mkdir(parents=True, exist_ok=True)
+    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(tmp, **{**ON_SPIKE, **extra})), hook).train()
+
+
+def replays(run_dir) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / SPIKES).read_text().splitlines()) if "replay" in e]
+
+
+@pytest.mark.distributed
+def test_a_spiked_step_replayed_in_the_run_names_the_rank_whose_gradients_were_corrupted(tmp_path):
+    run_distributed(train_on_spike, 2, tmp_path, BlowUpOnce(SPIKED, CORRUPT_RANK))
+    first = replays(tmp_path / "debug")[0]
+    assert first["step"] == SPIKED and first["replay"] == "differs", first
+    assert first["at"] == SPIKED and first["ranks"] == [CORRUPT_RANK], first
+    assert "gradients differ bitwise, first at tok_embeddings.weight" in first["what"][0], first
+    console = (tmp_path / "debug" / "console.log").read_text()
+    verdict = f"NOT reproduced: step {SPIKED} differs first on rank {CORRUPT_RANK} (rank {CORRUPT_RANK}: gradients"
+    assert verdict in console, console[-3000:]
+
+
+def with_and_without_replays(tmp) -> tuple[list[float], list[float]]:
+    hook = SpikeAt(SPIKED)  # the data's spike: the replay computes it again
+    straight = train_on_spike(tmp / "straight", hook, **{"replay.on_spike": "false"})
+    return train_on_spike(tmp / "replayed", hook), straight
+
+
+@pytest.mark.distributed
+def test_a_clean_spike_replayed_in_the_run_is_reproduced_and_changes_nothing(tmp_path):
+    (replayed, straight), _ = run_distributed(with_and_without_replays, 2, tmp_path)
+    run_dir = tmp_path / "replayed" / "debug"
+    found = replays(run_dir)
+    assert found and found[0] == {"step": SPIKED, "replay": "reproduced", "from": SPIKED - 1}, found
+    assert all(e["replay"] == "reproduced" for e in found), found
+    assert replayed == straight  # bitwise, every step after the replay included
+    # Nothing of the replayed step written twice; the weights after the last step the same bit for bit.
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 8))
+    for rank in (0, 1):
+        digests = [(tmp_path / run / "debug" / DIGESTS / f"rank{rank}.jsonl").read_text().splitlines()
+                   for run in ("replayed", "straight")]  # fmt: skip
+        assert [json.loads(x).get("step") for x in digests[0][1:]] == list(range(1, 8))
+        assert digests[0] == digests[1]
