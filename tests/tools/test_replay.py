@@ -5,6 +5,7 @@ step reproduced."""
 import json
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -198,37 +199,45 @@ def replays(run_dir) -> list[dict]:
     return [e for e in map(json.loads, (run_dir / SPIKES).read_text().splitlines()) if "replay" in e]
 
 
+def with_and_without_replays(tmp, hooks: Callable[[], StepHook]) -> tuple[list[float], list[float]]:
+    """The losses of the run with replay.on_spike (in <tmp>/replayed) and without (<tmp>/straight)."""
+    straight = train_on_spike(tmp / "straight", hooks(), **{"replay.on_spike": "false"})
+    return train_on_spike(tmp / "replayed", hooks()), straight
+
+
+def assert_nothing_changed(tmp, replayed: list[float], straight: list[float]) -> None:
+    """The runs with and without replays the same, bit for bit: every step's loss and each rank's digests (the
+    weights after every step); the replayed step neither logged nor recorded twice."""
+    assert replayed == straight
+    metrics = [json.loads(x) for x in (tmp / "replayed" / "debug" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 8))
+    for rank in (0, 1):
+        digests = [(tmp / run / "debug" / DIGESTS / f"rank{rank}.jsonl").read_text().splitlines()
+                   for run in ("replayed", "straight")]  # fmt: skip
+        assert [json.loads(x).get("step") for x in digests[0][1:]] == list(range(1, 8))
+        assert digests[0] == digests[1]
+
+
 @pytest.mark.distributed
 def test_a_spiked_step_replayed_in_the_run_names_the_rank_whose_gradients_were_corrupted(tmp_path):
-    run_distributed(train_on_spike, 2, tmp_path, BlowUpOnce(SPIKED, CORRUPT_RANK))
-    first = replays(tmp_path / "debug")[0]
+    hooks = lambda: BlowUpOnce(SPIKED, CORRUPT_RANK)  # noqa: E731
+    losses = run_distributed(with_and_without_replays, 2, tmp_path, hooks)[0]
+    run_dir = tmp_path / "replayed" / "debug"
+    first = replays(run_dir)[0]
     assert first["step"] == SPIKED and first["replay"] == "differs", first
     assert first["at"] == SPIKED and first["ranks"] == [CORRUPT_RANK], first
     assert "gradients differ bitwise, first at tok_embeddings.weight" in first["what"][0], first
-    console = (tmp_path / "debug" / "console.log").read_text()
+    console = (run_dir / "console.log").read_text()
     verdict = f"NOT reproduced: step {SPIKED} differs first on rank {CORRUPT_RANK} (rank {CORRUPT_RANK}: gradients"
     assert verdict in console, console[-3000:]
-
-
-def with_and_without_replays(tmp) -> tuple[list[float], list[float]]:
-    hook = SpikeAt(SPIKED)  # the data's spike: the replay computes it again
-    straight = train_on_spike(tmp / "straight", hook, **{"replay.on_spike": "false"})
-    return train_on_spike(tmp / "replayed", hook), straight
+    # The run goes on from its own (corrupted) step, not the replay's.
+    assert_nothing_changed(tmp_path, *losses)
 
 
 @pytest.mark.distributed
 def test_a_clean_spike_replayed_in_the_run_is_reproduced_and_changes_nothing(tmp_path):
-    (replayed, straight), _ = run_distributed(with_and_without_replays, 2, tmp_path)
-    run_dir = tmp_path / "replayed" / "debug"
-    found = replays(run_dir)
+    losses = run_distributed(with_and_without_replays, 2, tmp_path, lambda: SpikeAt(SPIKED))[0]  # the data's spike
+    found = replays(tmp_path / "replayed" / "debug")
     assert found and found[0] == {"step": SPIKED, "replay": "reproduced", "from": SPIKED - 1}, found
     assert all(e["replay"] == "reproduced" for e in found), found
-    assert replayed == straight  # bitwise, every step after the replay included
-    # Nothing of the replayed step written twice; the weights after the last step the same bit for bit.
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 8))
-    for rank in (0, 1):
-        digests = [(tmp_path / run / "debug" / DIGESTS / f"rank{rank}.jsonl").read_text().splitlines()
-                   for run in ("replayed", "straight")]  # fmt: skip
-        assert [json.loads(x).get("step") for x in digests[0][1:]] == list(range(1, 8))
-        assert digests[0] == digests[1]
+    assert_nothing_changed(tmp_path, *losses)
