@@ -71,8 +71,8 @@ class SpikeReplay:
         t = self.trainer
         t.watchdog.enter("spike replay", spiked)
         start = self._load(after=0, before=spiked)
-        steps = range((start or 0) + 1, spiked + 1)
-        if start is None or any(s not in self.digests.recent for s in steps):
+        steps = range(start + 1, spiked + 1) if start is not None else range(0)
+        if not steps or any(s not in self.digests.recent for s in steps):
             self._record(spiked, "not replayed: no in-memory snapshot before it held, with this process's digests "
                          "since", {"replay": "none"})  # fmt: skip
             return
