@@ -909,6 +909,12 @@ CASES = [
     ("torchrun restarts on its shared store", "train", {}, None,
      {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"},
      ["torchrun --max-restarts with its shared store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
+    ("spike replay without digests or snapshots", "show", ["--replay.on_spike", "true", "--replay.spike_zscore", "5"],
+     None, {}, ["replay.on_spike replays a spiked step", "needs replay.digests = true, fault.snapshot_interval > 0; "
+                "set them, or replay.on_spike = false"]),
+    ("spike replay with straggler re-plans", "show", ["--replay.on_spike", "true", "--replay.digests", "true",
+     "--replay.spike_zscore", "5", "--fault.snapshot_interval", "1", "--straggler.enable", "true"], None, {},
+     ["it needs straggler.enable = false; set it, or replay.on_spike = false"]),
 ]  # fmt: skip
 
 

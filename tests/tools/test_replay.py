@@ -4,6 +4,8 @@ step reproduced."""
 
 import json
 import logging
+import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -154,3 +156,88 @@ def test_a_replay_without_its_checkpoint_or_digests_is_a_clear_error(tmp_path):
         (["--replay", "2", "--checkpoint", str(tmp_path / "nothing")], ["--checkpoint", "does not exist"]),
     ):
         assert_one_line_error(run_titan("verify", *args), *words)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the run (replay.on_spike): a spiked step replayed from the in-memory snapshot before it
+# ---------------------------------------------------------------------------------------------------------------
+
+SPIKED = 5
+ON_SPIKE = {
+    **RUN,
+    "model.overrides.resid_dropout": "0.1",  # the replay must draw the step's dropout again
+    "training.steps": "7",
+    "checkpoint.enable": "false",
+    "fault.snapshot_interval": "1",
+    "replay.spike_zscore": "5",
+    "replay.spike_window": "3",
+    "replay.on_spike": "true",
+}
+
+
+class BlowUpOnce(StepHook):
+    """Silent data corruption that spikes the gradient norm: the largest element of rank `rank`'s first gradient
+    shard 10^4 times larger at step `at`, the first time only (the replay computes it as it should be)."""
+
+    def __init__(self, at: int, rank: int):
+        self.at, self.rank, self.done = at, rank, False
+
+    def gradients(self, step, parts):
+        if step + 1 == self.at and dist.get_rank() == self.rank and not self.done:
+            self.done = True
+            shard = next(p.grad for _, p in parts.named_parameters() if p.grad is not None)._local_tensor.view(-1)
+            shard[shard.abs().argmax()] *= 1e4
+
+
+def train_on_spike(tmp, hook, **extra) -> list[float]:
+    os.environ["TITAN_SNAPSHOT_DIR"] = str(tmp / "shm")  # this node's shared memory
+    (tmp / "shm").mkdir(parents=True, exist_ok=True)
+    return Trainer(load_config(DEBUG_RECIPE, tiny_overrides(tmp, **{**ON_SPIKE, **extra})), hook).train()
+
+
+def replays(run_dir) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / SPIKES).read_text().splitlines()) if "replay" in e]
+
+
+def with_and_without_replays(tmp, hooks: Callable[[], StepHook]) -> tuple[list[float], list[float]]:
+    """The losses of the run with replay.on_spike (in <tmp>/replayed) and without (<tmp>/straight)."""
+    straight = train_on_spike(tmp / "straight", hooks(), **{"replay.on_spike": "false"})
+    return train_on_spike(tmp / "replayed", hooks()), straight
+
+
+def assert_nothing_changed(tmp, replayed: list[float], straight: list[float]) -> None:
+    """The runs with and without replays the same, bit for bit: every step's loss and each rank's digests (the
+    weights after every step); the replayed step neither logged nor recorded twice."""
+    assert replayed == straight
+    metrics = [json.loads(x) for x in (tmp / "replayed" / "debug" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 8))
+    for rank in (0, 1):
+        digests = [(tmp / run / "debug" / DIGESTS / f"rank{rank}.jsonl").read_text().splitlines()
+                   for run in ("replayed", "straight")]  # fmt: skip
+        assert [json.loads(x).get("step") for x in digests[0][1:]] == list(range(1, 8))
+        assert digests[0] == digests[1]
+
+
+@pytest.mark.distributed
+def test_a_spiked_step_replayed_in_the_run_names_the_rank_whose_gradients_were_corrupted(tmp_path):
+    hooks = lambda: BlowUpOnce(SPIKED, CORRUPT_RANK)  # noqa: E731
+    losses = run_distributed(with_and_without_replays, 2, tmp_path, hooks)[0]
+    run_dir = tmp_path / "replayed" / "debug"
+    first = replays(run_dir)[0]
+    assert first["step"] == SPIKED and first["replay"] == "differs", first
+    assert first["at"] == SPIKED and first["ranks"] == [CORRUPT_RANK], first
+    assert "gradients differ bitwise, first at tok_embeddings.weight" in first["what"][0], first
+    console = (run_dir / "console.log").read_text()
+    verdict = f"NOT reproduced: step {SPIKED} differs first on rank {CORRUPT_RANK} (rank {CORRUPT_RANK}: gradients"
+    assert verdict in console, console[-3000:]
+    # The run goes on from its own (corrupted) step, not the replay's.
+    assert_nothing_changed(tmp_path, *losses)
+
+
+@pytest.mark.distributed
+def test_a_clean_spike_replayed_in_the_run_is_reproduced_and_changes_nothing(tmp_path):
+    losses = run_distributed(with_and_without_replays, 2, tmp_path, lambda: SpikeAt(SPIKED))[0]  # the data's spike
+    found = replays(tmp_path / "replayed" / "debug")
+    assert found and found[0] == {"step": SPIKED, "replay": "reproduced", "from": SPIKED - 1}, found
+    assert all(e["replay"] == "reproduced" for e in found), found
+    assert_nothing_changed(tmp_path, *losses)

@@ -269,6 +269,19 @@ def _validate_performance(config: Config) -> None:
     require(r.spike_zscore >= 0, f"replay.spike_zscore must be >= 0 (0: off), got {r.spike_zscore}")
     # A deviation needs a few steps to mean anything.
     require(r.spike_window >= 3, f"replay.spike_window must be >= 3 steps, got {r.spike_window}")
+    needs = {
+        "replay.digests = true": r.digests,  # what the replay is compared with
+        "replay.spike_zscore > 0": r.spike_zscore > 0,  # what flags a step
+        "fault.snapshot_interval > 0": bool(config.fault.snapshot_interval),  # the state it starts from
+        "straggler.enable = false": not g.enable,  # a re-plan after the snapshot would change the step's shares
+    }
+    missing = [need for need, met in needs.items() if not met]
+    require(
+        not r.on_spike or not missing,
+        f"replay.on_spike replays a spiked step in the run from the in-memory snapshot before it and compares it "
+        f"with its digests: it needs {', '.join(missing)}; set {'them' if len(missing) > 1 else 'it'}, or "
+        "replay.on_spike = false",
+    )
 
 
 def _validate_context_parallel(config: Config) -> None:

@@ -240,6 +240,9 @@ class Replay:
     # with the replay that checks it, into <run>/spikes.jsonl; 0: off.
     spike_zscore: float = 0.0
     spike_window: int = 50  # steps the spike's mean and deviation are taken over
+    # Replay a spiked step in the run, on its layout, from the in-memory snapshot before it (fault.snapshot_interval)
+    # and compare its digests bitwise: the rank whose result differs is named, in the log and spikes.jsonl.
+    on_spike: bool = False
 
 
 @dataclass(frozen=True)

@@ -112,9 +112,13 @@ class BuddySnapshots(Checkpointer):
         self._barrier()  # every rank has taken its files from tmp and written its held ones
         if self.leader:
             shutil.rmtree(tmp, ignore_errors=True)
-            for older in self.folder.iterdir():
-                if HELD.match(older.name) and older.name != snap.name:
-                    shutil.rmtree(older, ignore_errors=True)
+            # This one and the newest before it up to keep_latest_k (2 when replay.on_spike replays from the one
+            # before); none newer, which an earlier life of the run left.
+            held = sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := HELD.match(p.name)))
+            step = int(final.name.removeprefix("step-"))
+            kept = [s for s in held if s <= step][-self.cfg.keep_latest_k :]
+            for other in set(held) - set(kept):
+                shutil.rmtree(self.folder / f"snap-{other}", ignore_errors=True)
 
     def _wrote(self, name: str) -> bool:
         """Whether this rank wrote the file `name` of a snapshot: its own shards; rank 0 also every other file."""
@@ -129,14 +133,15 @@ class BuddySnapshots(Checkpointer):
         dist.all_gather_object(everyone, mine, group=self.control_group)
         return everyone
 
-    def gather(self, after: int) -> tuple[Path | None, str]:
-        """The newest snapshot newer than step `after` whose every rank's files some rank holds, as a checkpoint
-        folder of this rank's holding the bytes this rank's load reads (its caller deletes it once loaded); else
-        None and why: none held whole, or a copy to read from that no longer matches its hash (checkpoint.verify); ""
-        when no rank holds anything newer (the disk's checkpoint is the newest state: a SIGTERM's save)."""
+    def gather(self, after: int, before: int | None = None) -> tuple[Path | None, str]:
+        """The newest snapshot newer than step `after` (and older than `before`, if given) whose every rank's files
+        some rank holds, as a checkpoint folder of this rank's holding the bytes this rank's load reads (its caller
+        deletes it once loaded); else None and why: none held whole, or a copy to read from that no longer matches its
+        hash (checkpoint.verify); "" when no rank holds anything newer (the disk's checkpoint is the newest state: a
+        SIGTERM's save)."""
         holders: dict[int, dict[int, int]] = {}  # step -> {its rank: the lowest rank that holds its files}
         worlds: dict[int, int] = {}
-        for holder, steps in reversed(list(enumerate(self._everyone(_held(self.folder, after))))):
+        for holder, steps in reversed(list(enumerate(self._everyone(_held(self.folder, after, before))))):
             for step, (ranks, world) in steps.items():
                 holders.setdefault(step, {}).update(dict.fromkeys(ranks, holder))
                 worlds[step] = world or worlds.get(step, 0)
@@ -262,13 +267,13 @@ def _publish(aside: Path) -> None:
     aside.rename(folder)
 
 
-def _held(folder: Path, after: int) -> dict[int, tuple[list[int], int | None]]:
+def _held(folder: Path, after: int, before: int | None) -> dict[int, tuple[list[int], int | None]]:
     """step -> (the ranks whose files this host holds, the snapshot's world if rank 0's are among them), for the
-    snapshots newer than `after`."""
+    snapshots newer than `after` and older than `before` (None: any)."""
     found = {}
     for snap in folder.iterdir() if folder.is_dir() else ():
         match = HELD.match(snap.name)
-        if not match or int(match.group(1)) <= after:
+        if not match or not after < int(match.group(1)) < (before or float("inf")):
             continue
         ranks = sorted(int(p.name.removeprefix("rank-")) for p in snap.glob("rank-*"))
         index = snap / "rank-0" / INDEX

@@ -65,7 +65,8 @@ def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool)
     if not restarted and local_rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     every = config.fault.snapshot_interval
-    cfg = dataclasses.replace(config.checkpoint, enable=True, interval=every, async_save=False, keep_latest_k=1)
+    keep = 2 if config.replay.on_spike else 1  # a spiked step is replayed from the snapshot before it
+    cfg = dataclasses.replace(config.checkpoint, enable=True, interval=every, async_save=False, keep_latest_k=keep)
     c = checkpointer
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     groups = {"save_group": c.save_group, "control_group": c.control_group}

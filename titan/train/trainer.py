@@ -45,6 +45,7 @@ from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
 from titan.train.elastic import build_snapshots, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
+from titan.train.spike_replay import SpikeReplay
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
@@ -141,6 +142,7 @@ class Trainer:
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.nonfinite = NonFiniteSteps(config, self.checkpointer, self.metrics)
         self.spikes = SpikeWatch(config.replay, self.run_dir, self.rank)
+        self.spike_replay = SpikeReplay(self) if config.replay.on_spike else None
         # A re-planned run resumes on the plan in force when it stopped (the replanner dropped a plan measured
         # on another layout or other devices).
         self.follow(self.replanner.plan())
@@ -237,6 +239,8 @@ class Trainer:
                     window.start += self._save(saved_loss(), wait=self.step == total)
                 if due.snapshot:
                     window.start += self._snapshot(saved_loss())
+                if self.spike_replay is not None:  # nor is replaying a spiked step
+                    window.start += self.spike_replay.after_step(saved_loss, due.snapshot)
                 self.watchdog.enter("stop vote")
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"

@@ -27,15 +27,7 @@ from titan.errors import ConfigError
 from titan.run_plan import run_plan
 from titan.tools.verify.comparison import MIN_TOLERANCE, relative_difference
 from titan.tools.verify.runs import launch, one_process, world_size_of
-from titan.train.digests import DIGESTS
-
-# What a rank's digest line holds, in the order the step computes it.
-FIELDS = {
-    "loss": "loss share",
-    "grads": "gradients",
-    "grad_norm": "gradient norm",
-    "params": "weights after the update",
-}
+from titan.train.digests import DIGESTS, bitwise
 
 
 def read_digests(folder: Path) -> list[dict]:
@@ -93,40 +85,6 @@ def _replay_config(config: Config, name: str, folder: Path, start: Path) -> Conf
         straggler=dataclasses.replace(config.straggler, enable=False),
         profiling=dataclasses.replace(config.profiling, enable=False),
     )
-
-
-def bitwise(recorded: list[dict], replayed: list[dict], steps: range) -> tuple[list[str], tuple[int, list] | None]:
-    """Report lines, and (step, [(rank, what differs)]) for the first step where a rank's result differs: the ranks
-    whose first difference comes first in the step."""
-    if len(replayed) != len(recorded):
-        raise ConfigError(f"the same-layout replay ran {len(replayed)} ranks, the run {len(recorded)}")
-    lines = []
-    for step in steps:
-        found = []
-        for rank, (was, now) in enumerate(zip(recorded, replayed)):
-            if difference := _first_difference(was["steps"][step], now["steps"][step]):
-                found.append((rank, difference))
-        if not found:
-            lines.append(f"    step {step}: bitwise equal on all {len(recorded)} ranks")
-            continue
-        first = min(d[0] for _, d in found)
-        for rank, (_, what) in found:
-            lines.append(f"    step {step}: rank {rank}: {what}")
-        return lines, (step, [(rank, what) for rank, (order, what) in found if order == first])
-    return lines, None
-
-
-def _first_difference(want: dict, got: dict) -> tuple[int, str] | None:
-    """(its place in FIELDS, a description) of the first field of a rank's step line that differs."""
-    for order, (field, what) in enumerate(FIELDS.items()):
-        a, b = want[field], got[field]
-        if isinstance(a, float):
-            if a != b and not (math.isnan(a) and math.isnan(b)):
-                return order, f"{what} differs bitwise: {a!r} recorded, {b!r} replayed"
-        elif a != b:
-            where = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 0)
-            return order, f"{what} differ bitwise, first at {want['names'][where]}"
-    return None
 
 
 def global_losses(ranks: list[dict], steps: range) -> dict[int, tuple[float, float]]:
