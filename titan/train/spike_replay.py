@@ -10,43 +10,62 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
+from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.resume import PARTS
-from titan.train.digests import SPIKES, StepDigests, bitwise
+from titan.observe.profiling import StepClock
+from titan.train.buddy import BuddySnapshots
+from titan.train.digests import SPIKES, SpikeWatch, StepDigests, bitwise
+from titan.train.watchdog import Watchdog
 
 log = logging.getLogger("titan")
 
 
-class SpikeReplay:
-    """Replays the steps the trainer's SpikeWatch flagged, at the boundary of the step that settled them. `trainer`
-    lends its stepper, loader, checkpointer, snapshots and digests (replay.digests, the hook outermost)."""
+@dataclass
+class RunState:
+    """Where the run is when a replay is due: its step, the tokens seen, its settled loss, whether the step was
+    just snapshotted, and how to run step s again (on the loader's next batch)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.digests: StepDigests = trainer.hook
+    step: int
+    tokens_seen: int
+    loss: Callable[[], float]
+    snapshotted: bool
+    run_step: Callable[[int], object]
+
+
+class SpikeReplay:
+    """Replays the steps `spikes` flagged, at the boundary of the step that settled them, from `snapshots` (loaded
+    through `checkpointer`), comparing `digests` (replay.digests, the hook outermost)."""
+
+    def __init__(self, spikes: SpikeWatch, digests: StepDigests, snapshots: BuddySnapshots, checkpointer: Checkpointer,
+                 watchdog: Watchdog, clock: StepClock, run_dir: Path):  # fmt: skip
+        self.spikes, self.digests, self.snapshots, self.checkpointer = spikes, digests, snapshots, checkpointer
+        self.watchdog, self.clock, self.run_dir = watchdog, clock, run_dir
+        self.rank, self.world, self.group = snapshots.rank, snapshots.world, snapshots.control_group
         self.snapshotted: deque[int] = deque(maxlen=2)  # the steps of the snapshots held (BuddySnapshots keeps two)
 
-    def after_step(self, loss: Callable[[], float], snapshotted: bool) -> float:
-        """After step `trainer.step`'s saves (`snapshotted`: one of them an in-memory snapshot): replay the steps
-        flagged since the last call; returns the seconds that took. loss(): the step's global loss, settled."""
-        t = self.trainer
-        if snapshotted:
-            self._held(t.step)
-        flagged, t.spikes.flagged[:] = sorted(t.spikes.flagged), []
+    def after_step(self, run: RunState) -> float:
+        """After step `run.step`'s saves: replay the steps flagged since the last call; returns the seconds that
+        took."""
+        if run.snapshotted:
+            self._held(run.step)
+        flagged, self.spikes.flagged[:] = sorted(self.spikes.flagged), []
         if not flagged:
             return 0.0
         start = time.perf_counter()
-        if not snapshotted:  # the state to come back to
-            t.snapshots.save(t.step, t.tokens_seen, loss(), wait=True)
-            self._held(t.step)
+        if not run.snapshotted:  # the state to come back to
+            self.snapshots.save(run.step, run.tokens_seen, run.loss(), wait=True)
+            self._held(run.step)
         for step in flagged:
-            self._replay(step)
-        t.watchdog.enter("spike replay", t.step)
-        if self._load(after=t.step - 1, before=t.step + 1) is None:
-            raise RuntimeError(f"step {t.step}'s snapshot, which the spike replay was to return to, is not held whole")
-        t.clock.take()  # the replays' phases are no step's
+            self._replay(step, run.run_step)
+        self.watchdog.enter("spike replay", run.step)
+        if self._load(after=run.step - 1, before=run.step + 1) is None:
+            raise RuntimeError(f"step {run.step}'s snapshot, which the spike replay returns to, is not held whole")
+        self.clock.take()  # the replays' phases are no step's
         return time.perf_counter() - start
 
     def _held(self, step: int) -> None:
@@ -58,18 +77,16 @@ class SpikeReplay:
     def _load(self, after: int, before: int) -> int | None:
         """Load the newest snapshot between the steps `after` and `before` into the live state; its step, or None
         if no snapshot there is held whole."""
-        t = self.trainer
-        folder, _ = t.snapshots.gather(after=after, before=before)
+        folder, _ = self.snapshots.gather(after=after, before=before)
         if folder is None:
             return None
-        step = t.checkpointer.load(folder, PARTS)
+        step = self.checkpointer.load(folder, PARTS)
         shutil.rmtree(folder, ignore_errors=True)
         return step
 
-    def _replay(self, spiked: int) -> None:
+    def _replay(self, spiked: int, run_step: Callable[[int], object]) -> None:
         """Run steps again from the snapshot before `spiked` through it, and compare them with the run's."""
-        t = self.trainer
-        t.watchdog.enter("spike replay", spiked)
+        self.watchdog.enter("spike replay", spiked)
         start = self._load(after=0, before=spiked)
         steps = range(start + 1, spiked + 1) if start is not None else range(0)
         if not steps or any(s not in self.digests.recent for s in steps):
@@ -78,12 +95,12 @@ class SpikeReplay:
             return
         with self.digests.replaying() as replayed:
             for step in steps:
-                t.watchdog.enter("spike replay", step)
-                t.stepper(next(t.loader), step - 1)
+                self.watchdog.enter("spike replay", step)
+                run_step(step)
         mine = ({s: self.digests.recent[s] for s in steps}, replayed)
-        everyone = [mine] if t.control_group is None else [None] * t.world_size
-        if t.control_group is not None:
-            dist.all_gather_object(everyone, mine, group=t.control_group)
+        everyone = [mine] if self.group is None else [None] * self.world
+        if self.group is not None:
+            dist.all_gather_object(everyone, mine, group=self.group)
         recorded, again = ([{"steps": lines[i]} for lines in everyone] for i in (0, 1))
         _, culprit = bitwise(recorded, again, steps)
         source = f"replayed from the in-memory snapshot of step {start} on the run's layout"
@@ -103,9 +120,8 @@ class SpikeReplay:
 
     def _record(self, spiked: int, verdict: str, entry: dict) -> None:
         """The verdict on step `spiked`: one log line and a line in spikes.jsonl, by rank 0."""
-        t = self.trainer
-        if t.rank != 0:
+        if self.rank != 0:
             return
         (log.info if entry["replay"] == "reproduced" else log.warning)("step %d's spike %s", spiked, verdict)
-        with (t.run_dir / SPIKES).open("a") as f:
+        with (self.run_dir / SPIKES).open("a") as f:
             f.write(json.dumps({"step": spiked, **entry}) + "\n")

@@ -45,7 +45,7 @@ from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
 from titan.train.elastic import build_snapshots, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
-from titan.train.spike_replay import SpikeReplay
+from titan.train.spike_replay import RunState, SpikeReplay
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
@@ -133,16 +133,15 @@ class Trainer:
         restart = restart_count(self.control_group)
         self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
         self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
-        if restart:  # the time from a failure to the next step is read from this record on
-            log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
-                     self.layout.name, self.step)  # fmt: skip
-            self.metrics.log(self.step, {"elastic_restart": restart, "world_size": self.world_size})
+        if restart:
+            self._log_restart(restart)
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.nonfinite = NonFiniteSteps(config, self.checkpointer, self.metrics)
         self.spikes = SpikeWatch(config.replay, self.run_dir, self.rank)
-        self.spike_replay = SpikeReplay(self) if config.replay.on_spike else None
+        replay = (self.spikes, self.hook, self.snapshots, self.checkpointer, self.watchdog, self.clock, self.run_dir)
+        self.spike_replay = SpikeReplay(*replay) if config.replay.on_spike else None
         # A re-planned run resumes on the plan in force when it stopped (the replanner dropped a plan measured
         # on another layout or other devices).
         self.follow(self.replanner.plan())
@@ -155,6 +154,16 @@ class Trainer:
     model_parts = property(lambda self: self.stepper.parts)
     optimizer = property(lambda self: self.stepper.optimizer)
     lr_scheduler = property(lambda self: self.stepper.lr_scheduler)
+
+    def _log_restart(self, restart: int) -> None:
+        """The elastic restart's line and record: the time from a failure to the next step is read from it on."""
+        log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
+                 self.layout.name, self.step)  # fmt: skip
+        self.metrics.log(self.step, {"elastic_restart": restart, "world_size": self.world_size})
+
+    def _run_step_again(self, step: int) -> None:
+        """Step `step` again on the loader's next batch (a spike replay, from the state before it)."""
+        self.stepper(next(self.loader), step - 1)
 
     def _build_step(self, plan: RunPlan) -> TrainStep:
         return build_step(self.config, self.model, plan, self.rank, self.mesh, self.device, self.clock, self.hook)
@@ -240,7 +249,8 @@ class Trainer:
                 if due.snapshot:
                     window.start += self._snapshot(saved_loss())
                 if self.spike_replay is not None:  # nor is replaying a spiked step
-                    window.start += self.spike_replay.after_step(saved_loss, due.snapshot)
+                    run = RunState(self.step, self.tokens_seen, saved_loss, due.snapshot, self._run_step_again)
+                    window.start += self.spike_replay.after_step(run)
                 self.watchdog.enter("stop vote")
                 if self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
