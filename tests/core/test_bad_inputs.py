@@ -909,6 +909,12 @@ CASES = [
     ("torchrun restarts on its shared store", "train", {}, None,
      {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"},
      ["torchrun --max-restarts with its shared store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
+    ("snapshot interval neither steps nor auto", "show", ["--fault.snapshot_interval", "sometimes"], None, {},
+     ["fault.snapshot_interval must be int | 'auto'", "got 'sometimes'"]),
+    ("negative snapshot interval", "show", ["--fault.snapshot_interval", "-1"], None, {},
+     ["fault.snapshot_interval must be steps >= 0 (0: off) or 'auto'", "got -1"]),
+    ("negative snapshot overhead", "show", ["--fault.snapshot_overhead", "-0.1"], None, {},
+     ["fault.snapshot_overhead must be a fraction of the step time > 0", "got -0.1"]),
 ]  # fmt: skip
 
 
