@@ -909,12 +909,19 @@ CASES = [
     ("torchrun restarts on its shared store", "train", {}, None,
      {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"},
      ["torchrun --max-restarts with its shared store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
-    ("spike replay without digests or snapshots", "show", ["--replay.on_spike", "true", "--replay.spike_zscore", "5"],
-     None, {}, ["replay.on_spike replays a spiked step", "needs replay.digests = true, fault.snapshot_interval > 0; "
-                "set them, or replay.on_spike = false"]),
+    ("spike replay without digests or snapshots", "show", ["--replay.on_spike", "true", "--replay.spike_zscore", "5",
+     "--fault.snapshot_interval", "0"], None, {},
+     ["replay.on_spike replays a spiked step",
+      "needs replay.digests = true, fault.snapshot_interval > 0; set them, or replay.on_spike = false"]),
     ("spike replay with straggler re-plans", "show", ["--replay.on_spike", "true", "--replay.digests", "true",
      "--replay.spike_zscore", "5", "--fault.snapshot_interval", "1", "--straggler.enable", "true"], None, {},
      ["it needs straggler.enable = false; set it, or replay.on_spike = false"]),
+    ("snapshot interval neither steps nor auto", "show", ["--fault.snapshot_interval", "sometimes"], None, {},
+     ["fault.snapshot_interval must be int | 'auto'", "got 'sometimes'"]),
+    ("negative snapshot interval", "show", ["--fault.snapshot_interval", "-1"], None, {},
+     ["fault.snapshot_interval must be steps >= 0 (0: off) or 'auto'", "got -1"]),
+    ("negative snapshot overhead", "show", ["--fault.snapshot_overhead", "-0.1"], None, {},
+     ["fault.snapshot_overhead must be a fraction of the step time > 0", "got -0.1"]),
 ]  # fmt: skip
 
 

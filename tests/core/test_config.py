@@ -94,6 +94,8 @@ def random_value(rng: random.Random, tp):
     origin = typing.get_origin(tp)
     if origin is Literal:
         return rng.choice(typing.get_args(tp))
+    if origin is typing.Union:  # e.g. int | Literal["auto"]: a value of one of its types
+        return random_value(rng, rng.choice(typing.get_args(tp)))
     if origin is list:
         (item,) = typing.get_args(tp)
         return [random_value(rng, item) for _ in range(rng.randint(0, 3))]

@@ -3,6 +3,7 @@ arithmetic, and the command's verdicts and errors."""
 
 import dataclasses
 import json
+import math
 import typing
 
 import pytest
@@ -576,3 +577,20 @@ def test_the_plan_gives_the_snapshot_s_host_memory_and_copy_time(tmp_path):
     (line,) = [line for line in format_estimate(estimate).splitlines() if "in-memory snapshot" in line]
     assert f"{2 * state / 2**20:.3g} MiB of host memory" in line and f"{seconds:.3g} s each" in line, line
     assert f"{device.host_gbs:g} GB/s to the host" in line and "fault.snapshot_interval 5" in line, line
+
+
+def test_the_plan_gives_the_interval_auto_would_choose(tmp_path):
+    """With fault.snapshot_interval = "auto" (the default), the snapshot row names the interval the trainer would
+    choose from the plan's copy time and busy time per step: the fewest steps whose snapshot stays within
+    fault.snapshot_overhead of them. A slow host link (0.01 GB/s) makes the copy several steps' 3%."""
+    from titan.train.estimate.report import format_estimate
+
+    overrides = tiny_overrides(tmp_path) + ["--plan.host_gbs", "0.01"]
+    estimate = estimate_step(load_config(DEBUG_RECIPE, overrides, world_size=1), 1)
+    (rank,) = estimate.ranks
+    state, device = rank.trace.param_bytes + rank.trace.optimizer_bytes, estimate.device
+    seconds = state / (device.host_gbs * 1e9) + state / (device.inter_node_gbs * 1e9)
+    every = math.ceil(seconds / (0.03 * rank.seconds))
+    assert every > 1 and seconds / ((every - 1) * rank.seconds) > 0.03 >= seconds / (every * rank.seconds)
+    (line,) = [line for line in format_estimate(estimate).splitlines() if "in-memory snapshot" in line]
+    assert f"fault.snapshot_interval auto: every {every} steps under torchrun --max-restarts" in line, line

@@ -409,3 +409,146 @@ def test_ranks_killed_at_random_moments_cost_no_step(tmp_path, uninterrupted, se
     for step in range(1, KILLED_STEPS + 1):
         assert got[step]["tokens_seen"] == uninterrupted[step]["tokens_seen"], step  # the same data position
         assert got[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=1e-5), step
+
+
+@pytest.mark.parametrize(
+    "snapshot_s, step_s, overhead, every",
+    [
+        (0.03, 1.0, 0.03, 1),  # exactly the budget at every step
+        (0.031, 1.0, 0.03, 2),  # just over it: every other step, 1.55%
+        (0.3, 1.0, 0.03, 10),  # 0.3 / 10 = 0.03 exactly (0.3 / 0.03 is 9.999... in floats)
+        (0.5, 0.2, 0.03, 84),  # 0.5 / (84 x 0.2) = 2.98%; 83 steps would be 3.01%
+        (2.0, 0.5, 0.01, 400),  # 2 / (400 x 0.5) = 1% exactly; 399 steps would be 1.0025%
+        (0.001, 2.0, 0.03, 1),  # far below: still every step, never fewer
+    ],
+)
+def test_the_auto_interval_is_the_fewest_steps_whose_snapshot_stays_within_the_overhead(
+    snapshot_s, step_s, overhead, every
+):
+    from titan.train.elastic import snapshot_every
+
+    assert snapshot_every(snapshot_s, step_s, overhead) == every
+
+
+def test_the_auto_interval_follows_the_measurements_without_flapping(monkeypatch, caplog):
+    """Under "auto", on a clock where a step takes 1 s: the first two steps are snapshotted, then the interval
+    follows the median of the latest five snapshots' times. It grows where the snapshot costs more than 3% of
+    the steps between two, shrinks only where half the steps would do, and each change is one line."""
+    from titan.train import elastic
+
+    clock = [0.0]
+    monkeypatch.setattr(elastic.time, "perf_counter", lambda: clock[0])
+    interval = elastic.SnapshotInterval("auto", 0.03, group=None)
+    step, chosen = 0, []
+
+    def run(blocked: float, snapshots: int) -> list[int]:
+        nonlocal step
+        taken = []
+        while len(taken) < snapshots:
+            step, clock[0] = step + 1, clock[0] + 1.0
+            if interval.due(step):
+                clock[0] += blocked
+                interval.taken(step, blocked)
+                taken.append(step)
+        chosen.append(interval.steps)
+        return taken
+
+    with caplog.at_level("INFO", logger="titan"):
+        assert run(0.1, 6)[:3] == [1, 2, 6]  # 0.1 s / 4 steps = 2.5%; 3 steps would be 3.3%
+        run(0.13, 6)  # 0.13 / 4 = 3.25%: grows to 5 (2.6%)
+        run(0.07, 6)  # 3 steps would do (2.3%), not 2: stays at 5 (1.4%)
+        run(0.05, 6)  # 2 steps would do (2.5%): shrinks to 2
+    assert chosen == [4, 5, 5, 2]
+    lines = [r.getMessage() for r in caplog.records if "snapshot_interval auto" in r.getMessage()]
+    assert [line.split(" step")[0].rsplit(" ", 1)[1] for line in lines] == ["4", "5", "2"], lines
+    assert lines[0] == (
+        "fault.snapshot_interval auto: a snapshot every 4 steps (it blocks 0.1 s, a step takes 1 s: 2.5% of their "
+        "time, fault.snapshot_overhead 0.03)"
+    )
+
+
+def snapshot_lines(text: str, tmp_path: Path) -> list[str]:
+    """The lines that speak of snapshots (the test's folder, named after the test, aside)."""
+    return [line for line in text.replace(str(tmp_path), "").splitlines() if "snapshot" in line]
+
+
+@pytest.mark.slow
+def test_auto_snapshots_only_where_torchrun_restarts_the_workers(tmp_path, monkeypatch, capsys):
+    """fault.snapshot_interval = "auto" (the default): a plain run takes no snapshot, makes no snapshot folder and
+    says nothing of them; under torchrun with restarts (TORCHELASTIC_MAX_RESTARTS > 0, as its agent sets it) the
+    run snapshots its first two steps, then every N steps as the measured times call for, said in one line, and
+    frees its folder at the end."""
+    from helpers import trainer_for
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("TITAN_SNAPSHOT_DIR", str(shm))
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    plain = trainer_for(tmp_path / "plain", **{"training.steps": "4"})
+    plain.train()
+    assert plain.snapshots is None and not list(shm.iterdir())
+    assert not snapshot_lines(capsys.readouterr().err, tmp_path)
+    records = (tmp_path / "plain" / "debug" / "metrics.jsonl").read_text()
+    assert "snapshot_blocked_s" not in records
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    elastic = trainer_for(tmp_path / "elastic", **{"training.steps": "8", "checkpoint.interval": "1000"})
+    elastic.train(until=3)  # saved to disk at step 3, as at an end
+    assert [p.name for p in shm.glob("titan-snapshots-*/snap-*")] == ["snap-2"]
+    elastic.train()
+    assert not list(shm.iterdir())  # freed at the run's end
+    metrics = [json.loads(line) for line in (tmp_path / "elastic" / "debug" / "metrics.jsonl").open()]
+    taken = [r["step"] for r in metrics if "snapshot_blocked_s" in r]
+    assert taken[:2] == [1, 2], taken
+    chosen = [
+        line for line in snapshot_lines(capsys.readouterr().err, tmp_path) if "fault.snapshot_interval auto" in line
+    ]
+    assert chosen and all("a snapshot every " in line and "fault.snapshot_overhead 0.03" in line for line in chosen)
+
+
+@pytest.mark.parametrize("interval", ["auto", "1"])
+def test_snapshots_larger_than_the_free_shared_memory_are_refused_or_left_off(tmp_path, monkeypatch, capsys, interval):
+    """A node's snapshots at their peak (the one held, its buddy copies, the next one beside them) must fit the
+    free space of its shared memory: fault.snapshot_interval = N is refused in one line, "auto" is off with one
+    warning."""
+    from helpers import trainer_for
+    from titan.errors import ConfigError
+
+    monkeypatch.setenv("TITAN_SNAPSHOT_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    if interval == "1":
+        with pytest.raises(ConfigError, match=r"fault.snapshot_interval 1: the snapshots need .* of host shared"):
+            trainer_for(tmp_path / "run", **{"fault.snapshot_interval": interval})
+        return
+    trainer = trainer_for(tmp_path / "run", **{"fault.snapshot_interval": interval})
+    (line,) = snapshot_lines(capsys.readouterr().err, tmp_path)
+    assert trainer.snapshots is None and "fault.snapshot_interval auto: no snapshots, they need" in line, line
+    assert "0.000954 MiB free" in line, line
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_restarts_agree_on_the_auto_interval(tmp_path, monkeypatch):
+    """Two ranks as torchrun starts them with restarts allowed: "auto" snapshots on both, each rank's measured
+    times reduced to the same interval (a rank that disagreed would wait alone in the snapshot's collectives)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("TITAN_SNAPSHOT_DIR", str(shm))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    args = tiny_overrides(tmp_path, **{**RUN, "training.steps": "10", "checkpoint.interval": "1000"})
+    logs = [tmp_path / f"rank{r}.err" for r in range(2)]
+    ranks = start_ranks(args + ["--fault.step_timeout_s", "60"], logs)
+    try:
+        codes = [rank.wait(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "debug" / "metrics.jsonl").open()]
+    taken = [r["step"] for r in metrics if "snapshot_blocked_s" in r]
+    assert taken[:2] == [1, 2], taken
+    assert "fault.snapshot_interval auto: a snapshot every " in logs[0].read_text()
+    assert not list(shm.iterdir())

@@ -218,7 +218,14 @@ def _validate_recovery(config: Config) -> None:
         0 < f.collective_timeout_s < float("inf"),
         f"fault.collective_timeout_s must be seconds > 0, got {f.collective_timeout_s}",
     )
-    require(f.snapshot_interval >= 0, f"fault.snapshot_interval must be steps >= 0 (0: off), got {f.snapshot_interval}")
+    require(
+        f.snapshot_interval == "auto" or f.snapshot_interval >= 0,
+        f"fault.snapshot_interval must be steps >= 0 (0: off) or 'auto', got {f.snapshot_interval}",
+    )
+    require(
+        0 < f.snapshot_overhead < float("inf"),
+        f"fault.snapshot_overhead must be a fraction of the step time > 0 (0.03: 3%), got {f.snapshot_overhead}",
+    )
 
 
 def _validate_performance(config: Config) -> None:

@@ -186,6 +186,8 @@ def _all_keys() -> list[str]:
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(map(_type_name, typing.get_args(tp)))
     return getattr(tp, "__name__", str(tp))
 
 

@@ -334,8 +334,11 @@ class Fault:
     collective_timeout_s: float = 600.0
     # Snapshot the whole training state every N steps into host shared memory (/dev/shm), which outlives the
     # workers: an elastic restart restores from it, losing no step, and from the disk checkpoint only when the
-    # snapshot is gone or older. 0: off.
-    snapshot_interval: int = 0
+    # snapshot is gone or older. 0: off. auto: on under torchrun with restarts (--max-restarts > 0) where the node
+    # has the shared memory, every N steps for the smallest N that keeps it within snapshot_overhead; else off.
+    snapshot_interval: int | Literal["auto"] = "auto"
+    # With snapshot_interval = auto: the most a snapshot may cost, as a fraction of the steps between two.
+    snapshot_overhead: float = 0.03
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.format import seal, sha256_files
 from titan.checkpoint.format.storage import CheckpointReader
+
+if TYPE_CHECKING:
+    from titan.train.elastic import SnapshotInterval
 
 log = logging.getLogger("titan")
 SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's per-rank file names
@@ -82,14 +86,18 @@ class BuddySnapshots(Checkpointer):
     """The snapshot checkpointer for node-local folders: DCP writes each rank's shards on its own host; sealing
     keeps them per rank, with a copy on the buddy's host, instead of one folder on a shared file system."""
 
-    def __init__(self, *args, local_rank: int, local_world: int, **kwargs):
+    def __init__(self, *args, local_rank: int, local_world: int, interval: SnapshotInterval, **kwargs):
         super().__init__(*args, **kwargs)
+        self.interval = interval  # when to snapshot (fault.snapshot_interval)
         self.leader = local_rank == 0  # tidies this host's folder
         self.local_world = local_world
         self.buddy = buddy_of(self.rank, self.world, local_world)
         self.source = None if self.buddy is None else (self.rank - local_world) % self.world
         if self.buddy is None and self.rank == 0 and self.world > 1:
             log.info("snapshots: all ranks on one node, no buddy copies (a lost node loses its snapshots)")
+
+    def due(self, step: int, final: bool = False) -> bool:
+        return self.interval.due(step)
 
     def _seal(self, tmp: Path, final: Path, proven: bool) -> None:
         mine = sorted(p.name for p in tmp.iterdir() if p.is_file() and self._wrote(p.name))

@@ -7,12 +7,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import shutil
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.resume import PARTS, complete_checkpoints
@@ -48,30 +52,148 @@ def snapshot_folder(run_dir: Path) -> Path:
     return shared_memory() / f"titan-snapshots-{key}"
 
 
+def snapshot_every(snapshot_s: float, step_s: float, overhead: float) -> int:
+    """The fewest steps between two snapshots for which a snapshot's `snapshot_s` is at most `overhead` of their
+    time (`step_s` each): the smallest N >= 1 with snapshot_s / (N x step_s) <= overhead."""
+    within = lambda n: snapshot_s / (n * step_s) <= overhead  # noqa: E731
+    n = max(1, math.ceil(snapshot_s / (overhead * step_s)))
+    while n > 1 and within(n - 1):  # the division above rounds either way: the condition itself decides
+        n -= 1
+    while not within(n):
+        n += 1
+    return n
+
+
+class SnapshotInterval:
+    """When to snapshot: every N steps (fault.snapshot_interval = N), or under "auto" from measurements: the
+    first two steps, then every N steps for the smallest N whose snapshot costs at most fault.snapshot_overhead
+    of their time (snapshot_every), from the medians of the latest snapshots' blocked time and of the time per
+    step between two, each measurement the highest of any rank's: every rank picks the same N."""
+
+    LATEST = 5  # measurements in the medians: the first snapshot's one-time costs are outvoted from the third on
+
+    def __init__(self, every: int | str, overhead: float, group):
+        self.auto, self.overhead, self.group = every == "auto", overhead, group
+        self.steps = 1 if self.auto else every
+        self.next = 0  # under auto: the step of the next snapshot
+        self.blocked: list[float] = []
+        self.step_s: list[float] = []
+        self.last: tuple[int, float] | None = None  # the step of the latest snapshot, and when it ended
+
+    def due(self, step: int) -> bool:
+        return step >= self.next if self.auto else step % self.steps == 0
+
+    def taken(self, step: int, blocked: float) -> None:
+        """Snapshot `step` blocked training `blocked` seconds: under auto, measure, and choose the next step."""
+        if not self.auto:
+            return
+        now = time.perf_counter()
+        step_s = (now - blocked - self.last[1]) / (step - self.last[0]) if self.last else 0.0
+        figures = torch.tensor([blocked, step_s], dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        self.blocked.append(float(figures[0]))
+        self.step_s += [float(figures[1])] if self.last else []
+        self.last = (step, time.perf_counter())
+        if self.step_s:
+            self._choose()
+        self.next = step + self.steps
+
+    def _choose(self) -> None:
+        """The interval from the medians. Once chosen, N changes only where a snapshot every N steps would cost
+        more than the overhead, or where N/2 steps would do: noise at a boundary neither flaps it nor floods the
+        log."""
+        snapshot_s = statistics.median(self.blocked[-self.LATEST :])
+        step_s = statistics.median(self.step_s[-self.LATEST :])
+        steps = snapshot_every(snapshot_s, step_s, self.overhead)
+        if len(self.step_s) == 1 or steps > self.steps or 2 * steps <= self.steps:
+            log.info("fault.snapshot_interval auto: a snapshot every %d step%s (it blocks %.3g s, a step takes "
+                     "%.3g s: %.2g%% of their time, fault.snapshot_overhead %g)", steps, "s" * (steps > 1),
+                     snapshot_s, step_s, 100 * snapshot_s / (steps * step_s), self.overhead)  # fmt: skip
+            self.steps = steps
+
+
+def snapshots_usable() -> bool:
+    """Whether an in-memory snapshot can serve: torchrun restarts the workers after a failure (its agent sets
+    TORCHELASTIC_MAX_RESTARTS, from --max-restarts) and this node has host shared memory."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and shared_memory().is_dir()
+
+
+def peak_bytes(checkpointer: Checkpointer, local_world: int, keep: int) -> int:
+    """A node's shared memory at a snapshot's peak, from this rank's state (its parameter shards and AdamW's two
+    moments of each): the `keep` snapshots held stay until the next is whole beside them (its own files are DCP's,
+    linked), each with the buddy copies: 4 times each rank's state for one kept (2 times on one node, without
+    buddy copies)."""
+    with torch.no_grad():
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in checkpointer.states["model"].parameters()]
+    state = 3 * sum(p.numel() * p.element_size() for p in params)
+    copies = (keep + 1) * (2 if local_world < checkpointer.world else 1)
+    return copies * state * local_world
+
+
 def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool) -> BuddySnapshots | None:
     """A checkpointer of the same state into the run's snapshot folder on every node (fault.snapshot_interval;
     None when off): the checkpoint's own files and code, in memory, without async saves, keeping the newest, each
     rank's files also on its buddy's node. A first start clears what an earlier run in the same folder left."""
-    if not config.fault.snapshot_interval:
+    every, memory = config.fault.snapshot_interval, shared_memory()
+    if not every:
         return None
-    memory = shared_memory()
-    if not memory.is_dir():
+    if every != "auto" and not memory.is_dir():
         raise ConfigError(
             f"fault.snapshot_interval needs host shared memory ({memory}); set ${SNAPSHOT_DIR} to a folder in it, "
             "or fault.snapshot_interval to 0"
         )
-    folder = snapshot_folder(config.run_dir)
+    c = checkpointer
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    folder = snapshot_folder(config.run_dir)
     if not restarted and local_rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    every = config.fault.snapshot_interval
     keep = 2 if config.replay.on_spike else 1  # a spiked step is replayed from the snapshot before it
-    cfg = dataclasses.replace(config.checkpoint, enable=True, interval=every, async_save=False, keep_latest_k=keep)
-    c = checkpointer
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not _fits(every, c, local_world, keep, first_start=not restarted):
+        return None
+    cfg = dataclasses.replace(config.checkpoint, enable=True, async_save=False, keep_latest_k=keep)
+    interval = SnapshotInterval(every, config.fault.snapshot_overhead, c.control_group)
     groups = {"save_group": c.save_group, "control_group": c.control_group}
     return BuddySnapshots(cfg, folder, c.states, c.record, rank=c.rank, **groups, local_rank=local_rank,
-                          local_world=local_world)  # fmt: skip
+                          local_world=local_world, interval=interval)  # fmt: skip
+
+
+def _fits(every: int | str, checkpointer: Checkpointer, local_world: int, keep: int, first_start: bool) -> bool:
+    """Whether to snapshot, as every rank agrees: under "auto" only where every rank's snapshots can serve
+    (snapshots_usable, or a spike's replay: keep 2); and on a first start only where every node's shared memory
+    has room for their peak (peak_bytes): short of it, fault.snapshot_interval = N or replay.on_spike is refused in
+    one line, "auto" alone is off with a warning."""
+    memory = shared_memory()
+    needed = every != "auto" or keep > 1
+    usable = needed or snapshots_usable()
+    if checkpointer.control_group is not None:  # each node's free space measured once its leader cleared it
+        dist.barrier(group=checkpointer.control_group)
+    mine = (usable, peak_bytes(checkpointer, local_world, keep), shutil.disk_usage(memory).free if usable else 0)
+    everyone = [mine]
+    if checkpointer.control_group is not None:
+        everyone = [None] * checkpointer.world
+        dist.all_gather_object(everyone, mine, group=checkpointer.control_group)
+    if not all(usable for usable, _, _ in everyone):
+        return False
+    need, free = max(need for _, need, _ in everyone), min(free for _, _, free in everyone)
+    if not first_start or need <= free:
+        return True
+    short = f"need {_size(need)} of host shared memory per node at their peak, and {memory} has {_size(free)} free"
+    more, elsewhere = (
+        "give it more (e.g. docker run --shm-size)",
+        f"set ${SNAPSHOT_DIR} to a larger folder in host memory",
+    )
+    if needed:
+        why = f"fault.snapshot_interval {every}" + (" with replay.on_spike" if keep > 1 else "")
+        raise ConfigError(f"{why}: the snapshots {short}: {more}, {elsewhere}, or set it to 0")
+    if checkpointer.rank == 0:
+        log.warning("fault.snapshot_interval auto: no snapshots, they %s: %s or %s", short, more, elsewhere)
+    return False
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
 def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restarted: bool) -> int:

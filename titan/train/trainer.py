@@ -324,6 +324,7 @@ class Trainer:
         self.watchdog.enter("snapshot")
         blocked = self.snapshots.save(self.step, self.tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
         self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
+        self.snapshots.interval.taken(self.step, blocked)
         return blocked
 
     def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:

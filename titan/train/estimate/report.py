@@ -4,6 +4,7 @@ not fit."""
 from __future__ import annotations
 
 from titan.parallel.ac_choices import GIB
+from titan.train.elastic import snapshot_every
 from titan.train.estimate.experts import all_to_all_seconds
 from titan.train.estimate.figures import RankEstimate, StepEstimate
 from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
@@ -156,16 +157,24 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
         ("traffic per step", _traffic(rank.traffic)),
         *([("all-to-all (ep)", _all_to_all(estimate, rank))] if estimate.layout.ep > 1 else []),
         ("busy per step", f"{rank.seconds:.3g} s"),
-        ("in-memory snapshot", _snapshot(estimate, t.param_bytes + t.optimizer_bytes)),
+        ("in-memory snapshot", _snapshot(estimate, t.param_bytes + t.optimizer_bytes, rank.seconds)),
     ]
 
 
-def _snapshot(estimate: StepEstimate, state: int) -> str:
+def _snapshot(estimate: StepEstimate, state: int, step_s: float) -> str:
     """A snapshot's cost for a rank holding `state` bytes of parameters and optimizer moments: host memory for
-    its own copy and the one it keeps of a buddy's, and the time to copy it to the host and send it to the buddy."""
-    device, every = estimate.device, estimate.config.fault.snapshot_interval
+    its own copy and the one it keeps of a buddy's, and the time to copy it to the host and send it to the buddy;
+    under "auto", the interval that time and the step's `step_s` call for."""
+    device, fault = estimate.device, estimate.config.fault
     seconds = state / (device.host_gbs * 1e9) + state / (device.inter_node_gbs * 1e9)
+    every = fault.snapshot_interval
     when = f"fault.snapshot_interval {every}" if every else "off: fault.snapshot_interval 0"
+    if every == "auto":
+        n = snapshot_every(seconds, step_s, fault.snapshot_overhead)
+        when = (
+            f"fault.snapshot_interval auto: every {n} step{'s' * (n > 1)} under torchrun --max-restarts, "
+            f"{100 * seconds / (n * step_s):.2g}% of a {step_s:.3g} s step"
+        )
     return (
         f"{_size(2 * state)} of host memory (its state and a buddy's copy), {seconds:.3g} s each at "
         f"{device.host_gbs:g} GB/s to the host and {device.inter_node_gbs:g} GB/s to the buddy ({when})"
