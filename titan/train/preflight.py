@@ -13,6 +13,7 @@ from titan.config import Config, Layout, require_inputs
 from titan.data import Tokenizer
 from titan.errors import ConfigError
 from titan.models import Args
+from titan.parallel.ac import measured_layers
 from titan.parallel.parallelize import check_layout, model_blocks
 from titan.run_plan import Blocks, RunPlan, run_plan
 from titan.train.device import device_memory
@@ -47,6 +48,8 @@ def check_run(config: Config, world_size: int, device: torch.device | None) -> C
     check_layout(config, model.spec, model.args, layout, device)
     blocks = model_blocks(model.spec, model.args)
     plan = run_plan(config, layout.world_size, blocks)
+    if config.activation_checkpoint.mode == "auto":
+        measured_layers(model.spec, model.args, plan.stage_layers[0])  # rank 0 measures on the first stage
     if device is not None:
         config = with_device_budget(config, layout.world_size, device)
     return CheckedRun(config, model, layout, blocks, plan)
