@@ -1047,6 +1047,12 @@ BEFORE_JOINING = [
     ),
     ("nccl on the CPU", {"parallel.backend": "nccl"}, ["parallel.backend = 'nccl' needs CUDA GPUs"]),
     ("seq_len above the model's", {"training.seq_len": "4096"}, ["training.seq_len 4096", "max_seq_len 2048"]),
+    (
+        "auto checkpointing with no routed block on rank 0",
+        {"model.name": "moe", "model.flavor": "debug", "parallel.pp": "2", "parallel.pp_layers_per_stage": "[1, 3]",
+         "activation_checkpoint.mode": "auto", "activation_checkpoint.budget_gib": "1"},
+        ["whose layers [0] hold no routed block", "parallel.pp_layers_per_stage"],
+    ),
 ]  # fmt: skip
 
 

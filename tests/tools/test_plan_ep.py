@@ -110,6 +110,22 @@ def test_the_routed_tokens_activations_are_the_most_loaded_rank_s(tmp_path):
     assert "1.5 x the mean load (plan.moe_load_imbalance)" in format_estimate(estimate)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_routed_tokens_activations_show_whatever_the_checkpointing(tmp_path, mode):
+    """debug_moe's first layer is dense, the others routed: the plan traces one block of each kind, so a recipe
+    whose blocks recompute shows the routed tokens' activations as the recipe keeping everything does (held to the
+    formula above)."""
+    world, extra = 2, {"parallel.ep": "2", "plan.moe_load_imbalance": "1.5"}
+
+    def planned(checkpointing: str):
+        overrides = moe_overrides(tmp_path, world, **extra, **{"activation_checkpoint.mode": checkpointing})
+        return estimate_step(load_config(MOE_RECIPE, overrides, world_size=world), world)
+
+    kept, recomputing = planned("none"), planned(mode)
+    assert recomputing.routed_activations == kept.routed_activations > 0
+    assert "routed tokens" in format_estimate(recomputing)
+
+
 @pytest.mark.slow
 def test_titan_plan_compares_ep_degrees_and_picks_the_fastest_that_fits(tmp_path):
     """`titan plan --ep`: a line per degree on the same 4 devices (ep taken from dp_shard, which stays 4), with the

@@ -425,7 +425,7 @@ def test_ranks_killed_at_random_moments_cost_no_step(tmp_path, uninterrupted, se
 def test_the_auto_interval_is_the_fewest_steps_whose_snapshot_stays_within_the_overhead(
     snapshot_s, step_s, overhead, every
 ):
-    from titan.train.elastic import snapshot_every
+    from titan.train.buddy import snapshot_every
 
     assert snapshot_every(snapshot_s, step_s, overhead) == every
 
@@ -434,11 +434,11 @@ def test_the_auto_interval_follows_the_measurements_without_flapping(monkeypatch
     """Under "auto", on a clock where a step takes 1 s: the first two steps are snapshotted, then the interval
     follows the median of the latest five snapshots' times. It grows where the snapshot costs more than 3% of
     the steps between two, shrinks only where half the steps would do, and each change is one line."""
-    from titan.train import elastic
+    from titan.train import buddy
 
     clock = [0.0]
-    monkeypatch.setattr(elastic.time, "perf_counter", lambda: clock[0])
-    interval = elastic.SnapshotInterval("auto", 0.03, group=None)
+    monkeypatch.setattr(buddy.time, "perf_counter", lambda: clock[0])
+    interval = buddy.SnapshotInterval("auto", 0.03, group=None)
     step, chosen = 0, []
 
     def run(blocked: float, snapshots: int) -> list[int]:

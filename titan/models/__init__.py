@@ -65,6 +65,7 @@ def _moe() -> ModelSpec:
         pipeline_io=llama.pipeline_io,
         block_inputs=llama.block_inputs,
         routed_experts=moe.routed_experts,
+        layers_args=moe.layers_args,
         hf=HFAdapter(
             args_from_config=hf.args_from_hf_config,
             config_from_args=hf.hf_config_from_args,

@@ -5,7 +5,8 @@ and the simulators reach a model only through these. A family provides a ModelSp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -27,7 +28,7 @@ class Args(Protocol):
     titan reads and replaces only these."""
 
     # Blocks: pipeline stages split them, and `dataclasses.replace(args, n_layers=k)` describes a model of k blocks
-    # (titan plan and the cost model time a stage's share).
+    # (the cost model times a stage's share; titan plan asks ModelSpec.layers_args, which keeps each block's kind).
     n_layers: int
     vocab_size: int  # tokens the embedding holds: the tokenizer must fit in it
     max_seq_len: int  # positions the model takes: the trainer checks sequences against it and sizes it to them
@@ -170,6 +171,11 @@ class RoutedExperts:
     expert_layers: tuple[int, ...]  # the layers with routed experts
 
 
+def alike_layers(args: Args, layer_ids: Sequence[int]) -> Args:
+    """ModelSpec.layers_args of a family whose blocks are all alike: a model of as many blocks."""
+    return dataclasses.replace(args, n_layers=len(layer_ids))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model family, as titan uses it; each member says who does."""
@@ -192,3 +198,13 @@ class ModelSpec:
     block_inputs: Callable[[Args, int, int, torch.dtype], tuple[torch.Tensor, ...]]
     hf: HFAdapter | None = None  # Hugging Face import and export, if the family has them
     routed_experts: Callable[[Args], RoutedExperts] | None = None  # a mixture of experts'; None: a dense family
+    # (args, layer ids) -> the args of a model of len(layer ids) blocks, each built as that layer of args' model is
+    # (a mixture of experts' dense or routed layer): titan plan traces a pipeline stage's blocks and one block of
+    # each kind from them. ValueError when the family cannot build the layers in that order.
+    layers_args: Callable[[Args, Sequence[int]], Args] = alike_layers
+
+    def block_kinds(self, args: Args) -> list[str]:
+        """Each layer's kind of block, whose figures titan plan and auto checkpointing take for it: "routed" for
+        a mixture of experts' layers with routed experts (routed_experts' expert_layers), "dense" for the others."""
+        routed = set(self.routed_experts(args).expert_layers) if self.routed_experts else set()
+        return ["routed" if layer in routed else "dense" for layer in range(args.n_layers)]

@@ -6,8 +6,9 @@ runs one of four ways:
 - full: it keeps only its inputs and recomputes the whole block in backward;
 - offload: it keeps everything, in pinned host memory, and copies it back for backward.
 
-Modes full and selective run every Nth block that way. Mode auto measures each way on one block of the run
-(`measure_options`) and lets titan/parallel/ac_choices.py choose per block, within activation_checkpoint.budget_gib.
+Modes full and selective run every Nth block that way. Mode auto measures each way on one block of each kind the
+model has (`measure_options`; a mixture of experts' dense and routed blocks, ModelSpec.block_kinds) and lets
+titan/parallel/ac_choices.py choose per block, within activation_checkpoint.budget_gib.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import statistics
+from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
 from time import perf_counter
@@ -29,6 +31,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from titan.config import Config, Layout
+from titan.errors import ConfigError
 from titan.models import ModelSpec
 from titan.parallel.ac_choices import GIB, Option, fastest_choices
 from titan.parallel.mesh import on_rank_0
@@ -47,12 +50,18 @@ SAC_IGNORED_OPS.update(
 
 
 def block_choices(
-    model: nn.Module, spec: ModelSpec, config: Config, plan: RunPlan, device: torch.device | None
+    model: nn.Module,
+    spec: ModelSpec,
+    config: Config,
+    plan: RunPlan,
+    device: torch.device | None,
+    layers: Sequence[int] | None = None,
 ) -> list[str]:
-    """How each block of `model` runs: the recipe's mode on every Nth block, or with mode = "auto" the fastest
-    choices within the budget. Call it before the blocks are wrapped: "auto" measures a plain copy of the first one.
-    Under tensor parallelism that copy is the whole block, which keeps more than a rank's shard of it: the choices
-    err on the safe side."""
+    """How each block of `model` (the model's `layers`; None: all of them) runs: the recipe's mode on every Nth
+    block, or with mode = "auto" the fastest choices within the budget, each block choosing from its kind's ways.
+    Call it before the blocks are wrapped: "auto" measures a plain copy of the first block of each kind. Under
+    tensor parallelism that copy is the whole block, which keeps more than a rank's shard of it: the choices err
+    on the safe side."""
     cfg = config.activation_checkpoint
     n_blocks = len(spec.blocks(model))
     if cfg.mode != "auto":
@@ -67,18 +76,22 @@ def block_choices(
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
     rows, micro_batches = plan.largest_micro_batch
+    kinds, layers = spec.block_kinds(model.args), range(n_blocks) if layers is None else layers
     # Rank 0's measurement on every rank: all agree on the choices (and a budget too small fails alike everywhere).
-    options = on_rank_0(lambda: measure_options(model, spec, config, plan.layout, rows, device), device=device)
-    log.info(
-        "activation_checkpoint auto, one block at %d x %d tokens keeps: %s",
-        rows,
-        config.training.seq_len // plan.layout.cp,
-        ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in options),
-    )
-    chosen = fastest_choices([options] * n_blocks, int(cfg.budget_gib * GIB))
+    options = on_rank_0(lambda: _measure_kinds(model, spec, config, plan.layout, rows, device, layers), device=device)
+    for kind, ways in options.items():
+        log.info(
+            "activation_checkpoint auto, one %sblock at %d x %d tokens keeps: %s",
+            f"{kind} " * (len(options) > 1),  # a mixture of experts' dense and routed blocks
+            rows,
+            config.training.seq_len // plan.layout.cp,
+            ", ".join(f"{o.name} {o.saved_bytes / 2**20:.4g} MiB +{o.added_seconds:.3g} s" for o in ways),
+        )
+    chosen = fastest_choices([options[kinds[layer]] for layer in layers], int(cfg.budget_gib * GIB))
+    names = [o.name for o in next(iter(options.values()))]
     log.info(
         "activation_checkpoint auto: %s; the blocks keep %.4g of %.4g GiB, +%.3g s per step (predicted)",
-        ", ".join(f"{chosen.choices.count(o.name)} {o.name}" for o in options if o.name in chosen.choices),
+        ", ".join(f"{chosen.choices.count(name)} {name}" for name in names if name in chosen.choices),
         chosen.saved_bytes / GIB,
         cfg.budget_gib,
         chosen.added_seconds * micro_batches * plan.schedule_runs,
@@ -133,16 +146,39 @@ def _offload(block: nn.Module) -> None:
 ROUNDS, MEASURE_SECONDS = 5, 2.0
 
 
+def measured_layers(spec: ModelSpec, args, layers: Sequence[int]) -> dict[str, int]:
+    """The block auto measures for each kind of block the model has (ModelSpec.block_kinds): the first of its kind
+    among `layers`, those of the model part that rank 0 measures on (the first pipeline stage's), which must hold
+    one of every kind: the choices of every rank come from them."""
+    kinds, first = spec.block_kinds(args), {}
+    for layer in layers:
+        first.setdefault(kinds[layer], layer)
+    for kind in dict.fromkeys(kinds):
+        if kind not in first:
+            raise ConfigError(
+                f"activation_checkpoint.mode = 'auto' measures a block of each kind on rank 0, whose layers "
+                f"{list(layers)} hold no {kind} block: give the first pipeline stage one "
+                "(parallel.pp_layers_per_stage) or set activation_checkpoint.mode to none, full or selective"
+            )
+    return first
+
+
+def _measure_kinds(model, spec, config, layout, rows, device, layers: Sequence[int]) -> dict[str, list[Option]]:
+    """measure_options of each kind of block, on its measured_layers block."""
+    first = measured_layers(spec, model.args, layers)
+    return {kind: measure_options(model, spec, config, layout, rows, device, layer) for kind, layer in first.items()}
+
+
 def measure_options(
-    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device
+    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device, layer: int = 0
 ) -> list[Option]:
-    """Each way to run a block, measured on a copy of the model's first block at a micro-batch of `rows` x seq_len
+    """Each way to run a block, measured on a copy of the model's block `layer` at a micro-batch of `rows` x seq_len
     tokens: the bytes it keeps for backward (exact), and the seconds it adds to the block's forward and backward
     over keeping everything. That is all the way costs: the recomputation, checkpointing's own bookkeeping, and
     for offload the copies both ways. On a CPU host memory is device memory, so offload would save nothing: it is
     not offered there."""
     names = [KEEP, SELECTIVE, FULL] + ([OFFLOAD] if device.type != "cpu" else [])
-    variants, forward, x = _ways_of_first_block(model, spec, config, layout, rows, device, names)
+    variants, forward, x = _ways_of_block(model, spec, config, layout, rows, device, names, layer)
 
     def forward_backward(variant: nn.Module) -> None:
         forward(variant).backward(grad)
@@ -158,13 +194,13 @@ def kept_bytes(
 ) -> dict[str, int]:
     """The bytes the model's first block keeps for backward run each of the ways `names`, at a micro-batch of
     `rows` x seq_len tokens (what measure_options measures, without the timing)."""
-    variants, forward, _ = _ways_of_first_block(model, spec, config, layout, rows, device, names)
+    variants, forward, _ = _ways_of_block(model, spec, config, layout, rows, device, names)
     return {name: _kept_bytes(forward, variant, device) for name, variant in variants.items()}
 
 
-def _ways_of_first_block(model, spec, config, layout, rows, device, names):
-    """({way: a copy of the first block run that way}, its forward on the block's training inputs, those inputs)."""
-    block, x, args, kwargs, precision = _first_block(model, spec, config, layout, rows, device)
+def _ways_of_block(model, spec, config, layout, rows, device, names, layer: int = 0):
+    """({way: a copy of block `layer` run that way}, its forward on the block's training inputs, those inputs)."""
+    block, x, args, kwargs, precision = _block(model, spec, config, layout, rows, device, layer)
     # Copies of the block that share its parameters (deepcopy's memo maps each to itself), one per way.
     params = {id(p): p for p in block.parameters()}
     variants = {name: copy.deepcopy(block, memo=dict(params)) for name in names}
@@ -179,8 +215,10 @@ def _ways_of_first_block(model, spec, config, layout, rows, device, names):
     return variants, forward, x
 
 
-def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device):
-    """A plain copy of the model's first block on the device, initialised, and the inputs the model gives it for
+def _block(
+    model: nn.Module, spec: ModelSpec, config: Config, layout: Layout, rows: int, device: torch.device, layer: int
+):
+    """A plain copy of the model's block `layer` on the device, initialised, and the inputs the model gives it for
     a micro-batch of `rows` x seq_len tokens: (block, hidden states, the other positional and keyword arguments,
     the precision context to run it in). The model's own forward makes the inputs, so the attention mask,
     positions and dtype are those of training. Each row is one document, the most attention can cost: with shorter
@@ -189,7 +227,7 @@ def _first_block(model: nn.Module, spec: ModelSpec, config: Config, layout: Layo
     Under context parallelism a rank's share of each row, seq_len / cp tokens, with plain attention over them: its
     block keeps what a ring's keeps (queries, keys, values, output and log-sum-exp of its tokens), while its
     recomputation leaves out the ring's other pairs and sends (measured faster than the ring's)."""
-    stage = spec.pipeline_stage(model, [0], True, False)  # the embedding and the first block
+    stage = spec.pipeline_stage(model, [layer], True, False)  # the embedding and that block
     stage.to_empty(device=device)
     stage.init_weights(config.job.seed)
     rule = precision(config, layout)

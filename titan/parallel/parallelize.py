@@ -5,6 +5,7 @@ from the seed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +105,8 @@ def build_model_parts(
         parts = [spec.pipeline_stage(model, list(plan.stage_layers[s]), s == 0, s == last) for s in ids]
     else:
         parts = [model]
-    for part in parts:
-        parallelize(part, spec, config, plan, mesh, device)
+    for part, s in zip(parts, ids):
+        parallelize(part, spec, config, plan, mesh, device, plan.stage_layers[s])
         if plan.layout.cp > 1:
             apply_context_parallel(part, plan, rank, mesh["cp"], device)
         part.to_empty(device=device)
@@ -120,11 +121,12 @@ def parallelize(
     plan: RunPlan,
     mesh: dict[str, DeviceMesh],
     device: torch.device | None = None,  # where activation_checkpoint.mode = "auto" measures a block
+    layers: Sequence[int] | None = None,  # the model's layers that `model` holds (None: all), for "auto"
 ) -> None:
     p, layout = config.parallel, plan.layout
     blocks = spec.blocks(model)
     float8.convert(model, blocks, config, layout)
-    checkpointing = block_choices(model, spec, config, plan, device)  # measures plain blocks: before TP
+    checkpointing = block_choices(model, spec, config, plan, device, layers)  # measures plain blocks: before TP
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))

@@ -56,6 +56,10 @@ def check_run(config: Config, world_size: int, device: Callable[[], torch.device
     check_layout(config, args, layout, device)
     blocks = model_blocks(args)
     plan = run_plan(config, layout.world_size, blocks)
+    if config.activation_checkpoint.mode == "auto":  # rank 0 measures on the first stage (its code loads torch)
+        from titan.parallel.ac import measured_layers
+
+        measured_layers(models.get_model_spec(config.model.name), args, plan.stage_layers[0])
     config = with_device_budget(config, layout.world_size, device)
     return CheckedRun(config, args, layout, blocks, plan)
 

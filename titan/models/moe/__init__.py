@@ -1,8 +1,20 @@
+import dataclasses
+from collections.abc import Sequence
+
 from titan.models.contract import RoutedExperts
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.flavors import FLAVORS
 
-__all__ = ["FLAVORS", "MoEArgs", "MoETransformer", "active_params", "flops_per_token", "kv_width", "routed_experts"]
+__all__ = [
+    "FLAVORS",
+    "MoEArgs",
+    "MoETransformer",
+    "active_params",
+    "flops_per_token",
+    "kv_width",
+    "layers_args",
+    "routed_experts",
+]
 
 
 def __getattr__(name: str):
@@ -40,3 +52,11 @@ def routed_experts(args: MoEArgs) -> RoutedExperts:
     return RoutedExperts(
         width=args.dim, top_k=args.top_k, n_experts=args.n_experts, expert_layers=tuple(args.moe_layers)
     )
+
+
+def layers_args(args: MoEArgs, layer_ids: Sequence[int]) -> MoEArgs:
+    """The args of a model whose blocks are built as `layer_ids`' are: their dense ones, then their routed ones."""
+    routed = [layer in args.moe_layers for layer in layer_ids]
+    if routed != sorted(routed):
+        raise ValueError(f"layers {list(layer_ids)}: a MoE model's dense layers come before its routed ones")
+    return dataclasses.replace(args, n_layers=len(routed), dense_layers=routed.count(False))

@@ -60,7 +60,7 @@ class MoETransformer(Transformer):
 
     def block(self, layer_id: int) -> TransformerBlock:
         args = self.args
-        moe = MoE(args, self.routing) if layer_id >= args.dense_layers else None
+        moe = MoE(args, self.routing) if layer_id in args.moe_layers else None
         return TransformerBlock(layer_id, args, moe, qk_norm=args.qk_norm)
 
     def init_buffers(self) -> None:

@@ -37,8 +37,10 @@ def trace_ranks(estimate: StepEstimate, trace, layers: list[list[int]], order) -
         grown = _grow(traces[ends[pp_rank]], *rate, [len(layers[s]) for s in stages], stages)
         estimate.ranks.append(_rank_estimate(estimate, pp_rank, [layers[s] for s in stages], grown, order))
     estimate.params = sum(rank.trace.total_params for rank in estimate.ranks)
-    # One block's activations under the recipe's checkpointing: the first of each period runs its way.
-    estimate.block_activations[config.activation_checkpoint.mode] = rate[1].block_held[0]
+    # One block's activations under the recipe's checkpointing, for its kind: the first of each period runs its way.
+    deepest = max(ids[longest], key=lambda s: len(layers[s]))
+    kind = estimate.kinds[layers[deepest][0]]
+    estimate.kind_activations[kind][config.activation_checkpoint.mode] = rate[1].block_held[0]
 
 
 def _optimizer_from_rate(trace: RankTrace, shallow: RankTrace, deep: RankTrace) -> None:

@@ -53,7 +53,8 @@ log = logging.getLogger("titan")
 def estimate_step(config: Config, world_size: int) -> StepEstimate:
     """Trace the recipe's step on every pipeline rank and put the figures together. With activation_checkpoint.mode
     = "auto" the step is traced with full recomputation, and each rank's blocks then take the ways the memory
-    planner chooses from the traced bytes and roofline seconds of one block run each way."""
+    planner chooses from the traced bytes and roofline seconds of one block of its kind (ModelSpec.block_kinds: a
+    mixture of experts' dense and routed blocks) run each way."""
     auto, compiled = config.activation_checkpoint.mode == "auto", config.compile.enable
     config = _as_traced(config)
     model = resolve_model(config)
@@ -62,6 +63,8 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
     layout, layers = run.layout, [list(ids) for ids in run.stage_layers]
     rows, microbatches = run.largest_micro_batch
     estimate = StepEstimate(config, planned_device(config.plan), run, layout, rows, microbatches, run.schedule_runs)
+    estimate.kinds = model.spec.block_kinds(model.args)
+    estimate.kind_activations = {kind: {} for kind in estimate.kinds}  # the first layer's kind first
     with fake_world(layout) as mesh:
         context = TraceContext(model, run, mesh, rows, estimate.device)
 
@@ -71,13 +74,22 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
 
         order = estimate.order = schedule_actions(config, run, mesh, microbatches) if layout.pp > 1 else None
         trace_ranks(estimate, trace, layers, order)
-        one_block = {}  # what one block holds under each mode, from one block's forward (and backward, for auto)
-        for mode in MODES:
-            if auto or mode != config.activation_checkpoint.mode:
-                one_block[mode] = trace(0, 1, traced=with_checkpointing(config, mode), forward_only=not auto)
-                estimate.block_activations[mode] = one_block[mode].block_held[0]
-        # The routed tokens' activations from a trace whose blocks keep them (the recipe's, when it keeps all).
-        estimate.routed_activations = max(one_block.get("none", estimate.ranks[0].trace).routed_held, default=0)
+        # What one block of each kind holds under each mode, from one block's forward (and backward, for auto),
+        # but the recipe's mode where the deep trace's first block was of that kind.
+        one_block: dict[str, dict[str, RankTrace]] = {}
+        for kind, activations in estimate.kind_activations.items():
+            one_block[kind] = {}
+            for mode in MODES:
+                if auto or mode not in activations:
+                    traced = with_checkpointing(config, mode)
+                    like = estimate.kinds.index(kind)
+                    one_block[kind][mode] = trace(0, 1, traced=traced, forward_only=not auto, like=like)
+                    activations[mode] = one_block[kind][mode].block_held[0]
+        # The routed tokens' activations from the traces whose blocks keep them (the recipe's, when it keeps all).
+        keeping = [traces["none"] for traces in one_block.values() if "none" in traces]
+        if config.activation_checkpoint.mode == "none":
+            keeping.append(estimate.ranks[0].trace)
+        estimate.routed_activations = max((held for t in keeping for held in t.routed_held), default=0)
     if compiled:
         estimate.compiled_saving = compiled_saving(config, model, layout, rows)
         for rank in estimate.ranks:
@@ -86,7 +98,7 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
     for rank in estimate.ranks:
         rank.peak_by_mode = {m: peak_with(estimate, rank, order, mode_ways(estimate, rank, m))[0] for m in MODES}
     if auto:
-        estimate.block_options, block_costs = block_ways(estimate, one_block)
+        estimate.kind_options, block_costs = block_ways(estimate, one_block)
         for rank in estimate.ranks:
             choose_checkpointing(estimate, rank, order, block_costs)
     _step_time(estimate, model.spec.flops_per_token(model.args, config.training.seq_len), order)

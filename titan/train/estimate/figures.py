@@ -42,8 +42,11 @@ class StepEstimate:
     microbatches: int  # per rank and schedule run (the pipeline's, under a pipeline)
     runs: int  # schedule runs per step: gradient accumulation under a pipeline, else 1
     params: int = 0  # the whole model's
-    block_activations: dict[str, int] = field(default_factory=dict)  # one block, one micro-batch, per mode
-    block_options: list[Option] = field(default_factory=list)  # mode = "auto": what the planner chose from
+    # Each layer's kind of block (ModelSpec.block_kinds), and one block's figures per kind, the first layer's first:
+    # a mixture of experts' routed blocks keep more than its dense ones.
+    kinds: list[str] = field(default_factory=list)
+    kind_activations: dict[str, dict[str, int]] = field(default_factory=dict)  # one block, one micro-batch, per mode
+    kind_options: dict[str, list[Option]] = field(default_factory=dict)  # mode = "auto": what the planner chose from
     # compile.enable: bytes less that a compiled block keeping everything keeps than an eager one, per rank
     compiled_saving: int = 0
     # A mixture of experts: what one MoE layer's routed experts keep for backward per micro-batch, without
@@ -53,6 +56,15 @@ class StepEstimate:
     order: list | None = None  # under a pipeline, each pipeline rank's schedule actions
     step_seconds: float = 0.0
     mfu: float = 0.0
+
+    @property
+    def block_activations(self) -> dict[str, int]:
+        """The first block's activations per mode (every block's, in a model of one kind of block)."""
+        return self.kind_activations[self.kinds[0]]
+
+    @property
+    def block_options(self) -> list[Option]:
+        return self.kind_options.get(self.kinds[0], [])
 
     @property
     def usable_bytes(self) -> float:

@@ -4,7 +4,7 @@ not fit."""
 from __future__ import annotations
 
 from titan.parallel.ac_choices import GIB
-from titan.train.elastic import snapshot_every
+from titan.train.buddy import snapshot_every
 from titan.train.estimate.experts import all_to_all_seconds
 from titan.train.estimate.figures import RankEstimate, StepEstimate
 from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
@@ -43,7 +43,7 @@ def format_estimate(estimate: StepEstimate) -> str:
         f"{estimate.rows} per rank{_share(estimate)}{schedule}{_runs(estimate.runs)}; "
         f"{_size(estimate.usable_bytes)} of {device.memory_gib:g} GiB usable "
         f"(plan.headroom_fraction {c.plan.headroom_fraction:g})",
-        f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, estimate.block_activations)}",
+        *_block_activations(estimate),
     ]
     if estimate.compiled_saving:
         keep = estimate.block_activations["none"]
@@ -54,8 +54,7 @@ def format_estimate(estimate: StepEstimate) -> str:
     if estimate.block_options:
         lines.append(
             f"activation_checkpoint auto, within {_budget(c)} per rank and micro-batch, "
-            "chose from (bytes kept, seconds added per block and micro-batch): "
-            + ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in estimate.block_options)
+            "chose from (bytes kept, seconds added per block and micro-batch): " + _block_options(estimate)
         )
     for rank in estimate.ranks:
         lines += ["", _rank_name(estimate, rank) + (f": layers {_spans(rank.layers)}" if layout.pp > 1 else "")]
@@ -70,6 +69,31 @@ def format_estimate(estimate: StepEstimate) -> str:
         "between nodes",
     ]
     return "\n".join(lines)
+
+
+def _block_activations(estimate: StepEstimate) -> list[str]:
+    """What one block keeps per mode: one line per kind of block, when the model has several (a mixture of
+    experts' dense and routed blocks)."""
+    kinds = estimate.kind_activations
+    if len(kinds) == 1:
+        return [f"activations one block keeps for backward, per micro-batch: {_by_mode(estimate, *kinds.values())}"]
+    modes = estimate.block_activations  # every kind's in the first one's order
+    return [
+        f"activations one {kind} block keeps for backward, per micro-batch: "
+        + _by_mode(estimate, {mode: activations[mode] for mode in modes})
+        for kind, activations in kinds.items()
+    ]
+
+
+def _block_options(estimate: StepEstimate) -> str:
+    """Auto checkpointing's ways to run a block, per kind of block when the model has several."""
+
+    def ways(options) -> str:
+        return ", ".join(f"{o.name} {_size(o.saved_bytes)} +{o.added_seconds:.3g} s" for o in options)
+
+    if len(estimate.kind_options) == 1:
+        return ways(estimate.block_options)
+    return "; ".join(f"{kind} blocks {ways(options)}" for kind, options in estimate.kind_options.items())
 
 
 def _share(estimate: StepEstimate) -> str:
@@ -247,6 +271,10 @@ def estimate_json(estimate: StepEstimate) -> dict:
         "mfu": estimate.mfu,
         "block_activation_bytes": estimate.block_activations,
         "block_options": [vars(o) for o in estimate.block_options],
+        # The same per kind of block (the first layer's kind first), and each layer's kind
+        "block_activation_bytes_by_kind": estimate.kind_activations,
+        "block_options_by_kind": {kind: [vars(o) for o in options] for kind, options in estimate.kind_options.items()},
+        "block_kinds": estimate.kinds,
         "routed_activation_bytes": estimate.routed_activations,
         "moe_load_imbalance": estimate.config.plan.moe_load_imbalance,
         "ranks": [

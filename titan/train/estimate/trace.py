@@ -98,17 +98,20 @@ def trace_rank(
     micro_batches: int,
     deeper: int = 0,
     optimizer: bool = True,
+    like: int | None = None,
 ) -> RankTrace:
     """Run `micro_batches` micro-batches of the context's rows (1, or 2 for a steady one after the first; 0: one
     forward only, for its activations) through the stages of pipeline rank `pp_rank`, each cut to its first
     `depth` blocks (its longest stage to `depth + deeper`), then the `optimizer` step, on the fake world's mesh.
-    The stages are parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's
-    first is the largest), and every cp rank as much of each row."""
+    `like`: every block built as that layer is, in place of the stage's own (one block of a kind). The stages are
+    parallelised as global rank 0 holds them: every rank of a stage holds alike shards (FSDP's first is the
+    largest), and every cp rank as much of each row."""
     plan, mesh = context.plan, context.mesh
     layers, n_stages, ids = plan.stage_layers, plan.n_stages, list(plan.stages(pp_rank))
     longest = max(ids, key=lambda s: len(layers[s]))
     blocks = [min(len(layers[s]), depth + deeper * (s == longest)) for s in ids]
-    stages = {s: _stage(context.model, b, s == 0, s == n_stages - 1) for s, b in zip(ids, blocks)}
+    built = {s: list(layers[s][:b]) if like is None else [like] * b for s, b in zip(ids, blocks)}
+    stages = {s: _stage(context.model, built[s], s == 0, s == n_stages - 1) for s in ids}
     for part in stages.values():
         parallelize(part, context.model.spec, config, plan, mesh)
         if plan.layout.cp > 1:
@@ -127,14 +130,14 @@ def trace_rank(
         return step.trace
 
 
-def _stage(model: ResolvedModel, blocks: int, first: bool, last: bool) -> nn.Module:
-    """A pipeline stage of `blocks` blocks on the meta device, built as a model of that many layers: blocks are
-    alike, and building only these is much quicker than cutting them from the whole model. Traceable: documents
-    get one attention call with a mask, as the GPU's flex attention takes them (the CPU's call per document needs
-    the data, which fake tensors do not have)."""
+def _stage(model: ResolvedModel, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """A pipeline stage of blocks built as the layers `layer_ids` are, on the meta device, as a model of that many
+    layers (each of its layer's kind: ModelSpec.layers_args): building only these is much quicker than cutting
+    them from the whole model. Traceable: documents get one attention call with a mask, as the GPU's flex attention
+    takes them (the CPU's call per document needs the data, which fake tensors do not have)."""
     with torch.device("meta"):
-        whole = model.spec.build(dataclasses.replace(model.args, n_layers=blocks), traceable=True)
-    return model.spec.pipeline_stage(whole, list(range(blocks)), first, last)
+        whole = model.spec.build(model.spec.layers_args(model.args, layer_ids), traceable=True)
+    return model.spec.pipeline_stage(whole, list(range(len(layer_ids))), first, last)
 
 
 def mesh_groups(mesh, layout: Layout) -> dict[str, tuple[int, ...]]:
