@@ -15,6 +15,7 @@ sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from titan.balance import layer_split, micro_batch_sizes, plan_shares
@@ -45,15 +46,17 @@ def pipeline_microbatches(p: Parallel) -> int:
 
 @dataclass(frozen=True)
 class Blocks:
-    """The model's blocks as the layer split sees them: how many, and the memory one takes in training (fp32
-    weights, gradients and two Adam moments: 16 bytes per parameter)."""
+    """The model's blocks as the layer split sees them: how many, and the memory each takes in training (fp32
+    weights, gradients and two Adam moments: 16 bytes per parameter; a MoE's routed blocks outweigh its dense
+    ones), by layer (empty: not counted)."""
 
     count: int
-    gib: float = 0.0
+    gib: tuple[float, ...] = ()
 
 
-def stage_layers(n_layers: int, p: Parallel, layer_gib: float = 0.0, counts: list[int] | None = None):
-    """Layer ids of every stage, for `n_layers` layers of `layer_gib` each: `counts` (a re-split's) or the recipe's
+def stage_layers(n_layers: int, p: Parallel, layer_gib: Sequence[float] = (), counts: list[int] | None = None):
+    """Layer ids of every stage, for `n_layers` layers of `layer_gib` each (by layer; empty: none): `counts` (a
+    re-split's) or the recipe's
     explicit counts, a split by stage speeds and memory caps, or an even split (earlier stages take the remainder,
     since the last stage also carries the output head)."""
     n_stages = p.pp * stages_per_rank(p)
@@ -75,11 +78,11 @@ def stage_layers(n_layers: int, p: Parallel, layer_gib: float = 0.0, counts: lis
         if caps is not None and len(caps) != n_stages:
             raise ConfigError(f"parallel.pp_stage_memory_gib {caps} must list {n_stages} caps, one per stage")
         try:
-            counts = layer_split([1.0] * n_layers, speeds, [layer_gib] * n_layers, caps)
+            counts = layer_split([1.0] * n_layers, speeds, list(layer_gib) or None, caps)
         except ValueError:
             raise ConfigError(
-                f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({layer_gib:.3g} GiB of "
-                "weights, gradients and Adam moments each) fits; raise the caps or use more stages"
+                f"parallel.pp_stage_memory_gib {caps}: no split of the {n_layers} layers ({_gib_each(layer_gib)} GiB "
+                "of weights, gradients and Adam moments each) fits; raise the caps or use more stages"
             ) from None
     if counts:
         if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
@@ -91,6 +94,11 @@ def stage_layers(n_layers: int, p: Parallel, layer_gib: float = 0.0, counts: lis
         counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
     starts = [sum(counts[:s]) for s in range(n_stages)]
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def _gib_each(layer_gib: Sequence[float]) -> str:
+    low, high = min(layer_gib, default=0.0), max(layer_gib, default=0.0)
+    return f"{high:.3g}" if low == high else f"{low:.3g} to {high:.3g}"
 
 
 def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:

@@ -176,31 +176,32 @@ def test_memory_caps_bound_the_recipe_s_split():
     from titan.run_plan import stage_layers
 
     fast_but_small = Parallel(pp=2, pp_stage_speeds=[1.0, 3.0], pp_stage_memory_gib=[4.0, 2.0])
-    assert stage_layers(4, fast_but_small, layer_gib=1.0) == [[0, 1], [2, 3]]  # the fast stage holds only 2
+    assert stage_layers(4, fast_but_small, layer_gib=[1.0] * 4) == [[0, 1], [2, 3]]  # the fast stage holds only 2
     with pytest.raises(ConfigError, match="no split of the 4 layers"):
-        stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 1.0], pp_stage_memory_gib=[1.0, 1.0]), layer_gib=1.0)
+        stage_layers(4, Parallel(pp=2, pp_stage_speeds=[1.0, 1.0], pp_stage_memory_gib=[1.0, 1.0]), layer_gib=[1.0] * 4)
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_memory_caps_alone_bound_an_even_split_as_brute_force_does(seed):
     """pp_stage_memory_gib without pp_stage_speeds: the fewest layers on the busiest stage among the splits
-    within the caps."""
+    within the caps, for layers of different sizes (a MoE's dense and routed blocks)."""
     from titan.config import Parallel
     from titan.errors import ConfigError
     from titan.run_plan import stage_layers
 
     rng = random.Random(seed)
     stages = rng.randint(2, 4)
-    layers, layer_gib = rng.randint(stages, 9), rng.uniform(0.5, 2)
+    layers = rng.randint(stages, 9)
+    layer_gib = [rng.uniform(0.5, 2) for _ in range(layers)]
     caps = [rng.uniform(1, 8) for _ in range(stages)]
     parallel = Parallel(pp=stages, pp_schedule="1F1B", pp_stage_memory_gib=caps)
-    feasible = [c for c in compositions(layers, stages, 1) if stage_memory_fits(c, [layer_gib] * layers, caps)]
+    feasible = [c for c in compositions(layers, stages, 1) if stage_memory_fits(c, layer_gib, caps)]
     if not feasible:
         with pytest.raises(ConfigError, match="no split"):
             stage_layers(layers, parallel, layer_gib)
         return
     counts = [len(ids) for ids in stage_layers(layers, parallel, layer_gib)]
-    assert sum(counts) == layers and min(counts) >= 1 and stage_memory_fits(counts, [layer_gib] * layers, caps)
+    assert sum(counts) == layers and min(counts) >= 1 and stage_memory_fits(counts, layer_gib, caps)
     assert max(counts) == min(max(c) for c in feasible)
 
 

@@ -40,6 +40,19 @@ def test_block_params_count_each_block_as_built(family, flavor):
     assert [args.block_params(layer) for layer in range(args.n_layers)] == built
 
 
+def test_the_layer_split_holds_each_block_at_its_own_size():
+    """A pipeline's stage memory caps are held against each block's own weights, gradients and Adam moments (16
+    bytes a parameter, as built on the meta device): DeepSeek-V3-16B's dense first layer is far lighter than its
+    routed ones, which a split sized by the first block would pack several times too many of into a stage."""
+    spec = models.get_model_spec("moe")
+    args = spec.flavors["deepseek_v3_16b"]
+    with torch.device("meta"):
+        built = [sum(p.numel() for p in block.parameters()) for block in spec.blocks(spec.build(args))]
+    blocks = models.model_blocks(args)
+    assert blocks.gib == tuple(16 * n / 2**30 for n in built)
+    assert blocks.gib[0] < blocks.gib[1] / 5
+
+
 @pytest.mark.parametrize("flavor", PUBLISHED_PARAMETERS)
 def test_flavor_output_shape_on_meta(flavor):
     with torch.device("meta"):

@@ -149,6 +149,6 @@ def _override_hint(family: str, key: str, fields) -> str:
 
 
 def model_blocks(args: Args) -> Blocks:
-    """The model's blocks for the layer split, with the memory one takes in training: its fp32 weights, gradients
+    """The model's blocks for the layer split, with the memory each takes in training: its fp32 weights, gradients
     and two Adam moments (16 bytes per parameter), counted from the args without building the model."""
-    return Blocks(args.n_layers, 16 * args.block_params(0) / 2**30)
+    return Blocks(args.n_layers, tuple(16 * args.block_params(layer) / 2**30 for layer in range(args.n_layers)))
