@@ -162,7 +162,7 @@ class BuddySnapshots(Checkpointer):
     def _seal(self, tmp: Path, final: Path, proven: bool) -> None:
         mine = sorted(p.name for p in tmp.iterdir() if p.is_file() and self._wrote(p.name))
         hashes = sha256_files(tmp, mine)
-        shares = self._everyone(hashes)
+        shares = self.everyone(hashes)
         if self.rank == 0:
             index = {"world": self.world, "files": {name: entry for share in shares for name, entry in share.items()}}
             (tmp / INDEX).write_text(json.dumps(index))
@@ -193,7 +193,7 @@ class BuddySnapshots(Checkpointer):
         shard = SHARD.match(name)
         return int(shard.group(1)) == self.rank if shard else self.rank == 0
 
-    def _everyone(self, mine):
+    def everyone(self, mine):
         """Every rank's `mine` (picklable), by rank."""
         if self.control_group is None:
             return [mine]
@@ -209,7 +209,7 @@ class BuddySnapshots(Checkpointer):
         SIGTERM's save)."""
         holders: dict[int, dict[int, int]] = {}  # step -> {its rank: the lowest rank that holds its files}
         worlds: dict[int, int] = {}
-        for holder, steps in reversed(list(enumerate(self._everyone(_held(self.folder, after, before))))):
+        for holder, steps in reversed(list(enumerate(self.everyone(_held(self.folder, after, before))))):
             for step, (ranks, world) in steps.items():
                 holders.setdefault(step, {}).update(dict.fromkeys(ranks, holder))
                 worlds[step] = world or worlds.get(step, 0)
@@ -222,9 +222,9 @@ class BuddySnapshots(Checkpointer):
         small = {}
         if holder_of[0] == self.rank:
             small = {p.name: p.read_bytes() for p in (snap / "rank-0").iterdir() if not SHARD.match(p.name)}
-        small = {name: data for share in self._everyone(small) for name, data in share.items()}
+        small = {name: data for share in self.everyone(small) for name, data in share.items()}
         files = json.loads(small.pop(INDEX))["files"]
-        problems = [p for share in self._everyone(self._check_held(snap, holder_of, files)) for p in share]
+        problems = [p for share in self.everyone(self._check_held(snap, holder_of, files)) for p in share]
         if problems:
             return None, f"step {step}'s {problems[0]}"
         folder = self.folder / f".restore-{step}-rank-{self.rank}"
@@ -281,7 +281,7 @@ class BuddySnapshots(Checkpointer):
                 asked.setdefault(holder_of[rank], []).extend((rank, name, *span) for span in sorted(spans))
         if self.control_group is None:
             return
-        requests = self._everyone(asked)
+        requests = self.everyone(asked)
         sent = [_ranges(snap, requests[r].get(self.rank, [])) for r in range(self.world)]
         sizes = [sum(length for *_, length in asked.get(r, [])) for r in range(self.world)]
         received = torch.empty(sum(sizes), dtype=torch.uint8)

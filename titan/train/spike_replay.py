@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.resume import PARTS
 from titan.observe.profiling import StepClock
@@ -45,7 +43,7 @@ class SpikeReplay:
                  watchdog: Watchdog, clock: StepClock, run_dir: Path):  # fmt: skip
         self.spikes, self.digests, self.snapshots, self.checkpointer = spikes, digests, snapshots, checkpointer
         self.watchdog, self.clock, self.run_dir = watchdog, clock, run_dir
-        self.rank, self.world, self.group = snapshots.rank, snapshots.world, snapshots.control_group
+        self.rank = snapshots.rank
         self.snapshotted: deque[int] = deque(maxlen=2)  # the steps of the snapshots held (BuddySnapshots keeps two)
 
     def after_step(self, run: RunState) -> float:
@@ -98,9 +96,7 @@ class SpikeReplay:
                 self.watchdog.enter("spike replay", step)
                 run_step(step)
         mine = ({s: self.digests.recent[s] for s in steps}, replayed)
-        everyone = [mine] if self.group is None else [None] * self.world
-        if self.group is not None:
-            dist.all_gather_object(everyone, mine, group=self.group)
+        everyone = self.snapshots.everyone(mine)
         recorded, again = ([{"steps": lines[i]} for lines in everyone] for i in (0, 1))
         _, culprit = bitwise(recorded, again, steps)
         source = f"replayed from the in-memory snapshot of step {start} on the run's layout"
