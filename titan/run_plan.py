@@ -22,8 +22,22 @@ from titan.balance import layer_split, micro_batch_sizes, plan_shares
 from titan.config import Config, Layout, Parallel
 from titan.errors import ConfigError
 
-# torch's schedules that run several stages per rank (PipelineScheduleMulti; tests/core/test_run_plan.py checks it).
-MULTI_STAGE_SCHEDULES = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
+# torch.distributed.pipelining's schedules as its get_schedule_class names them (in its order: its error lists
+# them), and whether each is a PipelineScheduleMulti, which may run several stages per rank
+# (tests/core/test_run_plan.py checks both against torch).
+PP_SCHEDULES = {
+    "1F1B": False,
+    "Interleaved1F1B": True,
+    "GPipe": False,
+    "LoopedBFS": True,
+    "InterleavedZeroBubble": True,
+    "PipelineScheduleSingle": False,
+    "PipelineScheduleMulti": True,
+    "ZBVZeroBubble": True,
+    "DualPipeV": True,
+}
+# The named schedules that run two stages per rank unless told otherwise (the base class aside).
+MULTI_STAGE_SCHEDULES = {n.lower() for n, several in PP_SCHEDULES.items() if several and n != "PipelineScheduleMulti"}
 # Schedules whose stages sit on the ranks in a V (rank r holds stages r and 2*pp-1-r).
 V_SHAPED = {"zbvzerobubble", "dualpipev"}
 

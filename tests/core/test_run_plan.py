@@ -9,8 +9,8 @@ from conftest import ROOT
 from titan.config import Config, Layout, Parallel, Training
 from titan.errors import ConfigError
 from titan.models.llama import FLAVORS
-from titan.parallel.checks import PP_SCHEDULES, check_layout
-from titan.run_plan import MULTI_STAGE_SCHEDULES, Blocks, run_plan, stages_per_rank
+from titan.parallel.checks import check_layout
+from titan.run_plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, Blocks, run_plan, stages_per_rank
 
 
 def test_the_multi_stage_schedules_are_torchs():

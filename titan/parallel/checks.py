@@ -10,25 +10,11 @@ from typing import TYPE_CHECKING
 from titan.config import Config, Layout
 from titan.errors import ConfigError
 from titan.models import Args
-from titan.run_plan import V_SHAPED, stages_per_rank
+from titan.run_plan import PP_SCHEDULES, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     import torch
 
-# torch.distributed.pipelining's schedules as its get_schedule_class names them (in its order: its error lists
-# them), and whether each is a PipelineScheduleMulti, which may run several stages per rank
-# (tests/core/test_run_plan.py checks both against torch).
-PP_SCHEDULES = {
-    "1F1B": False,
-    "Interleaved1F1B": True,
-    "GPipe": False,
-    "LoopedBFS": True,
-    "InterleavedZeroBubble": True,
-    "PipelineScheduleSingle": False,
-    "PipelineScheduleMulti": True,
-    "ZBVZeroBubble": True,
-    "DualPipeV": True,
-}
 # Schedules that split backward into input- and weight-gradient passes.
 ZERO_BUBBLE = {"interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
