@@ -1,3 +1,5 @@
+import atexit
+import functools
 import multiprocessing
 import os
 import subprocess
@@ -36,59 +38,75 @@ def pytest_cmdline_main(config):
         config.option.dist = "loadfile"
 
 
-def run_titan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI (`python -m titan ...`) from the repository root, as a user would."""
+# Variables read when a module is imported (the import profiler, huggingface_hub's endpoint, cache and offline
+# flags): a run that sets one needs an interpreter of its own, since the forkserver imported everything already.
+_READ_AT_IMPORT = ("PYTHON", "HF_")
+
+
+def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False):
+    """Run the real CLI (`titan ARGS`) from the repository root, as a user would: the same entry point, exit
+    status, stdout and stderr as `python -m titan`. The process is forked from a server that imported torch and
+    titan once (about 5 s saved per run); `fresh`, or an environment variable read at import, starts a new
+    interpreter instead."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "titan", *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    if fresh or any(key.startswith(_READ_AT_IMPORT) for key in env or {}):
+        return subprocess.run([sys.executable, "-m", "titan", *args], cwd=ROOT, env=full_env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="titan-cli-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        child = _forkserver().Process(target=_titan_in_this_process, args=(list(args), full_env, str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(["titan", *args], timeout, _text(out), _text(err))
+        if child.exitcode == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
+            return run_titan(*args, env=env, timeout=timeout, fresh=True)
+        return subprocess.CompletedProcess(["titan", *args], child.exitcode, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    """What a forked run wrote to a stream; empty where it died before opening it."""
+    return path.read_text() if path.exists() else ""
+
+
+def run_titan_many(runs: list[tuple[list[str], dict]], workers: int = 3) -> list[subprocess.CompletedProcess]:
+    """run_titan(*args, env=env) for each (args, env) of `runs`, `workers` at a time; the results in order."""
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda run: run_titan(*run[0], env=run[1]), runs))
+
+
+@functools.cache
+def _forkserver():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "titan.cli", "titan.train.trainer"])
+    return context
 
 
 def _titan_in_this_process(args: list[str], env: dict, out: str, err: str) -> None:
-    """A forked child's body: the CLI's entry point with this process's stdout and stderr going to files."""
+    """A forked child's body: the CLI's entry point in the run's environment, with stdout and stderr going to
+    files. Its exit status is main()'s (multiprocessing turns a SystemExit into it, and prints any other exception's
+    traceback as the interpreter would); the exit handlers run as an interpreter's do."""
     os.chdir(ROOT)
+    os.environ.clear()
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, out), (2, err)):
         with open(path, "wb") as f:
             os.dup2(f.fileno(), fd)
     sys.argv = ["titan", *args]
     from titan.cli import main
 
-    code = 1
     try:
         main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()  # as the interpreter would print it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def run_titan_forked(runs: list[tuple[list[str], dict]], tmp: Path, workers: int = 3) -> list:
-    """Like :func:`run_titan` for many runs, each in its own process forked from a server that imported torch and
-    titan once (~5 s saved per run): the same entry point, exit status, stdout and stderr as `python -m titan`."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "titan.cli", "titan.train.trainer"])
-
-    def one(i: int) -> subprocess.CompletedProcess:
-        args, env = runs[i]
-        out, err = tmp / f"run{i}.out", tmp / f"run{i}.err"
-        child = context.Process(target=_titan_in_this_process, args=(args, env, str(out), str(err)))
-        child.start()
-        child.join(600)
-        if child.is_alive():
-            child.kill()
-        if child.exitcode == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
-            return run_titan(*args, env=env)
-        return subprocess.CompletedProcess(args, child.exitcode, out.read_text(), err.read_text())
-
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, range(len(runs))))
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
@@ -116,3 +134,22 @@ def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
 def _repo_root_cwd(monkeypatch):
     # Recipes name data/ and tokenizer paths relative to the repository root.
     monkeypatch.chdir(ROOT)
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went, per test file (setup, call and teardown summed; the workers run files side by side), so
+    that a slow machine shows what to trim. --durations=25 (pyproject.toml) lists the slowest tests above it."""
+    if len(_FILE_SECONDS) < 2:
+        return
+    terminalreporter.write_sep("=", "time per test file (the slowest 25)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s  in all, {len(_FILE_SECONDS)} files")

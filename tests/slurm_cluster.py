@@ -259,7 +259,8 @@ class SlurmCluster:
 
     def lose_node(self, node: str) -> None:
         """The node's loss as its jobs see it: its slurmd and every process of its job steps (SLURMD_NODENAME)
-        killed at once."""
+        killed at once, and the node marked down, as slurmctld marks it once SlurmdTimeout passes: at once here, so
+        that its jobs meet the node failure while they still run, whatever the machine's speed."""
         self._daemons.pop(f"slurmd-{node}").kill()
         marker = f"SLURMD_NODENAME={node}".encode()
         for pid in self._leftover_pids():
@@ -268,6 +269,7 @@ class SlurmCluster:
                     os.kill(pid, signal.SIGKILL)
             except OSError:
                 continue
+        self._run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost"])
 
     # -----------------------------------------------------------------------------------------
     # Jobs

@@ -15,6 +15,7 @@ import torch
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import run_distributed
 from helpers import SAVED, SMALL, assert_one_line_error, start_long_run, straight_and_resumed, trainer_for
+from runs import trained_run
 from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.format import single_process_quiet
 from titan.checkpoint.resume import complete_checkpoints
@@ -251,10 +252,8 @@ def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("saved")
-    trainer_for(root, **SAVED).train()
-    return root / "debug" / "checkpoints" / "step-2"
+def saved_run():
+    return trained_run(**SAVED) / "debug" / "checkpoints" / "step-2"
 
 
 def train_resuming(tmp_path, checkpoint, **extra):

@@ -20,11 +20,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides  # noqa: E402
+from conftest import ROOT, run_titan  # noqa: E402
 from helpers import SMALL, assert_one_line_error  # noqa: E402
+from runs import trained_run  # noqa: E402
 from titan.checkpoint import hf as hf_io  # noqa: E402
-from titan.config import load_config  # noqa: E402
-from titan.train.trainer import Trainer  # noqa: E402
 
 # Four steps, validated and saved every two: a checkpoint before the run's end, whose card must not take the
 # losses logged after it.
@@ -41,16 +40,14 @@ RUN = {
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("run")
-    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(root, **RUN))).train()
-    return root / "debug"
+def run_dir() -> Path:
+    return trained_run(**RUN) / "debug"
 
 
 @pytest.fixture(scope="module")
-def exported(run_dir) -> Path:
+def exported(run_dir, tmp_path_factory) -> Path:
     """The run's newest checkpoint (step 4) through the CLI."""
-    out = run_dir.parent / "hf"
+    out = tmp_path_factory.mktemp("export") / "hf"
     result = run_titan("convert", "dcp-to-hf", str(run_dir), str(out))
     assert result.returncode == 0, result.stderr
     return out

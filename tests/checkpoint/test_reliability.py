@@ -13,6 +13,7 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, full_weights, start_long_run, trainer_for
+from runs import trained_run
 from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.format import seal, verify
 from titan.checkpoint.resume import changed_keys, complete_checkpoints
@@ -21,6 +22,7 @@ from titan.errors import ConfigError
 from titan.optim import FiniteFlags
 from titan.train.step import StepHook
 from titan.train.stop import NonFinite
+from titan.train.trainer import Trainer
 
 
 def train(tmp_path, **extra):
@@ -72,19 +74,67 @@ def stopped_at(result) -> int:
     return int(re.search(r"^error: step (\d+):", result.stderr, re.MULTILINE).group(1))
 
 
+class Diverging(StepHook):
+    """A run that diverges at step `at_step` (its loss turns NaN) when trained at lr `lr` or more, or when it
+    resumed from the weights that step started from: a stand-in for a learning rate too high that every machine
+    rounds alike (the real run trains at that lr without trouble). `lr` and `start` are set from the trainer."""
+
+    def __init__(self, at_step: int, lr: float):
+        self.at_step, self.limit, self.lr, self.start = at_step, lr, None, None
+
+    def loss(self, step, loss):
+        poisoned = self.lr >= self.limit or self.start >= self.at_step - 1
+        return loss * float("nan") if step + 1 == self.at_step and poisoned else loss
+
+
+def diverging_trainer(tmp_path, overrides: dict) -> Trainer:
+    trainer = trainer_for(tmp_path, Diverging(at_step=9, lr=3e-3), **overrides)
+    trainer.hook.lr, trainer.hook.start = trainer.config.optimizer.lr, trainer.step
+    return trainer
+
+
+def advice_overrides(error: str) -> dict:
+    """The overrides the NaN stop's line says to add to the command."""
+    flags = re.search(r"adding (.+) to the command", error).group(1).split()
+    return {flag.removeprefix("--"): value for flag, value in zip(flags[::2], flags[1::2])}
+
+
 # The NaN comes at step 9: every 8 steps, the only checkpoint holds the weights it came from.
 @pytest.mark.parametrize("interval", ["1", "8"], ids=["a checkpoint known good", "none known good"])
 def test_following_the_nan_stops_advice_trains_past_the_step_that_failed(tmp_path, interval):
-    # An lr high enough to end in a NaN, not so high that the weights are ruined before any checkpoint.
-    high = {**HUGE_LR, "optimizer.lr": "300", "training.steps": "12", "checkpoint.interval": interval}
-    failed = train(tmp_path, **high)
-    assert_one_line_error(failed, "nan", "lower learning rate")
-    advice = re.search(r"adding (.+) to the command", failed.stderr).group(1).split()
-    # The same command with the advice added, as the line says: it resumes from weights whose next step was
-    # finite, so the lower lr decides what follows (resuming from the step before the NaN would meet it again).
-    followed = run_titan("train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **high}),
-                         *advice)  # fmt: skip
-    assert followed.returncode == 0 or stopped_at(followed) > stopped_at(failed), followed.stderr
+    high = {**HUGE_LR, "optimizer.lr": "3e-3", "training.steps": "12", "checkpoint.interval": interval}
+    with pytest.raises(NonFinite) as failed:
+        diverging_trainer(tmp_path, high).train()
+    assert "step 9:" in str(failed.value) and "lower learning rate" in str(failed.value)
+    advice = advice_overrides(str(failed.value))
+    assert float(advice["optimizer.lr"]) == 1.5e-3
+    # The same run with the advice added, as the line says: it resumes from weights whose next step was healthy
+    # (step 7's; resuming from step 8's would meet the NaN again), or starts again where none is known good.
+    assert advice.get("checkpoint.load_step", advice.get("checkpoint.resume")) == ("7" if interval == "1" else "never")
+    followed = diverging_trainer(tmp_path, {**high, **advice})
+    start = followed.step
+    assert start == (7 if interval == "1" else 0)
+    assert len(followed.train()) == 12 - start
+
+
+def test_a_checkpoint_whose_next_step_spiked_is_not_known_good(tmp_path):
+    """A diverging run's loss spikes before it turns NaN: the weights the spiking step started from are already
+    ruined, so the NaN stop names the checkpoint before them, by the run's own spike rule."""
+
+    class SpikeThenNan(StepHook):
+        def loss(self, step, loss):
+            return loss * {8: 1e3, 9: float("nan")}.get(step + 1, 1.0)
+
+    # A planted loss 1000 times the run's is tens of thousands of deviations above it; no step of this run's own
+    # comes near 100.
+    spike_rule = {"replay.spike_zscore": "100", "replay.spike_window": "4"}
+    overrides = {**HUGE_LR, **spike_rule, "optimizer.lr": "3e-3", "checkpoint.keep_latest_k": "0"}
+    trainer = trainer_for(tmp_path, SpikeThenNan(), **overrides)
+    with pytest.raises(NonFinite) as stop:
+        trainer.train()
+    found = checkpoints(tmp_path)
+    assert [step for step, path in found.items() if proven(path)] == [1, 2, 3, 4, 5, 6]
+    assert f"last good checkpoint is {found[6]}:" in str(stop.value) and "--checkpoint.load_step 6" in str(stop.value)
 
 
 def proven(path) -> bool:
@@ -416,10 +466,8 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_is_take
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two")
-    trainer_for(root, **{"training.steps": "4", "checkpoint.interval": "2", "lr_scheduler.warmup_steps": "1"}).train()
-    return root
+def two_checkpoints():
+    return trained_run(**{"training.steps": "4", "checkpoint.interval": "2", "lr_scheduler.warmup_steps": "1"})
 
 
 def copy_run(source, tmp_path):

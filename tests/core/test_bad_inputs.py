@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked, tiny_overrides
-from helpers import SAVED, SMALL, assert_one_line_error, imported_modules, torchrun, trainer_for
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_many, tiny_overrides
+from helpers import SAVED, SMALL, assert_one_line_error, imported_modules, torchrun
+from runs import trained_run
 from titan.checkpoint.format import INDEX, MANIFEST, MARKER, PROVEN, CheckpointReader, sha256_files
 
 
@@ -926,10 +927,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("saved")
-    trainer_for(root, **SAVED).train()
-    return root / "debug" / "checkpoints" / "step-2"
+def saved() -> Path:
+    return trained_run(**SAVED) / "debug" / "checkpoints" / "step-2"
 
 
 def case_run(case, tmp: Path, saved: Path) -> tuple[list[str], dict]:
@@ -951,7 +950,7 @@ def results(tmp_path_factory, saved) -> dict:
     of a fresh run is that import). A recipe refused without importing torch is tested on its own below."""
     root = tmp_path_factory.mktemp("cases")
     runs = [case_run(c, root / f"case{i}", saved) for i, c in enumerate(CASES)]
-    return {c[0]: result for c, result in zip(CASES, run_titan_forked(runs, root))}
+    return {c[0]: result for c, result in zip(CASES, run_titan_many(runs))}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -1368,7 +1367,7 @@ def crafted_results(tmp_path_factory, saved) -> dict:
     root = tmp_path_factory.mktemp("crafted")
     keys = [(i, command) for i, case in enumerate(CRAFTED) for command in (*READERS, "upgrade")[: 3 + bool(case[3])]]
     runs = [crafted_run(CRAFTED[i], command, root / f"case{i}-{command}", saved) for i, command in keys]
-    results = run_titan_forked(runs, root)
+    results = run_titan_many(runs)
     return {key: (result, root / f"case{key[0]}-{key[1]}" / "ran") for key, result in zip(keys, results)}
 
 
@@ -1543,7 +1542,7 @@ def folder_results(tmp_path_factory, saved, hf_folder) -> dict:
     root = tmp_path_factory.mktemp("folders")
     keys = [(i, command) for i, case in enumerate(FOLDERS) for command in FOLDER_READERS[case[1]]]
     runs = [folder_run(FOLDERS[i], command, root / f"case{i}-{command}", saved, hf_folder) for i, command in keys]
-    return dict(zip(keys, run_titan_forked(runs, root)))
+    return dict(zip(keys, run_titan_many(runs)))
 
 
 @pytest.mark.parametrize("index", range(len(FOLDERS)), ids=[c[0] for c in FOLDERS])

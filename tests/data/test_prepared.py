@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_forked
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_many
 from helpers import assert_one_line_error
 from titan.cli import app
 from titan.config import DataSource
@@ -377,7 +377,7 @@ def test_bad_sources_through_the_cli_exit_2_with_one_error_line(tmp_path):
         (tmp_path / case).mkdir()
         (tmp_path / case / name).write_bytes(content)
         runs.append((prepare_args(tmp_path / case / name, tmp_path / "cache"), {}))
-    for case, result in zip(BAD_SOURCES, run_titan_forked(runs, tmp_path)):
+    for case, result in zip(BAD_SOURCES, run_titan_many(runs)):
         assert_one_line_error(result, *BAD_SOURCES[case][2])
 
 

@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
-from helpers import MODEL, torchrun
+from conftest import run_titan
+from helpers import torchrun
+from run_files import GLOBAL_BATCH, STEPS, assert_close_losses, grad_norms, losses, recipe, tokens_seen
 
-STEPS = 10  # the docs' tables were measured over 20
-GLOBAL_BATCH = 8
 # (world size, parallel overrides, data-parallel size): every way a gradient is split. FSDP2 x TP2 shards the
 # embedding and output over both dims (_StridedShard on dp_shard), which a first fp64 version of the gradient norm
 # summed over tp only.
@@ -24,36 +23,6 @@ LAYOUTS = {
     "fsdp2_tp2": (4, {"parallel.dp_shard": "2", "parallel.tp": "2"}, 2),
     "pp2_fsdp2": (4, {"parallel.pp": "2", "parallel.dp_shard": "2"}, 2),
 }
-# Measured on this machine over 20 fp32 steps with document masking, both batch splits and both resume
-# directions: the layouts' losses differ from one process by at most 1.8e-7 relative (reductions sum in other
-# orders). The bound leaves ~5x, and is 10x tighter than the 1e-5 a user is promised. A wrong global batch (the
-# old loader's per-rank document split) differs by ~1e-3 from the first step; optimizer state lost on resume
-# by ~4e-3 from the second step after it.
-LOSS_RTOL = 1e-6
-
-
-def recipe(tmp, name: str, **extra) -> list[str]:
-    values = {
-        **MODEL,
-        "training.steps": str(STEPS),
-        "training.global_batch_size": str(GLOBAL_BATCH),
-        "checkpoint.enable": "false",
-        "job.name": name,
-        **extra,
-    }
-    return ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp, **values)]
-
-
-def losses(run_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def assert_close_losses(got: dict, want: dict, what: str):
-    assert got.keys() == want.keys(), what
-    worst = max(abs(got[s] - want[s]) / want[s] for s in want)
-    assert worst < LOSS_RTOL, f"{what}: losses differ by {worst:.2e} relative"
-
 
 # Gradient accumulation (local batch below the data-parallel share) on some layouts and not others: the
 # losses must not depend on it either.
@@ -152,13 +121,3 @@ def test_cost_balanced_documents_train_the_single_process_losses(tmp_path):
         assert_close_losses(losses(tmp_path / name), reference, name)
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert sum("predicted_imbalance" in r and "measured_step_s" in r for r in records) == STEPS  # logged every step
-
-
-def tokens_seen(run_dir) -> dict[int, int]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
-
-
-def grad_norms(run_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_cli_equivalence import assert_close_losses, losses, recipe, tokens_seen
 from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import DEBUG_RECIPE, run_titan
@@ -30,6 +29,7 @@ from helpers import (
     record_kernels,
     torchrun,
 )
+from run_files import assert_close_losses, losses, recipe, tokens_seen
 from titan import rng
 from titan.config import load_config
 from titan.parallel.cp.blocks import BlockAttention, BlockKernel

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_cli_equivalence import assert_close_losses, grad_norms, losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from conftest import ROOT, run_titan, tiny_overrides
 from distributed import free_port, run_distributed
+from run_files import assert_close_losses, grad_norms, losses
 from titan.checkpoint.format import CheckpointReader
 from titan.models.moe.experts import swiglu
 from titan.parallel.ep import ExpertParallel

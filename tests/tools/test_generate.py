@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, run_titan, run_titan_forked
+from conftest import ROOT, run_titan, run_titan_many
 from distributed import free_port, run_distributed
 from helpers import TOL, assert_one_line_error, full_weights, max_diff, trainer_for
 from titan.checkpoint import hf as hf_io
@@ -328,7 +328,7 @@ def test_cli_errors_are_one_line(run_dir, tmp_path):
         ([*given, "--tp", "2"], ["--tp 2", "torchrun --nproc-per-node 2"]),
         ([*given, "--max-new-tokens", "5000"], ["max_seq_len 2048"]),
     ]
-    results = run_titan_forked([(args, {}) for args, _ in cases], tmp_path)
+    results = run_titan_many([(args, {}) for args, _ in cases])
     for (_, words), result in zip(cases, results):
         assert_one_line_error(result, *words)
 

@@ -7,11 +7,11 @@ import math
 import typing
 
 import pytest
-from test_plan_ep import MOE_RECIPE, all_to_all_by_hand
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from distributed import run_distributed
+from expert_plan import MOE_RECIPE, all_to_all_by_hand
 from titan.config import Layout, PlanTarget, load_config
 from titan.parallel.ac_choices import GIB, fastest_choices
 from titan.train.estimate.counters import Cost, StepCounter, StepPeak, total_bytes

@@ -8,7 +8,8 @@ Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format/:
     data.json               the data loader's position: the next global sample (the same on every rank)
     manifest.json           every other file's size and SHA-256
     COMPLETE                written last; a folder without it is never loaded
-    NEXT_STEP_FINITE        added once the step after it ran finite: a checkpoint known to train on (last_good)
+    NEXT_STEP_FINITE        added once the step after it ran healthy (finite, and no spike by replay.spike_zscore):
+                            a checkpoint known to train on (last_good)
 
 A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
 the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. This module saves,
@@ -124,7 +125,7 @@ class Checkpointer:
         self.resumed_state: dict = {}  # the loaded train_state.json
         self._pending: tuple[Future | None, Path, Path] | None = None
         # The step of the checkpoint this run saved or resumed from whose next step has not run yet, and whether
-        # that step ran finite before the checkpoint's save was sealed (see step_ran).
+        # that step ran healthy before the checkpoint's save was sealed (see step_ran).
         self._unproven: int | None = None
         self._prove_when_sealed = False
         if self.rank == 0:
@@ -275,15 +276,16 @@ class Checkpointer:
             self._prove(final)
         self._prune()
 
-    def step_ran(self, step: int, finite: bool) -> None:
-        """Step `step` ran, finite or not (every rank calls this, in step order). Its loss and gradient norm were
-        computed from the weights of checkpoint `step - 1`, if this run saved or resumed from one: finite, they
-        prove it good (last_good), whatever came of the update. A save still in flight is proven once sealed.
-        (Step `step - 1`'s own loss says nothing of the weights its update produced.)"""
+    def step_ran(self, step: int, healthy: bool) -> None:
+        """Step `step` ran, healthy or not (every rank calls this, in step order). Its loss and gradient norm were
+        computed from the weights of checkpoint `step - 1`, if this run saved or resumed from one: healthy (finite,
+        and no spike by the run's spike rule), they prove it good (last_good), whatever came of the update. A save
+        still in flight is proven once sealed. (Step `step - 1`'s own loss says nothing of the weights its update
+        produced.)"""
         if self._unproven != step - 1:
             return
         self._unproven = None
-        if not finite:
+        if not healthy:
             return
         if self._pending is not None and self._pending[2].name == f"step-{step - 1}":
             self._prove_when_sealed = True
@@ -296,7 +298,7 @@ class Checkpointer:
         fsync(path)
 
     def last_good(self) -> Path | None:
-        """The newest complete checkpoint whose next step ran finite: resuming from it does not meet the same NaN.
+        """The newest complete checkpoint whose next step ran healthy: resuming from it does not meet the same NaN.
         (The final step's checkpoint, whose next step never ran, is not one until a later run proves it.)"""
         for path in reversed(complete_checkpoints(self.folder).values()):
             if (path / PROVEN).is_file():

@@ -111,9 +111,11 @@ class SpikeWatch:
         self.recent = {what: deque(maxlen=cfg.spike_window) for what in ("loss", "gradient norm")}
         self.flagged: list[int] | None = [] if cfg.on_spike else None  # the spiked steps not yet replayed
 
-    def check(self, step: int, loss: float, grad_norm: float) -> None:
+    def check(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether the step's loss or gradient norm is a spike."""
+        spiked = False
         if not self.threshold:
-            return
+            return spiked
         for what, value in (("loss", loss), ("gradient norm", grad_norm)):
             recent = self.recent[what]
             if not math.isfinite(value):
@@ -121,11 +123,13 @@ class SpikeWatch:
             if len(recent) == recent.maxlen and (spread := statistics.pstdev(recent)) > 0:
                 zscore = (value - statistics.fmean(recent)) / spread
                 if zscore > self.threshold:
+                    spiked = True
                     if self.rank == 0:
                         self._report(step, what, value, zscore)
                     if self.flagged is not None and step not in self.flagged:
                         self.flagged.append(step)
             recent.append(value)
+        return spiked
 
     def _report(self, step: int, what: str, value: float, zscore: float) -> None:
         log.warning(

@@ -96,8 +96,9 @@ class NonFiniteSteps:
         self.config, self.checkpointer, self.metrics = config, checkpointer, metrics
         self.skipped_in_a_row = 0
 
-    def check(self, step: int, loss: float, grad_norm: float) -> None:
-        self.checkpointer.step_ran(step, math.isfinite(loss) and math.isfinite(grad_norm))
+    def check(self, step: int, loss: float, grad_norm: float, spiked: bool = False) -> None:
+        """`spiked`: the run's spike rule (replay.spike_zscore) flagged the step."""
+        self.checkpointer.step_ran(step, healthy=math.isfinite(loss) and math.isfinite(grad_norm) and not spiked)
         if math.isfinite(grad_norm):
             self.skipped_in_a_row = 0
             return
@@ -116,7 +117,7 @@ class NonFiniteSteps:
         saved = complete_checkpoints(self.checkpointer.folder)
         if good is None and saved:
             raise NonFinite(
-                f"{what}; no checkpoint is known good (none whose next step was finite): start again with a lower "
+                f"{what}; no checkpoint is known good (none whose next step was healthy): start again with a lower "
                 f"learning rate, adding {lr} --checkpoint.resume never to the command"
             )
         if good is None:

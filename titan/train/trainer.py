@@ -281,8 +281,8 @@ class Trainer:
 
     def _settled(self, step: int, loss: float, grad_norm: float) -> None:
         """A step's global loss and gradient norm, once on the host."""
-        self.nonfinite.check(step, loss, grad_norm)
-        self.spikes.check(step, loss, grad_norm)
+        spiked = self.spikes.check(step, loss, grad_norm)
+        self.nonfinite.check(step, loss, grad_norm, spiked)
 
     def _due(self, total: int, first_step: int) -> Due:
         """What the step just taken is followed by."""
