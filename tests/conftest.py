@@ -109,6 +109,13 @@ def _titan_in_this_process(args: list[str], env: dict, out: str, err: str) -> No
         sys.stderr.flush()
 
 
+def scenarios_beyond(default, values) -> list:
+    """Parameters for pytest.mark.parametrize: each of `values` (a tuple for several names), those not in `default`
+    under the scenario marker (python -m pytest -m scenario runs them; the default run keeps the others)."""
+    scenario = lambda v: pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.scenario)  # noqa: E731
+    return [value if value in default else scenario(value) for value in values]
+
+
 def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
     """Overrides that make the debug recipe quick: a small model, short sequences, no trackers."""
     values = {

@@ -119,6 +119,7 @@ def test_train_sbatch_runs_two_nodes_on_a_real_slurm(cluster, tmp_path):
     assert tracking["layout"] == "dp_shard2" and tracking["slurm"]["job_id"] == str(job_id)
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, tmp_path):
@@ -146,6 +147,7 @@ def test_sigusr1_stops_the_trainers_and_the_job_requeues_and_finishes(cluster, t
     assert [m["step"] for m in read_metrics(metrics_file.parent)] == list(range(1, steps + 1)), output
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_an_elastic_job_loses_a_node_and_finishes_on_the_other(cluster, tmp_path):

@@ -71,6 +71,7 @@ def titan(folder: Path, line: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_the_page_walks_from_books_to_a_shared_model(tmp_path):
     write_books(tmp_path)

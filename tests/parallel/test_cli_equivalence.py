@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import run_titan
+from conftest import run_titan, scenarios_beyond
 from helpers import torchrun
 from run_files import GLOBAL_BATCH, STEPS, assert_close_losses, grad_norms, losses, recipe, tokens_seen
 
@@ -29,30 +29,39 @@ LAYOUTS = {
 ACCUMULATE = {"fsdp2": True, "tp2": False, "cp2": False, "hsdp2x2": False, "fsdp2_tp2": True,
               "pp2_fsdp2": True}  # fmt: skip
 MAX_NORM = 0.25
+CLIPPED = {"training.max_grad_norm": str(MAX_NORM)}
+# The default run's layouts: FSDP2 with accumulation, and FSDP2 x TP2, where the embedding and output are split
+# over both dims; the others are scenarios (their own files run them through the CLI too: test_cp, test_verify).
+DEFAULT = ("fsdp2", "fsdp2_tp2")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The one-process run every layout is compared with."""
+    tmp = tmp_path_factory.mktemp("single")
+    result = run_titan("train", *recipe(tmp, "single", **CLIPPED, **{"training.local_batch_size": str(GLOBAL_BATCH)}))
+    assert result.returncode == 0, result.stderr
+    return tmp / "single"
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_titan_train_gives_the_single_process_losses_and_gradient_norms_on_every_layout(tmp_path):
+@pytest.mark.parametrize("name", scenarios_beyond(DEFAULT, LAYOUTS))
+def test_titan_train_gives_the_single_process_losses_and_gradient_norms_on_every_layout(tmp_path, single, name):
     """Clipping is active at every step (norms 0.84-1.6 against 0.25): the logged norms agree with one process's to
     1e-6 relative, and so do the losses the clipped updates lead to. Measured: norms 1.7e-7 at most (TP2; FSDP2 and
     PP2 within 1e-14), losses 1.5e-7. With the norm accumulated in fp32, FSDP2's norm differed by 7.7e-5 (the output
     matrix's sum of squares rounds otherwise when it is split) and `titan verify` failed."""
-    clipped = {"training.max_grad_norm": str(MAX_NORM)}
-    single = run_titan(
-        "train", *recipe(tmp_path, "single", **clipped, **{"training.local_batch_size": str(GLOBAL_BATCH)})
-    )
-    assert single.returncode == 0, single.stderr
-    reference, norms = losses(tmp_path / "single"), grad_norms(tmp_path / "single")
+    reference, norms = losses(single), grad_norms(single)
     assert len(reference) == STEPS and min(norms.values()) > MAX_NORM  # clipping is active at every step
-    for name, (world, layout, dp) in LAYOUTS.items():
-        local = GLOBAL_BATCH // dp // (2 if ACCUMULATE[name] else 1)
-        run = {**clipped, **layout, "training.local_batch_size": str(local)}
-        result = torchrun(world, recipe(tmp_path, name, **run))
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert_close_losses(losses(tmp_path / name), reference, name)
-        assert_close_losses(grad_norms(tmp_path / name), norms, f"{name}: logged gradient norms")
-        assert_same_run_files(tmp_path / name, tmp_path / "single", world)
+    world, layout, dp = LAYOUTS[name]
+    local = GLOBAL_BATCH // dp // (2 if ACCUMULATE[name] else 1)
+    run = {**CLIPPED, **layout, "training.local_batch_size": str(local)}
+    result = torchrun(world, recipe(tmp_path, name, **run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_losses(losses(tmp_path / name), reference, name)
+    assert_close_losses(grad_norms(tmp_path / name), norms, f"{name}: logged gradient norms")
+    assert_same_run_files(tmp_path / name, single, world)
 
 
 def assert_same_run_files(run_dir, single_dir, world: int):
@@ -68,7 +77,9 @@ def assert_same_run_files(run_dir, single_dir, world: int):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("first,second", [("fsdp2", "single"), ("single", "fsdp2")])
+@pytest.mark.parametrize(
+    "first,second", scenarios_beyond([("fsdp2", "single")], [("fsdp2", "single"), ("single", "fsdp2")])
+)
 def test_a_run_resumed_on_another_data_parallel_size_continues_with_the_uninterrupted_losses(tmp_path, first, second):
     # A constant lr after warmup, so stopping at step 6 (training.steps = 6) does not change the schedule.
     common = {"lr_scheduler.decay": "constant", "lr_scheduler.warmup_steps": "2", "checkpoint.interval": "6"}

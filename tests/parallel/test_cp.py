@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import DEBUG_RECIPE, run_titan
+from conftest import DEBUG_RECIPE, run_titan, scenarios_beyond
 from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
@@ -231,7 +231,7 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4], ids=["2_processes", "4_processes"])
+@pytest.mark.parametrize("world", scenarios_beyond([2], [2, 4]), ids=["2_processes", "4_processes"])
 def test_initial_weights_are_bitwise_and_training_matches_one_process(one_process, tmp_path, world):
     layouts = LAYOUTS[world]
     ranks = run_distributed(initial_weights_and_training, world, tmp_path, layouts)
@@ -318,6 +318,7 @@ def compiled_on_the_ring(tmp):
 
 
 # Measured: 2.4e-7 (losses, relative) and 1.3e-6 (weights) from the eager one process, as eager CP2.
+@pytest.mark.scenario
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_compiled_blocks_with_cp_match_one_process_and_compile_once(one_process, tmp_path):
@@ -352,7 +353,9 @@ CLI_LAYOUTS = {
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "data", [{}, {"data.document_mask": "false", **DROPOUT}], ids=["documents", "causal_with_dropout"]
+    "data",
+    scenarios_beyond([{}], [{}, {"data.document_mask": "false", **DROPOUT}]),
+    ids=["documents", "causal_with_dropout"],
 )
 def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, data):
     single = run_titan("train", *recipe(tmp_path, "single", **CLI, **data, **{"training.local_batch_size": "2"}))

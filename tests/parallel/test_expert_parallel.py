@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from conftest import ROOT, run_titan, tiny_overrides
+from conftest import ROOT, run_titan, scenarios_beyond, tiny_overrides
 from distributed import free_port, run_distributed
 from run_files import assert_close_losses, grad_norms, losses
 from titan.checkpoint.format import CheckpointReader
@@ -133,21 +133,34 @@ def routing_metrics(run_dir) -> dict[int, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict:
-    """Every run of RUNS once, shared by the tests below: {name: (losses, routes, gradient norms)}."""
-    tmp = tmp_path_factory.mktemp("moe")
-    done = {}
-    for name, (world, overrides, _) in RUNS.items():
-        result = moe_run(tmp, name, world, overrides)
+def moe_runs(tmp_path_factory) -> MoeRuns:
+    return MoeRuns(tmp_path_factory.mktemp("moe"))
+
+
+class MoeRuns(dict):
+    """Each run of RUNS once, when a test first asks for it, shared by the tests below: {name: (losses, routes,
+    gradient norms, routing metrics)}; the runs' folders are in `folder`."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name: str):
+        world, overrides, _ = RUNS[name]
+        result = moe_run(self.folder, name, world, overrides)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        done[name] = (losses(tmp / name), routes(tmp / name), grad_norms(tmp / name), routing_metrics(tmp / name))
-    done["folder"] = tmp
-    return done
+        run = self.folder / name
+        self[name] = (losses(run), routes(run), grad_norms(run), routing_metrics(run))
+        return self[name]
+
+
+# The default run's layouts: EP2, and EP2 x FSDP2 at one row per micro-batch; the others are scenarios.
+DEFAULT = ("ep2", "ep2_fsdp2")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run[2]])
+@pytest.mark.parametrize("name", scenarios_beyond(DEFAULT, [name for name, run in RUNS.items() if run[2]]))
 def test_each_layout_trains_the_one_process_losses_and_routes(moe_runs, name, capsys):
     got, want = moe_runs[name], moe_runs[RUNS[name][2]]
     assert len(want[0]) == STEPS
@@ -173,7 +186,7 @@ def test_a_run_stopped_on_ep2_resumes_on_one_process_with_the_uninterrupted_loss
     """One process resumes from EP2's checkpoint of step 3 (the experts' weights whole in it, as their DTensors show
     them to DCP) and trains to step 6: the losses of the uninterrupted run, and its balancing biases at the end (a
     bias moves by a whole step at every change of its expert's load, so they must be equal)."""
-    tmp = moe_runs["folder"]
+    tmp, _ = moe_runs.folder, (moe_runs["ep2"], moe_runs["single"])  # their folders are read below
     resume = {"checkpoint.enable": "true", "checkpoint.resume": str(tmp / "ep2" / "checkpoints" / "step-3")}
     result = moe_run(tmp, "resumed", 1, resume)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -130,6 +130,7 @@ def test_activation_checkpointing_gives_bitwise_identical_float8_gradients(tmp_p
         assert torch.equal(a.grad, b.grad), name
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_compiled_float8_blocks_match_eager(tmp_path):
     # Measured: the compiled blocks (one graph each, no breaks) give bitwise the eager losses over 4 steps;

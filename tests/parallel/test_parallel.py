@@ -115,6 +115,15 @@ LAYOUTS_8 = {
 
 # The smoke subset (pytest -m smoke): FSDP2 and TP2, in one launch of 2 processes.
 SMOKE_2 = ["fsdp2", "tp2_sp_lossparallel"]
+# The default run's 2-process launch: beside the smoke pair, every family once (accumulation, uneven shares and
+# stage speeds, a single-stage, a multi-stage and a V-shaped pipeline schedule, activation checkpointing,
+# compile); the other schedules and variants are scenarios, as are the 8-process layouts (their parts, pp x fsdp
+# and tp x fsdp, run at 4).
+DEFAULT_2 = [
+    "fsdp2_accumulate2", "tp2_accumulate2", "pp2_1F1B", "pp2_Interleaved1F1B", "pp2_ZBVZeroBubble",
+    "pp2_stage_speeds_1_3", "fsdp2_selective_ac", "tp2_full_ac_every2", "fsdp2_compile", "fsdp2_weighted_1_3",
+]  # fmt: skip
+DEFAULT_4 = ["hsdp2x2_weighted", "fsdp2_tp2", "pp2_fsdp2_interleaved"]
 
 
 @pytest.mark.distributed
@@ -123,9 +132,21 @@ SMOKE_2 = ["fsdp2", "tp2_sp_lossparallel"]
     "world,layouts",
     [
         pytest.param(2, {k: LAYOUTS_2[k] for k in SMOKE_2}, marks=pytest.mark.smoke, id="2_processes_smoke"),
-        pytest.param(2, {k: v for k, v in LAYOUTS_2.items() if k not in SMOKE_2}, id="2_processes"),
-        pytest.param(4, LAYOUTS_4, id="4_processes"),
-        pytest.param(8, LAYOUTS_8, id="8_processes"),
+        pytest.param(2, {k: LAYOUTS_2[k] for k in DEFAULT_2}, id="2_processes"),
+        pytest.param(
+            2,
+            {k: v for k, v in LAYOUTS_2.items() if k not in SMOKE_2 + DEFAULT_2},
+            id="2_processes_more",
+            marks=pytest.mark.scenario,
+        ),  # fmt: skip
+        pytest.param(4, {k: LAYOUTS_4[k] for k in DEFAULT_4}, id="4_processes"),
+        pytest.param(
+            4,
+            {k: v for k, v in LAYOUTS_4.items() if k not in DEFAULT_4},
+            id="4_processes_more",
+            marks=pytest.mark.scenario,
+        ),  # fmt: skip
+        pytest.param(8, LAYOUTS_8, id="8_processes", marks=pytest.mark.scenario),
     ],
 )
 def test_layouts_match_single_process(reference, tmp_path, world, layouts):

@@ -27,6 +27,7 @@ def gpu_check(*args: str, env: dict | None = None) -> subprocess.CompletedProces
                           env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path, **(env or {})})  # fmt: skip
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_the_dry_run_benchmarks_next_to_the_plan_and_writes_one_dated_table(tmp_path):
     """The benchmark stage and the table, on the CPU (the pytest stages are the suite's own tests)."""

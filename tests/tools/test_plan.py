@@ -9,7 +9,7 @@ import typing
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
+from conftest import DEBUG_RECIPE, run_titan, scenarios_beyond, tiny_overrides
 from distributed import run_distributed
 from expert_plan import MOE_RECIPE, all_to_all_by_hand
 from titan.config import Layout, PlanTarget, load_config
@@ -30,6 +30,7 @@ LAYOUTS = {
 }
 
 # The debug model, and one of over a hundred million parameters (143M: 12 blocks of dim 1024, GQA 16/8 heads).
+# The default run measures every layout at the debug size and one process at 143M; the rest are scenarios.
 SIZES = {
     "debug": {},
     "143M": {
@@ -39,6 +40,7 @@ SIZES = {
         "model.overrides.n_kv_heads": "8",
     },
 }
+DEFAULT_STEPS = [(layout, "debug") for layout in LAYOUTS] + [("single", "143M")]
 
 
 def measure_step(overrides: list[str]) -> tuple[int, int, int]:
@@ -63,8 +65,9 @@ def measure_step(overrides: list[str]) -> tuple[int, int, int]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "layout, size", scenarios_beyond(DEFAULT_STEPS, [(layout, size) for size in SIZES for layout in LAYOUTS])
+)
 def test_the_planned_step_is_the_real_one(layout, size, tmp_path, capsys):
     world, extra = LAYOUTS[layout]
     overrides = tiny_overrides(tmp_path, **{"checkpoint.enable": "false", **SIZES[size], **extra})
@@ -144,7 +147,7 @@ def hand_params(recipe: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", PRODUCTION)
+@pytest.mark.parametrize("recipe", scenarios_beyond(("llama3_8b", "llama3_70b"), PRODUCTION))
 def test_production_recipes_fit_80_gb_at_their_world_size(recipe, tmp_path):
     world, published = PRODUCTION[recipe]
     result = run_titan("plan", "--config", f"recipes/{recipe}.toml", "--json", str(tmp_path / "plan.json"))
@@ -522,10 +525,11 @@ FLOP_LAYOUTS = {
         8, {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.tp": "2", "training.local_batch_size": "2"}
     ),
 }  # fmt: skip
+DEFAULT_FLOP_LAYOUTS = ("single_accumulating_4", "fsdp2_accumulating_2", "pp2_interleaved_accumulating_2")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", FLOP_LAYOUTS)
+@pytest.mark.parametrize("layout", scenarios_beyond(DEFAULT_FLOP_LAYOUTS, FLOP_LAYOUTS))
 def test_the_planned_flops_are_the_formula_times_the_global_tokens_on_every_layout(layout, tmp_path):
     """Every rank's planned FLOPs together are the model's per-token formula times the step's global tokens (each
     micro-batch of every schedule run counted), and a step that recomputes every block adds at most one forward:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, scenarios_beyond, tiny_overrides
 from distributed import free_port
 from helpers import TINY_MODEL, start_ranks
 from titan.config import load_config
@@ -170,7 +170,9 @@ def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("buddy_lost", [False, True], ids=["restored-from-the-buddy", "buddy-lost-too"])
+@pytest.mark.parametrize(
+    "buddy_lost", scenarios_beyond([False], [False, True]), ids=["restored-from-the-buddy", "buddy-lost-too"]
+)
 def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_disk(tmp_path, buddy_lost):
     """Two torchrun agents as above, each node's shared memory a folder of its own (TITAN_SNAPSHOT_DIR), a
     snapshot every step and a disk checkpoint every 3 steps (never, when the buddy survives). At step 7 the
@@ -231,6 +233,7 @@ def wait_for_restart(metrics: Path, restart: int, agent: subprocess.Popen, log: 
         time.sleep(0.05)
 
 
+@pytest.mark.scenario
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_frozen_node_is_dropped_and_taken_in_again_when_it_comes_back(tmp_path):
@@ -363,7 +366,7 @@ def wait_for_kills(agent: subprocess.Popen, log: Path, metrics: Path, kills: int
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", scenarios_beyond([1], [1, 2]))
 def test_ranks_killed_at_random_moments_cost_no_step(tmp_path, uninterrupted, seed):
     """The issue's property: the debug recipe on 4 ranks (gloo) under one torchrun agent, an in-memory snapshot
     every step. Three kills in one run (one per restart, to keep it cheap): the seed orders the places and picks

@@ -81,6 +81,7 @@ def train_pinned(tmp, name: str, overrides: dict, slow_from: int | None = None) 
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+@pytest.mark.scenario
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins two ranks to two cores")

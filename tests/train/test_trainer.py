@@ -194,6 +194,7 @@ def test_activation_checkpointing_gives_bitwise_identical_gradients(tmp_path, mo
         assert torch.equal(a.grad, b.grad), name
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tmp_path):
     eager = tiny_trainer(tmp_path / "eager")
