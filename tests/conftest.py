@@ -43,6 +43,15 @@ def pytest_cmdline_main(config):
 _READ_AT_IMPORT = ("PYTHON", "HF_")
 
 
+def pytest_collection_modifyitems(items):
+    """The files with the most slow tests first: xdist hands out whole files in this order, and a long file handed
+    out last runs alone at the end while the other workers sit idle."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
+
+
 def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False):
     """Run the real CLI (`titan ARGS`) from the repository root, as a user would: the same entry point, exit
     status, stdout and stderr as `python -m titan`. The process is forked from a server that imported torch and

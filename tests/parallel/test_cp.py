@@ -338,33 +338,40 @@ def test_compiled_blocks_with_cp_match_one_process_and_compile_once(one_process,
 CLI = {"training.seq_len": "512", "training.global_batch_size": "2"}
 CP2 = ("cp2", 2, {"parallel.cp": "2", "training.local_batch_size": "2"})
 CP2_TP2 = ("cp2_tp2", 4, {"parallel.cp": "2", "parallel.tp": "2", "training.local_batch_size": "2"})
+CP2_PP2 = ("cp2_pp2", 4, {"parallel.cp": "2", "parallel.pp": "2", "training.local_batch_size": "2"})
+CLI_DATA = {"documents": {}, "causal_with_dropout": {"data.document_mask": "false", **DROPOUT}}
 # Without document masking (and with dropout) the layout whose dropout masks differ most (heads split by tp), to keep
-# the suite short: the trainer-level test above runs the others with dropout.
-CLI_LAYOUTS = {
-    False: (
-        CP2,
-        CP2_TP2,
-        ("cp2_pp2", 4, {"parallel.cp": "2", "parallel.pp": "2", "training.local_batch_size": "2"}),
-    ),
-    True: (CP2_TP2,),
-}
+# the suite short: the trainer-level test above runs the others with dropout. CP2 x PP2 and the dropout run are
+# scenarios.
+CLI_RUNS = [("documents", CP2), ("documents", CP2_TP2), ("documents", CP2_PP2), ("causal_with_dropout", CP2_TP2)]
+
+
+@pytest.fixture(scope="module")
+def cli_reference(tmp_path_factory):
+    """The one-process losses of a CLI_DATA setting, run when a test first asks for it."""
+    folder, found = tmp_path_factory.mktemp("cli"), {}
+
+    def reference(data: str) -> dict:
+        if data not in found:
+            run = {**CLI, **CLI_DATA[data], "training.local_batch_size": "2"}
+            single = run_titan("train", *recipe(folder / data, "single", **run))
+            assert single.returncode == 0, single.stderr[-3000:]
+            found[data] = losses(folder / data / "single")
+        return found[data]
+
+    return reference
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "data",
-    scenarios_beyond([{}], [{}, {"data.document_mask": "false", **DROPOUT}]),
-    ids=["documents", "causal_with_dropout"],
+    "data, layout", scenarios_beyond(CLI_RUNS[:2], CLI_RUNS), ids=[f"{data}-{run[0]}" for data, run in CLI_RUNS]
 )
-def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, data):
-    single = run_titan("train", *recipe(tmp_path, "single", **CLI, **data, **{"training.local_batch_size": "2"}))
-    assert single.returncode == 0, single.stderr[-3000:]
-    reference = losses(tmp_path / "single")
-    for name, world, layout in CLI_LAYOUTS[bool(data)]:
-        result = torchrun(world, recipe(tmp_path, name, **CLI, **data, **layout))
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert_close_losses(losses(tmp_path / name), reference, name)
+def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, cli_reference, data, layout):
+    name, world, overrides = layout
+    result = torchrun(world, recipe(tmp_path, name, **CLI, **CLI_DATA[data], **overrides))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_losses(losses(tmp_path / name), cli_reference(data), name)
 
 
 @pytest.mark.distributed

@@ -30,7 +30,7 @@ LAYOUTS = {
 }
 
 # The debug model, and one of over a hundred million parameters (143M: 12 blocks of dim 1024, GQA 16/8 heads).
-# The default run measures every layout at the debug size and one process at 143M; the rest are scenarios.
+# The default run measures every layout at the debug size; 143M is a scenario.
 SIZES = {
     "debug": {},
     "143M": {
@@ -40,7 +40,7 @@ SIZES = {
         "model.overrides.n_kv_heads": "8",
     },
 }
-DEFAULT_STEPS = [(layout, "debug") for layout in LAYOUTS] + [("single", "143M")]
+DEFAULT_STEPS = [(layout, "debug") for layout in LAYOUTS]
 
 
 def measure_step(overrides: list[str]) -> tuple[int, int, int]:

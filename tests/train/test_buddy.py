@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, scenarios_beyond, tiny_overrides
 from distributed import free_port, run_distributed
 from helpers import TINY_MODEL
 from titan.config import load_config
@@ -83,7 +83,9 @@ def steps_logged(metrics: Path) -> dict[int, dict]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("copy_corrupt", [False, True], ids=["restored", "corrupt-copy-refused"])
+@pytest.mark.parametrize(
+    "copy_corrupt", scenarios_beyond([False], [False, True]), ids=["restored", "corrupt-copy-refused"]
+)
 def test_survivors_on_two_nodes_restore_a_lost_node_s_rank_fetching_only_what_they_read(tmp_path, copy_corrupt):
     """Three nodes of one rank each snapshot every step (each rank's files also on the next node). At step 6 every
     worker is killed and node 1's memory is lost; the restart has the ranks of nodes 0 and 2. The lost rank's files
