@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
+import random
 import socket
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,9 +19,19 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a store or rendezvous to listen on, below the kernel's ephemeral range: a port the kernel
+    picks (bind to 0) lies in that range, where any process's next outgoing connection may take it before the store
+    listens (EADDRINUSE, which a busy machine with many gloo connections meets)."""
+    lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    generator = random.Random()
+    while True:
+        port = generator.randrange(max(1024, lowest_ephemeral - 12000), lowest_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:

@@ -24,6 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from distributed import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 PACKAGES = ("slurm-wlm", "munge")
 FINAL_STATES = {
@@ -71,17 +73,11 @@ def _apt_install(timeout: float = 300) -> None:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together, so they differ)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """n distinct free TCP ports on 127.0.0.1, below the ephemeral range (distributed.free_port says why)."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 class SlurmCluster:

@@ -138,6 +138,7 @@ def test_a_cp_rank_s_flops_are_its_chunk_pairs(tmp_path):
     assert ring == pytest.approx(weights / cp + attention * pairs / (2 * cp) ** 2, rel=1e-12)
 
 
+@pytest.mark.scenario  # titan plan --ep compares degrees by the same code (test_plan_ep.py)
 @pytest.mark.slow
 def test_titan_plan_compares_cp_degrees_and_picks_the_fastest_that_fits(tmp_path):
     """`titan plan --cp`: a line per degree on the same 8 devices (dp_shard takes what each leaves); a degree the
