@@ -15,6 +15,9 @@ import pytest
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Prepared token shards (and fetched corpora) of this test session, shared by its processes and CLI runs.
 os.environ.setdefault("TITAN_CACHE", tempfile.mkdtemp(prefix="titan-test-cache-"))
+# The tiny runs several tests read (tests/runs.py), trained once per session: a folder of this session's own, set
+# before the xdist workers start so that they share it (a TITAN_CACHE the user set outlives the code that trained).
+os.environ.setdefault("TITAN_TEST_RUNS", tempfile.mkdtemp(prefix="titan-test-runs-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_RECIPE = ROOT / "recipes" / "debug.toml"
