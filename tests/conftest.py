@@ -41,11 +41,6 @@ def pytest_cmdline_main(config):
         config.option.dist = "loadfile"
 
 
-# Variables read when a module is imported (the import profiler, huggingface_hub's endpoint, cache and offline
-# flags): a run that sets one needs an interpreter of its own, since the forkserver imported everything already.
-_READ_AT_IMPORT = ("PYTHON", "HF_")
-
-
 def pytest_collection_modifyitems(items):
     """The files with the most slow tests first: xdist hands out whole files in this order, and a long file handed
     out last runs alone at the end while the other workers sit idle."""
@@ -53,6 +48,11 @@ def pytest_collection_modifyitems(items):
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.path])
+
+
+# Variables read when a module is imported (the import profiler, huggingface_hub's endpoint, cache and offline
+# flags): a run that sets one needs an interpreter of its own, since the forkserver imported everything already.
+_READ_AT_IMPORT = ("PYTHON", "HF_")
 
 
 def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False):
