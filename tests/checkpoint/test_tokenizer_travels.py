@@ -9,9 +9,6 @@ The HF model is a tiny random Llama with a BPE tokenizer trained here, unlike th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import tomllib
 
@@ -63,13 +60,6 @@ def hf_dir(tmp_path_factory):
     return write_hf_folder(tmp_path_factory.mktemp("hf") / "tiny-llama")
 
 
-def titan_in(cwd, *args: str) -> subprocess.CompletedProcess:
-    """The CLI run from `cwd` (this worktree's titan, whatever is installed)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "titan", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-
-
 def ids(folder, texts=SAMPLES) -> list[list[int]]:
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -80,13 +70,13 @@ def test_hf_to_titan_to_hf_keeps_the_tokenizer(hf_dir, tmp_path, where):
     """From the repository root, where data/tokenizer.json is at hand, and from another folder, where it is not."""
     cwd = ROOT if where == "root" else tmp_path
     checkpoint, back = tmp_path / "dcp", tmp_path / "back"
-    result = titan_in(cwd, "convert", "hf-to-dcp", str(hf_dir), str(checkpoint))
+    result = run_titan("convert", "hf-to-dcp", str(hf_dir), str(checkpoint), cwd=cwd)
     assert result.returncode == 0, result.stderr
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (checkpoint / name).read_bytes() == (hf_dir / name).read_bytes(), name
     assert f'path = "{checkpoint / "tokenizer.json"}"' in result.stdout and f'bos_token = "{BOS}"' in result.stdout
 
-    result = titan_in(cwd, "convert", "dcp-to-hf", str(checkpoint), str(back))
+    result = run_titan("convert", "dcp-to-hf", str(checkpoint), str(back), cwd=cwd)
     assert result.returncode == 0, result.stderr
     assert f"from {checkpoint / 'tokenizer.json'}" in result.stdout
     assert set(TOKENIZER_FILES) <= {p.name for p in back.iterdir()}
@@ -98,10 +88,10 @@ def test_hf_to_titan_to_hf_keeps_the_tokenizer(hf_dir, tmp_path, where):
 
 def test_generate_on_an_imported_checkpoint_reads_its_tokenizer_from_another_folder(hf_dir, tmp_path):
     checkpoint = tmp_path / "dcp"
-    assert titan_in(tmp_path, "convert", "hf-to-dcp", str(hf_dir), str(checkpoint)).returncode == 0
+    assert run_titan("convert", "hf-to-dcp", str(hf_dir), str(checkpoint), cwd=tmp_path).returncode == 0
     prompt = "The heron"
-    result = titan_in(tmp_path, "generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens",
-                      "8")  # fmt: skip
+    generate = ["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "8"]
+    result = run_titan(*generate, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -142,9 +132,9 @@ def test_init_from_hf_takes_the_models_tokenizer_into_the_run_folder(hf_dir, tmp
         "path": str(run / "tokenizer" / "tokenizer.json"), "bos_token": BOS, "eos_token": EOS
     }  # fmt: skip
     generate = ["generate", "--checkpoint", str(run), "--prompt", "The heron", "--max-new-tokens", "8"]
-    generated = titan_in(tmp_path, *generate)
+    generated = run_titan(*generate, cwd=tmp_path)
     assert generated.returncode == 0, generated.stderr
-    assert generated.stdout == titan_in(tmp_path, *generate, "--tokenizer", str(hf_dir)).stdout
+    assert generated.stdout == run_titan(*generate, "--tokenizer", str(hf_dir), cwd=tmp_path).stdout
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_import(tmp_path):

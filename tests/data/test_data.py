@@ -12,6 +12,8 @@ from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import assert_one_line_error
 from titan.config import load_config
 from titan.data import IGNORE, build_loaders
+from titan.data.order import EpochOrder
+from titan.data.prepared.read import PreparedDocuments
 from titan.tools.compare import load_run
 from titan.train.build import build_model
 from titan.train.trainer import Trainer
@@ -106,6 +108,24 @@ text_unit = "line"
     assert load_run(tmp_path / "debug").config["data.sources"][1]["source"] == str(other)
 
 
+def test_resuming_a_prepared_corpus_far_into_training_orders_one_epoch_and_reads_one_batch(tmp_path, monkeypatch):
+    """Thousands of epochs of the prepared corpus in, a resumed loader orders only the epoch its batch lies in
+    and reads only the batch's tokens from the memory map."""
+    ordered, read = [], []
+    order_epoch, read_tokens = EpochOrder._epoch, PreparedDocuments.tokens
+    monkeypatch.setattr(EpochOrder, "_epoch", lambda self, epoch: ordered.append(epoch) or order_epoch(self, epoch))
+    monkeypatch.setattr(PreparedDocuments, "tokens", lambda *args: read.append(read_tokens(*args)) or read[-1])
+    config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path))
+    loader, _ = build_loaders(config, 8, range(8), [4, 4])
+    ordered.clear()
+    loader.load_state_dict({"next_sample": 10_000_000})
+    next(loader)
+    (samples,) = loader.sources
+    assert len(set(ordered)) == 1 and ordered[0] == 10_000_000 // samples.samples_per_epoch > 1000
+    assert sum(map(len, read)) == 8 * (config.training.seq_len + 1)
+
+
+@pytest.mark.benchmark
 def test_resuming_a_prepared_corpus_far_into_training_takes_well_under_a_second(tmp_path):
     config = load_config(DEBUG_RECIPE, tiny_overrides(tmp_path))
     loader, _ = build_loaders(config, 8, range(8), [4, 4])
