@@ -63,7 +63,7 @@ def start_nodes(args: list[str], nodes: list[Path], logs: list[Path], restart: i
     `restart` would be."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(len(nodes)), "LOCAL_WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TORCHELASTIC_RESTART_COUNT": str(restart)}  # fmt: skip
+           "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_MAX_RESTARTS": "1"}  # fmt: skip
     return [
         subprocess.Popen(
             [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],

@@ -4,6 +4,7 @@ that loses a node goes on on the survivors with the uninterrupted run's losses."
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -13,30 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from agents import FRESH_STORE, RUN, last_losses, logged_steps, process_tree, start_agent, wait_for_step
 from conftest import DEBUG_RECIPE, ROOT, scenarios_beyond, tiny_overrides
 from distributed import free_port
-from helpers import TINY_MODEL, start_ranks
+from helpers import start_ranks
 from titan.config import load_config
 from titan.train.trainer import Trainer
-
-# torchrun's agent gives each restart a store of its own, where no dead worker's address is left to read.
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-RUN = {**TINY_MODEL, "training.seq_len": "32", "optimizer.lr": "3e-3", "training.global_batch_size": "8"}
-
-
-def logged_steps(metrics: Path) -> list[dict]:
-    """metrics.jsonl's step records (a resumed run logs its steps again)."""
-    if not metrics.exists():
-        return []
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-
-
-def wait_for_step(metrics: Path, step: int, processes: list, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(r["step"] >= step for r in logged_steps(metrics)):
-        assert all(p.poll() is None for p in processes), f"a process ended before step {step}"
-        assert time.monotonic() < deadline, f"no step {step} in {timeout:.0f}s"
-        time.sleep(0.05)
 
 
 @pytest.mark.distributed
@@ -66,39 +49,6 @@ def test_a_stopped_rank_is_named_by_the_other_within_the_step_timeout(tmp_path):
     assert len(hung) == 1 and "Traceback" not in err, err[-3000:]
     assert hung[0].startswith("titan: rank 0 hung at step ") and "waiting for rank 1 (silent for" in hung[0], hung
     assert detected < timeout_s + 3, hung
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (torchrun starts its workers in sessions of their own: not in its group)."""
-    tree = [pid]
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-            tree += process_tree(int(child))
-    return tree
-
-
-def last_losses(records: list[dict]) -> dict[int, dict]:
-    """The last logged record of every step: a step run again after a restart replaces the earlier one."""
-    return {r["step"]: r for r in records}
-
-
-def start_agent(
-    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=("-m", "titan"), restarts=2
-) -> subprocess.Popen:
-    """One node's torchrun agent (--nnodes 1:2, one worker, c10d rendezvous on 127.0.0.1, --max-restarts `restarts`)
-    training `args` with `entry` (titan, or tests/elastic_kill.py); the rendezvous conf lets a dead node leave
-    within seconds."""
-    conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
-    launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", str(restarts),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-                "--rdzv-conf", conf, "--monitor-interval", "0.2"]  # fmt: skip
-    return subprocess.Popen(
-        [*launcher, *entry, "train", "--config", str(DEBUG_RECIPE), *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **FRESH_STORE, **(env or {})},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
 
 
 def lose_a_node(agents: list, logs: list[Path], metrics: Path, kill_at: int, lost=lambda: None) -> float:
@@ -299,7 +249,7 @@ def test_a_frozen_node_is_dropped_and_taken_in_again_when_it_comes_back(tmp_path
 
 
 @pytest.mark.slow
-def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_uninterrupted_losses(tmp_path, monkeypatch, capsys):
+def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_uninterrupted_losses(tmp_path):
     """A run that snapshots every step into shared memory and saves no checkpoint before its end is killed with
     SIGKILL at step 6; its elastic restart (TORCHELASTIC_RESTART_COUNT) restores the newest snapshot, not the
     disk's nothing, and trains on to the uninterrupted run's losses."""
@@ -314,11 +264,14 @@ def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_uninterrupted_l
     finally:
         killed.kill()
         killed.wait()
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    restarted = Trainer(load_config(DEBUG_RECIPE, args))
-    assert restarted.step >= kill_at - 1 and "restoring the in-memory snapshot" in capsys.readouterr().err
-    restarted.train()
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    # Restarted as torchrun's agent restarts a worker: a process of the same parent, whose snapshot folder it is.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
+    restarted = subprocess.run([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "restoring the in-memory snapshot" in restarted.stderr
+    resumed = int(re.search(r"continuing at step (\d+)", restarted.stderr).group(1))
+    assert resumed >= kill_at - 1, restarted.stderr[-3000:]
     reference = tmp_path / "reference"
     Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
     expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
@@ -428,7 +381,7 @@ def test_ranks_killed_at_random_moments_cost_no_step(tmp_path, uninterrupted, se
 def test_the_auto_interval_is_the_fewest_steps_whose_snapshot_stays_within_the_overhead(
     snapshot_s, step_s, overhead, every
 ):
-    from titan.train.buddy import snapshot_every
+    from titan.train.recovery.interval import snapshot_every
 
     assert snapshot_every(snapshot_s, step_s, overhead) == every
 
@@ -437,11 +390,11 @@ def test_the_auto_interval_follows_the_measurements_without_flapping(monkeypatch
     """Under "auto", on a clock where a step takes 1 s: the first two steps are snapshotted, then the interval
     follows the median of the latest five snapshots' times. It grows where the snapshot costs more than 3% of
     the steps between two, shrinks only where half the steps would do, and each change is one line."""
-    from titan.train import buddy
+    from titan.train.recovery import interval as policy
 
     clock = [0.0]
-    monkeypatch.setattr(buddy.time, "perf_counter", lambda: clock[0])
-    interval = buddy.SnapshotInterval("auto", 0.03, group=None)
+    monkeypatch.setattr(policy.time, "perf_counter", lambda: clock[0])
+    interval = policy.SnapshotInterval("auto", 0.03, group=None)
     step, chosen = 0, []
 
     def run(blocked: float, snapshots: int) -> list[int]:

@@ -85,7 +85,12 @@ def _cause(e: BaseException) -> OSError | None:
 
 
 class SaveError(UserError):
-    """A checkpoint could not be written (full disk, read-only folder): the run stops, the saved ones are intact."""
+    """A checkpoint could not be written (full disk, read-only folder): the run stops, the saved ones are intact.
+    `reason`: what the file system said."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -233,10 +238,11 @@ class Checkpointer:
         cause = _cause(e)
         if cause is None or cause.errno not in WRITE_ERRORS:
             return e
-        good = complete_checkpoints(self.folder)
+        good, reason = complete_checkpoints(self.folder), write_error(cause)
         return SaveError(
-            f"checkpoint step {step}: {write_error(cause)}; free space or set job.output_dir elsewhere "
-            f"(the last complete checkpoint, {good[max(good)] if good else 'none'}, is intact)"
+            f"checkpoint step {step}: {reason}; free space or set job.output_dir elsewhere "
+            f"(the last complete checkpoint, {good[max(good)] if good else 'none'}, is intact)",
+            reason,
         )
 
     def finish_pending(self) -> None:

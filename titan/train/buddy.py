@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from titan.checkpoint.checkpointer import Checkpointer
+from titan.checkpoint.checkpointer import Checkpointer, SaveError
 from titan.checkpoint.format import seal, sha256_files
 from titan.checkpoint.format.storage import CheckpointReader
+from titan.train.recovery.interval import SnapshotInterval
+from titan.train.recovery.snapshot_folder import release
 
 log = logging.getLogger("titan")
 SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's per-rank file names
@@ -81,75 +80,18 @@ def _swap(data: bytes, to: int, source: int, group) -> bytes:
     return received.numpy().tobytes()
 
 
-def snapshot_every(snapshot_s: float, step_s: float, overhead: float) -> int:
-    """The fewest steps between two snapshots for which a snapshot's `snapshot_s` is at most `overhead` of their
-    time (`step_s` each): the smallest N >= 1 with snapshot_s / (N x step_s) <= overhead."""
-    within = lambda n: snapshot_s / (n * step_s) <= overhead  # noqa: E731
-    n = max(1, math.ceil(snapshot_s / (overhead * step_s)))
-    while n > 1 and within(n - 1):  # the division above rounds either way: the condition itself decides
-        n -= 1
-    while not within(n):
-        n += 1
-    return n
-
-
-class SnapshotInterval:
-    """When to snapshot: every N steps (fault.snapshot_interval = N), or under "auto" from measurements: the
-    first two steps, then every N steps for the smallest N whose snapshot costs at most fault.snapshot_overhead
-    of their time (snapshot_every), from the medians of the latest snapshots' blocked time and of the time per
-    step between two, each measurement the highest of any rank's: every rank picks the same N."""
-
-    LATEST = 5  # measurements in the medians: the first snapshot's one-time costs are outvoted from the third on
-
-    def __init__(self, every: int | str, overhead: float, group):
-        self.auto, self.overhead, self.group = every == "auto", overhead, group
-        self.steps = 1 if self.auto else every
-        self.next = 0  # under auto: the step of the next snapshot
-        self.blocked: list[float] = []
-        self.step_s: list[float] = []
-        self.last: tuple[int, float] | None = None  # the step of the latest snapshot, and when it ended
-
-    def due(self, step: int) -> bool:
-        return step >= self.next if self.auto else step % self.steps == 0
-
-    def taken(self, step: int, blocked: float) -> None:
-        """Snapshot `step` blocked training `blocked` seconds: under auto, measure, and choose the next step."""
-        if not self.auto:
-            return
-        now = time.perf_counter()
-        step_s = (now - blocked - self.last[1]) / (step - self.last[0]) if self.last else 0.0
-        figures = torch.tensor([blocked, step_s], dtype=torch.float64)
-        if self.group is not None:
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
-        self.blocked.append(float(figures[0]))
-        self.step_s += [float(figures[1])] if self.last else []
-        self.last = (step, time.perf_counter())
-        if self.step_s:
-            self._choose()
-        self.next = step + self.steps
-
-    def _choose(self) -> None:
-        """The interval from the medians. Once chosen, N changes only where a snapshot every N steps would cost
-        more than the overhead, or where N/2 steps would do: noise at a boundary neither flaps it nor floods the
-        log."""
-        snapshot_s = statistics.median(self.blocked[-self.LATEST :])
-        step_s = statistics.median(self.step_s[-self.LATEST :])
-        steps = snapshot_every(snapshot_s, step_s, self.overhead)
-        if len(self.step_s) == 1 or steps > self.steps or 2 * steps <= self.steps:
-            log.info("fault.snapshot_interval auto: a snapshot every %d step%s (it blocks %.3g s, a step takes "
-                     "%.3g s: %.2g%% of their time, fault.snapshot_overhead %g)", steps, "s" * (steps > 1),
-                     snapshot_s, step_s, 100 * snapshot_s / (steps * step_s), self.overhead)  # fmt: skip
-            self.steps = steps
-
-
 class BuddySnapshots(Checkpointer):
     """The snapshot checkpointer for node-local folders: DCP writes each rank's shards on its own host; sealing
     keeps them per rank, with a copy on the buddy's host, instead of one folder on a shared file system."""
 
-    def __init__(self, *args, local_rank: int, local_world: int, interval: SnapshotInterval, **kwargs):
+    def __init__(self, *args, local_rank: int, local_world: int, interval: SnapshotInterval, run: str, peak: int,
+                 **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
         self.interval = interval  # when to snapshot (fault.snapshot_interval)
-        self.leader = local_rank == 0  # tidies this host's folder
+        self.run = run  # the run identity each snapshot's index carries: a restart restores only its own run's
+        self.peak = peak  # a node's shared memory at a snapshot's peak (elastic.peak_bytes)
+        self.off = False  # set once a snapshot could not be written: training goes on without them
+        self.leader = local_rank == 0  # tidies this agent's folder
         self.local_world = local_world
         self.buddy = buddy_of(self.rank, self.world, local_world)
         self.source = None if self.buddy is None else (self.rank - local_world) % self.world
@@ -157,14 +99,63 @@ class BuddySnapshots(Checkpointer):
             log.info("snapshots: all ranks on one node, no buddy copies (a lost node loses its snapshots)")
 
     def due(self, step: int, final: bool = False) -> bool:
-        return self.interval.due(step)
+        return not self.off and self.interval.due(step)
+
+    def take(self, step: int, tokens_seen: int, loss: float) -> float | None:
+        """Snapshot the state at `step`; returns the seconds training was blocked, or None where none was taken:
+        one that does not fit or cannot be written turns snapshots off (they only save steps)."""
+        if not self.room(step):
+            return None
+        try:
+            blocked = self.save(step, tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
+        except SaveError as e:
+            self.drop(step, f"its snapshot could not be written ({e.reason})")
+            return None
+        self.interval.taken(step, blocked)
+        return blocked
+
+    def room(self, step: int) -> bool:
+        """Whether every node's shared memory has room for one more snapshot beside those it holds (what the
+        peak adds to them); short of it on any node, snapshots are off from now on, with one line: they are an
+        optimisation, and a full shared memory must not end the run."""
+        held = sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file()) if self.folder.is_dir() else 0
+        free = shutil.disk_usage(self.folder).free
+        short = torch.tensor([max(0, self.peak - held - free)], dtype=torch.float64)
+        if self.control_group is not None:
+            dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.control_group)
+        if short.item() > 0:
+            self.drop(step, f"a snapshot needs {short.item() / 2**20:.3g} MiB more than is free")
+        return not self.off
+
+    def drop(self, step: int, why: str) -> None:
+        """Turn snapshots off for the rest of this run (those held stay, for a restart; a half-written one goes),
+        with one line."""
+        self.off = True
+        if self.leader:
+            shutil.rmtree(self.folder / f".tmp-step-{step}", ignore_errors=True)
+            for aside in self.folder.glob(f"snap-{step}/.tmp-rank-*"):
+                shutil.rmtree(aside, ignore_errors=True)
+        if self.rank == 0:
+            log.warning(
+                "snapshots off from step %d: %s in %s; training goes on without them (free host shared "
+                "memory, or set $TITAN_SNAPSHOT_DIR to a larger folder in host memory)",
+                step,
+                why,
+                self.folder,
+            )
+
+    def release(self) -> None:
+        """Give the agent's shared memory back (its first worker does): the run has ended."""
+        if self.leader:
+            release(self.folder)
 
     def _seal(self, tmp: Path, final: Path, proven: bool) -> None:
         mine = sorted(p.name for p in tmp.iterdir() if p.is_file() and self._wrote(p.name))
         hashes = sha256_files(tmp, mine)
         shares = self.everyone(hashes)
         if self.rank == 0:
-            index = {"world": self.world, "files": {name: entry for share in shares for name, entry in share.items()}}
+            files = {name: entry for share in shares for name, entry in share.items()}
+            index = {"world": self.world, "run": self.run, "files": files}
             (tmp / INDEX).write_text(json.dumps(index))
             mine.append(INDEX)
         snap = self.folder / f"snap-{final.name.removeprefix('step-')}"
@@ -209,7 +200,7 @@ class BuddySnapshots(Checkpointer):
         SIGTERM's save)."""
         holders: dict[int, dict[int, int]] = {}  # step -> {its rank: the lowest rank that holds its files}
         worlds: dict[int, int] = {}
-        for holder, steps in reversed(list(enumerate(self.everyone(_held(self.folder, after, before))))):
+        for holder, steps in reversed(list(enumerate(self.everyone(_held(self.folder, after, before, self.run))))):
             for step, (ranks, world) in steps.items():
                 holders.setdefault(step, {}).update(dict.fromkeys(ranks, holder))
                 worlds[step] = world or worlds.get(step, 0)
@@ -335,15 +326,17 @@ def _publish(aside: Path) -> None:
     aside.rename(folder)
 
 
-def _held(folder: Path, after: int, before: int | None) -> dict[int, tuple[list[int], int | None]]:
-    """step -> (the ranks whose files this host holds, the snapshot's world if rank 0's are among them), for the
-    snapshots newer than `after` and older than `before` (None: any)."""
+def _held(folder: Path, after: int, before: int | None, run: str) -> dict[int, tuple[list[int], int | None]]:
+    """step -> (the ranks whose files this agent holds, the snapshot's world if rank 0's are among them), for the
+    snapshots newer than `after` and older than `before` (None: any); none of a snapshot whose index names another
+    run."""
     found = {}
     for snap in folder.iterdir() if folder.is_dir() else ():
         match = HELD.match(snap.name)
         if not match or not after < int(match.group(1)) < (before or float("inf")):
             continue
         ranks = sorted(int(p.name.removeprefix("rank-")) for p in snap.glob("rank-*"))
-        index = snap / "rank-0" / INDEX
-        found[int(match.group(1))] = (ranks, json.loads(index.read_text())["world"] if index.is_file() else None)
+        index = json.loads((snap / "rank-0" / INDEX).read_text()) if (snap / "rank-0" / INDEX).is_file() else None
+        if index is None or index.get("run") == run:
+            found[int(match.group(1))] = (ranks, index["world"] if index else None)
     return found

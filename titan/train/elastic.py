@@ -5,11 +5,9 @@ on a new run plan for that world (the same global batch and data order; docs/fau
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,11 +17,22 @@ from titan.checkpoint.checkpointer import Checkpointer
 from titan.checkpoint.resume import PARTS, complete_checkpoints
 from titan.config import Config
 from titan.errors import ConfigError
-from titan.train.buddy import BuddySnapshots, SnapshotInterval
+from titan.train.buddy import BuddySnapshots
+from titan.train.recovery.interval import SnapshotInterval
+from titan.train.recovery.snapshot_folder import (
+    SNAPSHOT_DIR,
+    check,
+    claim,
+    release,
+    remove_abandoned,
+    run_identity,
+    shared_memory,
+    snapshot_folder,
+    snapshots_usable,
+)
+from titan.train.stop import NonFinite, Preempted
 
 log = logging.getLogger("titan")
-SHARED_MEMORY = Path("/dev/shm")
-SNAPSHOT_DIR = "TITAN_SNAPSHOT_DIR"  # where this node's host shared memory is (default /dev/shm)
 
 
 def restart_count(group) -> int:
@@ -37,22 +46,14 @@ def restart_count(group) -> int:
     return int(count)
 
 
-def shared_memory() -> Path:
-    """This node's host shared memory: $TITAN_SNAPSHOT_DIR, else /dev/shm."""
-    return Path(os.environ.get(SNAPSHOT_DIR) or SHARED_MEMORY)
-
-
-def snapshot_folder(run_dir: Path) -> Path:
-    """Where a run's in-memory snapshots live: host shared memory, which outlives the workers that an elastic
-    restart replaces, named after the run folder."""
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return shared_memory() / f"titan-snapshots-{key}"
-
-
-def snapshots_usable() -> bool:
-    """Whether an in-memory snapshot can serve: torchrun restarts the workers after a failure (its agent sets
-    TORCHELASTIC_MAX_RESTARTS, from --max-restarts) and this node has host shared memory."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and shared_memory().is_dir()
+def release_if_ended(snapshots: BuddySnapshots | None, error: BaseException | None = None) -> None:
+    """Free the snapshots where the run ends: it finished (no `error`), or a worker's exception ends it rather than
+    torchrun restarting the workers to continue from them: a stop titan chose (a preemption's, after its checkpoint;
+    a NaN stop; a second Ctrl-C), or any failure once torchrun has no restart left."""
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count(None)
+    chosen = error is None or isinstance(error, (Preempted, NonFinite, KeyboardInterrupt))
+    if snapshots is not None and (chosen or restarts_left <= 0):
+        snapshots.release()
 
 
 def peak_bytes(checkpointer: Checkpointer, local_world: int, keep: int) -> int:
@@ -68,9 +69,10 @@ def peak_bytes(checkpointer: Checkpointer, local_world: int, keep: int) -> int:
 
 
 def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool) -> BuddySnapshots | None:
-    """A checkpointer of the same state into the run's snapshot folder on every node (fault.snapshot_interval;
+    """A checkpointer of the same state into this agent's snapshot folder on every node (fault.snapshot_interval;
     None when off): the checkpoint's own files and code, in memory, without async saves, keeping the newest, each
-    rank's files also on its buddy's node. A first start clears what an earlier run in the same folder left."""
+    rank's files also on its buddy's node. Each node's first worker removes the folders that agents no longer
+    running left on its host, and on a first start what an earlier life of this agent's folder held."""
     every, memory = config.fault.snapshot_interval, shared_memory()
     if not every:
         return None
@@ -83,16 +85,24 @@ def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     folder = snapshot_folder(config.run_dir)
-    if not restarted and local_rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
+    if local_rank == 0 and memory.is_dir():
+        remove_abandoned(memory)
+        if not restarted:
+            release(folder)
     keep = 2 if config.replay.on_spike else 1  # a spiked step is replayed from the snapshot before it
     if not _fits(every, c, local_world, keep, first_start=not restarted):
         return None
+    if local_rank == 0:
+        claim(folder, config.run_dir)
+    if c.control_group is not None:
+        dist.barrier(group=c.control_group)
+    check(folder)  # every rank, before it reads or writes any of it
     cfg = dataclasses.replace(config.checkpoint, enable=True, async_save=False, keep_latest_k=keep)
     interval = SnapshotInterval(every, config.fault.snapshot_overhead, c.control_group)
     groups = {"save_group": c.save_group, "control_group": c.control_group}
     return BuddySnapshots(cfg, folder, c.states, c.record, rank=c.rank, **groups, local_rank=local_rank,
-                          local_world=local_world, interval=interval)  # fmt: skip
+                          local_world=local_world, interval=interval, run=run_identity(config.run_dir),
+                          peak=peak_bytes(c, local_world, keep))  # fmt: skip
 
 
 def _fits(every: int | str, checkpointer: Checkpointer, local_world: int, keep: int, first_start: bool) -> bool:

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from titan.train.build import (
 )
 from titan.train.device import pick_device
 from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
-from titan.train.elastic import build_snapshots, restart_count, resume
+from titan.train.elastic import build_snapshots, release_if_ended, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.replan import Replanner, resplit
 from titan.train.spike_replay import RunState, SpikeReplay
@@ -193,8 +192,15 @@ class Trainer:
         as at the end; returns the loss of every step run (metrics.jsonl holds the logged ones).
 
         SIGTERM, SIGUSR1 (a SLURM preemption notice) or Ctrl-C saves a checkpoint at the next step boundary and
-        raises Preempted; a second Ctrl-C raises KeyboardInterrupt at once.
+        raises Preempted; a second Ctrl-C raises KeyboardInterrupt at once. A run that ends frees its snapshots.
         """
+        try:
+            return self._train(until)
+        except BaseException as e:
+            release_if_ended(self.snapshots, e)  # kept where torchrun restarts the workers to continue from them
+            raise
+
+    def _train(self, until: int | None) -> list[float]:
         total = until or self.config.training.steps
         if self.step >= total:
             log.info(
@@ -274,8 +280,7 @@ class Trainer:
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
-            if self.snapshots is not None and self.snapshots.leader:
-                shutil.rmtree(self.snapshots.folder, ignore_errors=True)
+            release_if_ended(self.snapshots)
             self.metrics.close()
             self._log_summary(begun, unsettled.settle())
 
@@ -322,10 +327,9 @@ class Trainer:
     def _snapshot(self, loss: float) -> float:
         """Snapshot the state into shared memory; returns the seconds training was blocked."""
         self.watchdog.enter("snapshot")
-        blocked = self.snapshots.save(self.step, self.tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
-        self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
-        self.snapshots.interval.taken(self.step, blocked)
-        return blocked
+        if (blocked := self.snapshots.take(self.step, self.tokens_seen, loss)) is not None:
+            self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
+        return blocked or 0.0
 
     def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
         total = self.config.training.steps

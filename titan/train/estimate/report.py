@@ -4,10 +4,10 @@ not fit."""
 from __future__ import annotations
 
 from titan.parallel.ac_choices import GIB
-from titan.train.buddy import snapshot_every
 from titan.train.estimate.experts import all_to_all_seconds
 from titan.train.estimate.figures import RankEstimate, StepEstimate
 from titan.train.estimate.graph import PLACEMENTS, GraphAnalysis
+from titan.train.recovery.interval import snapshot_every
 
 
 def shortfall(estimate: StepEstimate) -> str | None:

@@ -1,0 +1,176 @@
+"""Snapshots in host shared memory belong to one user, one run and one torchrun agent: other users' folders are
+refused, agents on one host keep theirs apart, a full shared memory turns snapshots off instead of ending the run,
+and whatever ends a run gives its shared memory back."""
+
+import errno
+import json
+import os
+import shutil
+import stat
+import time
+
+import pytest
+
+from agents import RUN, last_losses, logged_steps, start_agent
+from conftest import DEBUG_RECIPE, tiny_overrides
+from distributed import free_port
+from helpers import trainer_for
+from titan.checkpoint import checkpointer
+from titan.config import load_config
+from titan.errors import ConfigError
+from titan.train.recovery.snapshot_folder import OWNER, snapshot_folder
+from titan.train.step import StepHook
+from titan.train.stop import NonFinite
+from titan.train.trainer import Trainer
+
+SNAPSHOTS = {**RUN, "training.steps": "6", "checkpoint.interval": "1000", "fault.snapshot_interval": "1"}
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """This host's shared memory (sticky and world-writable, as /dev/shm), under torchrun with restarts allowed."""
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    memory.chmod(0o1777)
+    monkeypatch.setenv("TITAN_SNAPSHOT_DIR", str(memory))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    return memory
+
+
+class NaNFrom(StepHook):
+    """Every loss from step `step` on is NaN."""
+
+    def __init__(self, first: int):
+        self.first = first
+
+    def loss(self, step, loss):
+        return loss * float("nan") if step + 1 >= self.first else loss
+
+
+def snapshot_steps(run_dir) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "snapshot_blocked_s" in r]
+
+
+@pytest.mark.parametrize("made", ["open to others", "another user's", "a link"])
+def test_a_snapshot_folder_titan_did_not_make_is_refused_and_nothing_is_restored(tmp_path, shm, monkeypatch, made):
+    """A restart whose snapshot folder somebody else made first (to plant the state it resumes from) refuses it in
+    one line, before reading any of it."""
+    if made == "another user's" and os.getuid() != 0:
+        pytest.skip("giving a folder to another user takes root")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    folder = snapshot_folder(tmp_path / "run" / "debug")
+    if made == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder.mkdir()
+        folder.chmod(0o777 if made == "open to others" else 0o700)
+        (folder / "snap-40" / "rank-0").mkdir(parents=True)
+        if made == "another user's":
+            os.chown(folder, 4321, 4321)
+    words = {
+        "open to others": "has mode 777, open to other users",
+        "another user's": r"belongs to uid 4321, not to this user \(uid \d+\)",
+        "a link": "is a symbolic link",
+    }[made]
+    with pytest.raises(ConfigError, match=f"the snapshot folder {folder} {words}: titan did not make it"):
+        trainer_for(tmp_path / "run", **SNAPSHOTS)
+
+
+def test_the_folder_is_the_users_alone_and_is_freed_at_the_end(tmp_path, shm):
+    trainer = trainer_for(tmp_path / "run", **SNAPSHOTS)
+    trainer.train(until=3)
+    (folder,) = shm.iterdir()
+    assert folder.name.startswith(f"titan-snapshots-{os.getuid()}-") and folder == trainer.snapshots.folder
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+    owner = json.loads((folder / OWNER).read_text())
+    assert owner["pid"] == os.getppid() and owner["run"].startswith(str(trainer.run_dir))
+    trainer.train()
+    assert not list(shm.iterdir())
+
+
+def test_a_run_that_stops_frees_its_snapshots_and_a_later_start_removes_those_a_dead_agent_left(tmp_path, shm):
+    """A NaN stop ends the run: its snapshots go. A folder whose agent no longer runs (a kill -9 left it) is removed
+    by the next start on the host, with one line."""
+    stopped = trainer_for(tmp_path / "nan", NaNFrom(4), **SNAPSHOTS)
+    with pytest.raises(NonFinite):
+        stopped.train()
+    assert not list(shm.iterdir())
+
+    left = shm / f"titan-snapshots-{os.getuid()}-0123456789abcdef"
+    shutil.copytree(trainer_for(tmp_path / "kept", **SNAPSHOTS).snapshots.folder, left)
+    owner = json.loads((left / OWNER).read_text())
+    (left / OWNER).write_text(json.dumps({**owner, "pid": 2**22 + 1}))  # no such process
+    left.chmod(0o700)
+    trainer_for(tmp_path / "next", **SNAPSHOTS)
+    assert not left.exists()
+
+
+@pytest.mark.parametrize("fault", ["full", "write fails"])
+def test_shared_memory_that_fills_turns_snapshots_off_and_training_goes_on(tmp_path, shm, monkeypatch, capsys, fault):
+    """Snapshots only save steps: once step 3's is held, the shared memory has no room for another (or the next
+    one's write fails: no space left on device). The run trains on to its end without snapshots, saying so once."""
+    if fault == "full":
+        usage = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=0) if full() else usage(path))
+    else:
+        write = checkpointer.write_train_state
+
+        def failing(folder, **state):
+            if full() and str(folder).startswith(str(shm)):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+            write(folder, **state)
+
+        monkeypatch.setattr(checkpointer, "write_train_state", failing)
+    full = lambda: any(shm.glob("titan-snapshots-*/snap-3"))  # noqa: E731
+    trainer = trainer_for(tmp_path / "run", **SNAPSHOTS)
+    trainer.train()
+    assert trainer.step == 6 and snapshot_steps(trainer.run_dir) == [1, 2, 3]
+    off = [line for line in capsys.readouterr().err.splitlines() if "snapshots off" in line]
+    why = "a snapshot needs" if fault == "full" else "its snapshot could not be written (cannot write"
+    assert len(off) == 1 and "snapshots off from step 4: " + why in off[0], off
+    assert fault == "full" or "no space left on device" in off[0], off
+    assert "training goes on without them" in off[0]
+    assert not list(shm.iterdir())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
+    """Two torchrun agents on one host, one shared memory, the default snapshots ("auto"): each agent's folder its
+    own (one folder for both crashed a run with no failure at its first snapshot). The run never restarts, trains
+    one process's losses, and leaves nothing in shared memory."""
+    steps = 8
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000"}
+    args = tiny_overrides(tmp_path / "run", **run) + ["--fault.step_timeout_s", "20"]
+    port, logs = free_port(), [tmp_path / "host.log", tmp_path / "other.log"]
+    agents = [start_agent(args, port, host, log) for host, log in zip((True, False), logs)]
+    owners = {}
+    try:
+        deadline = time.monotonic() + 300
+        while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
+            for owner in shm.glob(f"titan-snapshots-*/{OWNER}"):
+                try:
+                    owners[owner.parent.name] = json.loads(owner.read_text())["pid"]
+                except (OSError, ValueError):
+                    pass  # freed or being written
+            time.sleep(0.05)
+        codes = [agent.wait(timeout=10) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait()
+    assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    assert sorted(owners.values()) == sorted(agent.pid for agent in agents), owners  # the workers' parents
+    assert not list(shm.iterdir())
+    metrics = tmp_path / "run" / "debug" / "metrics.jsonl"
+    assert "elastic_restart" not in metrics.read_text() and "snapshot_blocked_s" in metrics.read_text()
+    reference = Trainer(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path / "reference", **run)))
+    reference.train()
+    expected = last_losses(logged_steps(reference.run_dir / "metrics.jsonl"))
+    got = last_losses(logged_steps(metrics))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in got:
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
