@@ -101,14 +101,18 @@ class Watchdog:
                 continue
             try:
                 key = f"titan/heartbeat/{rank}"
-                beat = json.loads(self._store.get(key)) if self._store.check([key]) else None
+                beat = self._store.get(key) if self._store.check([key]) else None
             except (RuntimeError, ValueError):
                 return "the store does not answer"
             if beat is None:
                 silent.append(f"rank {rank} (no heartbeat)")
                 continue
-            their_step, their_phase, at = beat
-            age = time.time() - at
+            try:  # whatever else wrote that key, the watch goes on: a hang must still end the rank
+                their_step, their_phase, at = json.loads(beat)
+                age = time.time() - float(at)
+            except (TypeError, ValueError):
+                silent.append(f"rank {rank} (a heartbeat titan cannot read: {bytes(beat)[:40]!r})")
+                continue
             if age > SILENT_BEATS * self.beat_s:
                 silent.append(f"rank {rank} (silent for {age:.0f}s, last at step {their_step} in {their_phase})")
             elif (their_step, their_phase) != (step, phase):

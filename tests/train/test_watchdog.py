@@ -1,0 +1,53 @@
+"""The watchdog ends a hung rank with one line naming the ranks it waits for, whatever the job's store holds."""
+
+import json
+import time
+
+from titan.train import watchdog
+
+
+class Store:
+    """The heartbeat keys of a job's TCP store."""
+
+    def __init__(self, beats: dict):
+        self.beats = beats
+
+    def check(self, keys):
+        return all(key in self.beats for key in keys)
+
+    def get(self, key):
+        return self.beats[key]
+
+    def set(self, key, value):
+        self.beats[key] = value.encode()
+
+
+def test_a_hang_is_named_even_beside_heartbeats_the_watchdog_cannot_read(monkeypatch, capsys):
+    """Rank 0 hangs in its backward. Rank 1 beats in step; rank 2 went silent; ranks 3 and 4's keys hold what no
+    titan wrote. The thread still ends the rank with exit 1 and one line that names each."""
+    now = time.time()
+    store = Store({
+        "titan/heartbeat/1": json.dumps([5, "backward", now + 60]).encode(),  # beating all along
+        "titan/heartbeat/2": json.dumps([4, "forward", now - 60]).encode(),
+        "titan/heartbeat/3": b"\xff not json",
+        "titan/heartbeat/4": json.dumps({"step": 5}).encode(),
+    })  # fmt: skip
+    exits = []
+
+    def exit_thread(code):
+        exits.append(code)
+        dog._stopped.set()  # ends the watch, as os._exit would end the process
+
+    monkeypatch.setattr(watchdog.os, "_exit", exit_thread)
+    dog = watchdog.Watchdog(0.2, rank=0, world_size=6)
+    monkeypatch.setattr(dog, "_connect", lambda: store)
+    dog.enter("backward", 5)
+    dog.start()
+    dog._thread.join(timeout=10)
+    assert exits == [1]
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "hung" in line]
+    assert line.startswith("titan: rank 0 hung at step 5 in backward for ") and "waiting for " in line, line
+    assert "rank 2 (silent for 60s, last at step 4 in forward)" in line, line
+    assert "rank 3 (a heartbeat titan cannot read: b'\\xff not json')" in line, line
+    assert "rank 4 (a heartbeat titan cannot read" in line and "rank 5 (no heartbeat)" in line, line
+    assert "rank 1 " not in line, line
