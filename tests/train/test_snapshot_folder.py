@@ -5,14 +5,18 @@ and whatever ends a run gives its shared memory back."""
 import errno
 import json
 import os
+import shlex
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
 
-from agents import RUN, last_losses, logged_steps, start_agent
-from conftest import DEBUG_RECIPE, tiny_overrides
+from agents import RUN, last_losses, logged_steps, process_tree, start_agent, wait_for_step
+from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import free_port
 from helpers import trainer_for
 from titan.checkpoint import checkpointer
@@ -174,3 +178,31 @@ def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
     for step in got:
         assert got[step]["tokens_seen"] == expected[step]["tokens_seen"], step
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_what_kill_9_of_every_process_leaves_is_listed_and_cleaned(tmp_path, shm):
+    """An agent and its worker killed with SIGKILL free nothing: `titan snapshots ls` shows the folder as its gone
+    agent's, with the steps it holds; `titan snapshots clean --gone` removes it."""
+    args = tiny_overrides(tmp_path / "run", **{**SNAPSHOTS, "training.steps": "1000"})
+    command = " ".join(
+        shlex.quote(a) for a in [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args]
+    )
+    agent = subprocess.Popen(
+        ["sh", "-c", f"{command}; true"], cwd=ROOT, stderr=subprocess.DEVNULL
+    )  # sh stands for torchrun
+    try:
+        wait_for_step(tmp_path / "run" / "debug" / "metrics.jsonl", 3, [agent])
+    finally:
+        for pid in reversed(process_tree(agent.pid)):
+            os.kill(pid, signal.SIGKILL)
+        agent.wait()
+    listed = run_titan("snapshots", "ls")
+    (line, total) = listed.stdout.splitlines()
+    assert line.startswith(f"titan-snapshots-{os.getuid()}-") and f"run {tmp_path / 'run' / 'debug'}," in line, line
+    assert f"agent {agent.pid} on " in line and line.endswith(", gone") and ", steps " in line, line
+    assert total.startswith(f"1 in {shm}, ")
+    cleaned = run_titan("snapshots", "clean", "--gone")
+    assert cleaned.returncode == 0 and cleaned.stdout.startswith("removed titan-snapshots-"), cleaned.stdout
+    assert not list(shm.iterdir())
+    assert run_titan("snapshots", "ls").stdout == f"0 in {shm}, 0 MiB\n"

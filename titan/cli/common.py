@@ -32,6 +32,8 @@ data_app = typer.Typer(help="Prepare data: tokenize sources once into token shar
 app.add_typer(data_app, name="data")
 simulate_app = typer.Typer(help="Simulate clusters larger than this machine.", no_args_is_help=True)
 app.add_typer(simulate_app, name="simulate")
+snapshots_app = typer.Typer(help="In-memory snapshots left in host shared memory.", no_args_is_help=True)
+app.add_typer(snapshots_app, name="snapshots")
 tokenizer_app = typer.Typer(help="Train a tokenizer on your data.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from titan.errors import ConfigError
@@ -98,26 +99,47 @@ def release(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def remove_abandoned(memory: Path) -> None:
-    """Remove this user's snapshot folders on this host whose agent is gone (same boot and PID namespace, and its
-    process no longer running), with one line: shared memory is host RAM, and a job that ended any way but
-    finishing (a crash, kill -9, the last restart failing) left them."""
-    found = []
+@dataclass(frozen=True)
+class Held:
+    """One of this user's snapshot folders in a shared memory: its owner.json (None where it cannot be read), its
+    bytes, the steps it holds, and whether its agent is gone (this boot and PID namespace, no such process)."""
+
+    folder: Path
+    owner: dict | None
+    size: int
+    steps: list[int]
+    gone: bool
+
+
+def held_folders(memory: Path) -> list[Held]:
+    """This user's snapshot folders in `memory`."""
     here = {"boot": _boot_id(), "pid_namespace": _pid_namespace()}
-    for folder in memory.glob(f"{PREFIX}{os.getuid()}-*"):
+    found = []
+    for folder in sorted(memory.glob(f"{PREFIX}{os.getuid()}-*")):
         try:
             check(folder)
             owner = json.loads((folder / OWNER).read_text())
-        except (OSError, ValueError, ConfigError):
-            continue  # not ours to judge: being made, or not titan's
-        if all(owner.get(k) == v for k, v in here.items()) and _started(owner.get("pid", -1)) != owner.get("started"):
-            found.append((folder, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())))
-    for folder, _ in found:
-        release(folder)
-    if found:
-        size = sum(n for _, n in found)
+            gone = all(owner.get(k) == v for k, v in here.items()) and _started(owner["pid"]) != owner["started"]
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            owner, gone = None, False  # not ours to judge: being made, or not titan's
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+        steps = sorted(int(p.name.removeprefix("snap-")) for p in folder.glob("snap-*") if p.name[5:].isdigit())
+        found.append(Held(folder, owner, size, steps, gone))
+    return found
+
+
+def remove_abandoned(memory: Path) -> list[Held]:
+    """Remove this user's snapshot folders in `memory` whose agent is gone, with one line: shared memory is host
+    RAM, and a job that ended any way a worker does not see (kill -9, a crash of the agent) left them. Returns
+    them."""
+    gone = [held for held in held_folders(memory) if held.gone]
+    for held in gone:
+        release(held.folder)
+    if gone:
+        size = sum(held.size for held in gone)
         log.info("snapshots: removed %d folder%s of runs no longer running from %s (%.3g MiB of host memory)",
-                 len(found), "s" * (len(found) > 1), memory, size / 2**20)  # fmt: skip
+                 len(gone), "s" * (len(gone) > 1), memory, size / 2**20)  # fmt: skip
+    return gone
 
 
 def _started(pid: int) -> str | None:
