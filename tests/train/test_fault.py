@@ -116,6 +116,12 @@ def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_
     restart = check_the_uninterrupted_losses(tmp_path, run, metrics)
     assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
     assert "x 2 (dp_shard2)" in logs[0].read_text() + logs[1].read_text()  # the run began on both nodes
+    # The survivor's failure in one line, not the collective's traceback; the restart's line says why.
+    host = logs[0].read_text()
+    assert "Traceback" not in host and "exiting so that torchrun restarts the workers" in host, host[-3000:]
+    (line,) = [line for line in host.splitlines() if "elastic restart 1:" in line]
+    why = "before it, rank 1 wrote nothing (killed, or the node lost); rank 0 at step "
+    assert why in line and ": lost a peer (" in line, line
 
 
 @pytest.mark.distributed

@@ -29,15 +29,24 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
     try:
         cfg = preflight(config, ctx.args)
         check_paths(cfg)
+        from titan.train.recovery.failures import report
         from titan.train.stop import Preempted  # imported late: torch and friends take a while to import
         from titan.train.trainer import Trainer
 
+        trainer = None
         try:
-            Trainer(cfg).train()
+            trainer = Trainer(cfg)
+            trainer.train()
         except Preempted as e:
             typer.echo(f"titan: {e}", err=True)
             code = INTERRUPTED_EXIT_CODE if e.reason == "SIGINT" else PREEMPTED_EXIT_CODE
             raise typer.Exit(code=code) from None
+        except UserError:
+            raise
+        except Exception as e:  # under torchrun: why, for the restart's line; a lost peer's in one line
+            if report(e, cfg.run_dir, trainer.step if trainer is not None else None):
+                raise typer.Exit(code=1) from None
+            raise
     except OSError as e:  # a full, read-only or forbidden disk is the machine's state: one line, not a traceback
         if e.errno not in WRITE_ERRORS:
             raise

@@ -43,6 +43,7 @@ from titan.train.device import pick_device
 from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
 from titan.train.elastic import build_snapshots, release_if_ended, restart_count, resume
 from titan.train.preflight import check_run, check_tokenizer
+from titan.train.recovery.failures import log_restart
 from titan.train.replan import Replanner, resplit
 from titan.train.spike_replay import RunState, SpikeReplay
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
@@ -133,7 +134,7 @@ class Trainer:
         self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
         self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
         if restart:
-            self._log_restart(restart)
+            log_restart(self.metrics, restart, self.step, self.world_size, self.layout.name, self.run_dir)
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
@@ -153,12 +154,6 @@ class Trainer:
     model_parts = property(lambda self: self.stepper.parts)
     optimizer = property(lambda self: self.stepper.optimizer)
     lr_scheduler = property(lambda self: self.stepper.lr_scheduler)
-
-    def _log_restart(self, restart: int) -> None:
-        """The elastic restart's line and record: the time from a failure to the next step is read from it on."""
-        log.info("elastic restart %d: a world of %d (%s), continuing at step %d", restart, self.world_size,
-                 self.layout.name, self.step)  # fmt: skip
-        self.metrics.log(self.step, {"elastic_restart": restart, "world_size": self.world_size})
 
     def _run_step_again(self, step: int) -> None:
         """Step `step` again on the loader's next batch (a spike replay, from the state before it)."""

@@ -1,0 +1,93 @@
+"""Why a run restarted. Under torchrun, a worker that fails writes one line of why into the run folder (which every
+node sees) before it exits: its rank, step and error. After the restart, rank 0 reads what the previous
+generation wrote and says it in the restart's line; a rank that wrote nothing was killed, or its node was lost.
+
+A worker that failed only because a peer stopped answering (gloo's "Connection reset by peer" on the survivors
+of a lost node) says so in one line instead of the collective's traceback: the peer's failure is the news."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+log = logging.getLogger("titan")
+FOLDER = "failures"  # in the run folder: rank-R.json, the latest failure of each rank
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|Timed out waiting")
+
+
+def restarts_left() -> int:
+    """How many more times torchrun's agent restarts the workers (0 outside torchrun)."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - count
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective's that lost its peer (the rank itself is healthy)."""
+    return isinstance(error, RuntimeError) and PEER_LOST.search(str(error)) is not None
+
+
+def first_line(error: BaseException) -> str:
+    """The error in one line: gloo's own words, without the source path it starts with."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)[:200]
+
+
+def record(run_dir: Path, rank: int, world: int, step: int | None, what: str) -> None:
+    """This rank's failure, for the next generation's restart line (written whole or not at all)."""
+    folder = Path(run_dir) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    entry = {"restart": restart, "rank": rank, "world": world, "step": step, "what": what}
+    tmp = folder / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(entry))
+    tmp.replace(folder / f"rank-{rank}.json")
+
+
+def why_restarted(run_dir: Path, restart: int) -> str:
+    """What the workers of the generation before restart `restart` wrote of their failures, in one line."""
+    entries = []
+    for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.json")):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if entry.get("restart") == restart - 1:
+            entries.append(entry)
+    if not entries:
+        return "no worker wrote why (killed, or their nodes lost)"
+    said = sorted(entries, key=lambda e: e["rank"])
+    parts = [f"rank {e['rank']}" + (f" at step {e['step']}" if e["step"] is not None else "") + f": {e['what']}"
+             for e in said]  # fmt: skip
+    silent = sorted(set(range(max(e["world"] for e in said))) - {e["rank"] for e in said})
+    if silent:
+        ranks = ", ".join(map(str, silent))
+        parts.insert(0, f"rank{'s' * (len(silent) > 1)} {ranks} wrote nothing (killed, or the node lost)")
+    return "; ".join(parts)
+
+
+def log_restart(metrics, restart: int, step: int, world_size: int, layout: str, run_dir: Path) -> None:
+    """The elastic restart's line, with why, and its record in `metrics` (a MetricsLogger): the time from a
+    failure to the next step is read from that record on."""
+    log.info("elastic restart %d: a world of %d (%s), continuing at step %d; before it, %s", restart, world_size,
+             layout, step, why_restarted(run_dir, restart))  # fmt: skip
+    metrics.log(step, {"elastic_restart": restart, "world_size": world_size})
+
+
+def report(error: BaseException, run_dir: Path, step: int | None) -> bool:
+    """Under torchrun with a restart left, record why this worker fails; one that lost a peer also says so in one
+    line on stderr. Returns whether it did (its caller then exits 1 without the traceback)."""
+    if restarts_left() <= 0:
+        return False
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    lost = peer_lost(error)
+    what = f"lost a peer ({first_line(error)})" if lost else first_line(error)
+    record(run_dir, rank, world, step, what)
+    if lost:
+        at = f" at step {step}" if step is not None else ""
+        sys.stderr.write(f"titan: rank {rank}{at} {what}; exiting so that torchrun restarts the workers\n")
+        sys.stderr.flush()
+    return lost
