@@ -89,6 +89,23 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert votes0[0] == 1
 
 
+def test_a_stop_asked_for_during_the_last_step_ends_the_run_as_finished(tmp_path, capsys):
+    """SIGTERM during the last step (a time limit as the final save begins): the final checkpoint is written once
+    and the run ends as finished (exit 0 from the CLI), not preempted (exit 75, which a batch script requeues)."""
+
+    class SignalAtTheEnd(StepHook):
+        def step(self, step, batches, run):
+            if step == 3:
+                trainer.stop.request("SIGTERM")
+            return run(batches)
+
+    trainer = trainer_for(tmp_path, SignalAtTheEnd(), **{"training.steps": "4"})
+    trainer.train()
+    assert trainer.step == 4 and complete_checkpoints(tmp_path / "debug" / "checkpoints").keys() == {4}
+    err = capsys.readouterr().err
+    assert err.count("checkpoint step 4: ") == 1 and "run summary: steps 1-4 of 4" in err, err[-2000:]
+
+
 @pytest.mark.distributed
 def test_async_save_under_fsdp2_resumes_bitwise(tmp_path):
     results = run_distributed(

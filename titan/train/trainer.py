@@ -253,7 +253,8 @@ class Trainer:
                     run = RunState(self.step, self.tokens_seen, saved_loss, due.snapshot, self._run_step_again)
                     window.start += self.spike_replay.after_step(run)
                 self.watchdog.enter("stop vote")
-                if self.stop.agreed(self.step, time.perf_counter() - step_start):
+                # A stop asked for at the last step is the end anyway: its save is the final one, and exit 0.
+                if self.step < total and self.stop.agreed(self.step, time.perf_counter() - step_start):
                     saved = "checkpointing is off (checkpoint.enable = false): nothing saved"
                     if self.config.checkpoint.enable:
                         self._save(saved_loss(), wait=True)
