@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from agents import RUN, last_losses, logged_steps, process_tree, start_agent, wait_for_step
+from agents import RUN, last_losses, logged_steps, process_tree, wait_for_step
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from distributed import free_port
 from helpers import trainer_for
@@ -142,14 +142,18 @@ def test_shared_memory_that_fills_turns_snapshots_off_and_training_goes_on(tmp_p
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
-    """Two torchrun agents on one host, one shared memory, the default snapshots ("auto"): each agent's folder its
-    own (one folder for both crashed a run with no failure at its first snapshot). The run never restarts, trains
-    one process's losses, and leaves nothing in shared memory."""
+    """Two nodes on one host, each started as the docs say (`titan launch --nnodes 1:2 --rdzv HOST:PORT train ...`)
+    with the default snapshots ("auto") and one shared memory: each agent's folder its own (one folder for both
+    crashed a run with no failure at its first snapshot). The run never restarts, trains one process's losses, and
+    leaves nothing in shared memory."""
     steps = 8
     run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000"}
-    args = tiny_overrides(tmp_path / "run", **run) + ["--fault.step_timeout_s", "20"]
-    port, logs = free_port(), [tmp_path / "host.log", tmp_path / "other.log"]
-    agents = [start_agent(args, port, host, log) for host, log in zip((True, False), logs)]
+    train = ["train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path / "run", **run)]
+    launch = [sys.executable, "-m", "titan", "launch", "--nnodes", "1:2", "--rdzv", f"127.0.0.1:{free_port()}"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen([*launch, *train], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+              for log in logs]  # fmt: skip
     owners = {}
     try:
         deadline = time.monotonic() + 300
@@ -166,6 +170,8 @@ def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
             agent.kill()
             agent.wait()
     assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    for log in logs:  # the torchrun line, first
+        assert log.read_text().startswith("titan launch: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 ")
     assert sorted(owners.values()) == sorted(agent.pid for agent in agents), owners  # the workers' parents
     assert not list(shm.iterdir())
     metrics = tmp_path / "run" / "debug" / "metrics.jsonl"

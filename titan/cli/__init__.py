@@ -1,5 +1,5 @@
-"""The `titan` command line: train, config show, data prepare, tokenizer train, compare, convert, download, generate,
-eval, verify, plan, simulate, snapshots.
+"""The `titan` command line: train, launch, config show, data prepare, tokenizer train, compare, convert, download,
+generate, eval, verify, plan, simulate, snapshots.
 
 One module per command group; importing it registers its commands on the apps of titan.cli.common."""
 
@@ -13,7 +13,7 @@ import sys
 import typer
 
 # Imported in the order `titan --help` lists the commands: the order they register in.
-from titan.cli import train, config, data, tokenizer, compare, convert, generate, evaluate  # isort: skip  # noqa: F401
+from titan.cli import train, launch, config, data, tokenizer, compare, convert, generate, evaluate  # isort: skip  # noqa: F401
 from titan.cli import verify, plan, simulate, snapshots  # isort: skip  # noqa: F401
 from titan.cli.common import app
 from titan.errors import UserError

@@ -1,0 +1,73 @@
+"""`titan launch`: `titan train` under torchrun's elastic agent, started with what titan's restarts need."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+import typer
+
+from titan.cli.common import app
+from titan.errors import UserError
+
+# Each restart gets a store of its own (rank 0's): in the agent's shared one a restarted worker can read a dead
+# worker's address and fail to connect, restart after restart.
+ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# A node that died leaves the rendezvous within seconds (keep-alives every second, three missed), and a new world
+# forms 5 s after its first node arrives rather than torchrun's 30.
+RENDEZVOUS = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def torchrun_line(nnodes: str, nproc_per_node: int, rdzv: str | None, rdzv_id: str, restarts: int, args: list[str]):
+    """The torchrun arguments that run `titan ARGS` on this node."""
+    line = ["--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(restarts)]
+    if rdzv:
+        line += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", rdzv_id, "--rdzv-conf", RENDEZVOUS]
+    else:
+        line += ["--standalone"]
+    return [*line, "--monitor-interval", "1", "-m", "titan", *args]
+
+
+@app.command(
+    "launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, no_args_is_help=True
+)
+def launch(
+    ctx: typer.Context,
+    nnodes: str = typer.Option(
+        "1",
+        "--nnodes",
+        help="Nodes: N, or MIN:MAX for an elastic run that goes on with as few as MIN (each node runs this command).",
+    ),  # fmt: skip
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes on this node: one per GPU."),
+    rdzv: str = typer.Option(None, "--rdzv", help="HOST:PORT of the first node, where the nodes meet."),
+    rdzv_id: str = typer.Option(
+        os.environ.get("SLURM_JOB_ID", "titan"), "--rdzv-id", help="The job's name, the same on every node."
+    ),
+    max_restarts: int = typer.Option(
+        None, "--max-restarts", help="Restarts after a failure; default 3 for MIN:MAX nodes, else 0."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun line and exit."),
+) -> None:
+    """Run `titan train ...` on this node under torchrun's elastic agent.
+
+    For example, on each of 2 to 4 nodes: titan launch --nnodes 2:4 --nproc-per-node 8 --rdzv node0:29500 train
+    -c recipe.toml. Sets the environment and rendezvous settings that titan's restarts need (docs/fault-tolerance.md)
+    and prints the torchrun line it runs; plain torchrun keeps working.
+    """
+    args = list(ctx.args)
+    if args[:1] != ["train"]:
+        raise UserError("titan launch runs `titan train`: end the command with train and its options, e.g. "
+                        "titan launch --nproc-per-node 2 train -c recipes/debug.toml")  # fmt: skip
+    elastic = ":" in nnodes
+    if not rdzv and nnodes not in ("1", "1:1"):
+        raise UserError(f"--nnodes {nnodes} needs --rdzv HOST:PORT: the first node's address, where the nodes meet")
+    restarts = max_restarts if max_restarts is not None else 3 if elastic else 0
+    line = torchrun_line(nnodes, nproc_per_node, rdzv, rdzv_id, restarts, args)
+    shown = " ".join(f"{k}={v}" for k, v in ENVIRONMENT.items())
+    typer.echo(f"titan launch: {shown} torchrun {shlex.join(line)}", err=True)
+    if dry_run:
+        return
+    sys.stderr.flush()
+    command = [sys.executable, "-m", "torch.distributed.run", *line]  # torchrun, of this Python
+    os.execve(sys.executable, command, {**os.environ, **ENVIRONMENT})
