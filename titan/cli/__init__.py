@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import signal
 import sys
 
 import typer
@@ -27,6 +28,9 @@ def _leave_together() -> None:
     the same user error, so they meet at a barrier (for at most 30 s) and leave at once."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
+    # torchrun ends the other ranks with SIGTERM once one has exited: they leave on the same error, and exit 2
+    # whichever comes first (a busy machine can let the agent's signal arrive before a rank's own exit).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     import datetime
 
     import torch.distributed as dist

@@ -49,11 +49,11 @@ def launch(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun line and exit."),
 ) -> None:
-    """Run `titan train ...` on this node under torchrun's elastic agent.
+    """Run titan train under torchrun's elastic agent.
 
-    For example, on each of 2 to 4 nodes: titan launch --nnodes 2:4 --nproc-per-node 8 --rdzv node0:29500 train
-    -c recipe.toml. Sets the environment and rendezvous settings that titan's restarts need (docs/fault-tolerance.md)
-    and prints the torchrun line it runs; plain torchrun keeps working.
+    One agent per node, for example on each of 2 to 4 nodes: titan launch --nnodes 2:4 --nproc-per-node 8 --rdzv
+    node0:29500 train -c recipe.toml. Sets the environment and rendezvous settings that titan's restarts need
+    (docs/fault-tolerance.md) and prints the torchrun line it runs; plain torchrun keeps working.
     """
     args = list(ctx.args)
     if args[:1] != ["train"]:

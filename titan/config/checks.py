@@ -215,6 +215,10 @@ def _validate_recovery(config: Config) -> None:
         f"fault.step_timeout_s must be seconds >= 0 (0: off), got {f.step_timeout_s}",
     )
     require(
+        0 <= f.peer_silence_s < float("inf"),
+        f"fault.peer_silence_s must be seconds >= 0 (0: off), got {f.peer_silence_s}",
+    )
+    require(
         0 < f.collective_timeout_s < float("inf"),
         f"fault.collective_timeout_s must be seconds > 0, got {f.collective_timeout_s}",
     )

@@ -329,6 +329,10 @@ class Fault:
     # vote, validation) lasts longer than this is hung: it names itself, its step and phase and the ranks it waits
     # for, in one line, and exits 1 so that the elastic agent restarts the workers. 0 disables the watchdog.
     step_timeout_s: float = 1800.0
+    # A rank that has waited this long in one phase while the next rank's heartbeat has been silent as long (its
+    # process or node lost) exits at once, naming it, rather than waiting out step_timeout_s or a collective's
+    # timeout: recovery in seconds. 0: only step_timeout_s.
+    peer_silence_s: float = 20.0
     # How long a collective of the default process group and titan's gloo groups (stop votes, checkpoint
     # barriers and saves) waits for the other ranks before it fails; also the time the ranks wait to join.
     collective_timeout_s: float = 600.0

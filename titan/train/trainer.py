@@ -103,7 +103,7 @@ class Trainer:
             config, self.run_plan, self.rank_plan, self.model, self.mesh, self.device, self.control_group
         )
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
-        self.watchdog = Watchdog(config.fault.step_timeout_s, self.rank, self.world_size)
+        self.watchdog = Watchdog.of_run(config.fault, self.rank, self.world_size, self.run_dir)
         self.clock.on_phase = self.watchdog.enter  # the step's phases, as the watchdog names a hang's
         self.hook = hook or StepHook()
         if config.replay.digests:  # what `titan verify --replay` compares a replayed step with

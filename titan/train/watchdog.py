@@ -6,7 +6,11 @@ would otherwise hold every rank until the process group's timeout, or for ever).
 
 The ranks it waits for: every rank's thread writes a heartbeat (its step, phase and wall time) into the job's
 TCP store about once a second. A rank that is stopped, dead or wedged in the interpreter stops writing, and is
-named as silent; else the ranks in another step or phase are named."""
+named as silent; else the ranks in another step or phase are named.
+
+A lost peer ends the wait sooner: a rank that has waited fault.peer_silence_s in one phase reads the heartbeat of
+the next rank (one read a beat, whatever the world's size), and if that rank has been silent as long, it exits
+naming it. One such exit is enough: torchrun's agent then restarts every worker."""
 
 from __future__ import annotations
 
@@ -19,19 +23,29 @@ import time
 
 import torch.distributed as dist
 
+from titan.train.recovery.failures import recorder
+
 # A heartbeat older than this many beats is a silent rank's.
 SILENT_BEATS = 3
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, rank: int, world_size: int):
-        """timeout_s: the longest a phase may last (0: no watchdog, enter() alone keeps the position)."""
+    def __init__(self, timeout_s: float, rank: int, world_size: int, silence_s: float = 0.0, on_exit=None):
+        """timeout_s: the longest a phase may last (0: no watchdog, enter() alone keeps the position); silence_s:
+        how long the next rank may be silent while this one waits (0: only the timeout); on_exit(step, line): told
+        why before the rank exits."""
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.silence_s, self.on_exit = silence_s, on_exit
         self.beat_s = min(1.0, timeout_s / 4) if timeout_s else 1.0
         self.where = (0, "start-up", time.monotonic())  # the step in progress, its phase, and since when
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._store = None
+
+    @classmethod
+    def of_run(cls, fault, rank: int, world_size: int, run_dir) -> Watchdog:
+        """The run's watchdog: the recipe's fault timeouts, and why it ends a rank recorded for the restart's line."""
+        return cls(fault.step_timeout_s, rank, world_size, fault.peer_silence_s, recorder(run_dir, rank, world_size))
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """The rank now works on `phase` of step `step` (default: the same step). One assignment: the thread reads
@@ -69,9 +83,13 @@ class Watchdog:
             step, phase, since = self.where
             self._beat(step, phase)
             stuck = time.monotonic() - since
-            if stuck > self.timeout_s:
-                sys.stderr.write(self._hang_line(step, phase, stuck) + "\n")
+            lost = self._lost_next(step, phase) if self.silence_s and stuck > self.silence_s else None
+            if lost or stuck > self.timeout_s:
+                line = lost or self._hang_line(step, phase, stuck)
+                sys.stderr.write(line + "\n")
                 sys.stderr.flush()
+                if self.on_exit is not None:
+                    self.on_exit(step, line.removeprefix(f"titan: rank {self.rank} "))
                 os._exit(1)
             if self._stopped.wait(self.beat_s):
                 return
@@ -83,6 +101,24 @@ class Watchdog:
             self._store.set(f"titan/heartbeat/{self.rank}", json.dumps([step, phase, time.time()]))
         except (RuntimeError, ValueError):  # a store that went away is named in the hang's line, if one comes
             pass
+
+    def _lost_next(self, step: int, phase: str) -> str | None:
+        """The line to exit with if the next rank has been silent for silence_s (its process or node lost)."""
+        peer = (self.rank + 1) % self.world_size
+        if self._store is None or peer == self.rank:
+            return None
+        try:
+            key = f"titan/heartbeat/{peer}"
+            at = float(json.loads(self._store.get(key))[2]) if self._store.check([key]) else None
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return None  # no store to judge by: the step timeout stands
+        if at is None or time.time() - at <= self.silence_s:
+            return None
+        return (
+            f"titan: rank {self.rank} waited at step {step} in {phase} on rank {peer}, silent for "
+            f"{time.time() - at:.0f}s (fault.peer_silence_s = {self.silence_s:g}: its process or node lost); exiting "
+            "so that the elastic agent restarts the workers"
+        )
 
     def _hang_line(self, step: int, phase: str, stuck: float) -> str:
         waits = self._suspects(step, phase)

@@ -47,6 +47,16 @@ def record(run_dir: Path, rank: int, world: int, step: int | None, what: str) ->
     tmp.replace(folder / f"rank-{rank}.json")
 
 
+def recorder(run_dir: Path, rank: int, world: int):
+    """record(...) for this rank, as a function of (step, what) that records only where torchrun restarts."""
+
+    def told(step: int | None, what: str) -> None:
+        if restarts_left() > 0:
+            record(run_dir, rank, world, step, what)
+
+    return told
+
+
 def why_restarted(run_dir: Path, restart: int) -> str:
     """What the workers of the generation before restart `restart` wrote of their failures, in one line."""
     entries = []
