@@ -16,7 +16,7 @@ import time
 import pytest
 
 from agents import RUN, last_losses, logged_steps, process_tree, wait_for_step
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
+from conftest import DEBUG_RECIPE, ROOT, run_titan, scenarios_beyond, tiny_overrides
 from distributed import free_port
 from helpers import trainer_for
 from titan.checkpoint import checkpointer
@@ -141,16 +141,18 @@ def test_shared_memory_that_fills_turns_snapshots_off_and_training_goes_on(tmp_p
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
-    """Two nodes on one host, each started as the docs say (`titan launch --nnodes 1:2 --rdzv HOST:PORT train ...`)
-    with the default snapshots ("auto") and one shared memory: each agent's folder its own (one folder for both
+@pytest.mark.parametrize("nodes", scenarios_beyond([2], [2, 3]))
+def test_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm, nodes):
+    """Two (three) nodes on one host, each started as the docs say (`titan launch --nnodes N:N --rdzv HOST:PORT train
+    ...`) with the default snapshots ("auto") and one shared memory: each agent's folder its own (one folder for all
     crashed a run with no failure at its first snapshot). The run never restarts, trains one process's losses, and
     leaves nothing in shared memory."""
     steps = 8
-    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000"}
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000", "training.global_batch_size": "12"}
     train = ["train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path / "run", **run)]
-    launch = [sys.executable, "-m", "titan", "launch", "--nnodes", "1:2", "--rdzv", f"127.0.0.1:{free_port()}"]
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    rdzv = f"127.0.0.1:{free_port()}"
+    launch = [sys.executable, "-m", "titan", "launch", "--nnodes", f"{nodes}:{nodes}", "--rdzv", rdzv]
+    logs = [tmp_path / f"node{n}.log" for n in range(nodes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen([*launch, *train], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
               for log in logs]  # fmt: skip
@@ -169,9 +171,11 @@ def test_two_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm):
         for agent in agents:
             agent.kill()
             agent.wait()
-    assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    assert codes == [0] * nodes, "".join(log.read_text()[-3000:] for log in logs)
     for log in logs:  # the torchrun line, first
-        assert log.read_text().startswith("titan launch: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 ")
+        assert log.read_text().startswith(
+            f"titan launch: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes {nodes}:"
+        )
     assert sorted(owners.values()) == sorted(agent.pid for agent in agents), owners  # the workers' parents
     assert not list(shm.iterdir())
     metrics = tmp_path / "run" / "debug" / "metrics.jsonl"
