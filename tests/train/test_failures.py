@@ -3,21 +3,25 @@
 from titan.train.recovery import failures
 
 
-def test_the_restart_line_says_which_ranks_failed_how_and_which_said_nothing(tmp_path, monkeypatch):
-    """Generation 0 of a 4-rank run: rank 0 lost a peer at step 6, rank 2 failed on its own, ranks 1 and 3 were
-    killed. A record of an older generation is not this restart's news."""
+def test_the_restart_line_says_which_ranks_stopped_how_and_which_said_nothing(tmp_path, monkeypatch, caplog):
+    """Before restart 1 of a 4-rank run: rank 0 lost a peer at step 6, rank 2 failed on its own, ranks 1 and 3 were
+    killed. The restart's line says so, and rank 0 clears the records: a later restart (a node joining, which
+    torchrun does not count) is told only what came after."""
     error = RuntimeError(
         "[/__w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:11648: Connection reset by peer."
     )
     assert failures.peer_lost(error) and not failures.peer_lost(RuntimeError("CUDA out of memory"))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     failures.record(tmp_path, 0, 4, 6, f"lost a peer ({failures.first_line(error)})")
     failures.record(tmp_path, 2, 4, 5, failures.first_line(ValueError("bad batch\nmore")))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "7")
-    failures.record(tmp_path, 3, 4, 1, "long ago")
-    assert failures.why_restarted(tmp_path, 1) == (
+    logged = []
+    metrics = type("Metrics", (), {"log": lambda self, step, record: logged.append((step, record))})()
+    with caplog.at_level("INFO", logger="titan"):
+        failures.log_restart(metrics, 1, 5, 0, 2, "dp_shard2", tmp_path)
+    assert caplog.messages == [
+        "elastic restart 1: a world of 2 (dp_shard2), continuing at step 5; before it, "
         "ranks 1, 3 wrote nothing (killed, or the node lost); "
         "rank 0 at step 6: lost a peer (Read error [127.0.0.1]:11648: Connection reset by peer.); "
         "rank 2 at step 5: bad batch"
-    )
-    assert failures.why_restarted(tmp_path / "elsewhere", 1) == "no worker wrote why (killed, or their nodes lost)"
+    ]
+    assert logged == [(5, {"elastic_restart": 1, "world_size": 2})]
+    assert failures.why_restarted(tmp_path) == "no worker wrote why (killed, or their nodes lost)"

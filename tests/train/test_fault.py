@@ -242,8 +242,12 @@ def test_a_frozen_node_is_dropped_and_taken_in_again_when_it_comes_back(tmp_path
     print(f"from the SIGSTOP to the next finished step, alone: {alone:.1f}s (fault.step_timeout_s = {timeout_s})")
     print(f"from the fresh agent's start to the next finished step on both nodes: {both:.1f}s")
     host = logs[0].read_text()
-    hung = [line for line in host.splitlines() if "hung at step" in line]
+    hung = [line for line in host.splitlines() if line.startswith("titan: rank 0 hung at step")]
     assert len(hung) == 1 and "waiting for rank 1 (silent for" in hung[0], host[-3000:]
+    # Each restart's line says why: the freeze's the hang, the rejoin's the SIGTERM its agent sent to take the node in.
+    (freeze, rejoin) = [line for line in host.splitlines() if "elastic restart" in line and "before it" in line]
+    assert "rank 0 at step 4: hung at step 4 in " in freeze and "rank 1 wrote nothing" in freeze, freeze
+    assert "stopped by SIGTERM, its checkpoint saved" in rejoin and "hung" not in rejoin, rejoin
     # The freeze's restart restores the snapshot; the rejoin's, the checkpoint its SIGTERM saved: nothing lost.
     assert "restoring the in-memory snapshot" in host and "both lost" not in host, host[-3000:]
     restart = check_the_uninterrupted_losses(tmp_path, run, metrics)

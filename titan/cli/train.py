@@ -38,6 +38,7 @@ def train(ctx: typer.Context, config: Path = CONFIG_OPTION) -> None:
             trainer = Trainer(cfg)
             trainer.train()
         except Preempted as e:
+            report(e, cfg.run_dir, trainer.step)  # under torchrun: why, for a restart's line
             typer.echo(f"titan: {e}", err=True)
             code = INTERRUPTED_EXIT_CODE if e.reason == "SIGINT" else PREEMPTED_EXIT_CODE
             raise typer.Exit(code=code) from None

@@ -133,8 +133,7 @@ class Trainer:
         restart = restart_count(self.control_group)
         self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
         self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
-        if restart:
-            log_restart(self.metrics, restart, self.step, self.world_size, self.layout.name, self.run_dir)
+        log_restart(self.metrics, restart, self.step, self.rank, self.world_size, self.layout.name, self.run_dir)
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)

@@ -89,7 +89,7 @@ class Watchdog:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
                 if self.on_exit is not None:
-                    self.on_exit(step, line.removeprefix(f"titan: rank {self.rank} "))
+                    self.on_exit(step, line.removeprefix(f"titan: rank {self.rank} ").split("; exiting so that")[0])
                 os._exit(1)
             if self._stopped.wait(self.beat_s):
                 return

@@ -11,8 +11,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
+
+from titan.train.stop import Preempted
 
 log = logging.getLogger("titan")
 FOLDER = "failures"  # in the run folder: rank-R.json, the latest failure of each rank
@@ -57,16 +60,14 @@ def recorder(run_dir: Path, rank: int, world: int):
     return told
 
 
-def why_restarted(run_dir: Path, restart: int) -> str:
-    """What the workers of the generation before restart `restart` wrote of their failures, in one line."""
+def why_restarted(run_dir: Path) -> str:
+    """What the workers before this restart wrote of why they stopped, in one line."""
     entries = []
     for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.json")):
         try:
-            entry = json.loads(path.read_text())
+            entries.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-        if entry.get("restart") == restart - 1:
-            entries.append(entry)
     if not entries:
         return "no worker wrote why (killed, or their nodes lost)"
     said = sorted(entries, key=lambda e: e["rank"])
@@ -79,22 +80,31 @@ def why_restarted(run_dir: Path, restart: int) -> str:
     return "; ".join(parts)
 
 
-def log_restart(metrics, restart: int, step: int, world_size: int, layout: str, run_dir: Path) -> None:
-    """The elastic restart's line, with why, and its record in `metrics` (a MetricsLogger): the time from a
-    failure to the next step is read from that record on."""
-    log.info("elastic restart %d: a world of %d (%s), continuing at step %d; before it, %s", restart, world_size,
-             layout, step, why_restarted(run_dir, restart))  # fmt: skip
-    metrics.log(step, {"elastic_restart": restart, "world_size": world_size})
+def log_restart(metrics, restart: int, step: int, rank: int, world_size: int, layout: str, run_dir: Path) -> None:
+    """After restart `restart` (0: the first start, which logs nothing), its line with why, and its record in
+    `metrics` (a MetricsLogger): the time from a failure to the next step is read from that record on. Rank 0 then
+    clears the records, which were this start's news (torchrun counts no restart where a node joins, so the count
+    cannot tell the generations apart)."""
+    if restart:
+        log.info("elastic restart %d: a world of %d (%s), continuing at step %d; before it, %s", restart,
+                 world_size, layout, step, why_restarted(run_dir))  # fmt: skip
+        metrics.log(step, {"elastic_restart": restart, "world_size": world_size})
+    if rank == 0:
+        shutil.rmtree(Path(run_dir) / FOLDER, ignore_errors=True)
 
 
 def report(error: BaseException, run_dir: Path, step: int | None) -> bool:
-    """Under torchrun with a restart left, record why this worker fails; one that lost a peer also says so in one
-    line on stderr. Returns whether it did (its caller then exits 1 without the traceback)."""
-    if restarts_left() <= 0:
+    """Under torchrun with a restart left, record why this worker stops (a failure, or a preemption's stop); one
+    that lost a peer also says so in one line on stderr. Returns whether it said so (its caller then exits 1
+    without the traceback)."""
+    under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # whose SIGTERM takes a node in, restarts left or not
+    if restarts_left() <= 0 and not (under_agent and isinstance(error, Preempted)):
         return False
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     lost = peer_lost(error)
     what = f"lost a peer ({first_line(error)})" if lost else first_line(error)
+    if isinstance(error, Preempted):  # by its agent, as a node joins, or by the job's end
+        what = f"stopped by {error.reason}, its checkpoint saved"
     record(run_dir, rank, world, step, what)
     if lost:
         at = f" at step {step}" if step is not None else ""
