@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -190,23 +191,31 @@ def test_agents_on_one_host_keep_their_snapshots_apart(tmp_path, shm, nodes):
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
 
 
+def as_a_worker_of_a_new_agent(args: list[str], log: Path, **env) -> subprocess.Popen:
+    """`titan train ARGS` as a worker of an agent of its own (sh stands for torchrun: the worker's parent), its
+    stderr in `log`."""
+    line = shlex.join([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(["sh", "-c", f"{line}; exit $?"], cwd=ROOT, env=env, stderr=log.open("w"))
+
+
+def killed_whole_at(agent: subprocess.Popen, metrics: Path, step: int) -> None:
+    """kill -9 of the agent and its worker once `step` is logged."""
+    try:
+        wait_for_step(metrics, step, [agent])
+    finally:
+        for pid in reversed(process_tree(agent.pid)):
+            os.kill(pid, signal.SIGKILL)
+        agent.wait()
+
+
 @pytest.mark.slow
 def test_what_kill_9_of_every_process_leaves_is_listed_and_cleaned(tmp_path, shm):
     """An agent and its worker killed with SIGKILL free nothing: `titan snapshots ls` shows the folder as its gone
     agent's, with the steps it holds; `titan snapshots clean --gone` removes it."""
     args = tiny_overrides(tmp_path / "run", **{**SNAPSHOTS, "training.steps": "1000"})
-    command = " ".join(
-        shlex.quote(a) for a in [sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args]
-    )
-    agent = subprocess.Popen(
-        ["sh", "-c", f"{command}; true"], cwd=ROOT, stderr=subprocess.DEVNULL
-    )  # sh stands for torchrun
-    try:
-        wait_for_step(tmp_path / "run" / "debug" / "metrics.jsonl", 3, [agent])
-    finally:
-        for pid in reversed(process_tree(agent.pid)):
-            os.kill(pid, signal.SIGKILL)
-        agent.wait()
+    agent = as_a_worker_of_a_new_agent(args, tmp_path / "killed.log")
+    killed_whole_at(agent, tmp_path / "run" / "debug" / "metrics.jsonl", 3)
     listed = run_titan("snapshots", "ls")
     (line, total) = listed.stdout.splitlines()
     assert line.startswith(f"titan-snapshots-{os.getuid()}-") and f"run {tmp_path / 'run' / 'debug'}," in line, line
@@ -218,31 +227,21 @@ def test_what_kill_9_of_every_process_leaves_is_listed_and_cleaned(tmp_path, shm
     assert run_titan("snapshots", "ls").stdout == f"0 in {shm}, 0 MiB\n"
 
 
-def as_a_worker_of_a_new_agent(args: list[str], env: dict) -> subprocess.Popen:
-    """`titan train ARGS` as a worker of an agent of its own (sh stands for torchrun: the worker's parent)."""
-    line = shlex.join([sys.executable, "-m", "titan", "train", "--config", str(DEBUG_RECIPE), *args])
-    return subprocess.Popen(["sh", "-c", f"{line}; true"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.slow
 def test_a_relaunch_restores_its_own_disk_checkpoint_not_an_abandoned_jobs_snapshot(tmp_path, shm):
     """A job snapshots every step, saves to disk at step 3, and is killed whole at step 5. The relaunch's first
     attempt dies before titan starts, so its workers see restart count 1: they restore the disk's step 3, not the
     abandoned job's newer snapshot (another agent's), and the next start removes that folder."""
     args = tiny_overrides(tmp_path / "run", **{**SNAPSHOTS, "training.steps": "1000", "checkpoint.interval": "3"})
-    first = as_a_worker_of_a_new_agent(args, {**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        wait_for_step(tmp_path / "run" / "debug" / "metrics.jsonl", 5, [first])
-    finally:
-        for pid in reversed(process_tree(first.pid)):
-            os.kill(pid, signal.SIGKILL)
-        first.wait()
+    killed_whole_at(
+        as_a_worker_of_a_new_agent(args, tmp_path / "first.log"), tmp_path / "run" / "debug" / "metrics.jsonl", 5
+    )
     (abandoned,) = shm.iterdir()
     assert max(int(p.name[5:]) for p in abandoned.glob("snap-*")) >= 4
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
     shorter = ["--training.steps", "6", "--checkpoint.allow_changes", "training.steps"]  # to finish soon
-    relaunch = as_a_worker_of_a_new_agent([*args, *shorter], env)
-    _, err = relaunch.communicate(timeout=300)
+    relaunch = as_a_worker_of_a_new_agent([*args, *shorter], tmp_path / "relaunch.log", TORCHELASTIC_RESTART_COUNT="1")
+    relaunch.wait(timeout=300)
+    err = (tmp_path / "relaunch.log").read_text()
     assert relaunch.returncode == 0, err[-3000:]
     assert "restoring the in-memory snapshot" not in err and "continuing at step 3" in err, err[-3000:]
     assert "snapshots: removed 1 folder of runs no longer running" in err and not abandoned.exists()

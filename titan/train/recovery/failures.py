@@ -65,9 +65,13 @@ def why_restarted(run_dir: Path) -> str:
     entries = []
     for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.json")):
         try:
-            entries.append(json.loads(path.read_text()))
+            entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        fields = {"rank": int, "world": int, "what": str}
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in fields.items()):
+            if 0 <= entry["rank"] < entry["world"] <= 1 << 20 and isinstance(entry.get("step"), (int, type(None))):
+                entries.append({**entry, "what": entry["what"][:200]})
     if not entries:
         return "no worker wrote why (killed, or their nodes lost)"
     said = sorted(entries, key=lambda e: e["rank"])

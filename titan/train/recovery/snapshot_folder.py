@@ -119,8 +119,11 @@ def held_folders(memory: Path) -> list[Held]:
         try:
             check(folder)
             owner = json.loads((folder / OWNER).read_text())
-            gone = all(owner.get(k) == v for k, v in here.items()) and _started(owner["pid"]) != owner["started"]
-        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            if not (isinstance(owner, dict) and isinstance(owner.get("pid"), int)
+                    and all(isinstance(owner.get(k), str) for k in ("host", "run"))):  # fmt: skip
+                raise ValueError("not an owner.json of titan's")
+            gone = all(owner.get(k) == v for k, v in here.items()) and _started(owner["pid"]) != owner.get("started")
+        except (OSError, ValueError, ConfigError):
             owner, gone = None, False  # not ours to judge: being made, or not titan's
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
         steps = sorted(int(p.name.removeprefix("snap-")) for p in folder.glob("snap-*") if p.name[5:].isdigit())
