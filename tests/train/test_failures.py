@@ -13,7 +13,8 @@ def test_the_restart_line_says_which_ranks_stopped_how_and_which_said_nothing(tm
     assert failures.peer_lost(error) and not failures.peer_lost(RuntimeError("CUDA out of memory"))
     failures.record(tmp_path, 0, 4, 6, f"lost a peer ({failures.first_line(error)})")
     failures.record(tmp_path, 2, 4, 5, failures.first_line(ValueError("bad batch\nmore")))
-    (tmp_path / failures.FOLDER / "rank-9.json").write_text('{"rank": "9", "world": 4, "what": "x"}')  # not titan's: skipped
+    not_titans = '{"rank": "9", "world": 4, "what": "x"}'  # a rank that is text: skipped
+    (tmp_path / failures.FOLDER / "rank-9.json").write_text(not_titans)
     logged = []
     metrics = type("Metrics", (), {"log": lambda self, step, record: logged.append((step, record))})()
     with caplog.at_level("INFO", logger="titan"):
