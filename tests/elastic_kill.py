@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # this checkout's titan, wha
 import torch.distributed as dist  # noqa: E402
 
 from titan.checkpoint.format.storage import CheckpointWriter  # noqa: E402
-from titan.train.watchdog import Watchdog  # noqa: E402
+from titan.train.recovery.watchdog import Watchdog  # noqa: E402
 
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
 

@@ -291,7 +291,7 @@ def test_an_older_titans_checkpoint_upgrades_once_and_resumes_as_the_original(tm
     older = tmp_path / "older" / "step-2"
     loaded = trainer_for(tmp_path / "load", **SAVED, **{"checkpoint.resume": str(saved_run)})
     with single_process_quiet():
-        dcp.save(loaded.checkpointer._tensor_state(("model", "optimizer")), checkpoint_id=str(older), no_dist=True)
+        dcp.save(loaded.checkpointer.tensor_state(("model", "optimizer")), checkpoint_id=str(older), no_dist=True)
     for name in ("train_state.json", "data.json"):
         shutil.copy(saved_run / name, older / name)
     seal(older)

@@ -291,9 +291,9 @@ def snapshot_after_a_resplit(tmp, layout: dict):
     trainer.train(until=1)
     trainer.follow(run_plan(trainer.config, trainer.world_size, trainer.blocks, layers_per_stage=[3, 1]))
     trainer.train(until=2)
-    trainer.snapshots.save(2, trainer.tokens_seen, 0.0, wait=True)
+    trainer.recovery.snapshots.take(2, trainer.tokens_seen, 0.0)
     taken = full_weights(trainer)
-    folder, _ = trainer.snapshots.gather(after=0)
+    folder, _ = trainer.recovery.snapshots.gather(trainer.checkpointer, after=0)
     with torch.no_grad():
         for p in trainer.model_parts.parameters():
             p.add_(1.0)

@@ -44,7 +44,7 @@ def run(tmp_path_factory):
            "validation.steps": str(BATCHES), "training.local_batch_size": str(BATCH)},
     )  # fmt: skip
     trainer.train()
-    return root / "debug" / "checkpoints" / "step-5", held, trainer.val_loss
+    return root / "debug" / "checkpoints" / "step-5", held, trainer.report.val_loss
 
 
 @pytest.fixture(scope="module")

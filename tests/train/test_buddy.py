@@ -17,8 +17,8 @@ import torch.distributed as dist
 from conftest import DEBUG_RECIPE, ROOT, scenarios_beyond, tiny_overrides
 from distributed import free_port, run_distributed
 from helpers import TINY_MODEL
+from titan.checkpoint.snapshots.exchange import exchange
 from titan.config import load_config
-from titan.train.buddy import exchange
 from titan.train.trainer import Trainer
 
 SIZES = {0: [0, 1, 7, 23], 1: [6, 8, 14], 2: [15]}  # bytes of each rank's files: empty, under, at and over a chunk

@@ -452,7 +452,7 @@ def test_auto_snapshots_only_where_torchrun_restarts_the_workers(tmp_path, monke
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     plain = trainer_for(tmp_path / "plain", **{"training.steps": "4"})
     plain.train()
-    assert plain.snapshots is None and not list(shm.iterdir())
+    assert plain.recovery.snapshots is None and not list(shm.iterdir())
     assert not snapshot_lines(capsys.readouterr().err, tmp_path)
     records = (tmp_path / "plain" / "debug" / "metrics.jsonl").read_text()
     assert "snapshot_blocked_s" not in records
@@ -490,7 +490,7 @@ def test_snapshots_larger_than_the_free_shared_memory_are_refused_or_left_off(tm
         return
     trainer = trainer_for(tmp_path / "run", **{"fault.snapshot_interval": interval})
     (line,) = snapshot_lines(capsys.readouterr().err, tmp_path)
-    assert trainer.snapshots is None and "fault.snapshot_interval auto: no snapshots, they need" in line, line
+    assert trainer.recovery.snapshots is None and "fault.snapshot_interval auto: no snapshots, they need" in line, line
     assert "0.000954 MiB free" in line, line
 
 

@@ -21,9 +21,9 @@ from conftest import DEBUG_RECIPE, ROOT, run_titan, scenarios_beyond, tiny_overr
 from distributed import free_port
 from helpers import trainer_for
 from titan.checkpoint import checkpointer
+from titan.checkpoint.snapshots.folder import OWNER, snapshot_folder
 from titan.config import load_config
 from titan.errors import ConfigError
-from titan.train.recovery.snapshot_folder import OWNER, snapshot_folder
 from titan.train.step import StepHook
 from titan.train.stop import NonFinite
 from titan.train.trainer import Trainer
@@ -87,7 +87,7 @@ def test_the_folder_is_the_users_alone_and_is_freed_at_the_end(tmp_path, shm):
     trainer = trainer_for(tmp_path / "run", **SNAPSHOTS)
     trainer.train(until=3)
     (folder,) = shm.iterdir()
-    assert folder.name.startswith(f"titan-snapshots-{os.getuid()}-") and folder == trainer.snapshots.folder
+    assert folder.name.startswith(f"titan-snapshots-{os.getuid()}-") and folder == trainer.recovery.snapshots.folder
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
     owner = json.loads((folder / OWNER).read_text())
     assert owner["pid"] == os.getppid() and owner["run"].startswith(str(trainer.run_dir))
@@ -104,7 +104,7 @@ def test_a_run_that_stops_frees_its_snapshots_and_a_later_start_removes_those_a_
     assert not list(shm.iterdir())
 
     left = shm / f"titan-snapshots-{os.getuid()}-0123456789abcdef"
-    shutil.copytree(trainer_for(tmp_path / "kept", **SNAPSHOTS).snapshots.folder, left)
+    shutil.copytree(trainer_for(tmp_path / "kept", **SNAPSHOTS).recovery.snapshots.folder, left)
     owner = json.loads((left / OWNER).read_text())
     (left / OWNER).write_text(json.dumps({**owner, "pid": 2**22 + 1}))  # no such process
     left.chmod(0o700)

@@ -4,7 +4,7 @@ import json
 import re
 import time
 
-from titan.train import watchdog
+from titan.train.recovery import watchdog
 
 
 class Store:

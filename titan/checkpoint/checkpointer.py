@@ -12,9 +12,9 @@ Layout of one checkpoint, `<run>/checkpoints/step-N/` (titan/checkpoint/format/:
                             a checkpoint known to train on (last_good)
 
 A checkpoint is written to `.tmp-step-N/`, fsynced and renamed when complete, so a crash at any moment leaves
-the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. This module saves,
-seals, proves (last_good) and prunes them; resume.py resumes from one; train_state.py writes and reads
-train_state.json.
+the previous checkpoints untouched; a loaded checkpoint is first checked against its manifest. This module saves
+and proves them (last_good); its storage (disk.py; snapshots/ for the in-memory ones) seals and prunes them;
+resume.py resumes from one; train_state.py writes and reads train_state.json.
 """
 
 from __future__ import annotations
@@ -34,16 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from titan.checkpoint.format import (
-    MARKER,
-    PROVEN,
-    CheckpointReader,
-    CheckpointWriter,
-    seal,
-    sha256_files,
-    single_process_quiet,
-    verify,
-)
+from titan.checkpoint.disk import DiskStorage, Storage, last_good, prove
+from titan.checkpoint.format import MARKER, CheckpointReader, CheckpointWriter, single_process_quiet, verify
 from titan.checkpoint.resume import (
     PARTS,
     STEP_DIR,
@@ -59,7 +51,7 @@ from titan.checkpoint.resume import (
 from titan.checkpoint.train_state import model_buffers, read_train_state, write_train_state
 from titan.config import Checkpoint
 from titan.errors import UserError
-from titan.files import WRITE_ERRORS, fsync, write_error, write_synced
+from titan.files import WRITE_ERRORS, write_error, write_synced
 from titan.optim import ensure_adamw_state
 
 log = logging.getLogger("titan")
@@ -117,15 +109,18 @@ class Checkpointer:
         rank: int,
         save_group,
         control_group,
+        storage: Storage | None = None,
     ):
         """states: the stateful parts by name: "model" (the ModelParts), "optimizer", "lr_scheduler", "data" (the
         loader: state_dict/load_state_dict), and optionally "plan" (the re-plan in force, saved in train_state.json).
         save_group carries DCP's collectives and control_group this class's barriers: separate gloo groups
         (None for one process), since an async save's collectives run on a background thread and must not
-        interleave with the main thread's (on gloo that aborts the job or deadlocks)."""
-        self.cfg, self.folder, self.states, self.record, self.rank = cfg, folder, dict(states), record, rank
+        interleave with the main thread's (on gloo that aborts the job or deadlocks). storage: where a save lands
+        (default: a folder per checkpoint in `folder`, disk.DiskStorage)."""
+        self.cfg, self.folder, self.states, self.record, self.rank = cfg, folder, states, record, rank
         self.save_group, self.control_group = save_group, control_group
         self.world = dist.get_world_size(control_group) if control_group is not None else 1
+        self.storage = storage or DiskStorage(folder, cfg.keep_latest_k, rank, self.world, control_group)
         self.resumed_from: Path | None = None
         self.resumed_state: dict = {}  # the loaded train_state.json
         self._pending: tuple[Future | None, Path, Path] | None = None
@@ -158,7 +153,7 @@ class Checkpointer:
 
     # -- what is saved -------------------------------------------------------------------------
 
-    def _tensor_state(self, parts: tuple[str, ...]) -> dict:
+    def tensor_state(self, parts: tuple[str, ...]) -> dict:
         """Model and optimizer tensors keyed by parameter name, so any layout can load them; the model's buffers
         that are state (a MoE's routing biases) with its parameters."""
         state = {}
@@ -211,7 +206,7 @@ class Checkpointer:
                     recipe=self.record.recipe,
                     plan=self.states["plan"].state_dict() if "plan" in self.states else {},
                 )
-            state = self._tensor_state(("model", "optimizer"))
+            state = self.tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
             background = self.cfg.async_save and not wait
             writer = CheckpointWriter(tmp, progress=None if background else f"checkpoint step {step}: saving")
@@ -256,31 +251,10 @@ class Checkpointer:
             if future is not None:
                 future.result()
             self._barrier()
-            self._seal(tmp, final, proven)
+            self.storage.seal(tmp, final, proven)
         except (OSError, CheckpointException) as e:
             raise self._save_error(e, int(final.name.removeprefix("step-"))) from None
         self._barrier()
-
-    def _seal(self, tmp: Path, final: Path, proven: bool) -> None:
-        # Every rank hashes its share of the files (a shared file system, as the rename below needs already).
-        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        mine = sha256_files(tmp, names[self.rank :: self.world])
-        if self.control_group is not None:
-            shares: list = [None] * self.world
-            dist.all_gather_object(shares, mine, group=self.control_group)
-            mine = {name: entry for share in shares for name, entry in share.items()}
-        if self.rank != 0:
-            return
-        seal(tmp, mine)
-        replaced = final.with_name(".replaced-" + final.name)
-        if final.exists():  # a rewound run saving a step again: the old one goes once the new one is in place
-            final.rename(replaced)
-        tmp.rename(final)  # atomic: the checkpoint appears complete or not at all
-        fsync(self.folder)
-        shutil.rmtree(replaced, ignore_errors=True)
-        if proven:
-            self._prove(final)
-        self._prune()
 
     def step_ran(self, step: int, healthy: bool) -> None:
         """Step `step` ran, healthy or not (every rank calls this, in step order). Its loss and gradient norm were
@@ -296,32 +270,11 @@ class Checkpointer:
         if self._pending is not None and self._pending[2].name == f"step-{step - 1}":
             self._prove_when_sealed = True
         elif self.rank == 0:
-            self._prove(self.folder / f"step-{step - 1}")
-
-    def _prove(self, path: Path) -> None:
-        # An empty file outside the manifest: created or not, the checkpoint stays whole and verifiable.
-        write_synced(path / PROVEN, b"")
-        fsync(path)
+            prove(self.folder / f"step-{step - 1}")
 
     def last_good(self) -> Path | None:
-        """The newest complete checkpoint whose next step ran healthy: resuming from it does not meet the same NaN.
-        (The final step's checkpoint, whose next step never ran, is not one until a later run proves it.)"""
-        for path in reversed(complete_checkpoints(self.folder).values()):
-            if (path / PROVEN).is_file():
-                return path
-        return None
-
-    def _prune(self) -> None:
-        """Keep the newest keep_latest_k checkpoints, and always the last good one."""
-        if not self.cfg.keep_latest_k:
-            return
-        found = list(complete_checkpoints(self.folder).values())
-        keep = {*found[-self.cfg.keep_latest_k :], self.last_good()}
-        for old in found:
-            if old not in keep:
-                doomed = old.with_name(".pruned-" + old.name)  # renamed first: never a half-deleted "complete" one
-                old.rename(doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+        """The newest checkpoint known good (disk.last_good)."""
+        return last_good(self.folder)
 
     def _barrier(self) -> None:
         if self.control_group is not None:
@@ -340,7 +293,7 @@ class Checkpointer:
         check_model(path, train_state["model"], self.record.model)
         if "train_state" in parts:
             check_math(path, train_state, self.record.math_values, self.cfg.allow_changes)
-        tensors = self._tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
+        tensors = self.tensor_state(tuple(p for p in parts if p in ("model", "optimizer")))
         if tensors:
             read_tensors(path, tensors, self.save_group)
         step = train_state["step"] if "train_state" in parts else 0
@@ -369,15 +322,21 @@ class Checkpointer:
 
     def save_tensors(self, folder: Path) -> None:
         """The model and optimizer tensors into `folder`, for load_tensors after the parts are rebuilt."""
-        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        state, group = self.tensor_state(("model", "optimizer")), self.save_group
         dcp.save(state, storage_writer=CheckpointWriter(folder), process_group=group, no_dist=group is None)
 
     def rebind(self, **states) -> None:
-        """Save and restore these stateful parts from now on (rebuilt ones, by name)."""
+        """Save and restore these stateful parts from now on (rebuilt ones, by name), here and in every
+        checkpointer made with `beside`."""
         self.states.update(states)
 
+    def beside(self, cfg: Checkpoint, folder: Path, storage: Storage) -> Checkpointer:
+        """A checkpointer of the same states (rebound with this one) and run record, saving into `storage`."""
+        groups = {"save_group": self.save_group, "control_group": self.control_group}
+        return Checkpointer(cfg, folder, self.states, self.record, rank=self.rank, **groups, storage=storage)
+
     def load_tensors(self, folder: Path) -> None:
-        state, group = self._tensor_state(("model", "optimizer")), self.save_group
+        state, group = self.tensor_state(("model", "optimizer")), self.save_group
         reader = CheckpointReader(folder, sealed=False)
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
         self._barrier()  # every rank has read it

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from titan.checkpoint.snapshots.folder import Held, held_folders, release, shared_memory
 from titan.cli.common import snapshots_app
 from titan.errors import UserError
-from titan.train.recovery.snapshot_folder import Held, held_folders, release, shared_memory
 
 
 def _state(held: Held) -> str:

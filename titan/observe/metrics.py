@@ -306,6 +306,10 @@ class ThroughputWindow:
     def add(self, tokens: int) -> None:
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
 
+    def exclude(self, seconds: float) -> None:
+        """Leave out `seconds` that were not steps (a blocking save, a snapshot, a replay)."""
+        self.start += seconds
+
     def seconds_per_step(self) -> float:
         return (time.perf_counter() - self.start) / self.steps
 

@@ -103,8 +103,8 @@ class StepDigests(StepHook):
 class SpikeWatch:
     """A step whose loss or gradient norm is replay.spike_zscore standard deviations above the last
     replay.spike_window steps' (judged once that many steps ran) is logged with the replay that checks it, and
-    recorded in <run>/spikes.jsonl. With replay.on_spike the trainer replays it (titan/train/spike_replay.py): every
-    rank flags the same steps, as it judges the same global loss and norm."""
+    recorded in <run>/spikes.jsonl. With replay.on_spike the trainer replays it (train/recovery/spike_replay.py):
+    every rank flags the same steps, as it judges the same global loss and norm."""
 
     def __init__(self, cfg: Replay, run_dir: Path, rank: int):
         self.threshold, self.rank, self.run_dir = cfg.spike_zscore, rank, run_dir

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -14,21 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from titan.checkpoint.resume import complete_checkpoints
-from titan.config import Config, to_toml
+from titan.config import Config
 from titan.data import DocumentBatchLoader
 from titan.observe.metrics import (
-    MetricsLogger,
-    RemainingTime,
     ThroughputWindow,
-    format_line,
     log_to_file,
-    peak_flops,
-    peak_memory_bytes,
-    run_info,
     setup_logging,
 )
 from titan.observe.profiling import DeviceTimer, Profiler, StepClock
-from titan.observe.runs import duration
+from titan.observe.run_report import RunReport
+from titan.parallel.launcher import Launch
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.run_plan import RunPlan
 from titan.train.build import (
@@ -40,16 +33,14 @@ from titan.train.build import (
     keep_hf_tokenizer,
 )
 from titan.train.device import pick_device
-from titan.train.digests import DIGESTS, SpikeWatch, StepDigests
-from titan.train.elastic import build_snapshots, release_if_ended, restart_count, resume
+from titan.train.digests import DIGESTS, StepDigests
 from titan.train.preflight import check_run, check_tokenizer
-from titan.train.recovery.failures import log_restart
+from titan.train.recovery import Recovery
+from titan.train.recovery.watchdog import Watchdog
 from titan.train.replan import Replanner, resplit
-from titan.train.spike_replay import RunState, SpikeReplay
 from titan.train.step import StepHook, TrainStep, UnsettledSteps
 from titan.train.stop import NonFiniteSteps, Preempted, StopVote
 from titan.train.straggler import gather_times
-from titan.train.watchdog import Watchdog
 
 log = logging.getLogger("titan")
 
@@ -62,21 +53,21 @@ class Due:
     replan: bool
     validate: bool
     save: bool
-    snapshot: bool = False  # an in-memory one (fault.snapshot_interval), where no checkpoint is saved
 
     @property
     def anything(self) -> bool:
-        return self.log or self.replan or self.validate or self.save or self.snapshot
+        return self.log or self.replan or self.validate or self.save
 
 
 class Trainer:
     def __init__(self, config: Config, hook: StepHook | None = None, stop: Callable[..., StopVote] = StopVote):
         """hook: where tests and tools look into each step; stop: makes the stop vote from the control group."""
-        self.started = time.perf_counter()  # the run's wall time, in its summary
+        started = time.perf_counter()  # the run's wall time, in its summary
         self.device, device_reason = pick_device(config.training.device)
-        setup_logging(int(os.environ.get("RANK", "0")))  # the pre-flight logs the activation budget it resolves
+        launch = Launch.from_env()
+        setup_logging(launch.rank)  # the pre-flight logs the activation budget it resolves
         # Everything that can be wrong with the recipe and its tokenizer is checked before joining the other processes.
-        checked = check_run(config, int(os.environ.get("WORLD_SIZE", "1")), lambda: self.device)
+        checked = check_run(config, launch.world, lambda: self.device)
         self.config = config = checked.config  # the recipe as the run runs it
         t = config.training
         self.model, self.layout = checked.model, checked.layout
@@ -110,53 +101,37 @@ class Trainer:
             digests = self.run_dir / DIGESTS
             self.hook = StepDigests(self.hook, digests, self.rank, self.world_size, self.layout.tp, self.device)
         self.stepper = self._build_step(self.run_plan)
-        self.flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
-        run_dtype = torch.bfloat16 if self.run_plan.precision.bf16 else torch.float32
-        self.peak_flops, peak_is = peak_flops(self.device, config.metrics.peak_flops, run_dtype)
-        (log.info if self.peak_flops else log.warning)("MFU: relative to %s", peak_is)
+        flops_per_token = self.model.spec.flops_per_token(self.model.args, t.seq_len)
+        bf16 = self.run_plan.precision.bf16
+        self.report = RunReport.of_run(config, self.device, self.rank, self.world_size, self.layout, flops_per_token,
+                                       bf16, started)  # fmt: skip
+        self.metrics = self.report.metrics
         self.step_times: list[float] = []  # host wall time of each step, data loading included
-        self.val_loss: float | None = None  # the last evaluation's
-        self.best_val: tuple[float, int] | None = None  # this call's lowest validation loss, and its step
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
-        info = run_info(self.device, self.world_size, self.layout)
-        self.metrics = MetricsLogger(config, self.run_dir, enabled=self.rank == 0, extra_info=info)
-        if self.rank == 0:
-            (self.run_dir / "config.toml").write_text(to_toml(config))
-            (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
         self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
         # What a checkpoint saves and restores, by name.
         states = {"model": self.model_parts, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
         states |= {"data": self.loader, "plan": self.replanner}
         self.checkpointer = build_checkpointer(config, self.model, self.run_plan, states, self.rank, self.control_group)
-        v, c = config.validation, config.checkpoint
-        self.remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
-        restart = restart_count(self.control_group)
-        self.snapshots = build_snapshots(config, self.checkpointer, restarted=restart > 0)
-        self.step = resume(self.checkpointer, self.snapshots, restarted=restart > 0)
-        log_restart(self.metrics, restart, self.step, self.rank, self.world_size, self.layout.name, self.run_dir)
+        self.recovery = Recovery(config, launch, self.checkpointer, self.metrics, self.watchdog, self.clock, self.hook)
+        self.step = self.recovery.resume(self.layout.name)
         # Tokens are counted from the checkpoint's count: an allowed change of seq_len or batch size applies
         # from the resumed step on.
         self.tokens_seen = self.checkpointer.resumed_state.get("tokens_seen", 0)
         self.nonfinite = NonFiniteSteps(config, self.checkpointer, self.metrics)
-        self.spikes = SpikeWatch(config.replay, self.run_dir, self.rank)
-        replay = (self.spikes, self.hook, self.snapshots, self.checkpointer, self.watchdog, self.clock, self.run_dir)
-        self.spike_replay = SpikeReplay(*replay) if config.replay.on_spike else None
         # A re-planned run resumes on the plan in force when it stopped (the replanner dropped a plan measured
         # on another layout or other devices).
         self.follow(self.replanner.plan())
         if config.checkpoint.init_from_hf:
             init_from_hf(config, self.model, self.model_parts, self.checkpointer.resumed_from is not None)
         self.stop = stop(self.control_group)
-        self._log_start()
+        params = self.model_parts.n_params(self.rank_plan.first_of_its_stages)
+        self.report.start(params, self.layout.name, self.loader.describe(self.run_plan, self.rank_plan))
 
     # The step's parts, as the checkpointer and the tests see them; a pipeline re-split replaces them.
     model_parts = property(lambda self: self.stepper.parts)
     optimizer = property(lambda self: self.stepper.optimizer)
     lr_scheduler = property(lambda self: self.stepper.lr_scheduler)
-
-    def _run_step_again(self, step: int) -> None:
-        """Step `step` again on the loader's next batch (a spike replay, from the state before it)."""
-        self.stepper(next(self.loader), step - 1)
 
     def _build_step(self, plan: RunPlan) -> TrainStep:
         return build_step(self.config, self.model, plan, self.rank, self.mesh, self.device, self.clock, self.hook)
@@ -172,8 +147,6 @@ class Trainer:
         if plan.stage_layers != self.run_plan.stage_layers:
             scratch = self.checkpointer.folder / f".resplit-step-{self.step}"
             self.stepper, how = resplit(self.stepper, lambda: self._build_step(plan), self.checkpointer, scratch)
-            if self.snapshots is not None:  # they save the rebuilt parts from now on, as the checkpoints do
-                self.snapshots.rebind(model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
             counts = [len(layers) for layers in plan.stage_layers]
             log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, counts, how)
         self.run_plan, self.rank_plan = plan, plan.rank(self.rank)
@@ -191,18 +164,14 @@ class Trainer:
         try:
             return self._train(until)
         except BaseException as e:
-            release_if_ended(self.snapshots, e)  # kept where torchrun restarts the workers to continue from them
+            self.recovery.ended(e)  # the snapshots stay where torchrun restarts the workers to continue from them
             raise
 
     def _train(self, until: int | None) -> list[float]:
         total = until or self.config.training.steps
         if self.step >= total:
-            log.info(
-                "already at step %d of training.steps %d: nothing to train (to train on, raise training.steps and "
-                "pass --checkpoint.allow_changes training.steps)",
-                self.step,
-                total,
-            )
+            log.info("already at step %d of training.steps %d: nothing to train (to train on, raise training.steps "
+                     "and pass --checkpoint.allow_changes training.steps)", self.step, total)  # fmt: skip
         unsettled = UnsettledSteps(self.stepper.global_loss, self._settled, self.device)
         self.stepper.parts.train()
         first_step, window = self.step, ThroughputWindow()
@@ -231,7 +200,8 @@ class Trainer:
                 if due.anything:
                     loss = unsettled.settle()
                 if due.log:
-                    self._log_step(loss, grad_norm, lr, window, phases)
+                    figures = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **phases, **self.stepper.step_metrics()}
+                    self.report.step(self.step, figures, window, self.tokens_seen)
                     if isinstance(self.loader, DocumentBatchLoader):
                         self._log_packing(compute.seconds())
                     window.restart()
@@ -240,17 +210,16 @@ class Trainer:
                     self._replan()
                 if due.validate:
                     self.watchdog.enter("validation")
-                    self._log_validation()
+                    start = time.perf_counter()
+                    self.report.validation(self.step, self.evaluate(), time.perf_counter() - start)
                     window.restart()  # evaluation is not steps
                 # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if due.save:  # its blocking time is not step time: the ETA counts it apart
-                    window.start += self._save(saved_loss(), wait=self.step == total)
-                if due.snapshot:
-                    window.start += self._snapshot(saved_loss())
-                if self.spike_replay is not None:  # nor is replaying a spiked step
-                    run = RunState(self.step, self.tokens_seen, saved_loss, due.snapshot, self._run_step_again)
-                    window.start += self.spike_replay.after_step(run)
+                    window.exclude(self._save(saved_loss(), wait=self.step == total))
+                # Nor is a snapshot's, or replaying a spiked step (which steps again on the loader's next batch).
+                run_again = lambda step: self.stepper(next(self.loader), step - 1)  # noqa: E731
+                window.exclude(self.recovery.after_step(self.step, self.tokens_seen, saved_loss, due.save, run_again))
                 self.watchdog.enter("stop vote")
                 # A stop asked for at the last step is the end anyway: its save is the final one, and exit 0.
                 if self.step < total and self.stop.agreed(self.step, time.perf_counter() - step_start):
@@ -258,14 +227,14 @@ class Trainer:
                     if self.config.checkpoint.enable:
                         self._save(saved_loss(), wait=True)
                         saved = f"checkpoint saved in {self.checkpointer.folder}: run the same command to resume"
-                    self._log_summary(begun, unsettled.settle())
+                    self._summary(begun, unsettled.settle())
                     raise Preempted(f"stopped by {self.stop.reason} at step {self.step}; {saved}", self.stop.reason)
                 self.step_times.append(time.perf_counter() - step_start)
                 profiler_start = time.perf_counter()
                 if self.profiler.step():  # writing the trace is not step time
                     window.restart()
                 else:  # nor is starting the profiler, which the next step's window would otherwise hold
-                    window.start += time.perf_counter() - profiler_start
+                    window.exclude(time.perf_counter() - profiler_start)
         self._finish(begun, unsettled)
         return unsettled.losses
 
@@ -275,13 +244,13 @@ class Trainer:
         unsettled.settle()
         self.checkpointer.finish_pending()
         if self.step >= self.config.training.steps:
-            release_if_ended(self.snapshots)
+            self.recovery.ended()
             self.metrics.close()
-            self._log_summary(begun, unsettled.settle())
+            self._summary(begun, unsettled.settle())
 
     def _settled(self, step: int, loss: float, grad_norm: float) -> None:
         """A step's global loss and gradient norm, once on the host."""
-        spiked = self.spikes.check(step, loss, grad_norm)
+        spiked = self.recovery.spikes.check(step, loss, grad_norm)
         self.nonfinite.check(step, loss, grad_norm, spiked)
 
     def _due(self, total: int, first_step: int) -> Due:
@@ -293,7 +262,6 @@ class Trainer:
             replan=self.replanner.due(step),
             validate=bool(interval) and (step % interval == 0 or step == total),
             save=save,
-            snapshot=self.snapshots is not None and self.snapshots.due(step) and not save,
         )
 
     @torch.no_grad()
@@ -316,80 +284,14 @@ class Trainer:
         self.watchdog.enter("checkpoint save")
         metrics = self.checkpointer.save(self.step, self.tokens_seen, loss, wait=wait)
         self.metrics.log(self.step, metrics)
-        self.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
+        self.report.remaining.record("checkpoint", metrics["checkpoint_blocked_s"])
         return metrics["checkpoint_blocked_s"]
-
-    def _snapshot(self, loss: float) -> float:
-        """Snapshot the state into shared memory; returns the seconds training was blocked."""
-        self.watchdog.enter("snapshot")
-        if (blocked := self.snapshots.take(self.step, self.tokens_seen, loss)) is not None:
-            self.metrics.log(self.step, {"snapshot_blocked_s": blocked})
-        return blocked or 0.0
-
-    def _log_step(self, loss, grad_norm, lr, window: ThroughputWindow, phases: dict) -> None:
-        total = self.config.training.steps
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_time, tokens_per_s = window.seconds_per_step(), window.tokens_per_s()
-        metrics = {
-            "loss": float(loss),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world_size,
-            "step_time_s": step_time,
-            "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
-            "tokens_seen": self.tokens_seen,
-        }
-        if self.peak_flops:
-            metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
-        metrics.update(phases)
-        metrics.update(self.stepper.step_metrics())
-        self.metrics.log(self.step, metrics)
-        log.info(format_line(self.step, total, metrics, eta_s=self.remaining.eta(self.step, step_time)))
 
     def _log_packing(self, compute_s: float) -> None:
         """The step's placement of documents against the time each data-parallel rank took for it."""
         measured = gather_times(compute_s, self.rank_plan.dp_rank, self.layout.dp, self.device)
         self.metrics.log(self.step, self.loader.packing_metrics(measured))
 
-    def _log_validation(self) -> None:
-        start = time.perf_counter()
-        loss = self.evaluate()
-        perplexity, seconds = math.exp(min(loss, 50.0)), time.perf_counter() - start
-        self.metrics.log(self.step, {"val_loss": loss, "val_perplexity": perplexity, "val_time_s": seconds})
-        self.val_loss = loss
-        self.best_val = min(self.best_val or (loss, self.step), (loss, self.step))
-        self.remaining.record("validation", seconds)
-        log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", self.step, loss, perplexity, seconds)
-
-    def _log_summary(self, begun: tuple[int, int, float], loss: float) -> None:
-        """The run's end in one block: what this call trained and how fast, its last losses, and where its
-        checkpoint and metrics are. begun: the step, tokens seen and time it started from; loss: the last step's."""
-        first_step, first_tokens, start = begun
-        if self.step == first_step:
-            return  # nothing trained: said when train() began
-        steps = f"steps {first_step + 1}-{self.step}" if self.step > first_step + 1 else f"step {self.step}"
-        tokens_per_s = (self.tokens_seen - first_tokens) / (time.perf_counter() - start)
-        memory = f"{peak_memory_bytes(self.device) / 2**30:.2f} GiB" + (" (rank 0)" if self.world_size > 1 else "")
-        validation = ""
-        if self.best_val is not None:
-            best, at = self.best_val
-            validation = f" | validation loss {self.val_loss:.4f} (best {best:.4f}, step {at})"
+    def _summary(self, begun: tuple[int, int, float], loss: float) -> None:
         saved = complete_checkpoints(self.checkpointer.folder)
-        files = ["metrics.jsonl", "console.log"]
-        if saved:
-            files.insert(0, str(saved[max(saved)].relative_to(self.run_dir)))
-        wall = duration(time.perf_counter() - self.started)
-        log.info(
-            f"run summary: {steps} of {self.config.training.steps} | {self.tokens_seen:,} tokens seen | {wall} wall "
-            f"time | {tokens_per_s:,.0f} tokens/s mean | peak memory {memory}\n  loss {loss:.4f}{validation}\n  "
-            f"in {self.run_dir}: {', '.join(files)}{'' if saved else ' (no checkpoint: checkpoint.enable = false)'}"
-        )
-
-    def _log_start(self) -> None:
-        c = self.config
-        batching = self.loader.describe(self.run_plan, self.rank_plan)
-        params = self.model_parts.n_params(self.rank_plan.first_of_its_stages)
-        log.info("%s %s: %.2fM parameters on %s x %d (%s) | %s | %s", c.model.name, c.model.flavor, params / 1e6,
-                 self.device.type, self.world_size, self.layout.name, batching, self.run_dir)  # fmt: skip
+        self.report.summary(begun, self.step, self.tokens_seen, loss, saved[max(saved)] if saved else None)

@@ -15,17 +15,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from titan.parallel.launcher import Launch
 from titan.train.stop import Preempted
 
 log = logging.getLogger("titan")
 FOLDER = "failures"  # in the run folder: rank-R.json, the latest failure of each rank
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|Timed out waiting")
-
-
-def restarts_left() -> int:
-    """How many more times torchrun's agent restarts the workers (0 outside torchrun)."""
-    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - count
 
 
 def peer_lost(error: BaseException) -> bool:
@@ -43,8 +38,7 @@ def record(run_dir: Path, rank: int, world: int, step: int | None, what: str) ->
     """This rank's failure, for the next generation's restart line (written whole or not at all)."""
     folder = Path(run_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    entry = {"restart": restart, "rank": rank, "world": world, "step": step, "what": what}
+    entry = {"restart": Launch.from_env().restart, "rank": rank, "world": world, "step": step, "what": what}
     tmp = folder / f".rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(entry))
     tmp.replace(folder / f"rank-{rank}.json")
@@ -54,7 +48,7 @@ def recorder(run_dir: Path, rank: int, world: int):
     """record(...) for this rank, as a function of (step, what) that records only where torchrun restarts."""
 
     def told(step: int | None, what: str) -> None:
-        if restarts_left() > 0:
+        if Launch.from_env().restarts_left > 0:
             record(run_dir, rank, world, step, what)
 
     return told
@@ -102,9 +96,10 @@ def report(error: BaseException, run_dir: Path, step: int | None) -> bool:
     that lost a peer also says so in one line on stderr. Returns whether it said so (its caller then exits 1
     without the traceback)."""
     under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # whose SIGTERM takes a node in, restarts left or not
-    if restarts_left() <= 0 and not (under_agent and isinstance(error, Preempted)):
+    launch = Launch.from_env()
+    if launch.restarts_left <= 0 and not (under_agent and isinstance(error, Preempted)):
         return False
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = launch.rank, launch.world
     lost = peer_lost(error)
     what = f"lost a peer ({first_line(error)})" if lost else first_line(error)
     if isinstance(error, Preempted):  # by its agent, as a node joins, or by the job's end

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.checkpoint.checkpointer import Checkpointer
-from titan.checkpoint.resume import PARTS
+from titan.checkpoint.snapshots.store import Snapshots
 from titan.observe.profiling import StepClock
-from titan.train.buddy import BuddySnapshots
 from titan.train.digests import SPIKES, SpikeWatch, StepDigests, bitwise
-from titan.train.watchdog import Watchdog
+from titan.train.recovery.watchdog import Watchdog
 
 log = logging.getLogger("titan")
 
@@ -39,12 +37,12 @@ class SpikeReplay:
     """Replays the steps `spikes` flagged, at the boundary of the step that settled them, from `snapshots` (loaded
     through `checkpointer`), comparing `digests` (replay.digests, the hook outermost)."""
 
-    def __init__(self, spikes: SpikeWatch, digests: StepDigests, snapshots: BuddySnapshots, checkpointer: Checkpointer,
+    def __init__(self, spikes: SpikeWatch, digests: StepDigests, snapshots: Snapshots, checkpointer: Checkpointer,
                  watchdog: Watchdog, clock: StepClock, run_dir: Path):  # fmt: skip
         self.spikes, self.digests, self.snapshots, self.checkpointer = spikes, digests, snapshots, checkpointer
         self.watchdog, self.clock, self.run_dir = watchdog, clock, run_dir
         self.rank = snapshots.rank
-        self.snapshotted: deque[int] = deque(maxlen=2)  # the steps of the snapshots held (BuddySnapshots keeps two)
+        self.snapshotted: deque[int] = deque(maxlen=2)  # the steps of the snapshots held (they keep two)
 
     def after_step(self, run: RunState) -> float:
         """After step `run.step`'s saves: replay the steps flagged since the last call; returns the seconds that
@@ -56,7 +54,10 @@ class SpikeReplay:
             return 0.0
         start = time.perf_counter()
         if not run.snapshotted:  # the state to come back to
-            self.snapshots.save(run.step, run.tokens_seen, run.loss(), wait=True)
+            if self.snapshots.take(run.step, run.tokens_seen, run.loss()) is None:
+                for step in flagged:  # snapshots turned off (shared memory full): nothing to replay from
+                    self._record(step, "not replayed: snapshots are off", {"replay": "none"})
+                return time.perf_counter() - start
             self._held(run.step)
         for step in flagged:
             self._replay(step, run.run_step)
@@ -75,12 +76,8 @@ class SpikeReplay:
     def _load(self, after: int, before: int) -> int | None:
         """Load the newest snapshot between the steps `after` and `before` into the live state; its step, or None
         if no snapshot there is held whole."""
-        folder, _ = self.snapshots.gather(after=after, before=before)
-        if folder is None:
-            return None
-        step = self.checkpointer.load(folder, PARTS)
-        shutil.rmtree(folder, ignore_errors=True)
-        return step
+        folder, _ = self.snapshots.gather(self.checkpointer, after=after, before=before)
+        return None if folder is None else self.snapshots.load(self.checkpointer, folder)
 
     def _replay(self, spiked: int, run_step: Callable[[int], object]) -> None:
         """Run steps again from the snapshot before `spiked` through it, and compare them with the run's."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 
 import torch
@@ -14,12 +13,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan.checkpoint.checkpointer import Checkpointer
-from titan.checkpoint.resume import PARTS, complete_checkpoints
-from titan.config import Config
-from titan.errors import ConfigError
-from titan.train.buddy import BuddySnapshots
-from titan.train.recovery.interval import SnapshotInterval
-from titan.train.recovery.snapshot_folder import (
+from titan.checkpoint.resume import complete_checkpoints
+from titan.checkpoint.snapshots.buddy import BuddyStorage
+from titan.checkpoint.snapshots.folder import (
     SNAPSHOT_DIR,
     check,
     claim,
@@ -30,30 +26,12 @@ from titan.train.recovery.snapshot_folder import (
     snapshot_folder,
     snapshots_usable,
 )
-from titan.train.stop import NonFinite, Preempted
+from titan.checkpoint.snapshots.store import Snapshots
+from titan.config import Config
+from titan.errors import ConfigError
+from titan.parallel.launcher import Launch
 
 log = logging.getLogger("titan")
-
-
-def restart_count(group) -> int:
-    """torchrun's count of this job's worker restarts, the highest of any rank's: a node taken in at a restart
-    starts counting at 0, and must resume as the others do. 0 outside torchrun and at the first start."""
-    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if group is None:
-        return mine
-    count = torch.tensor([mine])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    return int(count)
-
-
-def release_if_ended(snapshots: BuddySnapshots | None, error: BaseException | None = None) -> None:
-    """Free the snapshots where the run ends: it finished (no `error`), or a worker's exception ends it rather than
-    torchrun restarting the workers to continue from them: a stop titan chose (a preemption's, after its checkpoint;
-    a NaN stop; a second Ctrl-C), or any failure once torchrun has no restart left."""
-    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count(None)
-    chosen = error is None or isinstance(error, (Preempted, NonFinite, KeyboardInterrupt))
-    if snapshots is not None and (chosen or restarts_left <= 0):
-        snapshots.release()
 
 
 def peak_bytes(checkpointer: Checkpointer, local_world: int, keep: int) -> int:
@@ -68,8 +46,8 @@ def peak_bytes(checkpointer: Checkpointer, local_world: int, keep: int) -> int:
     return copies * state * local_world
 
 
-def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool) -> BuddySnapshots | None:
-    """A checkpointer of the same state into this agent's snapshot folder on every node (fault.snapshot_interval;
+def build_snapshots(config: Config, checkpointer: Checkpointer, launch: Launch, restarted: bool) -> Snapshots | None:
+    """The state `checkpointer` saves, snapshotted into this agent's folder on every node (fault.snapshot_interval;
     None when off): the checkpoint's own files and code, in memory, without async saves, keeping the newest, each
     rank's files also on its buddy's node. Each node's first worker removes the folders that agents no longer
     running left on its host, and on a first start what an earlier life of this agent's folder held."""
@@ -81,41 +59,37 @@ def build_snapshots(config: Config, checkpointer: Checkpointer, restarted: bool)
             f"fault.snapshot_interval needs host shared memory ({memory}); set ${SNAPSHOT_DIR} to a folder in it, "
             "or fault.snapshot_interval to 0"
         )
-    c = checkpointer
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    c, local_world = checkpointer, launch.local_world
     folder = snapshot_folder(config.run_dir)
-    if local_rank == 0 and memory.is_dir():
+    if launch.local_rank == 0 and memory.is_dir():
         remove_abandoned(memory)
         if not restarted:
             release(folder)
     keep = 2 if config.replay.on_spike else 1  # a spiked step is replayed from the snapshot before it
-    if not _fits(every, c, local_world, keep, first_start=not restarted):
+    if not _fits(every, c, launch, keep, first_start=not restarted):
         return None
-    if local_rank == 0:
+    if launch.local_rank == 0:
         claim(folder, config.run_dir)
     if c.control_group is not None:
         dist.barrier(group=c.control_group)
     check(folder)  # every rank, before it reads or writes any of it
     cfg = dataclasses.replace(config.checkpoint, enable=True, async_save=False, keep_latest_k=keep)
-    interval = SnapshotInterval(every, config.fault.snapshot_overhead, c.control_group)
-    groups = {"save_group": c.save_group, "control_group": c.control_group}
-    return BuddySnapshots(cfg, folder, c.states, c.record, rank=c.rank, **groups, local_rank=local_rank,
-                          local_world=local_world, interval=interval, run=run_identity(config.run_dir),
-                          peak=peak_bytes(c, local_world, keep))  # fmt: skip
+    run = run_identity(config.run_dir)
+    storage = BuddyStorage(folder, run, launch, keep=keep, verify=cfg.verify, control_group=c.control_group)
+    return Snapshots(c.beside(cfg, folder, storage), storage, peak=peak_bytes(c, local_world, keep))
 
 
-def _fits(every: int | str, checkpointer: Checkpointer, local_world: int, keep: int, first_start: bool) -> bool:
+def _fits(every: int | str, checkpointer: Checkpointer, launch: Launch, keep: int, first_start: bool) -> bool:
     """Whether to snapshot, as every rank agrees: under "auto" only where every rank's snapshots can serve
     (snapshots_usable, or a spike's replay: keep 2); and on a first start only where every node's shared memory
     has room for their peak (peak_bytes): short of it, fault.snapshot_interval = N or replay.on_spike is refused in
     one line, "auto" alone is off with a warning."""
     memory = shared_memory()
     needed = every != "auto" or keep > 1
-    usable = needed or snapshots_usable()
+    usable = needed or snapshots_usable(launch.max_restarts)
     if checkpointer.control_group is not None:  # each node's free space measured once its leader cleared it
         dist.barrier(group=checkpointer.control_group)
-    mine = (usable, peak_bytes(checkpointer, local_world, keep), shutil.disk_usage(memory).free if usable else 0)
+    mine = (usable, peak_bytes(checkpointer, launch.local_world, keep), shutil.disk_usage(memory).free if usable else 0)
     everyone = [mine]
     if checkpointer.control_group is not None:
         everyone = [None] * checkpointer.world
@@ -142,20 +116,18 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
-def resume(checkpointer: Checkpointer, snapshots: BuddySnapshots | None, restarted: bool) -> int:
+def resume(checkpointer: Checkpointer, snapshots: Snapshots | None, restarted: bool) -> int:
     """Load the state to continue from; returns its step. An elastic restart restores the newest snapshot that
     the survivors hold whole (each rank's files, or its buddy's copy) when it is newer than the disk's newest
     checkpoint; one whose newer snapshots were lost says so in one line and resumes from the disk (as does, quietly,
     one whose disk checkpoint is the newest state: a preemption's save)."""
     if restarted and snapshots is not None:
         disk = max(complete_checkpoints(checkpointer.folder), default=0)
-        snapshot, missing = snapshots.gather(after=disk)
+        snapshot, missing = snapshots.gather(checkpointer, after=disk)
         if snapshot is not None:
             log.info("elastic restart: restoring the in-memory snapshot %s (the disk's newest: step %d)", snapshot,
                      disk)  # fmt: skip
-            step = checkpointer.load(snapshot, PARTS)
-            shutil.rmtree(snapshot, ignore_errors=True)
-            return step
+            return snapshots.load(checkpointer, snapshot)
         if missing:
             log.warning(
                 "elastic restart: no in-memory snapshot newer than the disk's step %d held whole by the survivors "

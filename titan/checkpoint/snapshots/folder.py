@@ -33,10 +33,10 @@ def shared_memory() -> Path:
     return Path(os.environ.get(SNAPSHOT_DIR) or SHARED_MEMORY)
 
 
-def snapshots_usable() -> bool:
-    """Whether an in-memory snapshot can serve: torchrun restarts the workers after a failure (its agent sets
-    TORCHELASTIC_MAX_RESTARTS, from --max-restarts) and this node has host shared memory."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and shared_memory().is_dir()
+def snapshots_usable(max_restarts: int) -> bool:
+    """Whether an in-memory snapshot can serve: torchrun restarts the workers after a failure (`max_restarts`,
+    its --max-restarts) and this node has host shared memory."""
+    return max_restarts > 0 and shared_memory().is_dir()
 
 
 def run_identity(run_dir: Path) -> str:
