@@ -82,10 +82,18 @@ def submit(cluster, out_dir: Path, name: str, *overrides: str, env: dict | None 
         "TITAN_WORKDIR": str(ROOT),
         "TITAN_CACHE": os.environ["TITAN_CACHE"],  # the tests' own cache (conftest), not the user's
         "TITAN_RDZV_PORT": str(free_ports(1)[0]),
+        # The nodes' host shared memory (one host here), where the test sees what a job leaves.
+        "TITAN_SNAPSHOT_DIR": str(shared_memory(out_dir)),
     }
     options = ["--nodes=2", f"--job-name={name}", f"--output={out_dir}/slurm-%j.out", "--time=10"]
     args = ["recipes/debug.toml", "--job.output_dir", str(out_dir), "--job.name", name, *TINY, *overrides]
     return cluster.sbatch(SBATCH, *args, options=options, env=env, cwd=out_dir)
+
+
+def shared_memory(out_dir: Path) -> Path:
+    folder = out_dir / "shm"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
 
 
 def job_output(out_dir: Path, job_id: int) -> str:
@@ -178,6 +186,9 @@ def test_an_elastic_job_loses_a_node_and_finishes_on_the_other(cluster, tmp_path
     output = job_output(tmp_path, job_id)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert "a world of 1 (single)" in output and "a node finished the run" in output, output
+    # The survivor's agent freed its snapshots at the run's end; the lost node's agent could not, and its task's
+    # `titan snapshots clean --gone` on this host (both nodes' here) removed what that agent left.
+    assert not list(shared_memory(tmp_path).iterdir()), output
 
     args = [*TINY, *run, "--job.output_dir", str(tmp_path / "reference"), "--job.name", "lost"]
     Trainer(load_config(DEBUG_RECIPE, args)).train()

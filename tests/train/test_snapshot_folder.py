@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +82,64 @@ def test_a_snapshot_folder_titan_did_not_make_is_refused_and_nothing_is_restored
     }[made]
     with pytest.raises(ConfigError, match=f"the snapshot folder {folder} {words}: titan did not make it"):
         trainer_for(tmp_path / "run", **SNAPSHOTS)
+
+
+OTHER_USER = "titan-other"  # a second local user, made by the test
+
+
+@pytest.fixture
+def other_user(tmp_path, monkeypatch):
+    """A second local user, and a shared memory that user can reach (pytest's folders are 0700): a folder of the
+    real /dev/shm, sticky and world-writable as /dev/shm itself."""
+    if os.getuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("a second local user takes root, useradd and runuser")
+    if subprocess.run(["id", "-u", OTHER_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER_USER], check=True)
+    memory = Path(tempfile.mkdtemp(prefix="titan-test-shm-", dir="/dev/shm"))
+    memory.chmod(0o1777)
+    monkeypatch.setenv("TITAN_SNAPSHOT_DIR", str(memory))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    yield memory
+    shutil.rmtree(memory, ignore_errors=True)
+
+
+def as_other_user(code: str) -> subprocess.CompletedProcess:
+    """Python `code` run as the second user (the system's interpreter: it needs no titan)."""
+    return subprocess.run(["runuser", "-u", OTHER_USER, "--", "python3", "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+@pytest.mark.scenario
+def test_a_second_local_user_can_read_nothing_and_plant_nothing(tmp_path, other_user, monkeypatch):
+    """As another local user: everything the run writes in shared memory is closed to them (listing, reading,
+    adding a file), and a folder they make where the run's next start would snapshot is refused in one line."""
+    trainer = trainer_for(tmp_path / "run", **SNAPSHOTS)
+    trainer.train(until=3)
+    folder = trainer.recovery.snapshots.folder
+    written = [str(p) for p in folder.rglob("*")]
+    assert any(p.endswith(".distcp") for p in written), written
+    tries = f"""
+import os
+for path in [{str(folder)!r}, *{written!r}]:
+    for attempt in (os.listdir if os.path.isdir(path) else lambda p: open(p, "rb").read(1),
+                    lambda p: open(os.path.join(p, "planted"), "w") if os.path.isdir(p) else open(p, "ab")):
+        try:
+            attempt(path)
+            print("allowed", path)
+        except PermissionError:
+            pass
+"""
+    result = as_other_user(tries)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restart: it would restore what the folder holds
+    planted = snapshot_folder(tmp_path / "planted" / "debug")
+    made = as_other_user(f"import os; os.makedirs({str(planted / 'snap-40' / 'rank-0')!r}); "
+                         f"os.chmod({str(planted)!r}, 0o777)")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    uid = int(subprocess.run(["id", "-u", OTHER_USER], capture_output=True, text=True).stdout)
+    with pytest.raises(ConfigError, match=f"the snapshot folder {planted} belongs to uid {uid}, not to this user"):
+        trainer_for(tmp_path / "planted", **SNAPSHOTS)
 
 
 def test_the_folder_is_the_users_alone_and_is_freed_at_the_end(tmp_path, shm):

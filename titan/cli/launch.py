@@ -17,16 +17,29 @@ ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # A node that died leaves the rendezvous within seconds (keep-alives every second, three missed), and a new world
 # forms 5 s after its first node arrives rather than torchrun's 30.
 RENDEZVOUS = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+# torchrun passes these on to its workers instead of dying: SIGUSR1 is Slurm's notice before the time limit or a
+# preemption, on which the workers checkpoint and exit (torchrun's default omits it).
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def torchrun_line(nnodes: str, nproc_per_node: int, rdzv: str | None, rdzv_id: str, restarts: int, args: list[str]):
+def torchrun_line(nnodes: str, nproc_per_node: int, rdzv: str | None, rdzv_id: str, restarts: int,
+                  store_host: bool | None, shutdown_timeout: int, args: list[str]) -> list[str]:  # fmt: skip
     """The torchrun arguments that run `titan ARGS` on this node."""
     line = ["--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(restarts)]
     if rdzv:
-        line += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", rdzv_id, "--rdzv-conf", RENDEZVOUS]
+        conf = RENDEZVOUS if store_host is None else f"is_host={int(store_host)},{RENDEZVOUS}"
+        line += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", rdzv_id, "--rdzv-conf", conf]
     else:
         line += ["--standalone"]
-    return [*line, "--monitor-interval", "1", "-m", "titan", *args]
+    line += ["--signals-to-handle", SIGNALS, "--shutdown-timeout", str(shutdown_timeout), "--monitor-interval", "1"]
+    return [*line, "-m", "titan", *args]
+
+
+def slurm_store_host() -> bool | None:
+    """Under Slurm, whether this is the job's first node, whose agent hosts the rendezvous store (None elsewhere:
+    torchrun then hosts it on the node whose address --rdzv names)."""
+    node = os.environ.get("SLURM_NODEID")
+    return None if node is None else node == "0"
 
 
 @app.command(
@@ -47,6 +60,15 @@ def launch(
     max_restarts: int = typer.Option(
         None, "--max-restarts", help="Restarts after a failure; default 3 for MIN:MAX nodes, else 0."
     ),
+    store_host: bool = typer.Option(
+        None,
+        "--store-host/--no-store-host",
+        help="Whether this node hosts the rendezvous store (default: under Slurm the job's first node; elsewhere "
+        "the node whose address --rdzv names).",
+    ),
+    shutdown_timeout: int = typer.Option(
+        100, "--shutdown-timeout", help="Seconds the workers get to checkpoint after a signal before SIGKILL."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun line and exit."),
 ) -> None:
     """Run titan train under torchrun's elastic agent.
@@ -63,7 +85,8 @@ def launch(
     if not rdzv and nnodes not in ("1", "1:1"):
         raise UserError(f"--nnodes {nnodes} needs --rdzv HOST:PORT: the first node's address, where the nodes meet")
     restarts = max_restarts if max_restarts is not None else 3 if elastic else 0
-    line = torchrun_line(nnodes, nproc_per_node, rdzv, rdzv_id, restarts, args)
+    store_host = slurm_store_host() if store_host is None else store_host
+    line = torchrun_line(nnodes, nproc_per_node, rdzv, rdzv_id, restarts, store_host, shutdown_timeout, args)
     shown = " ".join(f"{k}={v}" for k, v in ENVIRONMENT.items())
     typer.echo(f"titan launch: {shown} torchrun {shlex.join(line)}", err=True)
     if dry_run:

@@ -5,6 +5,7 @@ watchdog it is given ends a rank that hangs or whose peer went silent (watchdog)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ from titan.train.recovery.interval import SnapshotInterval
 from titan.train.recovery.spike_replay import RunState, SpikeReplay
 from titan.train.recovery.watchdog import Watchdog
 from titan.train.stop import NonFinite, Preempted
+
+log = logging.getLogger("titan")
 
 
 class Recovery:
@@ -43,6 +46,12 @@ class Recovery:
         if self.snapshots is not None:
             every, overhead = config.fault.snapshot_interval, config.fault.snapshot_overhead
             self.interval = SnapshotInterval(every, overhead, checkpointer.control_group)
+            if self.launch.rank == 0:
+                when = (f"at steps 1 and 2, then every N steps for the smallest N at which a snapshot costs at most "
+                        f"{overhead:.0%} of their time (fault.snapshot_overhead; `titan plan` estimates N for this "
+                        "hardware)" if every == "auto" else f"every {every} steps")  # fmt: skip
+                log.info("in-memory snapshots %s, each agent's in its host's shared memory (rank 0's: %s)", when,
+                         self.snapshots.folder)  # fmt: skip
         step = resume(checkpointer, self.snapshots, restarted=restart > 0)
         log_restart(self.metrics, restart, step, self.launch.rank, self.launch.world, layout, config.run_dir)
         if config.replay.on_spike:
