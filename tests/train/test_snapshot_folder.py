@@ -304,3 +304,60 @@ def test_a_relaunch_restores_its_own_disk_checkpoint_not_an_abandoned_jobs_snaps
     assert relaunch.returncode == 0, err[-3000:]
     assert "restoring the in-memory snapshot" not in err and "continuing at step 3" in err, err[-3000:]
     assert "snapshots: removed 1 folder of runs no longer running" in err and not abandoned.exists()
+
+
+def mount_namespaces_work() -> bool:
+    if os.getuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.scenario
+@pytest.mark.distributed
+def test_two_jobs_at_one_path_in_two_mount_namespaces_keep_their_snapshots_apart(tmp_path, shm):
+    """Two containers sharing the host's /dev/shm (`--ipc=host`), each with its run folder at the same path and the
+    same rendezvous id, as two mount namespaces of one host: two single-node elastic jobs of other seeds snapshot
+    every step; job A's worker is killed at step 4 and its agent restarts it. Each job trains its own one-process
+    losses to the end (A from its own snapshot), and shared memory is empty afterwards."""
+    if not mount_namespaces_work():
+        pytest.skip("mount namespaces take root and unshare (a container needs CAP_SYS_ADMIN)")
+    steps, path = 8, tmp_path / "mounted"  # the path both jobs see their own folder at
+    path.mkdir()
+    run = {**SNAPSHOTS, "training.steps": str(steps)}
+    jobs, logs = {}, {}
+    for name, seed in (("A", "1"), ("B", "2")):
+        (tmp_path / name).mkdir()
+        train = ["train", "--config", str(DEBUG_RECIPE), *tiny_overrides(path, **run, **{"job.seed": seed})]
+        launch = [sys.executable, "-m", "titan", "launch", "--nnodes", "1:1", "--rdzv", f"127.0.0.1:{free_port()}",
+                  "--rdzv-id", "same", "--max-restarts", "1", *train]  # fmt: skip
+        inside = f"mount --bind {tmp_path / name} {path} && exec {shlex.join(launch)}"
+        logs[name] = tmp_path / f"{name}.log"
+        jobs[name] = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", inside], cwd=ROOT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=logs[name].open("w"),
+                                      stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        metrics = {name: tmp_path / name / "debug" / "metrics.jsonl" for name in jobs}
+        wait_for_step(metrics["A"], 4, list(jobs.values()), timeout=180)
+        assert len(list(shm.glob("titan-snapshots-*"))) == 2  # one folder each
+        (worker,) = [pid for pid in process_tree(jobs["A"].pid)[1:]
+                     if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+        os.kill(worker, signal.SIGKILL)
+        codes = {name: job.wait(timeout=300) for name, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()
+            job.wait()
+    assert codes == {"A": 0, "B": 0}, "".join(log.read_text()[-3000:] for log in logs.values())
+    assert "restoring the in-memory snapshot" in logs["A"].read_text()
+    assert "elastic_restart" not in metrics["B"].read_text()
+    assert not list(shm.iterdir())
+    for name, seed in (("A", "1"), ("B", "2")):
+        reference = Trainer(
+            load_config(DEBUG_RECIPE, tiny_overrides(tmp_path / f"ref{name}", **run, **{"job.seed": seed}))
+        )
+        reference.train()
+        expected = last_losses(logged_steps(reference.run_dir / "metrics.jsonl"))
+        got = last_losses(logged_steps(metrics[name]))
+        assert sorted(got) == list(range(1, steps + 1)), name
+        for step in got:
+            assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), (name, step)

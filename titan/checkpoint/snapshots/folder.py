@@ -9,6 +9,7 @@ of agents that are gone."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -125,10 +126,28 @@ def held_folders(memory: Path) -> list[Held]:
             gone = all(owner.get(k) == v for k, v in here.items()) and _started(owner["pid"]) != owner.get("started")
         except (OSError, ValueError, ConfigError):
             owner, gone = None, False  # not ours to judge: being made, or not titan's
-        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-        steps = sorted(int(p.name.removeprefix("snap-")) for p in folder.glob("snap-*") if p.name[5:].isdigit())
-        found.append(Held(folder, owner, size, steps, gone))
+        found.append(Held(folder, owner, _size(folder), _steps(folder), gone))
     return found
+
+
+def _size(folder: Path) -> int:
+    """The bytes of the files in `folder`, as far as they stay: a running agent adds and removes its snapshots
+    while another agent's start or `titan snapshots ls` reads them."""
+    size = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, name))
+                size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return size
+
+
+def _steps(folder: Path) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(int(name[5:]) for name in names if name.startswith("snap-") and name[5:].isdigit())
 
 
 def remove_abandoned(memory: Path) -> list[Held]:
