@@ -3,14 +3,16 @@
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from conftest import DEBUG_RECIPE, ROOT
 from helpers import TINY_MODEL
+from titan.cli.launch import ENVIRONMENT, torchrun_line
 
-# torchrun's agent gives each restart a store of its own, where no dead worker's address is left to read.
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# What titan launch gives torchrun's agent: each restart a store of its own, where no dead worker's address is left.
+FRESH_STORE = ENVIRONMENT
 RUN = {**TINY_MODEL, "training.seq_len": "32", "optimizer.lr": "3e-3", "training.global_batch_size": "8"}
 
 
@@ -44,19 +46,23 @@ def last_losses(records: list[dict]) -> dict[int, dict]:
 
 
 def start_agent(
-    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=("-m", "titan"), restarts=2
+    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=None, restarts=2
 ) -> subprocess.Popen:
-    """One node's torchrun agent (--nnodes 1:2, one worker, c10d rendezvous on 127.0.0.1, --max-restarts `restarts`)
-    training `args` with `entry` (titan, or tests/elastic_kill.py); the rendezvous conf lets a dead node leave
-    within seconds."""
-    conf = f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(is_host).lower()}"
-    launcher = ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", str(restarts),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-                "--rdzv-conf", conf, "--monitor-interval", "0.2"]  # fmt: skip
+    """One node's agent as the docs start it: `titan launch --nnodes 1:2 --rdzv 127.0.0.1:PORT` (one worker, c10d
+    rendezvous, the store on the `is_host` node, --max-restarts `restarts`) training `args`. `entry`: a script that
+    torchrun runs in titan's place (tests/elastic_kill.py), on the torchrun line titan launch prints."""
+    train = ["train", "--config", str(DEBUG_RECIPE), *args]
+    if entry is None:
+        command = [sys.executable, "-m", "titan", "launch", "--nnodes", "1:2", "--rdzv", f"127.0.0.1:{port}",
+                   "--rdzv-id", "elastic", "--max-restarts", str(restarts),
+                   "--store-host" if is_host else "--no-store-host", *train]  # fmt: skip
+    else:
+        line = torchrun_line("1:2", 1, f"127.0.0.1:{port}", "elastic", restarts, is_host, 100, train)
+        command = [sys.executable, "-m", "torch.distributed.run", *line[: line.index("-m")], *entry, *train]
     return subprocess.Popen(
-        [*launcher, *entry, "train", "--config", str(DEBUG_RECIPE), *args],
+        command,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **FRESH_STORE, **(env or {})},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **ENVIRONMENT, **(env or {})},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )

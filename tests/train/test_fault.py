@@ -100,14 +100,15 @@ def check_the_uninterrupted_losses(tmp_path: Path, run: dict, metrics: Path) -> 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_losses(tmp_path):
-    """The issue's two nodes on one machine: two torchrun agents (--nnodes 1:2, one worker each, c10d rendezvous
-    on 127.0.0.1), a checkpoint every step; the agent that does not host the rendezvous store is killed with its
-    worker at step 5. The other agent's worker fails on the lost peer, the agent restarts it on a world of one,
-    and it continues from the newest checkpoint, though checkpoint.resume = never chose a fresh first start: the
-    per-step losses and tokens equal an uninterrupted one-process run's, no step is lost or repeated."""
+    """The issue's two nodes on one machine: two agents started with `titan launch` (--nnodes 1:2, one worker each,
+    c10d rendezvous on 127.0.0.1), the default timeouts, a checkpoint every step; the agent that does not host the
+    rendezvous store is killed with its worker at step 5. The other agent's worker fails on the lost peer, the
+    agent restarts it on a world of one, and it continues from the newest checkpoint, though checkpoint.resume =
+    never chose a fresh first start: the per-step losses and tokens equal an uninterrupted one-process run's, no
+    step is lost or repeated."""
     steps, kill_at = 12, 5
     run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1", "checkpoint.resume": "never"}
-    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.step_timeout_s", "20"]
+    args = tiny_overrides(tmp_path / "elastic", **run)  # the default timeouts
     port = free_port()
     logs = [tmp_path / "host.log", tmp_path / "lost.log"]
     agents = [start_agent(args, port, True, logs[0]), start_agent(args, port, False, logs[1])]
