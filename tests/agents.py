@@ -46,18 +46,18 @@ def last_losses(records: list[dict]) -> dict[int, dict]:
 
 
 def start_agent(
-    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=None, restarts=2
+    args: list[str], port: int, is_host: bool, log: Path, env: dict | None = None, entry=None, restarts=2, nnodes="1:2"
 ) -> subprocess.Popen:
-    """One node's agent as the docs start it: `titan launch --nnodes 1:2 --rdzv 127.0.0.1:PORT` (one worker, c10d
+    """One node's agent as the docs start it: `titan launch --nnodes NNODES --rdzv 127.0.0.1:PORT` (one worker, c10d
     rendezvous, the store on the `is_host` node, --max-restarts `restarts`) training `args`. `entry`: a script that
     torchrun runs in titan's place (tests/elastic_kill.py), on the torchrun line titan launch prints."""
     train = ["train", "--config", str(DEBUG_RECIPE), *args]
     if entry is None:
-        command = [sys.executable, "-m", "titan", "launch", "--nnodes", "1:2", "--rdzv", f"127.0.0.1:{port}",
+        command = [sys.executable, "-m", "titan", "launch", "--nnodes", nnodes, "--rdzv", f"127.0.0.1:{port}",
                    "--rdzv-id", "elastic", "--max-restarts", str(restarts),
                    "--store-host" if is_host else "--no-store-host", *train]  # fmt: skip
     else:
-        line = torchrun_line("1:2", 1, f"127.0.0.1:{port}", "elastic", restarts, is_host, 100, train)
+        line = torchrun_line(nnodes, 1, f"127.0.0.1:{port}", "elastic", restarts, is_host, 100, train)
         command = [sys.executable, "-m", "torch.distributed.run", *line[: line.index("-m")], *entry, *train]
     return subprocess.Popen(
         command,

@@ -1,7 +1,8 @@
 """The docs stay true: docs/config.md is what its command prints from the schema, and every relative link in the
-README and docs/ reaches a file, and a heading there when it names one."""
+README and docs/ reaches a file, and a heading there when it names one; docs/architecture.md names every module."""
 
 import re
+from pathlib import Path
 
 from conftest import ROOT, run_titan
 
@@ -51,3 +52,23 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
         "```\n[in code](not-a-link.md)\n```\n"
     )
     assert broken_links(page) == ["missing.md", "other.md#part"]
+
+
+def unnamed_modules(root: Path, page: str) -> list[str]:
+    """titan's modules whose file name `page` does not mention (a package's __init__ and __main__ aside)."""
+    modules = sorted((root / "titan").rglob("*.py"))
+    return [
+        str(p.relative_to(root)) for p in modules if p.name not in ("__init__.py", "__main__.py") and p.name not in page
+    ]
+
+
+def test_the_architecture_page_names_every_module():
+    """A newcomer finds each module on docs/architecture.md: a new one is named there when it lands."""
+    assert unnamed_modules(ROOT, (ROOT / "docs" / "architecture.md").read_text()) == []
+
+
+def test_the_module_check_finds_an_unnamed_module(tmp_path):
+    (tmp_path / "titan" / "pkg").mkdir(parents=True)
+    for name in ("__init__.py", "named.py", "new.py"):
+        (tmp_path / "titan" / "pkg" / name).write_text("")
+    assert unnamed_modules(tmp_path, "pkg/ (named.py)") == ["titan/pkg/new.py"]

@@ -51,11 +51,17 @@ def test_a_stopped_rank_is_named_by_the_other_within_the_step_timeout(tmp_path):
     assert detected < timeout_s + 3, hung
 
 
-def lose_a_node(agents: list, logs: list[Path], metrics: Path, kill_at: int, lost=lambda: None) -> float:
-    """At step `kill_at`, kill agents[1] with its worker and call `lost` (what else the node takes with it); wait
-    for agents[0]'s run to end. Returns the seconds from the kill to the survivor's next finished step."""
+def lose_a_node(agents: list, logs: list[Path], metrics: Path, kill_at: int, lost=lambda: None,
+                moment=lambda: True) -> float:  # fmt: skip
+    """At step `kill_at` (and once `moment()` holds), kill agents[1] with its worker and call `lost` (what else the
+    node takes with it); wait for agents[0]'s run to end. Returns the seconds from the kill to the survivor's next
+    finished step."""
     try:
         wait_for_step(metrics, kill_at, agents)
+        deadline = time.monotonic() + 120
+        while not moment():
+            assert all(agent.poll() is None for agent in agents), "an agent ended before the moment to kill"
+            assert time.monotonic() < deadline, "the moment to kill never came"
         for pid in process_tree(agents[1].pid):
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -175,6 +181,47 @@ def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_di
     else:
         assert not fell_back and "restoring the in-memory snapshot" in log, log[-3000:]
         assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
+
+
+@pytest.mark.scenario
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_one_of_three_agents_killed_whole_during_a_snapshot_costs_at_most_one_step(tmp_path):
+    """Three agents on one host started with `titan launch` (--nnodes 2:3), each node's shared memory its own, the
+    default timeouts, a snapshot every step and no disk checkpoint before the end. A non-host agent is killed whole
+    while it writes a snapshot after step 4 or later: the two left restore the newest snapshot held whole (its own
+    files, or the buddy's copy), redo at most that one step, and train an uninterrupted one-process run's losses."""
+    steps, kill_at = 12, 4
+    run = {**RUN, "training.steps": str(steps), "checkpoint.interval": "1000", "training.global_batch_size": "12"}
+    args = tiny_overrides(tmp_path / "elastic", **run) + ["--fault.snapshot_interval", "1"]
+    port, nodes = free_port(), [tmp_path / f"node{n}-shm" for n in range(3)]
+    logs = [tmp_path / f"node{n}.log" for n in range(3)]
+    agents = []
+    for n, (node, log) in enumerate(zip(nodes, logs)):
+        node.mkdir()
+        env = {"TITAN_SNAPSHOT_DIR": str(node)}
+        agents.append(start_agent(args, port, n == 0, log, env, nnodes="2:3"))
+    metrics = tmp_path / "elastic" / "debug" / "metrics.jsonl"
+    writing = lambda: any(nodes[1].glob("titan-snapshots-*/.tmp-step-*"))  # noqa: E731  # DCP writing its files
+    at = []  # the last step logged when the agent was killed
+    lost = lambda: at.append(max(r["step"] for r in logged_steps(metrics)))  # noqa: E731
+    try:
+        recovered = lose_a_node(agents[:2], logs, metrics, kill_at, lost, moment=writing)
+        assert agents[2].wait(timeout=120) == 0, logs[2].read_text()[-3000:]
+    finally:
+        agents[2].kill()
+        agents[2].wait()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restart = next(r for r in records if "elastic_restart" in r)
+    assert restart["world_size"] == 2 and restart["step"] >= at[0] - 1, (restart, at)  # at most one step again
+    reference = tmp_path / "reference"
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(reference, **run))).train()
+    expected = last_losses(logged_steps(reference / "debug" / "metrics.jsonl"))
+    got = last_losses(logged_steps(metrics))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in got:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+    print(f"killed after step {at[0]}, resumed at step {restart['step']}, next step {recovered:.1f}s after the kill")
 
 
 def wait_for_restart(metrics: Path, restart: int, agent: subprocess.Popen, log: Path) -> float:
