@@ -103,6 +103,7 @@ def check_the_uninterrupted_losses(tmp_path: Path, run: dict, metrics: Path) -> 
     return restart
 
 
+@pytest.mark.scenario  # the buddy restore below loses a node as this does, restoring a snapshot instead
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_node_lost_mid_run_the_survivor_finishes_alone_with_the_uninterrupted_losses(tmp_path):
@@ -181,6 +182,10 @@ def test_a_lost_node_s_snapshot_is_restored_from_its_buddy_copy_else_from_the_di
     else:
         assert not fell_back and "restoring the in-memory snapshot" in log, log[-3000:]
         assert restart["step"] >= kill_at - 1, restart  # at most the step in flight lost
+    # The survivor's failure in one line, not a traceback; the restart's line says why.
+    assert "Traceback" not in log, log[-3000:]
+    (line,) = [line for line in log.splitlines() if "elastic restart 1:" in line]
+    assert "before it, rank 1 wrote nothing (killed, or the node lost); rank 0 at step " in line, line
 
 
 @pytest.mark.scenario

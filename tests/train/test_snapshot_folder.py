@@ -26,7 +26,7 @@ from titan.checkpoint.snapshots.folder import OWNER, snapshot_folder
 from titan.config import load_config
 from titan.errors import ConfigError
 from titan.train.step import StepHook
-from titan.train.stop import NonFinite
+from titan.train.stop import NonFinite, Preempted
 from titan.train.trainer import Trainer
 
 SNAPSHOTS = {**RUN, "training.steps": "6", "checkpoint.interval": "1000", "fault.snapshot_interval": "1"}
@@ -169,6 +169,41 @@ def test_a_run_that_stops_frees_its_snapshots_and_a_later_start_removes_those_a_
     left.chmod(0o700)
     trainer_for(tmp_path / "next", **SNAPSHOTS)
     assert not left.exists()
+
+
+class AtStep(StepHook):
+    """At step `at` (before it runs): send this process `signal`, or fail as a broken step does."""
+
+    def __init__(self, at: int, signal: int | None = None):
+        self.at, self.signal = at, signal
+
+    def step(self, step, batches, run):
+        if step + 1 == self.at:
+            if self.signal is None:
+                raise RuntimeError("a step that failed")
+            os.kill(os.getpid(), self.signal)
+        return run(batches)
+
+
+@pytest.mark.parametrize(
+    "end, restart, freed",
+    [("SIGTERM", 0, True), ("a failure", 0, False), ("a failure", 3, True)],
+    ids=["sigterm", "failure-with-restarts-left", "failure-with-no-restart-left"],
+)
+def test_a_run_that_ends_gives_its_shared_memory_back_and_one_torchrun_restarts_keeps_it_closed(
+    tmp_path, shm, monkeypatch, end, restart, freed
+):
+    """SIGTERM (a preemption: checkpoint, then stop) ends the run, and so does a failure once torchrun has no restart
+    left (--max-restarts 3, the third restart failing): the snapshots go. A failure torchrun restarts the workers
+    after keeps them for the restart, in a folder and files no other user can open."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+    trainer = trainer_for(tmp_path / "run", AtStep(4, signal.SIGTERM if end == "SIGTERM" else None), **SNAPSHOTS)
+    with pytest.raises(Preempted if end == "SIGTERM" else RuntimeError):
+        trainer.train()
+    left = list(shm.iterdir())
+    assert left == ([] if freed else [trainer.recovery.snapshots.folder]), left
+    for path in [*left, *(p for folder in left for p in folder.rglob("*"))]:
+        assert stat.S_IMODE(path.lstat().st_mode) & 0o077 == 0, f"{path} is open to others"
 
 
 @pytest.mark.parametrize("fault", ["full", "write fails"])

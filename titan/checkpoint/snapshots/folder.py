@@ -75,6 +75,18 @@ def claim(folder: Path, run_dir: Path) -> None:
         json.dump(owner, f)
 
 
+@contextlib.contextmanager
+def private_files():
+    """Files and folders created meanwhile are this user's alone (0600, 0700), whatever the umask: a snapshot's
+    are the model and its optimizer state, in a shared memory every local user can list. (The umask is the
+    process's: nothing else writes files while a snapshot is taken or gathered.)"""
+    umask = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(umask)
+
+
 def check(folder: Path) -> None:
     """Refuse, in one line, a snapshot folder that is not this user's alone: a link, not a folder, another owner,
     or access for others. Whoever made it could plant the state a restart resumes from."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from titan.checkpoint.checkpointer import Checkpointer, SaveError
 from titan.checkpoint.resume import PARTS
 from titan.checkpoint.snapshots.buddy import BuddyStorage
-from titan.checkpoint.snapshots.folder import release
+from titan.checkpoint.snapshots.folder import private_files, release
 
 log = logging.getLogger("titan")
 
@@ -33,7 +33,8 @@ class Snapshots:
         if self.off or not self.room(step):
             return None
         try:
-            return self.checkpointer.save(step, tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
+            with private_files():
+                return self.checkpointer.save(step, tokens_seen, loss, wait=True)["checkpoint_blocked_s"]
         except SaveError as e:
             self.drop(step, f"its snapshot could not be written ({e.reason})")
             return None
@@ -72,7 +73,8 @@ class Snapshots:
         """The newest snapshot between the steps `after` and `before` (None: any newer) that the ranks hold whole,
         as a folder holding what `into`'s load reads (BuddyStorage.gather); else None and why ("" when none newer
         exists)."""
-        return self.storage.gather(into.tensor_state(("model", "optimizer")), after, before)
+        with private_files():
+            return self.storage.gather(into.tensor_state(("model", "optimizer")), after, before)
 
     @staticmethod
     def load(into: Checkpointer, folder: Path) -> int:
