@@ -209,7 +209,7 @@ class Checkpointer:
             state = self.tensor_state(("model", "optimizer"))
             no_dist = self.save_group is None
             background = self.cfg.async_save and not wait
-            writer = CheckpointWriter(tmp, progress=None if background else f"checkpoint step {step}: saving")
+            writer = CheckpointWriter(tmp, progress=None if background else f"{self.storage.kind} step {step}: saving")
             if background:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
                 self._pending = (future, tmp, final)
@@ -221,12 +221,8 @@ class Checkpointer:
         except (OSError, CheckpointException) as e:
             raise self._save_error(e, step) from None
         blocked = time.perf_counter() - start
-        log.info(
-            "checkpoint step %d: %s (training blocked %.2fs)",
-            step,
-            "writing in background" if self._pending else final,
-            blocked,
-        )
+        where = "writing in background" if self._pending else self.storage.where(final)
+        log.info("%s step %d: %s (training blocked %.2fs)", self.storage.kind, step, where, blocked)
         return {"checkpoint_blocked_s": blocked}
 
     def _save_error(self, e: BaseException, step: int) -> BaseException:

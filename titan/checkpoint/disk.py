@@ -20,6 +20,11 @@ from titan.files import fsync, write_synced
 
 
 class Storage(Protocol):
+    kind: str  # what a save is called in the log: "checkpoint", "snapshot"
+
+    def where(self, final: Path) -> Path:
+        """Where the save `final` lands, as the log names it."""
+
     def seal(self, tmp: Path, final: Path, proven: bool) -> None:
         """Make the save written into `tmp` (by every rank, which all call this) the checkpoint `final`; `proven`:
         mark it known good (its next step already ran healthy)."""
@@ -28,9 +33,14 @@ class Storage(Protocol):
 class DiskStorage:
     """Checkpoints as folders `<folder>/step-N/` on a file system every rank sees."""
 
+    kind = "checkpoint"
+
     def __init__(self, folder: Path, keep_latest_k: int, rank: int, world: int, control_group):
         self.folder, self.keep_latest_k = folder, keep_latest_k
         self.rank, self.world, self.control_group = rank, world, control_group
+
+    def where(self, final: Path) -> Path:
+        return final
 
     def seal(self, tmp: Path, final: Path, proven: bool) -> None:
         # Every rank hashes its share of the files (a shared file system, as the rename below needs already).

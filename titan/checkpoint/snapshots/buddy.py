@@ -55,6 +55,11 @@ class BuddyStorage:
         if self.buddy is None and rank == 0 and world > 1:
             log.info("snapshots: all ranks on one node, no buddy copies (a lost node loses its snapshots)")
 
+    kind = "snapshot"
+
+    def where(self, final: Path) -> Path:
+        return self.folder / f"snap-{final.name.removeprefix('step-')}"
+
     def seal(self, tmp: Path, final: Path, proven: bool) -> None:
         mine = sorted(p.name for p in tmp.iterdir() if p.is_file() and self._wrote(p.name))
         hashes = sha256_files(tmp, mine)
@@ -64,7 +69,7 @@ class BuddyStorage:
             index = {"world": self.world, "run": self.run, "files": files}
             (tmp / INDEX).write_text(json.dumps(index))
             mine.append(INDEX)
-        snap = self.folder / f"snap-{final.name.removeprefix('step-')}"
+        snap = self.where(final)
         own = _aside(snap / f"rank-{self.rank}")
         for name in mine:  # the same file system: links, not copies
             _link(tmp / name, own / name)

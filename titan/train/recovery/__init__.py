@@ -47,11 +47,8 @@ class Recovery:
             every, overhead = config.fault.snapshot_interval, config.fault.snapshot_overhead
             self.interval = SnapshotInterval(every, overhead, checkpointer.control_group)
             if self.launch.rank == 0:
-                when = (f"at steps 1 and 2, then every N steps for the smallest N at which a snapshot costs at most "
-                        f"{overhead:.0%} of their time (fault.snapshot_overhead; `titan plan` estimates N for this "
-                        "hardware)" if every == "auto" else f"every {every} steps")  # fmt: skip
-                log.info("in-memory snapshots %s, each agent's in its host's shared memory (rank 0's: %s)", when,
-                         self.snapshots.folder)  # fmt: skip
+                log.info("in-memory snapshots %s, each agent's in its host's shared memory (rank 0's: %s)",
+                         self.interval.describe(), self.snapshots.folder)  # fmt: skip
         step = resume(checkpointer, self.snapshots, restarted=restart > 0)
         log_restart(self.metrics, restart, step, self.launch.rank, self.launch.world, layout, config.run_dir)
         if config.replay.on_spike:

@@ -45,6 +45,14 @@ class SnapshotInterval:
     def due(self, step: int) -> bool:
         return step >= self.next if self.auto else step % self.steps == 0
 
+    def describe(self) -> str:
+        """When snapshots are taken, as the run's start says it."""
+        if not self.auto:
+            return f"every {self.steps} steps" if self.steps > 1 else "every step"
+        return (f"at steps 1 and 2, then every N steps for the smallest N at which a snapshot costs at most "
+                f"{self.overhead:.0%} of their time (fault.snapshot_overhead; `titan plan` estimates N for this "
+                "hardware)")  # fmt: skip
+
     def taken(self, step: int, blocked: float) -> None:
         """Snapshot `step` blocked training `blocked` seconds: under auto, measure, and choose the next step."""
         if not self.auto:
