@@ -8,11 +8,12 @@ checkpoints and the commands all report through it.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+from titan.launcher import Launch
 
 LOG_EVERY_S = 30.0
 BAR_DELAY_S = 1.0  # a bar appears only for work still going after this long
@@ -20,7 +21,7 @@ BAR_DELAY_S = 1.0  # a bar appears only for work still going after this long
 
 def is_rank_0() -> bool:
     """Whether this process is rank 0 (or the only one): RANK is set by torchrun and SLURM launches."""
-    return os.environ.get("RANK", "0") == "0"
+    return Launch.from_env().rank == 0
 
 
 class Progress:

@@ -23,6 +23,7 @@ LAYERS = [
     ["titan.config"],
     ["titan.dtypes", "titan.hub"],  # a dtype's two spellings; a hub name's folder in the local HF cache
     ["titan.balance", "titan.errors", "titan.files", "titan.progress", "titan.schema"],
+    ["titan.launcher"],  # what torchrun tells a process, read in one place
     ["titan"],  # the package's own __init__: its version
 ]
 

@@ -18,6 +18,7 @@ from titan.cli import train, launch, config, data, tokenizer, compare, convert, 
 from titan.cli import verify, plan, simulate, snapshots  # isort: skip  # noqa: F401
 from titan.cli.common import app
 from titan.errors import UserError
+from titan.launcher import Launch
 
 # The torch releases titan runs on, [from, to): pyproject.toml's pin, checked again at run time.
 TORCH_VERSIONS = ((2, 11), (2, 14))
@@ -26,7 +27,8 @@ TORCH_VERSIONS = ((2, 11), (2, 14))
 def _leave_together() -> None:
     """Under torchrun the first rank to exit gets the others killed (exit -15 rather than 2). The ranks stop on
     the same user error, so they meet at a barrier (for at most 30 s) and leave at once."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    launched = Launch.from_env()
+    if not launched.agent or launched.world < 2:
         return
     # torchrun ends the other ranks with SIGTERM once one has exited: they leave on the same error, and exit 2
     # whichever comes first (a busy machine can let the agent's signal arrive before a rank's own exit).
@@ -73,13 +75,14 @@ def _torch_version() -> str | None:
 def main() -> None:
     """The `titan` command. A UserError ends it with its message as one line on stderr and exit status 2; under
     torchrun only rank 0 prints (every rank fails alike)."""
+    rank_0 = Launch.from_env().rank == 0
     try:
         if warning := check_torch(_torch_version()):
-            if os.environ.get("RANK", "0") == "0":
+            if rank_0:
                 typer.secho(f"warning: {warning}", err=True, fg=typer.colors.YELLOW)
         app(prog_name="titan")
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if rank_0:
             typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
         _leave_together()
         sys.exit(2)

@@ -3,7 +3,6 @@ the pre-flight check of a recipe."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -11,6 +10,7 @@ import typer
 from titan import __version__
 from titan.config import Config, load_config, require_inputs
 from titan.config.checks import warn_of_a_short_warmup
+from titan.launcher import Launch
 from titan.run_plan import run_plan
 from titan.train.model import resolve_args
 
@@ -91,7 +91,7 @@ def recipe_command(name: str | None = None, group: typer.Typer = app):
 def preflight(path: Path, overrides: list[str], world_size: int | None = None) -> Config:
     """The recipe, loaded and checked, and its run plan checked at the world size torchrun gives (1 alone): a
     recipe that cannot run is refused here, before torch is imported."""
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size or Launch.from_env().world
     config = load_config(path, overrides, world_size)
     require_inputs(config)
     resolve_args(config)

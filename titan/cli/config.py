@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ import typer
 from titan.cli.common import CONFIG_OPTION, config_app, preflight, recipe_command
 from titan.config import degrees_world_size, read_config, to_toml
 from titan.errors import ConfigError, UserError
+from titan.launcher import Launch
 
 
 @recipe_command("show", config_app)
@@ -26,7 +26,8 @@ def config_show(
     the model, the parallel layout and the run plan (and, where the recipe's device is on this machine, what the
     layout asks of it)."""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", 0)) or degrees_world_size(read_config(config, ctx.args).parallel)
+        launch = Launch.from_env()  # under torchrun: its world; else the one the degrees ask for
+        world_size = launch.world if launch.launched else degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
     from titan.train.preflight import check_run
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import typer
 
 from titan.cli.common import app
 from titan.errors import UserError
+from titan.launcher import Launch
 
 
 @app.command()
@@ -57,7 +57,7 @@ def generate(
         raise UserError(f"{where}; give --prompt TEXT or --prompts-file FILE")
     from titan.tools.generate import Loading, Sampling, continue_texts, report  # imported late: torch is slow to import
 
-    rank_0 = os.environ.get("RANK", "0") == "0"
+    rank_0 = Launch.from_env().rank == 0
     texts, generation, loaded = continue_texts(
         checkpoint,
         prompts,

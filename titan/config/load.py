@@ -21,13 +21,14 @@ from titan.config.sections import Config, Parallel, to_dict
 from titan.config.torchtitan import TORCHTITAN_KEYS
 from titan.dtypes import TORCH_NAMES, parse_dtype
 from titan.errors import ConfigError
+from titan.launcher import Launch
 from titan.schema import parse_toml
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
     """Read a recipe, apply `--section.key value` overrides, type-check and validate everything."""
     config = read_config(path, overrides)
-    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size if world_size is not None else Launch.from_env().world
     try:
         validate(config, world_size)
     except LayoutError:

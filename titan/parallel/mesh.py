@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan.config import Layout
 from titan.errors import UserError
+from titan.launcher import Launch
 
 T = TypeVar("T")
 
@@ -27,7 +28,7 @@ T = TypeVar("T")
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the job's process group when launched by torchrun/srun; returns (rank, world size). timeout_s: how long
     joining and each collective wait for the other ranks (TITAN_DIST_TIMEOUT_S, when set, wins: for tests)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = Launch.from_env().world
     if world_size == 1 or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     require_fresh_store()
@@ -45,7 +46,7 @@ def require_fresh_store() -> None:
     the process group there can read the address a dead worker wrote, and fail to connect. With
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each restart gets a store of its own (rank 0's)."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+    if shared and Launch.from_env().max_restarts:
         raise UserError(
             "torchrun --max-restarts with its shared store: a restarted worker would read a dead one's address and "
             "fail to connect; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "

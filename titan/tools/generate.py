@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from titan.checkpoint.hf import ModelCheckpoint, PeakMemory, checkpoint_tokenize
 from titan.checkpoint.train_state import model_buffers
 from titan.dtypes import parse_dtype
 from titan.errors import ConfigError
+from titan.launcher import Launch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -243,7 +243,7 @@ def device_and_mesh(tp: int):
     each on its GPU (LOCAL_RANK) if there are GPUs, else on the CPU (gloo)."""
     from titan.parallel.mesh import init_distributed
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = Launch.from_env().world
     if tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {tp}")
     if world != tp:
@@ -254,7 +254,7 @@ def device_and_mesh(tp: int):
         )
         raise ConfigError(f"--tp {tp} takes {tp} processes, one per shard, but {world} were started: {fix}")
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", Launch.from_env().local_rank) if cuda else torch.device("cpu")
     if tp == 1:
         return device, None
     from torch.distributed.device_mesh import init_device_mesh

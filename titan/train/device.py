@@ -8,6 +8,7 @@ import os
 import torch
 
 from titan.errors import ConfigError
+from titan.launcher import Launch
 
 
 def pick_device(name: str) -> tuple[torch.device, str]:
@@ -21,7 +22,7 @@ def pick_device(name: str) -> tuple[torch.device, str]:
     else:
         why = f"training.device = {name!r}"
     if name == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", Launch.from_env().local_rank)
         return device, f"{why} ({torch.cuda.get_device_name(device)}, torch {torch.__version__})"
     return torch.device("cpu"), why
 
@@ -40,4 +41,4 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return host // Launch.from_env().local_world

@@ -14,6 +14,7 @@ import torch
 from titan.checkpoint.resume import complete_checkpoints
 from titan.config import Config
 from titan.data import DocumentBatchLoader
+from titan.launcher import Launch
 from titan.observe.metrics import (
     ThroughputWindow,
     log_to_file,
@@ -21,7 +22,6 @@ from titan.observe.metrics import (
 )
 from titan.observe.profiling import DeviceTimer, Profiler, StepClock
 from titan.observe.run_report import RunReport
-from titan.parallel.launcher import Launch
 from titan.parallel.mesh import build_mesh, init_distributed, new_gloo_group, on_rank_0, rank_devices
 from titan.run_plan import RunPlan
 from titan.train.build import (

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from titan.checkpoint.format import seal, sha256_files
 from titan.checkpoint.format.storage import CheckpointReader
 from titan.checkpoint.snapshots.exchange import exchange, ranges
-from titan.parallel.launcher import Launch
+from titan.launcher import Launch
 
 log = logging.getLogger("titan")
 SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's per-rank file names

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from titan.config import Config, Layout
 from titan.errors import ConfigError
+from titan.launcher import Launch
 from titan.models import model_blocks
 from titan.parallel.ac_choices import GIB
 from titan.parallel.checks import check_layout
@@ -114,7 +114,7 @@ def with_activation_budget(config: Config, world_size: int, device_bytes: int) -
     that the trainer plans its blocks within the budget that `titan plan` shows for that device."""
     estimate = estimate_step(config, world_size)
     usable = device_bytes * (1 - config.plan.headroom_fraction)
-    pp_rank = estimate.run.rank(int(os.environ.get("RANK", "0"))).pp_rank
+    pp_rank = estimate.run.rank(Launch.from_env().rank).pp_rank
     budget = activation_budget(estimate, estimate.ranks[pp_rank], usable)
     log.info(
         "activation_checkpoint.budget_gib = 0: the blocks may keep %.4g GiB per micro-batch, what %.4g GiB of device "

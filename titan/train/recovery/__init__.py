@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from titan.checkpoint.checkpointer import Checkpointer
 from titan.config import Config
+from titan.launcher import Launch
 from titan.observe.metrics import MetricsLogger
 from titan.observe.profiling import StepClock
-from titan.parallel.launcher import Launch
 from titan.train.digests import SpikeWatch
 from titan.train.recovery.elastic import build_snapshots, resume
 from titan.train.recovery.failures import log_restart

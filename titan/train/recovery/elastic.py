@@ -29,7 +29,7 @@ from titan.checkpoint.snapshots.folder import (
 from titan.checkpoint.snapshots.store import Snapshots
 from titan.config import Config
 from titan.errors import ConfigError
-from titan.parallel.launcher import Launch
+from titan.launcher import Launch
 
 log = logging.getLogger("titan")
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import sys
 from pathlib import Path
 
-from titan.parallel.launcher import Launch
+from titan.launcher import Launch
 from titan.train.stop import Preempted
 
 log = logging.getLogger("titan")
@@ -95,7 +94,7 @@ def report(error: BaseException, run_dir: Path, step: int | None) -> bool:
     """Under torchrun with a restart left, record why this worker stops (a failure, or a preemption's stop); one
     that lost a peer also says so in one line on stderr. Returns whether it said so (its caller then exits 1
     without the traceback)."""
-    under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # whose SIGTERM takes a node in, restarts left or not
+    under_agent = Launch.from_env().agent  # whose SIGTERM takes a node in, restarts left or not
     launch = Launch.from_env()
     if launch.restarts_left <= 0 and not (under_agent and isinstance(error, Preempted)):
         return False

@@ -18,6 +18,8 @@ class Launch:
     local_world: int = 1
     restart: int = 0
     max_restarts: int = 0
+    launched: bool = False  # under a launcher that says the world size (torchrun, or a test's own)
+    agent: bool = False  # under torchrun's elastic agent
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -29,6 +31,8 @@ class Launch:
             local_world=get("LOCAL_WORLD_SIZE", 1),
             restart=get("TORCHELASTIC_RESTART_COUNT", 0),
             max_restarts=get("TORCHELASTIC_MAX_RESTARTS", 0),
+            launched="WORLD_SIZE" in os.environ,
+            agent="TORCHELASTIC_RUN_ID" in os.environ,
         )
 
     @property
