@@ -20,6 +20,7 @@ class Launch:
     max_restarts: int = 0
     launched: bool = False  # under a launcher that says the world size (torchrun, or a test's own)
     agent: bool = False  # under torchrun's elastic agent
+    run_id: str = ""  # torchrun's --rdzv-id (a new one per --standalone launch)
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -33,6 +34,7 @@ class Launch:
             max_restarts=get("TORCHELASTIC_MAX_RESTARTS", 0),
             launched="WORLD_SIZE" in os.environ,
             agent="TORCHELASTIC_RUN_ID" in os.environ,
+            run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         )
 
     @property

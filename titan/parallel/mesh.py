@@ -134,7 +134,7 @@ def on_rank_0(work: Callable[[], T], group=None, device: torch.device | None = N
 
 def rank_devices(group) -> list[str]:
     """Each rank's device, in rank order: its host and local rank (under torchrun, the node and its GPU)."""
-    mine = f"{platform.node()}:{os.environ.get('LOCAL_RANK', '0')}"
+    mine = f"{platform.node()}:{Launch.from_env().local_rank}"
     if group is None:
         return [mine]
     devices = [""] * dist.get_world_size()

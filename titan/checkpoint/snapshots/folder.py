@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.errors import ConfigError
+from titan.launcher import Launch
 
 log = logging.getLogger("titan")
 SHARED_MEMORY = Path("/dev/shm")
@@ -43,7 +44,7 @@ def snapshots_usable(max_restarts: int) -> bool:
 def run_identity(run_dir: Path) -> str:
     """The run a snapshot belongs to: its folder and torchrun's run id (--rdzv-id; a new one per --standalone
     launch), the same on every node and across the run's restarts."""
-    return f"{Path(run_dir).resolve()}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return f"{Path(run_dir).resolve()}|{Launch.from_env().run_id}"
 
 
 def _agent() -> dict:
