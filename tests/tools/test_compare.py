@@ -283,6 +283,43 @@ def test_trackers_name_group_and_tag_runs_by_recipe_and_layout(tmp_path, monkeyp
     assert captured["id"] == tracking["wandb"]["id"] and captured["group"] == "lr-sweep"
 
 
+def test_wandb_auto_never_holds_up_a_run_whose_server_does_not_answer(tmp_path, monkeypatch, caplog):
+    """Credentials, but a wandb server that takes connections and never answers (a firewall, a dead proxy):
+    under "auto" the run goes on without wandb after the stated timeout, with one line. Asked for by name
+    ("online"), wandb's error is the run's."""
+    import socket
+
+    import wandb
+
+    from titan.observe import metrics
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)  # the kernel completes the connections; nobody reads or answers them
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(metrics, "WANDB_AUTO_TIMEOUT_S", 3)
+    info = {"world_size": 1, "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}}
+    args = ["--metrics.tensorboard", "false", "--metrics.wandb"]
+    config = load_config(DEBUG_RECIPE, ["--job.output_dir", str(tmp_path / "auto"), *args, "auto"])
+    try:
+        with caplog.at_level("INFO", logger="titan"):
+            metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info).close()
+    finally:
+        server.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb: off, its run")]
+    assert "did not start within 3 s" in line and "training goes on without it" in line, line
+    assert "wandb" not in json.loads((config.run_dir / "tracking.json").read_text())
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Timed out initializing run")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    config = load_config(DEBUG_RECIPE, ["--job.output_dir", str(tmp_path / "online"), *args, "online"])
+    with pytest.raises(wandb.errors.CommError):
+        metrics.MetricsLogger(config, config.run_dir, enabled=True, extra_info=info)
+
+
 def test_wandb_auto_logs_online_with_credentials_and_is_off_without(tmp_path, monkeypatch, caplog):
     """A run nobody configured wandb for creates no wandb run; an API key or a `wandb login` (~/.netrc) turns it on."""
     import wandb

@@ -134,23 +134,11 @@ class MetricsLogger:
             elif not installed("wandb"):
                 mode = "disabled"
                 log.info("wandb: off, %s", missing_extra("wandb", "tracking", "metrics.wandb"))
+        # A requeued or resumed run keeps its wandb run: the id lives in the run folder.
+        run_id = previous.get("wandb", {}).get("id") or secrets.token_hex(6)
         if mode != "disabled":
-            wandb = import_extra("wandb", "tracking", f"metrics.wandb = {mode!r}")
-
-            # A requeued or resumed run keeps its wandb run: the id lives in the run folder.
-            run_id = previous.get("wandb", {}).get("id") or secrets.token_hex(6)
-            self._wandb = wandb.init(
-                project=config.metrics.wandb_project,
-                name=names["name"],
-                group=names["group"],
-                tags=names["tags"],
-                id=run_id,
-                resume="allow" if mode == "online" else None,
-                dir=str(run_dir),
-                mode=mode,
-                config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
-                settings=wandb.Settings(silent=True),  # titan prints the run's address itself, once
-            )
+            self._wandb = _start_wandb(config, run_dir, mode, names, run_id, extra_info)
+        if self._wandb is not None:
             url = self._wandb.url if mode == "online" else None  # an offline run has none: wandb warns if asked
             log.info("wandb: %s run %s", mode, url or run_dir / "wandb")
             tracking["wandb"] = {"project": config.metrics.wandb_project, "id": run_id, "mode": mode, "url": url}
@@ -328,6 +316,38 @@ def run_info(device: torch.device, world_size: int, layout: Layout) -> dict:
         "layout": dataclasses.asdict(layout),
         "hostname": platform.node(),
     }
+
+
+WANDB_AUTO_TIMEOUT_S = 15  # what metrics.wandb = auto gives wandb to start its run: a tracker never holds up training
+
+
+def _start_wandb(config: Config, run_dir: Path, mode: str, names: dict, run_id: str, extra_info: dict):
+    """The run's wandb run, or None. Under
+    metrics.wandb = auto a run wandb cannot start within WANDB_AUTO_TIMEOUT_S (no network, a server that does not
+    answer) is left out with one line, and training goes on; asked for by name, its error is the run's."""
+    auto = config.metrics.wandb == "auto"
+    wandb = import_extra("wandb", "tracking", f"metrics.wandb = {mode!r}")
+    settings = {"silent": True, **({"init_timeout": WANDB_AUTO_TIMEOUT_S} if auto else {})}
+    try:
+        return wandb.init(
+            project=config.metrics.wandb_project,
+            name=names["name"],
+            group=names["group"],
+            tags=names["tags"],
+            id=run_id,
+            resume="allow" if mode == "online" else None,
+            dir=str(run_dir),
+            mode=mode,
+            config={**flatten(to_dict(config)), **extra_info, "recipe": names["recipe"]},
+            settings=wandb.Settings(**settings),  # silent: titan prints the run's address itself, once
+        )
+    except Exception as e:  # wandb's CommError, or whatever its service raises
+        if not auto:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("wandb: off, its run did not start within %d s (%s); training goes on without it (metrics.wandb "
+                    "= offline logs here, for `wandb sync` later)", WANDB_AUTO_TIMEOUT_S, first)  # fmt: skip
+        return None
 
 
 def _wandb_credentials() -> bool:
