@@ -131,7 +131,7 @@ def test_the_model_card_holds_the_recipe_tokens_and_losses_of_the_run(exported, 
         f"| parameters | {n_params:,} |",
         "| model | llama3, flavor debug (dim = 64, n_heads = 4, n_kv_heads = 2, n_layers = 2, multiple_of = 32, "
         "resid_dropout = 0.1) |",
-        "| data | data/stories.jsonl |",
+        "| data | stories.jsonl |",  # the file's name: the card says nothing of the machine's folders
         "| batch | 4 sequences of 32 tokens |",
         "| optimizer | adamw, lr 0.01, weight decay 0.1; no warmup, cosine decay to 0.1 x lr |",
         f"| final training loss (step 4) | {train[4]:.4f} |",
@@ -141,6 +141,22 @@ def test_the_model_card_holds_the_recipe_tokens_and_losses_of_the_run(exported, 
         f'AutoTokenizer.from_pretrained("{exported}", padding_side="left")',  # the folder, where not pushed
     ):
         assert fact in text, (fact, text)
+
+
+def test_the_card_names_sources_without_local_paths_and_keeps_each_value_in_its_cell():
+    """A card is published: a local source is named by its file, not the folder it sat in on the training machine
+    (a home folder, a user name); corpora and hub datasets by their names; a `|` or a line break in a recipe's
+    value stays inside its table cell."""
+    from titan.checkpoint.hf.card import _recipe_rows, _table
+
+    sources = ["/home/alice/clients/acme/q3|notes.jsonl", "roneneldan/TinyStories", "titan:shakespeare"]
+    recipe = {"model": {"name": "llama3", "flavor": "debug", "overrides": {"note": "a|b\nc"}},
+              "data": {"sources": [{"source": s, "weight": 1.0} for s in sources]}}  # fmt: skip
+    table = _table(_recipe_rows(recipe, {"step": 3, "tokens_seen": 9}, 10, 32))
+    assert "/home" not in table and "alice" not in table
+    assert "| data | q3\\|notes.jsonl (weight 1.0), roneneldan/TinyStories (weight 1.0), titan:shakespeare" in table
+    assert "(note = a\\|b c) |" in table
+    assert all(line.count("|") - line.count("\\|") == 3 for line in table.splitlines()), table
 
 
 def test_the_card_of_an_earlier_checkpoint_has_its_own_losses(run_dir, tmp_path):

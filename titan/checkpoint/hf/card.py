@@ -42,7 +42,21 @@ def model_card(found, n_params: int, tokenizer, dtype: str, name: str) -> str:
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
-    return "| | |\n|---|---|\n" + "".join(f"| {key} | {value} |\n" for key, value in rows)
+    return "| | |\n|---|---|\n" + "".join(f"| {_cell(key)} | {_cell(value)} |\n" for key, value in rows)
+
+
+def _cell(text: str) -> str:
+    """`text` as one Markdown table cell: a `|` or a line break in a recipe's value would end the cell or the row."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _source_name(source: str) -> str:
+    """What the card says a data source was: a corpus or hub dataset by its name, a local file or folder by its
+    own name, never the path on the machine that trained (a home folder, a user name, a project's layout)."""
+    if source.startswith("titan:"):
+        return source
+    local = source.startswith((".", "/", "~")) or Path(source).suffix != ""
+    return Path(source).name if local else source  # no suffix and no leading path: a hub id, org/name
 
 
 def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list[tuple[str, str]]:
@@ -59,7 +73,13 @@ def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list
     sources = data.get("sources") or [{"source": data.get("source", "?")}]
     weighted = len(sources) > 1
     rows.append(
-        ("data", ", ".join(s["source"] + (f" (weight {s.get('weight', 1.0)})" if weighted else "") for s in sources))
+        (
+            "data",
+            ", ".join(
+                _source_name(str(s["source"])) + (f" (weight {s.get('weight', 1.0)})" if weighted else "")
+                for s in sources
+            ),
+        )  # fmt: skip
     )
     batch = state.get("math", {}).get("training.global_batch")  # as resolved for the run's layout
     if batch:
