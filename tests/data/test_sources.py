@@ -92,6 +92,24 @@ def test_compressed_text_and_json_lines_give_the_documents_of_the_plain_files(tm
     assert texts_of(prepare(DataSource(str(packed_jsonl)), TOKENIZER, cache, 1, False)) == encoded(TEXTS)
 
 
+@pytest.mark.parametrize("kept", [0.6, 0.99])
+@pytest.mark.parametrize("suffix", COMPRESSIONS)
+def test_a_compressed_file_cut_short_is_refused_in_one_line(tmp_path, suffix, kept):
+    """Cut to 60% or 99% of its bytes, a compressed text or JSON-lines file is damaged, whichever the compression:
+    refused in one line, never read as shorter text (zstandard's reader ends quietly inside a frame) nor as a
+    malformed JSON line."""
+    data = (ROOT / "data" / "stories.jsonl").read_bytes()
+    for name in (f"book.txt.{suffix}", f"web.jsonl.{suffix}"):
+        whole = COMPRESSIONS[suffix](data)
+        source = tmp_path / name
+        source.write_bytes(whole[: int(len(whole) * kept)])
+        with pytest.raises(ConfigError) as error:
+            prepare(DataSource(str(source)), TOKENIZER, tmp_path / "cache", 1, False)
+        message = str(error.value)
+        assert "\n" not in message and name in message, message
+        assert f"{source} is damaged: " in message and "not valid JSON" not in message, message
+
+
 def test_zstd_without_zstandard_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     source = tmp_path / "web.jsonl.zst"
     source.write_bytes(b"(\xb5/\xfd")

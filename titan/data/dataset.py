@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.config import Data, DataSource
+from titan.data.zstd_frames import check_frames
 from titan.errors import ConfigError, import_extra
 from titan.progress import Progress
 
@@ -124,6 +125,8 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
             yield text
     except ConfigError:
         raise
+    except EOFError as e:  # a compressed stream cut short: gzip's, bz2's and check_frames' own words
+        raise ConfigError(f"data.source: {file} is damaged: {_first_line(e)}; copy or compress it again") from None
     except Exception as e:  # UnicodeDecodeError, JSONDecodeError, pyarrow's errors: assorted types
         raise ConfigError(_unreadable(file, documents.fmt, _first_line(e))) from None
 
@@ -140,6 +143,7 @@ def _open_binary(file: Path) -> io.BufferedIOBase:
         return bz2.open(file)
     if file.suffix == ".zst":
         zstandard = import_extra("zstandard", "zstd", f"reading {file} (zstd)")
+        check_frames(file)
         # Across frames: a file of concatenated frames is one stream. Long-window files (zstd --long) read too.
         reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(
             open(file, "rb"), read_across_frames=True
