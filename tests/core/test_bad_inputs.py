@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_many, tiny_overrides
 from helpers import SAVED, SMALL, assert_one_line_error, imported_modules, torchrun
@@ -42,6 +43,19 @@ def data_file(name: str, content: bytes):
         path = tmp / name
         path.write_bytes(content)
         return {"data.source": str(path)}
+
+    return write
+
+
+def saved_dataset_naming(filename: str):
+    """Setup: a folder laid out as HF datasets' save_to_disk writes it, its state.json naming `filename`."""
+
+    def write(tmp: Path, _saved: Path) -> dict:
+        folder = tmp / "saved"
+        folder.mkdir()
+        (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": filename}]}))
+        (folder / "dataset_info.json").write_text("{}")
+        return {"data.source": str(folder)}
 
     return write
 
@@ -648,6 +662,22 @@ CASES = [
         ["data.source", "missing/corpus.jsonl"],
     ),  # fmt: skip
     ("text field", "train", {"data.text_field": "body"}, None, {}, ["data.text_field", "'body'", "text"]),
+    (
+        "zst cut short",
+        "train",
+        {},
+        data_file("web.jsonl.zst", zstandard.ZstdCompressor().compress(b'{"text": "a story"}\n' * 5000)[:-9]),
+        {},
+        ["web.jsonl.zst is damaged: it ends inside a zstd frame", "copy or compress it again"],
+    ),  # fmt: skip
+    (
+        "saved dataset naming a file outside",
+        "train",
+        {},
+        saved_dataset_naming("../elsewhere.arrow"),
+        {},
+        ["state.json: _data_files[0].filename must be a file name in its folder", "'../elsewhere.arrow'"],
+    ),  # fmt: skip
     (
         "binary jsonl",
         "train",
@@ -1403,6 +1433,20 @@ def edit_weight_map(edit):
     return edit_file("model.safetensors.index.json", lambda index: {**index, "weight_map": edit(index["weight_map"])})
 
 
+def linked_out(name: str, target: Path | None):
+    """Damage: the HF folder's file `name` a link to `target` (None: to a copy of the file beside the folder)."""
+
+    def damage(folder: Path) -> None:
+        to = target
+        if to is None:
+            to = folder.parent / f"copy-of-{name}"
+            shutil.copyfile(folder / name, to)
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(to)
+
+    return damage
+
+
 def moved_out(absolute: bool):
     """Damage: the HF folder's first weights file moved to another model's folder beside it, the index naming it
     there (by a relative path, or an absolute one)."""
@@ -1452,8 +1496,10 @@ def one_record(**values) -> str:
     return json.dumps({"step": 1, "loss": 2.5, **values}) + "\n"
 
 
-FOLDER_READERS = {"run": ("compare",), "hf": ("hf-to-dcp", "init_from_hf"), "recipe": ("dcp-to-hf", "generate"),
-                  "generate": ("generate",)}  # fmt: skip
+# hf-tokenizer: an HF folder's tokenizer files, which hf-to-dcp copies (a recipe with a tokenizer of its own
+# initialised from the folder reads none of them).
+FOLDER_READERS = {"run": ("compare",), "hf": ("hf-to-dcp", "init_from_hf"), "hf-tokenizer": ("hf-to-dcp",),
+                  "recipe": ("dcp-to-hf", "generate"), "generate": ("generate",)}  # fmt: skip
 HF_INDEX = "model.safetensors.index.json"
 # (id, folder, damage(folder) or extra command-line arguments, words)
 FOLDERS = [
@@ -1488,6 +1534,12 @@ FOLDERS = [
     ("rope_theta infinite", "hf", edit_file("config.json", lambda c: {**c, "rope_theta": math.inf,
      "rope_parameters": {**c["rope_parameters"], "rope_theta": math.inf}}),
      ["config.json: rope_", "rope_theta must be a finite number > 0, got inf"]),
+    ("generation config linking out", "hf-tokenizer", linked_out("generation_config.json", Path("/proc/self/environ")),
+     ["generation_config.json leads outside its folder (to /proc/", "titan reads only the folder's own files"]),
+    ("weights file linking out", "hf", linked_out("model.safetensors.index.json", None),
+     ["model.safetensors.index.json leads outside its folder", "replace the link with the file itself"]),
+    ("tokenizer config not JSON", "hf-tokenizer", file_text("tokenizer_config.json", "{not json"),
+     ["tokenizer_config.json is not readable JSON", "the folder's tokenizer is damaged"]),
     ("integer weights", "hf", integer_weights, ["tensor model.norm.weight is I32", "F32, BF16"]),
     ("saved overrides of text", "recipe", saved_recipe(lambda r: {**r, "model": {**r["model"], "overrides": "big"}}),
      ["corrupt", "the recipe in train_state.json: model.overrides must be a table, got 'big'"]),
@@ -1519,7 +1571,7 @@ def folder_run(case, command: str, tmp: Path, saved: Path, hf: Path) -> tuple[li
     """The CLI run of `command` on the case's crafted copy of its folder, in a folder of its own."""
     _, kind, damage, _ = case
     tmp.mkdir(parents=True)
-    source = {"run": saved.parent.parent, "hf": hf}.get(kind, saved)
+    source = {"run": saved.parent.parent, "hf": hf, "hf-tokenizer": hf}.get(kind, saved)
     folder = tmp / source.name
     shutil.copytree(source, folder)
     extra = damage if isinstance(damage, list) else []

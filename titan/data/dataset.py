@@ -14,6 +14,7 @@ from titan.config import Data, DataSource
 from titan.data.zstd_frames import check_frames
 from titan.errors import ConfigError, import_extra
 from titan.progress import Progress
+from titan.schema import FILE_NAME, ListOf, Table, read_json
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".bz2", ".zst")  # text and JSON files read as streams ("a.txt.gz", "web.jsonl.zst")
@@ -62,6 +63,13 @@ def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
     return fmt, files
 
 
+# What titan reads of the state.json of a save_to_disk folder: the names of its .arrow files, each of the folder.
+SAVED_STATE = Table(
+    {"_data_files": ListOf(Table({"filename": FILE_NAME}, required=frozenset({"filename"})))},
+    required=frozenset({"_data_files"}),
+)
+
+
 def _saved_dataset(source: Path, split: str) -> tuple[Path, list[Path]] | None:
     """A folder HF datasets' save_to_disk wrote: (the folder of its Dataset, or of the `split` of a DatasetDict,
     and that Dataset's .arrow files in order), else None."""
@@ -76,7 +84,7 @@ def _saved_dataset(source: Path, split: str) -> tuple[Path, list[Path]] | None:
             source = source / split
         if not (source / "state.json").is_file():
             return None
-        state = json.loads((source / "state.json").read_text())
+        state = read_json(source / "state.json", SAVED_STATE)  # its files' names: plain names, in the folder
         return source, [source / file["filename"] for file in state["_data_files"]]
     except ConfigError:
         raise

@@ -47,13 +47,31 @@ def hf_spec(model_name: str) -> models.ModelSpec:
     return spec
 
 
+def own_file(folder: Path, name: str) -> Path | None:
+    """`folder`'s file `name` (None where it has none), refused in one line unless it is a regular file of the folder:
+    a link may lead only into the folder, or for a hub snapshot (`.../snapshots/REV/`) into its repository's
+    blobs. A link out (to /proc/self/environ, a key, another user's file) would copy what it leads to into what
+    titan writes."""
+    path = Path(folder) / name
+    if not path.exists() and not path.is_symlink():
+        return None
+    target, home = path.resolve(), Path(folder).resolve()
+    allowed = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
+    if not any(target.is_relative_to(place) for place in allowed):
+        raise ConfigError(f"{path} leads outside its folder (to {target}): titan reads only the folder's own files; "
+                          "replace the link with the file itself")  # fmt: skip
+    if not target.is_file():
+        raise ConfigError(f"{path} is not a regular file")
+    return path
+
+
 def read_hf_config(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise ConfigError(f"HF checkpoint folder {folder} {what}")
-    path = folder / CONFIG_FILE
-    if not path.is_file():
+    path = own_file(folder, CONFIG_FILE)
+    if path is None:
         raise ConfigError(
             f"{folder} has no {CONFIG_FILE}: not a Hugging Face model folder (config.json + *.safetensors)"
         )
@@ -70,14 +88,11 @@ def hf_tokenizer(folder: Path) -> Tokenizer | None:
     """The tokenizer of HF folder `folder` as a recipe's [tokenizer]: its tokenizer.json, framing documents with the
     BOS and EOS its tokenizer_config.json (else special_tokens_map.json) names; None without a tokenizer.json."""
     folder = Path(folder)
-    if not (folder / TOKENIZER_FILES[0]).is_file():
+    if own_file(folder, TOKENIZER_FILES[0]) is None:
         return None
     special: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter's wins
-        try:
-            content = json.loads((folder / name).read_text())
-        except (OSError, ValueError):
-            continue
+        content = tokenizer_file_json(folder, name)
         for key in ("bos_token", "eos_token") if isinstance(content, dict) else ():
             token = content.get(key)
             token = token.get("content") if isinstance(token, dict) else token  # an AddedToken, serialised
@@ -90,9 +105,22 @@ def hf_tokenizer(folder: Path) -> Tokenizer | None:
     return Tokenizer(str(path), bos or default.bos_token, eos or default.eos_token)
 
 
+def tokenizer_file_json(folder: Path, name: str) -> Any:
+    """The JSON of HF folder `folder`'s tokenizer file `name` (one of TOKENIZER_FILES; None where it has none),
+    refused in one line where it leads outside the folder or does not parse."""
+    path = own_file(folder, name)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({e}): the folder's tokenizer is damaged") from None
+
+
 def copy_tokenizer_files(folder: Path, out: Path) -> list[str]:
-    """Copy HF folder `folder`'s TOKENIZER_FILES that it has into `out`; returns their names."""
-    names = [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+    """Copy HF folder `folder`'s TOKENIZER_FILES that it has into `out`, each checked to be the folder's own and to
+    parse; returns their names."""
+    names = [name for name in TOKENIZER_FILES if tokenizer_file_json(folder, name) is not None]
     for name in names:
         shutil.copyfile(Path(folder) / name, Path(out) / name)
     return names
@@ -101,22 +129,22 @@ def copy_tokenizer_files(folder: Path, out: Path) -> list[str]:
 def hf_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of an HF folder: those its index names, or the single `model.safetensors`."""
     folder = Path(folder)
-    index = folder / INDEX_FILE
-    if index.is_file():
+    index = own_file(folder, INDEX_FILE)
+    if index is not None:
         try:
             weight_map = read_json(index, WEIGHT_INDEX)["weight_map"]
         except (OSError, ValueError) as e:
             raise ConfigError(f"{folder}: {e}") from None
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.is_file()]
+        files = {name: own_file(folder, name) for name in dict.fromkeys(weight_map.values())}
+        missing = [name for name, file in files.items() if file is None]
         if missing:
             raise ConfigError(f"{index} names files that are missing: {', '.join(missing)}")
-        return files
-    if (folder / SINGLE_FILE).is_file():
-        return [folder / SINGLE_FILE]
+        return list(files.values())
+    if (single := own_file(folder, SINGLE_FILE)) is not None:
+        return [single]
     found = sorted(folder.glob("*.safetensors"))
     if found:
-        return found
+        return [own_file(folder, f.name) for f in found]
     pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
     hint = (
         (
