@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, run_titan
-from helpers import trainer_for
+from helpers import assert_one_line_error, trainer_for
 from titan.checkpoint.hf import checkpoint_tokenizer
 from titan.config import DataSource
 from titan.tools import harness
@@ -131,21 +131,38 @@ def test_generate_until_is_titans_greedy_decoding_cut_at_the_stop(loaded, tokeni
 
 def test_a_local_task_file_runs_offline_and_scores_what_the_model_prefers(run, loaded, tokenizer, tmp_path):
     """A multiple-choice task of four documents in a local jsonl, named by a YAML file under --include-path; the hub
-    is unreachable. Its accuracy is that of the choices the token-by-token log-likelihoods prefer."""
+    is unreachable. Its documents pass through a `process_docs: !function` of the folder's helpers.py: refused in
+    one line, before anything loads, until --allow-task-code. Its accuracy is that of the choices the
+    token-by-token log-likelihoods prefer."""
     (tmp_path / "tasks").mkdir()
     docs = tmp_path / "tasks" / "tiny.jsonl"
     docs.write_text("".join(json.dumps(doc) + "\n" for doc in CHOICES))
+    (tmp_path / "tasks" / "helpers.py").write_text("def process_docs(dataset):\n    return dataset\n")
     (tmp_path / "tasks" / "tiny.yaml").write_text(
         f"task: titan_tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{query}}'\ndoc_to_target: label\n"
         "doc_to_choice: choices\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "process_docs: !function helpers.process_docs\n"
+    )
+    args = [
+        "eval",
+        "--checkpoint",
+        str(run[0]),
+        "--tasks",
+        "titan_tiny_choice",
+        "--include-path",
+        str(tmp_path / "tasks"),
+    ]
+    refused = run_titan(*args)
+    assert_one_line_error(
+        refused,
+        "a task file is code",
+        f"tiny.yaml: process_docs: !function helpers.process_docs ({tmp_path / 'tasks' / 'helpers.py'})",
+        "--allow-task-code",
     )
     out = tmp_path / "results.json"
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    result = run_titan(
-        "eval", "--checkpoint", str(run[0]), "--tasks", "titan_tiny_choice", "--include-path",
-        str(tmp_path / "tasks"), "--output", str(out), env=offline,
-    )  # fmt: skip
+    result = run_titan(*args, "--allow-task-code", "--output", str(out), env=offline)
     assert result.returncode == 0, result.stderr
     right = [
         max(
@@ -157,3 +174,23 @@ def test_a_local_task_file_runs_offline_and_scores_what_the_model_prefers(run, l
     ]
     assert json.loads(out.read_text())["tasks"]["titan_tiny_choice"]["acc,none"] == sum(right) / len(right)
     assert "titan_tiny_choice" in result.stdout  # the table
+
+
+def test_the_code_of_a_task_is_found_through_its_includes_and_groups(tmp_path):
+    """What a requested task would run: the `!function`s of its YAML, of the YAML it includes (found beside it,
+    or anywhere Python looks: os.system), and of the tasks a requested group lists; a task not requested is not
+    looked at."""
+    folder = tmp_path / "tasks"
+    (folder / "base").mkdir(parents=True)
+    (folder / "base" / "shared.yaml").write_text("doc_to_text: !function os.system\n")
+    (folder / "a.yaml").write_text("task: a\ninclude: base/shared.yaml\n")
+    (folder / "b.yaml").write_text("task: b\nfilter_list:\n  - filter:\n      - function: !function b_utils.keep\n")
+    (folder / "b_utils.py").write_text("def keep(x):\n    return x\n")
+    (folder / "c.yaml").write_text("task: c\nprocess_docs: !function c_utils.drop\n")
+    (folder / "group.yaml").write_text("group: both\ntask:\n  - a\n  - b\n")
+    assert harness.task_code(["a"], folder) == [f"{folder / 'base' / 'shared.yaml'}: doc_to_text: !function os.system"]
+    assert sorted(harness.task_code(["both"], folder)) == [
+        f"{folder / 'b.yaml'}: filter_list[0].filter[0].function: !function b_utils.keep ({folder / 'b_utils.py'})",
+        f"{folder / 'base' / 'shared.yaml'}: doc_to_text: !function os.system",
+    ]
+    assert harness.task_code(["hellaswag"], folder) == [] and harness.task_code(["a"], None) == []

@@ -31,6 +31,9 @@ def evaluate(  # noqa: PLR0913 (a command's options)
         None, "--tasks", help="Run these lm-eval-harness tasks, comma-separated, e.g. hellaswag,arc_easy."
     ),
     include_path: Path = typer.Option(None, "--include-path", help="A folder of your own task YAML files."),
+    allow_task_code: bool = typer.Option(
+        False, "--allow-task-code", help="Run the Python that --include-path's task files name (!function)."
+    ),
     limit: float = typer.Option(None, "--limit", help="Documents per task (below 1: a fraction); for a quick look."),
     num_fewshot: int = typer.Option(None, "--num-fewshot", help="Examples in each prompt; default: the task's."),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward; 0: the recipe's local batch."),
@@ -54,6 +57,11 @@ def evaluate(  # noqa: PLR0913 (a command's options)
     from titan.tools import harness  # imported late: torch is slow to import
 
     if task_names:
+        code = harness.task_code(task_names, include_path)
+        if code and not allow_task_code:  # checked before anything is loaded or imported
+            more = f" and {len(code) - 1} more" if len(code) > 1 else ""
+            raise UserError(f"--tasks: a task file is code, and these run Python: {code[0]}{more}; read it, then "
+                            "pass --allow-task-code to run it")  # fmt: skip
         harness.go_offline_for_local_tasks(task_names, include_path)  # before anything imports HF datasets
     from titan.checkpoint.hf import checkpoint_tokenizer
     from titan.dtypes import parse_dtype

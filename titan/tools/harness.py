@@ -39,6 +39,69 @@ def task_yamls(include_path: Path) -> dict[str, str]:
     return found
 
 
+class _Function(str):
+    """A `!function module.name` tag's target: Python that lm-eval imports and calls."""
+
+
+def _load_task_yaml(path: Path):
+    """A task YAML as lm-eval reads it, except that a `!function` tag is recorded, never imported."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: _Function(loader.construct_scalar(node)))
+    try:
+        return yaml.load(path.read_text(encoding="utf-8", errors="replace"), Loader=Loader)  # noqa: S506
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--include-path: {path} is not YAML lm-eval reads: {str(e).splitlines()[0]}") from None
+
+
+def task_code(tasks: list[str], include_path: Path | None) -> list[str]:
+    """The Python that the requested tasks of include_path would run: each `!function` of their YAML files, of the
+    files those include and of the tasks a requested group lists, e.g. 'tasks/capitals.yaml: process_docs:
+    !function helpers.process_docs (tasks/helpers.py)'. lm-eval imports a `!function`'s module from beside the
+    YAML or, failing that, from anywhere Python finds it (`!function os.system` resolves). Tasks lm-eval ships
+    run its own installed code, and are not listed."""
+    if include_path is None or not include_path.is_dir():
+        return []
+    defined: dict[str, Path] = {}
+    for file in sorted(include_path.rglob("*.y*ml")):
+        config = _load_task_yaml(file)
+        for key in ("task", "group") if isinstance(config, dict) else ():
+            if isinstance(config.get(key), str):
+                defined.setdefault(config[key], file)
+    found, seen, todo = [], set(), [defined[t] for t in tasks if t in defined]
+    while todo:
+        file = todo.pop()
+        if file in seen or not file.is_file():
+            continue
+        seen.add(file)
+        config = _load_task_yaml(file)
+        for where, target in _functions(config, ""):
+            module = file.parent / f"{target.rsplit('.', 1)[0].replace('.', '/')}.py"
+            beside = f" ({module})" if module.is_file() else ""
+            found.append(f"{file}: {where}: !function {target}{beside}")
+        if isinstance(config, dict):
+            if isinstance(config.get("include"), str):
+                todo.append(file.parent / config["include"])
+            members = config.get("task") if isinstance(config.get("task"), list) else []
+            todo += [defined[m] for m in members if isinstance(m, str) and m in defined]
+    return found
+
+
+def _functions(value, where: str):
+    """(key path, target) of every `!function` in a task's parsed YAML."""
+    if isinstance(value, _Function):
+        yield where, str(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _functions(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _functions(item, f"{where}[{i}]")
+
+
 def go_offline_for_local_tasks(tasks: list[str], include_path: Path | None) -> bool:
     """Set HF's offline switches (unless already set) when every task is one of include_path's reading a local
     file; call before HF datasets is imported, which reads them once. Returns whether it did."""
