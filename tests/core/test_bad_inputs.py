@@ -899,6 +899,8 @@ CASES = [
      ["empty.jsonl holds no text to train a tokenizer on"]),
     ("tokenizer vocabulary too small", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl", "--vocab-size",
      "100"], tokenizer_out, {}, ["--vocab-size 100", "at least 258"]),
+    ("tokenizer vocabulary of a billion", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl",
+     "--vocab-size", "1000000000"], tokenizer_out, {}, ["--vocab-size 1,000,000,000", "more than titan's models take"]),
     # -- titan eval (on the saved checkpoint)
     ("eval of nothing", "cli", ["eval"], saved_checkpoint, {}, ["give --data SOURCE", "or --tasks NAMES"]),
     ("eval of no task", "cli", ["eval", "--tasks", " , "], saved_checkpoint, {}, ["--tasks names no task"]),

@@ -64,3 +64,31 @@ def test_a_recipe_names_the_sources_and_special_tokens(tmp_path):
     assert "trained on 3 documents" in result.stdout
     vocab = json.loads(out.read_text())["model"]["vocab"]
     assert (vocab["<s>"], vocab["</s>"]) == (0, 1)
+
+
+def test_the_bpe_trainer_sees_no_word_longer_than_its_bound_and_other_words_as_byte_level_splits_them():
+    """A document of one 250,000-letter run (DNA, a hash, minified code): the trainer's time grows with the square
+    of a word's length, so it sees pieces of at most LONGEST_WORD characters; text whose runs are shorter is split as
+    byte-level BPE splits it, so the tokenizer trained and saved is plain byte-level BPE's."""
+    from tokenizers import pre_tokenizers
+
+    from titan.data.bpe import LONGEST_WORD, train_bpe, training_pre_tokenizer
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    training = training_pre_tokenizer(byte_level)
+    run = "ACGT" * 62_500
+    pieces = [piece for piece, _ in training.pre_tokenize_str(f"a genome: {run} ends")]
+    assert max(map(len, pieces)) == LONGEST_WORD and "".join(pieces).replace("Ġ", " ") == f"a genome: {run} ends"
+    text = (ROOT / "data" / "stories.jsonl").read_text()[:20000] + " " + "x" * (LONGEST_WORD - 1)
+    assert training.pre_tokenize_str(text) == byte_level.pre_tokenize_str(text)
+    trained = train_bpe([text, run], 400)
+    assert trained.decode(trained.encode(run).ids) == run
+    assert json.loads(trained.to_str())["pre_tokenizer"]["type"] == "ByteLevel"
+
+
+def test_the_largest_vocabulary_is_the_one_titan_s_models_take():
+    from titan.data.train_tokenizer import MAX_VOCAB
+    from titan.models.llama.args import LIMITS
+    from titan.models.moe.args import LIMITS as MOE_LIMITS
+
+    assert MAX_VOCAB == LIMITS["vocab_size"] == MOE_LIMITS["vocab_size"]

@@ -15,6 +15,9 @@ from titan.data.dataset import iter_texts, open_documents
 from titan.errors import ConfigError
 
 BYTES = len(pre_tokenizers.ByteLevel.alphabet())  # the symbols every byte-level vocabulary holds
+# The largest vocabulary titan's model families take (their LIMITS): a tokenizer larger than that trains no model,
+# and the BPE trainer allocates for the vocabulary it is asked for (10^9 aborts the process).
+MAX_VOCAB = 2**22
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ def train_on_sources(
         raise ConfigError(
             f"--vocab-size {vocab_size} is smaller than a byte-level tokenizer's {BYTES} bytes and "
             f"{len(special_tokens)} special tokens: give at least {smallest} (32000 or more for a real corpus)"
+        )
+    if vocab_size > MAX_VOCAB:
+        raise ConfigError(
+            f"--vocab-size {vocab_size:,} is more than titan's models take ({MAX_VOCAB:,}); Llama 3's is 128,256"
         )
     opened = [open_documents(source) for source in sources]  # each checked before anything is trained
     read = {"documents": 0, "characters": 0}
