@@ -239,3 +239,24 @@ def test_flex_attention_padded_to_its_length_bucket_equals_attention_per_documen
     per_document = attend_per_document(q, k, v, document_mask(ids, MaskForm.SPANS))
     assert flex.shape == per_document.shape
     torch.testing.assert_close(flex, per_document, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rope_table_is_built_to_the_positions_a_command_runs_and_bounded():
+    """A config of 2^24 positions and one head of 4,096 (a 1.3 MB HF folder) would ask for a 256 GiB table: refused
+    in one line; the same model builds on the meta device, and a command that runs 100 positions (`titan generate`'s
+    prompts and tokens) gets a table of 100, equal to the first 100 rows of the full one."""
+    from titan.errors import ConfigError
+    from titan.models.llama.args import ModelArgs
+    from titan.models.llama.rope import rope_table
+
+    huge = ModelArgs(dim=4096, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=256, max_seq_len=2**24)
+    with pytest.raises(
+        ConfigError, match=r"the RoPE table of 16,777,216 positions for heads of 4096 would take 256 GiB"
+    ):
+        rope_table(huge)
+    with torch.device("meta"):
+        assert Transformer(huge).rope.shape == (2**24, 2048, 2)
+    assert rope_table(huge, positions=100).shape == (100, 2048, 2)
+    small = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=300_000)
+    assert torch.equal(rope_table(small, positions=100), rope_table(small)[:100])  # computed a slice at a time
+    assert torch.equal(rope_table(small)[70_000:70_100], rope_table(small, positions=70_100)[70_000:])

@@ -96,9 +96,11 @@ class Model(Protocol):
         """Initialise every parameter and buffer from the seed alone, on any layout (after `to_empty`)."""
         ...
 
-    def init_buffers(self) -> None:
+    def init_buffers(self, positions: int | None = None) -> None:
         """Compute the buffers from the args alone, leaving the parameters alone (after `to_empty`): loading the
-        parameters from a checkpoint then completes the model without initialising them first."""
+        parameters from a checkpoint then completes the model without initialising them first. positions: the
+        most a command runs (`titan generate`'s prompts and tokens), which position tables need cover; default the
+        model's max_seq_len."""
         ...
 
     def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> Any:

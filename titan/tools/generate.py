@@ -176,10 +176,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tp_mesh=None,
     progress: bool = False,
+    positions: int | None = None,
 ) -> Loaded:
     """The model of the titan checkpoint at `checkpoint` (a step-N folder, or a checkpoints/ or run folder: its
     newest) on `device`, its parameters in `dtype`; with tp_mesh (a 1-D DeviceMesh), this rank's tensor-parallel
-    shard of it. progress: a bar on stderr while it loads (after the first second)."""
+    shard of it. progress: a bar on stderr while it loads (after the first second). positions: the most the command
+    runs, which the RoPE table covers (Model.init_buffers)."""
     start = time.perf_counter()
     rank, world, group = (tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group()) if tp_mesh else (0, 1, None)
     # Opened first: its checks import the model family's code, which is not what loading the weights adds.
@@ -195,7 +197,7 @@ def load_model(
                 raise ConfigError(f"--tp {world}: {e}") from None
             parallelize_module(model, tp_mesh, spec.tp_plan(model, sequence_parallel=False, loss_parallel=False))
         model.to_empty(device=device)
-        model.init_buffers()
+        model.init_buffers(positions)
         model.requires_grad_(False)
         for param in model.parameters():
             param.zero_()  # were an element ever left unread, it would not be stale process memory
@@ -289,10 +291,11 @@ def continue_texts(
     if batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0 (0: every prompt in one batch), got {batch_size}")
     device, mesh = device_and_mesh(loading.tp)
-    loaded = load_model(checkpoint, device, dtype, mesh, loading.progress)
+    loaded = load_model(checkpoint, device, dtype, mesh, loading.progress, positions=1)
     tokenizer = checkpoint_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size, tokenizer_path)
     # Training frames each document as BOS + text + EOS; a prompt is a document still going on.
     ids = [tokenizer.encode(prompt)[:-1] for prompt in prompts]
+    loaded.model.init_buffers(positions=max(map(len, ids)) + max_new_tokens)  # the positions this run takes
     size = batch_size or len(ids)
     group = mesh.get_group() if mesh is not None else None
     batches = [ids[i : i + size] for i in range(0, len(ids), size)]

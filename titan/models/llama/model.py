@@ -158,10 +158,11 @@ class Transformer(nn.Module):
             pad = torch.zeros(batch, dtype=torch.long, device=self.rope.device)
         return [KVCache(max_len, pad) for _ in self.layers]
 
-    def init_buffers(self) -> None:
+    def init_buffers(self, positions: int | None = None) -> None:
         """Compute the buffers, which depend on the args alone (the RoPE table, in fp32 whatever the parameters'
-        dtype), leaving the parameters as they are: with weights loaded from a checkpoint, the model is complete."""
-        self.rope = rope_table(self.args, device=self.rope.device)
+        dtype, for the first `positions`: default all of max_seq_len), leaving the parameters as they are: with
+        weights loaded from a checkpoint, the model is complete."""
+        self.rope = rope_table(self.args, device=self.rope.device, positions=positions)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -7,7 +7,12 @@ import math
 
 import torch
 
+from titan.errors import ConfigError
 from titan.models.llama.args import ModelArgs
+
+# The most a RoPE table may take: a 128k-position Llama 3's is 64 MiB. A config of 2^24 positions and one head of
+# 4,096 would ask for 256 GiB; a command builds the positions it runs (`titan generate`: its prompts' and tokens').
+ROPE_MAX_BYTES = 4 << 30
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -27,11 +32,25 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return freqs
 
 
-def rope_table(args: ModelArgs, device=None) -> torch.Tensor:
-    """(max_seq_len, head_dim/2, 2) table of cos and sin."""
-    positions = torch.arange(args.max_seq_len, dtype=torch.float64)
-    angles = torch.outer(positions, rope_frequencies(args))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+def rope_table(args: ModelArgs, device=None, positions: int | None = None) -> torch.Tensor:
+    """(positions, head_dim/2, 2) table of cos and sin for the first `positions` (default and at most max_seq_len),
+    refused in one line above ROPE_MAX_BYTES; computed in float64 a slice at a time, so the peak is the table's."""
+    count = args.max_seq_len if positions is None else min(positions, args.max_seq_len)
+    if torch.empty(0, device=device).is_meta:  # a model built on the meta device: the shape is all there is
+        return torch.empty(count, args.head_dim // 2, 2, device=device)
+    size = count * args.head_dim * 4
+    if size > ROPE_MAX_BYTES:
+        raise ConfigError(
+            f"the RoPE table of {count:,} positions for heads of {args.head_dim} would take {size / 2**30:,.0f} "
+            f"GiB, more than titan builds ({ROPE_MAX_BYTES / 2**30:.0f} GiB): lower max_seq_len (the model's "
+            "max_position_embeddings)"
+        )
+    table = torch.empty(count, args.head_dim // 2, 2, device=device)
+    frequencies, step = rope_frequencies(args), 1 << 16
+    for start in range(0, count, step):
+        angles = torch.outer(torch.arange(start, min(start + step, count), dtype=torch.float64), frequencies)
+        table[start : start + step] = torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+    return table
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,9 @@ class MoETransformer(Transformer):
         moe = MoE(args, self.routing) if layer_id in args.moe_layers else None
         return TransformerBlock(layer_id, args, moe, qk_norm=args.qk_norm)
 
-    def init_buffers(self) -> None:
+    def init_buffers(self, positions: int | None = None) -> None:
         """The RoPE table, and each router's step counts at zero; the routers' biases are state, left as loaded."""
-        super().init_buffers()
+        super().init_buffers(positions)
         for router in self.routing.routers().values():
             router.load.zero_()
             router.balance_loss.zero_()
