@@ -7,6 +7,7 @@ process group is joined)."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import math
@@ -38,10 +39,12 @@ def recipe_file(text: str | bytes):
     return write
 
 
-def data_file(name: str, content: bytes):
+def data_file(name: str, content):
+    """Setup: a data file of `content` (bytes, or a function that makes them: large ones are made when run)."""
+
     def write(tmp: Path, _saved: Path) -> dict:
         path = tmp / name
-        path.write_bytes(content)
+        path.write_bytes(content() if callable(content) else content)
         return {"data.source": str(path)}
 
     return write
@@ -662,6 +665,30 @@ CASES = [
         ["data.source", "missing/corpus.jsonl"],
     ),  # fmt: skip
     ("text field", "train", {"data.text_field": "body"}, None, {}, ["data.text_field", "'body'", "text"]),
+    (
+        "a line of 33M characters",
+        "train",
+        {"data.text_unit": "line"},
+        data_file("long.txt.gz", lambda: gzip.compress(b"short line\n" + b"a" * (33 * 2**20) + b"\n")),
+        {},
+        ["line 2 of", "long.txt.gz runs over 33,554,432 characters", "split it"],
+    ),  # fmt: skip
+    (
+        "a JSON lines record of 33M characters",
+        "train",
+        {},
+        data_file("long.jsonl.gz", lambda: gzip.compress(b'{"text": "' + b"a" * (33 * 2**20) + b'"}\n')),
+        {},
+        ["line 1 of", "long.jsonl.gz runs over 33,554,432 characters"],
+    ),  # fmt: skip
+    (
+        "a JSON array of 33M characters",
+        "train",
+        {},
+        data_file("big.json.gz", lambda: gzip.compress(b'[{"text": "' + b"a" * (33 * 2**20) + b'"}]')),
+        {},
+        ["big.json.gz is one JSON array of over 33,554,432 characters", "write one record per line"],
+    ),  # fmt: skip
     (
         "zst cut short",
         "train",

@@ -177,3 +177,25 @@ def test_the_cli_prepares_a_folder_of_gzipped_books(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{books}: {tmp_path / 'cache'}/books-") and "4 documents" in result.stdout
+
+
+@pytest.mark.parametrize("suffix, unit", [(".txt", "line"), (".jsonl", "file")])
+def test_a_line_is_read_up_to_the_document_bound_and_refused_past_it(tmp_path, monkeypatch, suffix, unit):
+    """A line is read at most MAX_DOCUMENT_CHARS characters at a time: one of exactly that many (newline aside)
+    trains, one more character is refused in one line naming it, as text or as a JSON-lines record."""
+    from titan.data import dataset
+    from titan.data.dataset import iter_texts, open_documents
+
+    monkeypatch.setattr(dataset, "MAX_DOCUMENT_CHARS", 100)
+    first, line = (
+        ("first\n", "a" * 100) if suffix == ".txt" else ('{"text": "first"}\n', json.dumps({"text": "a" * 88}))
+    )
+    assert len(line) == 100
+    fits, over = tmp_path / f"fits{suffix}.gz", tmp_path / f"over{suffix}.gz"
+    fits.write_bytes(gzip.compress(f"{first}{line}\n".encode()))
+    over.write_bytes(gzip.compress(f"{first}{line}b\n".encode()))
+    source = lambda path: open_documents(DataSource(str(path), text_unit=unit))  # noqa: E731
+    last = list(iter_texts(source(fits)))[-1]
+    assert last == {"line": line, "file": "a" * 88}[unit]
+    with pytest.raises(ConfigError, match=rf"line 2 of {over} runs over 100 characters"):
+        list(iter_texts(source(over)))
