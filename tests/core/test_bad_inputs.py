@@ -7,6 +7,7 @@ process group is joined)."""
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
@@ -688,6 +689,14 @@ CASES = [
         data_file("big.json.gz", lambda: gzip.compress(b'[{"text": "' + b"a" * (33 * 2**20) + b'"}]')),
         {},
         ["big.json.gz is one JSON array of over 33,554,432 characters", "write one record per line"],
+    ),  # fmt: skip
+    (
+        "a .bz2 that inflates past the auto-prepare bound",
+        "train",
+        {"data.auto_prepare_max_mb": "1"},
+        data_file("many.txt.bz2", lambda: bz2.compress(b"the same line of text, again\n" * 80_000)),
+        {},
+        ["many.txt.bz2 inflates past data.auto_prepare_max_mb = 1 MB of text", "titan data prepare"],
     ),  # fmt: skip
     (
         "zst cut short",

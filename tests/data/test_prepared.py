@@ -21,7 +21,7 @@ from titan.cli import app
 from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
 from titan.data import prepared
-from titan.data.prepared import PreparedDocuments, ensure_prepared, prepare
+from titan.data.prepared import PreparedDocuments, Sizes, ensure_prepared, prepare
 from titan.data.prepared.cache import _target
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError, UserError
@@ -51,7 +51,7 @@ def leftovers(cache: Path) -> list[str]:
 def test_every_document_reads_back_as_the_tokenizer_encodes_it_across_shards(tmp_path):
     texts = TEXTS[:10] + ["", "   \n\t "] + TEXTS[10:]  # empty texts are skipped and counted
     source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", texts)))
-    path = prepare(source, TOKENIZER, tmp_path / "cache", workers=1, progress=False, shard_tokens=100)
+    path = prepare(source, TOKENIZER, tmp_path / "cache", workers=1, progress=False, sizes=Sizes(shard_tokens=100))
     documents = PreparedDocuments(path)
     expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
     assert documents.n_documents == len(TEXTS) and documents.n_tokens == sum(map(len, expected))
@@ -105,8 +105,8 @@ def test_a_parquet_source_gives_the_tokens_of_the_same_texts_in_jsonl(tmp_path):
 
 def test_preparing_twice_gives_identical_files_whatever_the_number_of_workers(tmp_path):
     source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 20)))
-    one = prepare(source, TOKENIZER, tmp_path / "one", workers=1, progress=False, shard_tokens=5000)
-    two = prepare(source, TOKENIZER, tmp_path / "two", workers=2, progress=False, shard_tokens=5000)
+    one = prepare(source, TOKENIZER, tmp_path / "one", workers=1, progress=False, sizes=Sizes(shard_tokens=5000))
+    two = prepare(source, TOKENIZER, tmp_path / "two", workers=2, progress=False, sizes=Sizes(shard_tokens=5000))
     assert one.name == two.name and len(json.loads((one / "meta.json").read_text())["shard_tokens"]) > 1
     assert folder_files(one) == folder_files(two)
     # A complete folder is reused at once.
@@ -226,7 +226,7 @@ def prepare_in_a_process(source: Path, cache: Path, *options: str) -> subprocess
     """A real prepare of `source` into `cache` with one worker, in a process a test can kill."""
     script = (
         "import sys; from pathlib import Path; from titan.config import DataSource, Tokenizer; "
-        "from titan.data.prepared import prepare; "
+        "from titan.data.prepared import Sizes, prepare; "
         "prepare(DataSource(sys.argv[1]), Tokenizer(sys.argv[2]), Path(sys.argv[3]), workers=1, progress=False"
         + "".join(f", {o}" for o in options)
         + ")"
@@ -440,9 +440,12 @@ def write_files(folder: Path, count: int, repeat: int = 1) -> Path:
 
 def test_parts_prepared_one_after_another_merge_into_what_one_prepare_makes(tmp_path):
     source = DataSource(str(write_files(tmp_path / "corpus", 7)))
-    whole = prepare(source, TOKENIZER, tmp_path / "whole", 1, False, shard_tokens=500, unit_bytes=1)
+    whole = prepare(source, TOKENIZER, tmp_path / "whole", 1, False, sizes=Sizes(shard_tokens=500, unit_bytes=1))
     cache = tmp_path / "parts"
-    parts = [prepare(source, TOKENIZER, cache, 1, False, part=(i, 3), shard_tokens=500, unit_bytes=1) for i in range(3)]
+    parts = [
+        prepare(source, TOKENIZER, cache, 1, False, part=(i, 3), sizes=Sizes(shard_tokens=500, unit_bytes=1))
+        for i in range(3)
+    ]
     assert parts[:2] == [None, None] and parts[2].name == whole.name  # the last part merges
     assert folder_files(parts[2]) == folder_files(whole) and leftovers(cache) == []
     documents = PreparedDocuments(whole)
@@ -467,7 +470,7 @@ def test_the_cli_prepares_a_part_and_says_what_remains(tmp_path):
 def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypatch):
     corpus = write_files(tmp_path / "corpus", 6, repeat=100)
     cache = tmp_path / "cache"
-    child = prepare_in_a_process(corpus, cache, "unit_bytes=1")
+    child = prepare_in_a_process(corpus, cache, "sizes=Sizes(unit_bytes=1)")
     done = lambda: sorted(p.parent.name for p in cache.glob(".*.parts/unit-*/COMPLETE"))  # noqa: E731
     deadline = time.time() + 120
     while len(done()) < 2 and child.poll() is None and time.time() < deadline:
@@ -484,15 +487,15 @@ def test_a_killed_prepare_resumes_with_the_units_it_completed(tmp_path, monkeypa
         write(tmp, encoding, unit, *args)
 
     monkeypatch.setattr(prepared.write, "_write", counted_write)
-    path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, unit_bytes=1)
+    path = prepare(DataSource(str(corpus)), TOKENIZER, cache, 1, False, sizes=Sizes(unit_bytes=1))
     assert written and not set(written) & set(kept) and len(written) + len(kept) == 6
-    whole = prepare(DataSource(str(corpus)), TOKENIZER, tmp_path / "whole", 1, False, unit_bytes=1)
+    whole = prepare(DataSource(str(corpus)), TOKENIZER, tmp_path / "whole", 1, False, sizes=Sizes(unit_bytes=1))
     assert folder_files(path) == folder_files(whole) and leftovers(cache) == []
 
 
 def test_a_reader_keeps_a_bounded_number_of_shard_maps_open(tmp_path):
     source = DataSource(str(write_jsonl(tmp_path / "corpus.jsonl", TEXTS)))
-    path = prepare(source, TOKENIZER, tmp_path / "cache", 1, False, shard_tokens=100)
+    path = prepare(source, TOKENIZER, tmp_path / "cache", 1, False, sizes=Sizes(shard_tokens=100))
     documents = PreparedDocuments(path, open_shards=3)
     expected = [Tokenizer(TOKENIZER).encode(t) for t in TEXTS]
     assert len(documents.meta["shard_tokens"]) > 10
@@ -506,3 +509,21 @@ def test_a_reader_keeps_a_bounded_number_of_shard_maps_open(tmp_path):
         assert documents.tokens(doc).tolist() == expected[doc]
         assert open_shard_files() - before <= 3
     assert open_shard_files() - before == 3
+
+
+def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, caplog):
+    """A 2.3 MB text in a .bz2 of a few KB: announced as compressed, and stopped in one line once its text passes
+    data.auto_prepare_max_mb = 1, leaving nothing in the cache; under a bound of 4 MB it is prepared."""
+    import bz2
+
+    source = tmp_path / "many.txt.bz2"
+    source.write_bytes(bz2.compress(b"the same line of text, again\n" * 80_000))
+    assert source.stat().st_size < 2**16
+    src, cache = DataSource(str(source), text_unit="line"), tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"many.txt.bz2 inflates past data.auto_prepare_max_mb = 1 MB of text"):
+        ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=1)
+    assert leftovers(cache) == []
+    with caplog.at_level("INFO", logger="titan"):
+        path = ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=4)
+    assert "MB of it compressed: the bound counts its text" in caplog.text
+    assert json.loads((path / "meta.json").read_text())["documents"] == 80_000

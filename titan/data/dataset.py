@@ -18,7 +18,7 @@ from titan.progress import Progress
 from titan.schema import FILE_NAME, ListOf, Table, read_json
 
 _FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_COMPRESSED = (".gz", ".bz2", ".zst")  # text and JSON files read as streams ("a.txt.gz", "web.jsonl.zst")
+COMPRESSED = (".gz", ".bz2", ".zst")  # text and JSON files read as streams ("a.txt.gz", "web.jsonl.zst")
 # A document is tokenized whole, and the tokenizer holds hundreds of bytes per token while it works (2.7 GB for
 # 16M characters): a longer one (a .txt file read whole, or a paragraph) is refused rather than read.
 MAX_DOCUMENT_CHARS = 32 * 2**20
@@ -41,7 +41,7 @@ class Documents:
 
 def _format_of(file: Path) -> str | None:
     """The format a file's name says: text for "a.txt" and "a.txt.gz", json for "web.jsonl.zst", else None."""
-    if file.suffix in _COMPRESSED:
+    if file.suffix in COMPRESSED:
         fmt = _FORMAT_BY_SUFFIX.get(Path(file.stem).suffix)
         return fmt if fmt in ("text", "json") else None  # parquet compresses inside; a compressed one is not read
     return _FORMAT_BY_SUFFIX.get(file.suffix)

@@ -40,9 +40,10 @@ from titan.data.prepared.cache import (
     remove_cached,
 )
 from titan.data.prepared.read import PreparedDocuments
-from titan.data.prepared.write import ensure_prepared, prepare
+from titan.data.prepared.write import Sizes, ensure_prepared, prepare
 
 __all__ = [
+    "Sizes",
     "FORMAT_VERSION",
     "CachedSource",
     "PreparedDocuments",

@@ -9,26 +9,33 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from titan.data.dataset import Documents, iter_texts
+from titan.errors import ConfigError
 
 _CHUNK_CHARS = 1 << 18  # text per tokenizer task: enough to amortise the inter-process transfer, little to hold
 
 
 def _text_chunks(
-    documents: Documents, files: list[Path | None], counts: collections.Counter
+    documents: Documents, files: list[Path | None], counts: collections.Counter, limit: TextLimit | None = None
 ) -> Iterator[tuple[list[str], int]]:
     """The non-empty texts of these files (None: the hub dataset) in chunks of about _CHUNK_CHARS characters,
     each with the progress it makes in bytes: the text read, as a stand-in for the file bytes it came from,
-    settled at the end of each file."""
+    settled at the end of each file. `limit`: the text the whole preparation may read, refused in one line past
+    it."""
     chunk, chars, read = [], 0, 0
     for file in files:
         file_bytes, file_read = (file.stat().st_size if file else None), 0
         for text in iter_texts(documents, file):
+            if limit is not None:
+                limit.read += len(text)
+                if limit.read > limit.characters:
+                    raise ConfigError(limit.refusal)
             counts["records"] += 1
             if not text or text.isspace():
                 counts["empty"] += 1
@@ -43,6 +50,16 @@ def _text_chunks(
         if file_bytes is not None:
             read += file_bytes - file_read
     yield chunk, read  # the last chunk, even empty, settles the progress
+
+
+@dataclass
+class TextLimit:
+    """The most text a preparation reads (`characters`, of every unit together), and the one line that refuses it
+    once `read` passes that: a compressed source can inflate far past what its file sizes say."""
+
+    characters: int
+    refusal: str
+    read: int = 0
 
 
 class _Encoder:

@@ -17,7 +17,7 @@ from numpy.lib.format import open_memmap
 
 from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
-from titan.data.dataset import Documents, open_documents
+from titan.data.dataset import COMPRESSED, Documents, open_documents
 from titan.data.order import block_documents, block_offsets
 from titan.data.prepared.cache import (
     _RERUN,
@@ -30,7 +30,7 @@ from titan.data.prepared.cache import (
     _target,
     describe,
 )
-from titan.data.prepared.encode import _text_chunks, _Tokenizers
+from titan.data.prepared.encode import TextLimit, _text_chunks, _Tokenizers
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
 from titan.files import build_once, fsync, write_synced
@@ -38,6 +38,16 @@ from titan.progress import Progress
 
 SHARD_TOKENS = 256 * 2**20  # at most ~512 MB of uint16 per shard file
 UNIT_BYTES = 1 << 30  # source bytes per unit of preparation: what an interruption may cost again
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Tokens per shard file, and source bytes per unit of preparation."""
+
+    shard_tokens: int = SHARD_TOKENS
+    unit_bytes: int = UNIT_BYTES
+
+
 _SMALL_SOURCE_BYTES = 8 * 2**20  # prepared by this process alone unless told how many workers to use
 _COPY_CHUNK = 1 << 24  # documents per pass when merging the units' lengths into offsets.npy
 log = logging.getLogger("titan")
@@ -66,6 +76,7 @@ class Encoding:
     workers: int
     progress: bool
     shard_tokens: int
+    limit: TextLimit | None = None  # auto-prepare's bound on the text read
 
 
 def units_of(documents: Documents, unit_bytes: int) -> list[Unit]:
@@ -91,13 +102,13 @@ def prepare(
     progress: bool = True,
     *,
     part: tuple[int, int] = (0, 1),
-    shard_tokens: int = SHARD_TOKENS,
-    unit_bytes: int = UNIT_BYTES,
+    sizes: Sizes = Sizes(),
+    limit: TextLimit | None = None,
 ) -> Path | None:
     """Tokenize `src` into <cache_root>/<slug>-<key>/ and return that folder; if a complete one exists, return it
     at once. `part` (i, N): prepare only the i-th of N runs of units, and return None if units of other parts
     are still missing. `workers` tokenizer processes (0: one per CPU, at most 8, or this process alone for a
-    local source under 8 MB; 1: this process)."""
+    local source under 8 MB; 1: this process). limit: the most text it reads, refused in one line past it."""
     documents = open_documents(src)
     tokenizer = Tokenizer(tokenizer_cfg)  # checks the file and the BOS/EOS tokens
     tokenizer_json = tokenizer.path.read_bytes()
@@ -110,10 +121,10 @@ def prepare(
         raise ConfigError(
             f"--part {index}/{parts}: {src.source} is a hub dataset, which one process prepares; leave --part out"
         )
-    units = units_of(documents, unit_bytes)
+    units = units_of(documents, sizes.unit_bytes)
     work = folder.with_name(f".{folder.name}.parts")
     mine = units[len(units) * index // parts : len(units) * (index + 1) // parts]
-    encoding = Encoding(documents, tokenizer, tokenizer_json.decode(), workers, progress, shard_tokens)
+    encoding = Encoding(documents, tokenizer, tokenizer_json.decode(), workers, progress, sizes.shard_tokens, limit)
     try:
         _prepare_units(folder, work, mine, encoding)
         if not all(_unit_complete(work / unit.name) for unit in units):
@@ -145,9 +156,15 @@ def ensure_prepared(
             f"data source {src.source} ({megabytes:,.0f} MB) is not prepared with this tokenizer and is "
             f"larger than data.auto_prepare_max_mb = {auto_max_mb:g}; {_RERUN} first"
         )
-    log.info("preparing data source %s (%.1f MB) into %s", src.source, megabytes, folder)
+    packed = sum(f.stat().st_size for f in documents.files if f.suffix in COMPRESSED) / 2**20
+    # A compressed file's size says little of its text (a 37 KB .bz2 can hold 200 MB): the bound holds for the text.
+    size = f"{megabytes:.1f} MB" + (f", {packed:.1f} MB of it compressed: the bound counts its text" if packed else "")
+    log.info("preparing data source %s (%s) into %s", src.source, size, folder)
+    refusal = (f"data source {src.source} inflates past data.auto_prepare_max_mb = {auto_max_mb:g} MB of text; "
+               f"{_RERUN} first")  # fmt: skip
+    limit = TextLimit(int(min(auto_max_mb * 2**20, 2**62)), refusal) if packed else None
     start = time.perf_counter()
-    path = prepare(src, tokenizer_cfg, cache_root, workers, progress=False)
+    path = prepare(src, tokenizer_cfg, cache_root, workers, progress=False, limit=limit)
     meta = json.loads((path / "meta.json").read_text())
     log.info("prepared %s: %s in %.1f s", src.source, describe(meta), time.perf_counter() - start)
     return path
@@ -187,7 +204,7 @@ def _write(folder: Path, encoding: Encoding, unit: Unit, tokenizers: _Tokenizers
     files = documents.files[unit.first : unit.stop] if documents.files else [None]
     start = time.perf_counter()
     with _ShardWriter(folder, dtype, encoding.shard_tokens) as writer:
-        for tokens, lengths, read in tokenizers.map(_text_chunks(documents, files, counts)):
+        for tokens, lengths, read in tokenizers.map(_text_chunks(documents, files, counts, encoding.limit)):
             writer.add(tokens, lengths)
             bar.update(read)
             tokens_per_s = writer.tokens / max(time.perf_counter() - start, 1e-9)
