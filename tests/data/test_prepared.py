@@ -527,3 +527,16 @@ def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, cap
         path = ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=4)
     assert "MB of it compressed: the bound counts its text" in caplog.text
     assert json.loads((path / "meta.json").read_text())["documents"] == 80_000
+
+
+def test_a_disk_that_fills_stops_the_preparation_in_one_line_before_it_is_full(tmp_path, monkeypatch):
+    """A disk with less free than the next shard's tokens and the margin: the preparation stops in one line naming
+    the space and what to do, and leaves nothing half-written."""
+    from titan.data.prepared import write
+
+    usage = shutil.disk_usage
+    monkeypatch.setattr(write.shutil, "disk_usage", lambda path: usage(path)._replace(free=100 << 20))
+    source, cache = write_jsonl(tmp_path / "corpus.jsonl", TEXTS), tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"has 100 MB free, too little .* free space or set data.cache_dir"):
+        prepare(DataSource(str(source)), TOKENIZER, cache, 1, False)
+    assert leftovers(cache) == []

@@ -38,6 +38,7 @@ from titan.progress import Progress
 
 SHARD_TOKENS = 256 * 2**20  # at most ~512 MB of uint16 per shard file
 UNIT_BYTES = 1 << 30  # source bytes per unit of preparation: what an interruption may cost again
+DISK_MARGIN = 256 << 20  # free disk a preparation leaves, so that the machine it shares is not stopped by a full disk
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,13 @@ class _ShardWriter:
         self.lengths = open(folder / "lengths.bin", "wb")
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        free = shutil.disk_usage(self.folder).free
+        if free < tokens.nbytes + 8 * len(lengths) + DISK_MARGIN:  # said before the disk is full, not after
+            raise ConfigError(
+                f"preparing data: the disk of {self.folder.parent} has {free / 2**20:,.0f} MB free, too little for "
+                f"the next shard's tokens and {DISK_MARGIN >> 20} MB to spare; free space or set data.cache_dir "
+                "elsewhere (what this preparation wrote is removed)"
+            )
         ends = np.cumsum(lengths)
         first = 0
         while first < len(lengths):
