@@ -160,4 +160,4 @@ def block_inputs(args: ModelArgs, rows: int, seq_len: int, dtype: torch.dtype) -
     """A block's positional inputs, one causal sequence per row: hidden states, the RoPE table's first seq_len
     positions and the rows."""
     x = torch.empty(rows, seq_len, args.dim, dtype=dtype, requires_grad=True)
-    return x, rope_table(args, positions=seq_len).unsqueeze(0), torch.arange(rows)
+    return x, rope_table(args)[:seq_len].unsqueeze(0), torch.arange(rows)
