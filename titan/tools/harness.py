@@ -66,8 +66,8 @@ def task_code(tasks: list[str], include_path: Path | None) -> list[str]:
     if include_path is None or not include_path.is_dir():
         return []
     defined: dict[str, Path] = {}
-    for file in sorted(include_path.rglob("*.y*ml")):
-        config = _load_task_yaml(file)
+    parsed = {file: _load_task_yaml(file) for file in sorted(include_path.rglob("*.y*ml"))}
+    for file, config in parsed.items():
         for key in ("task", "group") if isinstance(config, dict) else ():
             if isinstance(config.get(key), str):
                 defined.setdefault(config[key], file)
@@ -77,7 +77,7 @@ def task_code(tasks: list[str], include_path: Path | None) -> list[str]:
         if file in seen or not file.is_file():
             continue
         seen.add(file)
-        config = _load_task_yaml(file)
+        config = parsed[file] if file in parsed else _load_task_yaml(file)  # an include may lie outside the folder
         for where, target in _functions(config, ""):
             module = file.parent / f"{target.rsplit('.', 1)[0].replace('.', '/')}.py"
             beside = f" ({module})" if module.is_file() else ""

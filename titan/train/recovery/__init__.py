@@ -71,6 +71,7 @@ class Recovery:
         checkpoint was saved, then the replay of the steps that spiked (run_step runs a step again on the loader's
         next batch); `loss`: the step's, settled when called. Returns the seconds training was blocked."""
         blocked, snapshotted = 0.0, False
+        # Off (shared memory full): no snapshot, and the step's loss is left to settle with the next logged one.
         if self.snapshots is not None and not saved and not self.snapshots.off and self.interval.due(step):
             self.watchdog.enter("snapshot")
             taken = self.snapshots.take(step, tokens_seen, loss())
