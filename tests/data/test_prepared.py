@@ -511,22 +511,37 @@ def test_a_reader_keeps_a_bounded_number_of_shard_maps_open(tmp_path):
     assert open_shard_files() - before == 3
 
 
-def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, caplog):
-    """A 2.3 MB text in a .bz2 of a few KB: announced as compressed, and stopped in one line once its text passes
-    data.auto_prepare_max_mb = 1, leaving nothing in the cache; under a bound of 4 MB it is prepared."""
+def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, monkeypatch, caplog):
+    """A 2.3 MB text in a .bz2 of a few hundred bytes is announced and bounded by its text: refused in one line
+    under data.auto_prepare_max_mb = 1, prepared under 4. A file whose start compresses less than its rest, so
+    that its sample says too little text, is stopped in one line once its text passes the bound, leaving nothing
+    in the cache."""
     import bz2
+    import gzip
+    import random
+
+    from titan.data import dataset
 
     source = tmp_path / "many.txt.bz2"
     source.write_bytes(bz2.compress(b"the same line of text, again\n" * 80_000))
-    assert source.stat().st_size < 2**16
+    assert source.stat().st_size < 2**10
     src, cache = DataSource(str(source), text_unit="line"), tmp_path / "cache"
-    with pytest.raises(ConfigError, match=r"many.txt.bz2 inflates past data.auto_prepare_max_mb = 1 MB of text"):
+    with pytest.raises(ConfigError, match=r"many.txt.bz2 \(about 2.2 MB of text, 0.0 MB compressed\) .* larger than"):
         ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=1)
-    assert leftovers(cache) == []
     with caplog.at_level("INFO", logger="titan"):
         path = ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=4)
-    assert "MB of it compressed: the bound counts its text" in caplog.text
+    assert "many.txt.bz2 (about 2.2 MB of text, 0.0 MB compressed)" in caplog.text
     assert json.loads((path / "meta.json").read_text())["documents"] == 80_000
+
+    monkeypatch.setattr(dataset, "TEXT_SAMPLE_BYTES", 1 << 16)
+    rng = random.Random(0)
+    start = "".join(f"{rng.randrange(10**9)}\n" for _ in range(30_000)).encode()  # 300 KB of digits, then 3 MB
+    source = tmp_path / "misleading.txt.gz"
+    source.write_bytes(gzip.compress(start + b"the same line of text, again\n" * 100_000))
+    src = DataSource(str(source), text_unit="line")
+    with pytest.raises(ConfigError, match=r"misleading.txt.gz inflates past data.auto_prepare_max_mb = 1 MB of text"):
+        ensure_prepared(src, TOKENIZER, cache, 1, auto_max_mb=1)
+    assert leftovers(cache) == []
 
 
 def test_a_disk_that_fills_stops_the_preparation_in_one_line_before_it_is_full(tmp_path, monkeypatch):

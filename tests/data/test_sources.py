@@ -2,6 +2,7 @@
 of parquet files, and datasets saved with HF datasets' save_to_disk."""
 
 import bz2
+import collections
 import gzip
 import json
 import sys
@@ -199,3 +200,40 @@ def test_a_line_is_read_up_to_the_document_bound_and_refused_past_it(tmp_path, m
     assert last == {"line": line, "file": "a" * 88}[unit]
     with pytest.raises(ConfigError, match=rf"line 2 of {over} runs over 100 characters"):
         list(iter_texts(source(over)))
+
+
+@pytest.mark.parametrize(
+    "name, unit",
+    [("book.txt.gz", "line"), ("book.txt.bz2", "paragraph"), ("book.txt.zst", "line"), ("web.jsonl.gz", "line"),
+     ("web.parquet", "line")],
+)  # fmt: skip
+def test_a_compressed_files_progress_follows_its_text_and_ends_at_its_size(tmp_path, monkeypatch, name, unit):
+    """A preparation's progress counts the file's own bytes as its text is read, so a compressed file (a .gz of
+    3x, a parquet file's compressed columns) reaches 100% at its end, not a third of the way in."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan.data.dataset import open_documents
+    from titan.data.prepared import encode
+
+    words = [f"w{i}" for i in range(2000)]
+    rng = random.Random(0)
+    texts = [" ".join(rng.choices(words, k=rng.randint(5, 60))) for _ in range(30_000)]  # about 4 MB
+    source = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"text": texts}), source, row_group_size=1000)
+    else:
+        records = "".join(json.dumps({"text": t}) + "\n" for t in texts) if ".jsonl" in name else "\n\n".join(texts)
+        level = {"bz2": lambda data: bz2.compress(data, 1)}  # 100 KB blocks: bz2 reads a block before any text
+        source.write_bytes(level.get(name.rsplit(".", 1)[1], COMPRESSIONS[name.rsplit(".", 1)[1]])(records.encode()))
+    monkeypatch.setattr(encode, "_CHUNK_CHARS", 1 << 14)
+    documents = open_documents(DataSource(str(source), text_unit=unit))
+    total_chars, size = sum(map(len, texts)), source.stat().st_size
+    assert size < 0.7 * total_chars  # compressed: its text says little of its size
+    chars = progress = 0
+    for chunk, read in encode._text_chunks(documents, documents.files, collections.Counter()):
+        chars, progress = chars + sum(map(len, chunk)), progress + read
+        assert abs(progress / size - chars / total_chars) < 0.1, (progress / size, chars / total_chars)
+    assert (chars, progress) == (total_chars, size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import io
 import itertools
@@ -22,6 +23,9 @@ COMPRESSED = (".gz", ".bz2", ".zst")  # text and JSON files read as streams ("a.
 # A document is tokenized whole, and the tokenizer holds hundreds of bytes per token while it works (2.7 GB for
 # 16M characters): a longer one (a .txt file read whole, or a paragraph) is refused rather than read.
 MAX_DOCUMENT_CHARS = 32 * 2**20
+# A compressed file's text read to tell how much it holds: at least TEXT_SAMPLE_BYTES from at least
+# TEXT_SAMPLE_FILE_BYTES of the file, at most TEXT_SAMPLE_MAX_BYTES.
+TEXT_SAMPLE_BYTES, TEXT_SAMPLE_FILE_BYTES, TEXT_SAMPLE_MAX_BYTES = 1 << 22, 1 << 16, 1 << 28
 
 
 @dataclass
@@ -34,9 +38,10 @@ class Documents:
     fmt: str  # text, json, parquet, arrow (a dataset saved by HF datasets) or hub
     files: list[Path]  # the local files in reading order; empty for a hub dataset
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
+    @functools.cached_property
+    def text_bytes(self) -> list[int]:
+        """About how many bytes of text each file holds (what units and auto-prepare's bound count)."""
+        return [_text_bytes(f) for f in self.files]
 
 
 def _format_of(file: Path) -> str | None:
@@ -118,20 +123,24 @@ def open_documents(cfg: Data | DataSource) -> Documents:
 
 def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
     """The text of each record of `file` (one of documents.files), or of the whole source when None, in order."""
-    if file is None and documents.files:
-        for f in documents.files:
-            yield from iter_texts(documents, f)
-        return
+    for f in documents.files if file is None and documents.files else [file]:
+        for text, _ in read_texts(documents, f):
+            yield text
+
+
+def read_texts(documents: Documents, file: Path | None) -> Iterator[tuple[str, int | None]]:
+    """Each text of `file` (None: the hub dataset) with how far into the file's own bytes it was read: what its
+    progress counts, as a compressed file's text says little of its size. None for the hub dataset."""
     cfg = documents.cfg
     if file is None:
-        yield from _hub_texts(documents)
+        yield from ((text, None) for text in _hub_texts(documents))
         return
     read = _TEXT_READERS[cfg.text_unit] if documents.fmt == "text" else _LOCAL_READERS[documents.fmt]
     try:
-        for text in read(file, cfg.text_field, str(file)):
+        for text, at in read(file, cfg.text_field, str(file)):
             if documents.fmt == "text" and "\x00" in text:  # valid UTF-8 may hold NUL bytes; text does not
                 raise ConfigError(_unreadable(file, "text", "holds NUL bytes (binary data?)"))
-            yield text
+            yield text, at
     except ConfigError:
         raise
     except EOFError as e:  # a compressed stream cut short: gzip's, bz2's and check_frames' own words
@@ -145,35 +154,86 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
 # array of them, a parquet column through pyarrow. Text and JSON files may be compressed: they are read as streams.
 
 
-def _open_binary(file: Path) -> io.BufferedIOBase:
+def _text_bytes(file: Path) -> int:
+    """A file's size or, compressed, about how much text it holds: its size times the ratio of a sample of its
+    text (exact for a file read to its end). A file it cannot read counts its size: reading it says what is
+    wrong."""
+    size = file.stat().st_size
+    if file.suffix not in COMPRESSED:
+        return size
+    try:
+        with _Opened(file) as f:
+            text = 0
+            # A decompressor reads the file ahead, by 8 KB and by up to a block (bz2's: 900 KB of text): a sample of
+            # a few blocks and many reads, short of the file's end (a file read ahead whole says no ratio).
+            while text < TEXT_SAMPLE_MAX_BYTES and not (
+                text >= TEXT_SAMPLE_BYTES and TEXT_SAMPLE_FILE_BYTES <= f.at() < size
+            ):
+                piece = len(f.stream.read(1 << 18))
+                if not piece:
+                    return text
+                text += piece
+            return text * size // max(f.at(), 1)
+    except Exception:  # damaged, or zstandard missing
+        return size
+
+
+class _Opened:
+    """A local file opened for reading, as bytes or (given an encoding) as text, however it is compressed; `at()`:
+    how far into the file itself reading has got."""
+
+    def __init__(self, file: Path, encoding: str | None = None):
+        self.raw = open(file, "rb")
+        try:
+            stream = _decompressed(file, self.raw)
+            # Universal newlines: \r\n and \r end a line.
+            self.stream = io.TextIOWrapper(stream, encoding=encoding) if encoding else stream
+        except BaseException:
+            self.raw.close()
+            raise
+
+    def at(self) -> int:
+        return self.raw.tell()
+
+    def __enter__(self) -> _Opened:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stream.close()  # gzip's and bz2's readers leave the file they were given open
+        finally:
+            self.raw.close()
+
+
+def _decompressed(file: Path, raw: io.BufferedReader) -> io.BufferedIOBase:
     if file.suffix == ".gz":
-        return gzip.open(file)
+        return gzip.GzipFile(fileobj=raw)
     if file.suffix == ".bz2":
-        return bz2.open(file)
+        return bz2.BZ2File(raw)
     if file.suffix == ".zst":
         zstandard = import_extra("zstandard", "zstd", f"reading {file} (zstd)")
         check_frames(file)
         # Across frames: a file of concatenated frames is one stream. Long-window files (zstd --long) read too.
         reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(
-            open(file, "rb"), read_across_frames=True
+            raw, read_across_frames=True, closefd=False
         )
         return io.BufferedReader(reader)  # its own reader reads no lines
-    return open(file, "rb")
+    return raw
 
 
-def _open_text(file: Path, encoding: str = "utf-8") -> io.TextIOWrapper:
-    return io.TextIOWrapper(_open_binary(file), encoding=encoding)  # universal newlines: \r\n and \r end a line
+# Each reader yields (text, the bytes of the file read through it).
 
 
-def _text_file(file: Path, field: str, where: str) -> Iterator[str]:
-    with _open_text(file) as f:
-        text = f.read(MAX_DOCUMENT_CHARS + 1)
+def _text_file(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
+    with _Opened(file, "utf-8") as f:
+        text = f.stream.read(MAX_DOCUMENT_CHARS + 1)
+        at = f.at()
     if len(text) > MAX_DOCUMENT_CHARS:
         raise ConfigError(
             f"data.text_unit: {where} is one document of over {MAX_DOCUMENT_CHARS:,} characters, more than titan "
             "tokenizes at once; set data.text_unit = 'paragraph' or 'line' to split it, or split the file"
         )
-    yield text
+    yield text, at
 
 
 def _lines(f: io.TextIOWrapper, where: str) -> Iterator[tuple[int, str]]:
@@ -191,10 +251,10 @@ def _lines(f: io.TextIOWrapper, where: str) -> Iterator[tuple[int, str]]:
         yield number, line
 
 
-def _text_paragraphs(file: Path, field: str, where: str) -> Iterator[str]:
-    with _open_text(file) as f:
+def _text_paragraphs(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
+    with _Opened(file, "utf-8") as f:
         lines, chars = [], 0
-        for number, line in _lines(f, where):
+        for number, line in _lines(f.stream, where):
             if line.strip():
                 lines.append(line)
                 chars += len(line)
@@ -205,29 +265,29 @@ def _text_paragraphs(file: Path, field: str, where: str) -> Iterator[str]:
                         "data.text_unit = 'line', or add blank lines between its paragraphs"
                     )
             elif lines:  # a blank line (or one of spaces) ends a paragraph
-                yield "".join(lines).removesuffix("\n")
+                yield "".join(lines).removesuffix("\n"), f.at()
                 lines, chars = [], 0
         if lines:
-            yield "".join(lines).removesuffix("\n")
+            yield "".join(lines).removesuffix("\n"), f.at()
 
 
-def _text_lines(file: Path, field: str, where: str) -> Iterator[str]:
-    with _open_text(file) as f:
-        for _, line in _lines(f, where):
-            yield line.removesuffix("\n")
+def _text_lines(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
+    with _Opened(file, "utf-8") as f:
+        for _, line in _lines(f.stream, where):
+            yield line.removesuffix("\n"), f.at()
 
 
 def _json_array(file: Path) -> bool:
     """Whether a JSON file holds one array of records, rather than one record per line."""
-    with _open_text(file, "utf-8-sig") as f:
-        return f.read(4096).lstrip().startswith("[")
+    with _Opened(file, "utf-8-sig") as f:
+        return f.stream.read(4096).lstrip().startswith("[")
 
 
-def _json_records(file: Path, field: str, where: str) -> Iterator[str]:
+def _json_records(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
     array = _json_array(file)
-    with _open_text(file, "utf-8-sig") as f:
+    with _Opened(file, "utf-8-sig") as f:
         if array:  # read whole: a document's bound holds for the file
-            text = f.read(MAX_DOCUMENT_CHARS + 1)
+            text = f.stream.read(MAX_DOCUMENT_CHARS + 1)
             if len(text) > MAX_DOCUMENT_CHARS:
                 raise ConfigError(
                     f"data.source: {where} is one JSON array of over {MAX_DOCUMENT_CHARS:,} characters, which titan "
@@ -235,31 +295,36 @@ def _json_records(file: Path, field: str, where: str) -> Iterator[str]:
                 )
             records = enumerate(json.loads(text), 1)
         else:
-            records = ((number, json.loads(line)) for number, line in _lines(f, where) if line.strip())
+            records = ((number, json.loads(line)) for number, line in _lines(f.stream, where) if line.strip())
         for number, (position, record) in enumerate(records, 1):
             if not isinstance(record, dict):
                 raise ValueError(f"{'record' if array else 'line'} {position} is not a JSON object")
-            yield _field_text(record, field, number, where)
+            yield _field_text(record, field, number, where), f.at()
 
 
-def _parquet_records(file: Path, field: str, where: str) -> Iterator[str]:
+def _by_rows(file: Path, texts: Iterator, rows: int, field: str, where: str) -> Iterator[tuple[str, int]]:
+    """A table's texts, each with its share of the file's bytes by rows read: its columns are compressed inside."""
+    size = file.stat().st_size
+    for number, text in enumerate(texts, 1):
+        yield _field_text({field: text}, field, number, where), size * number // max(rows, 1)
+
+
+def _parquet_records(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
     parquet = import_extra("pyarrow.parquet", "hub", f"reading {file.name} (parquet)")
     table = parquet.ParquetFile(file)
     _check_column(table.schema_arrow.names, field, where)
     texts = (text for batch in table.iter_batches(columns=[field]) for text in batch.column(0).to_pylist())
-    for number, text in enumerate(texts, 1):
-        yield _field_text({field: text}, field, number, where)
+    yield from _by_rows(file, texts, table.metadata.num_rows, field, where)
 
 
-def _arrow_records(file: Path, field: str, where: str) -> Iterator[str]:
+def _arrow_records(file: Path, field: str, where: str) -> Iterator[tuple[str, int]]:
     """One .arrow file of a dataset HF datasets saved (save_to_disk), memory-mapped: read by file, as the other
     formats are, so that a preparation's units, progress and errors name the file."""
     datasets = import_extra("datasets", "hub", f"reading {file} (a dataset saved by datasets' save_to_disk)")
     dataset = datasets.Dataset.from_file(str(file))
     _check_column(dataset.column_names, field, where)
     texts = (text for batch in dataset.select_columns([field]).iter(batch_size=1024) for text in batch[field])
-    for number, text in enumerate(texts, 1):
-        yield _field_text({field: text}, field, number, where)
+    yield from _by_rows(file, texts, dataset.num_rows, field, where)
 
 
 def _check_column(columns: list[str], field: str, where: str) -> None:
@@ -334,8 +399,8 @@ def _unreadable(file: Path, fmt: str, error: str) -> str:
 
 def _binary_line(file: Path) -> str | None:
     """Where a file first holds a NUL byte or invalid UTF-8, e.g. 'line 3 holds NUL bytes (binary data?)'."""
-    with _open_binary(file) as f:
-        for number, line in enumerate(f, 1):
+    with _Opened(file) as f:
+        for number, line in enumerate(f.stream, 1):
             if b"\x00" in line:
                 return f"line {number} holds NUL bytes (binary data?)"
             try:
@@ -351,14 +416,14 @@ def _bad_json_line(file: Path) -> str | None:
     A parse error names a column of the line it was given; on one, the file is read again for the line number.
     """
     array = _json_array(file)
-    with _open_text(file, "utf-8-sig") as f:
+    with _Opened(file, "utf-8-sig") as f:
         if array:  # one JSON array: parse it whole
             try:
-                json.load(f)
+                json.load(f.stream)
             except json.JSONDecodeError as e:
                 return f"line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
             return None
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(f.stream, 1):
             if not line.strip():
                 continue
             try:

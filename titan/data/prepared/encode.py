@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from titan.data.dataset import Documents, iter_texts
+from titan.data.dataset import Documents, read_texts
 from titan.errors import ConfigError
 
 _CHUNK_CHARS = 1 << 18  # text per tokenizer task: enough to amortise the inter-process transfer, little to hold
@@ -25,30 +25,29 @@ def _text_chunks(
     documents: Documents, files: list[Path | None], counts: collections.Counter, limit: TextLimit | None = None
 ) -> Iterator[tuple[list[str], int]]:
     """The non-empty texts of these files (None: the hub dataset) in chunks of about _CHUNK_CHARS characters,
-    each with the progress it makes in bytes: the text read, as a stand-in for the file bytes it came from,
-    settled at the end of each file. `limit`: the text the whole preparation may read, refused in one line past
-    it."""
+    each with the progress it makes in bytes of the files read (of text, for the hub dataset). `limit`: the text
+    the whole preparation may read, refused in one line past it."""
     chunk, chars, read = [], 0, 0
     for file in files:
-        file_bytes, file_read = (file.stat().st_size if file else None), 0
-        for text in iter_texts(documents, file):
+        file_at = 0
+        for text, at in read_texts(documents, file):
             if limit is not None:
                 limit.read += len(text)
                 if limit.read > limit.characters:
                     raise ConfigError(limit.refusal)
+            read += len(text) if at is None else at - file_at
+            file_at = file_at if at is None else at
             counts["records"] += 1
             if not text or text.isspace():
                 counts["empty"] += 1
                 continue
             chunk.append(text)
             chars += len(text)
-            step = len(text) if file_bytes is None else max(0, min(len(text), file_bytes - file_read))
-            file_read, read = file_read + step, read + step
             if chars >= _CHUNK_CHARS:
                 yield chunk, read
                 chunk, chars, read = [], 0, 0
-        if file_bytes is not None:
-            read += file_bytes - file_read
+        if file is not None:
+            read += file.stat().st_size - file_at  # a reader's position may stop short of the file's end
     yield chunk, read  # the last chunk, even empty, settles the progress
 
 

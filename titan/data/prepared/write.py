@@ -37,19 +37,19 @@ from titan.files import build_once, fsync, write_synced
 from titan.progress import Progress
 
 SHARD_TOKENS = 256 * 2**20  # at most ~512 MB of uint16 per shard file
-UNIT_BYTES = 1 << 30  # source bytes per unit of preparation: what an interruption may cost again
+UNIT_BYTES = 1 << 30  # text bytes per unit of preparation: what an interruption may cost again
 DISK_MARGIN = 256 << 20  # free disk a preparation leaves, so that the machine it shares is not stopped by a full disk
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Tokens per shard file, and source bytes per unit of preparation."""
+    """Tokens per shard file, and bytes of text per unit of preparation."""
 
     shard_tokens: int = SHARD_TOKENS
     unit_bytes: int = UNIT_BYTES
 
 
-_SMALL_SOURCE_BYTES = 8 * 2**20  # prepared by this process alone unless told how many workers to use
+_SMALL_SOURCE_BYTES = 8 * 2**20  # of text: prepared by this process alone unless told how many workers to use
 _COPY_CHUNK = 1 << 24  # documents per pass when merging the units' lengths into offsets.npy
 log = logging.getLogger("titan")
 
@@ -81,12 +81,12 @@ class Encoding:
 
 
 def units_of(documents: Documents, unit_bytes: int) -> list[Unit]:
-    """The source's files in runs of at least `unit_bytes` (the last run may hold less), in order."""
+    """The source's files in runs of at least `unit_bytes` of text (the last run may hold less), in order."""
     if not documents.files:
         return [Unit(0, 0)]
     units, first, size = [], 0, 0
-    for i, file in enumerate(documents.files):
-        size += file.stat().st_size
+    for i, text_bytes in enumerate(documents.text_bytes):
+        size += text_bytes
         if size >= unit_bytes:
             units.append(Unit(first, i + 1))
             first, size = i + 1, 0
@@ -151,16 +151,17 @@ def ensure_prepared(
         raise ConfigError(
             f"data source {src.source!r} (a hub dataset) is not prepared with this tokenizer; {_RERUN} first"
         )
-    megabytes = documents.total_bytes / 2**20
+    megabytes = sum(documents.text_bytes) / 2**20
+    packed = sum(f.stat().st_size for f in documents.files if f.suffix in COMPRESSED) / 2**20
+    # A compressed file's size says little of its text (a 37 KB .bz2 can hold 200 MB): its text is what counts.
+    size = f"about {megabytes:,.1f} MB of text, {packed:,.1f} MB compressed" if packed else f"{megabytes:,.1f} MB"
     if megabytes > auto_max_mb:
         raise ConfigError(
-            f"data source {src.source} ({megabytes:,.0f} MB) is not prepared with this tokenizer and is "
-            f"larger than data.auto_prepare_max_mb = {auto_max_mb:g}; {_RERUN} first"
+            f"data source {src.source} ({size}) is not prepared with this tokenizer and is larger than "
+            f"data.auto_prepare_max_mb = {auto_max_mb:g}; {_RERUN} first"
         )
-    packed = sum(f.stat().st_size for f in documents.files if f.suffix in COMPRESSED) / 2**20
-    # A compressed file's size says little of its text (a 37 KB .bz2 can hold 200 MB): the bound holds for the text.
-    size = f"{megabytes:.1f} MB" + (f", {packed:.1f} MB of it compressed: the bound counts its text" if packed else "")
     log.info("preparing data source %s (%s) into %s", src.source, size, folder)
+    # The text is counted as it is read, too: a compressed file's start may not say how far it inflates.
     refusal = (f"data source {src.source} inflates past data.auto_prepare_max_mb = {auto_max_mb:g} MB of text; "
                f"{_RERUN} first")  # fmt: skip
     limit = TextLimit(int(min(auto_max_mb * 2**20, 2**62)), refusal) if packed else None
@@ -182,9 +183,10 @@ def _prepare_units(folder: Path, work: Path, units: list[Unit], encoding: Encodi
         return
     documents, tokenizer, workers = encoding.documents, encoding.tokenizer, encoding.workers
     dtype = "<u2" if tokenizer.vocab_size <= 2**16 else "<u4"
-    todo_bytes = sum(f.stat().st_size for u in todo for f in documents.files[u.first : u.stop])
+    todo_bytes = sum(f.stat().st_size for u in todo for f in documents.files[u.first : u.stop])  # what the bar counts
     if not workers:  # starting tokenizer processes takes seconds: more than a small source takes in this one
-        workers = 1 if documents.files and todo_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
+        text_bytes = sum(sum(documents.text_bytes[u.first : u.stop]) for u in todo)
+        workers = 1 if documents.files and text_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
     # A hub dataset counts its records itself (titan.data.dataset), having no bytes to count.
     bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=encoding.progress and bool(documents.files))
     encoder = (encoding.tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype)
