@@ -147,6 +147,13 @@ def saved_checkpoint(_tmp: Path, saved: Path) -> dict:
     return {"--checkpoint": str(saved)}
 
 
+def task_running_code(tmp: Path, saved: Path) -> dict:
+    """Setup: a task folder whose YAML names a Python function (lm-eval would import and run it)."""
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "sneaky.yaml").write_text("task: sneaky\ndataset_path: json\nprocess_docs: !function os.system\n")
+    return {"--include-path": str(tmp / "tasks"), **saved_checkpoint(tmp, saved)}
+
+
 def tokenizer_out(tmp: Path, _saved: Path) -> dict:
     return {"--out": str(tmp / "tokenizer.json")}
 
@@ -690,6 +697,8 @@ CASES = [
         {},
         ["big.json.gz is one JSON array of over 33,554,432 characters", "write one record per line"],
     ),  # fmt: skip
+    ("a mistyped data folder", "train", {"data.source": "missing-books/"}, None, {},
+     ["data.source: file or folder not found: missing-books"]),
     (
         "a .bz2 whose text passes the auto-prepare bound",
         "train",
@@ -937,7 +946,14 @@ CASES = [
      "100"], tokenizer_out, {}, ["--vocab-size 100", "at least 258"]),
     ("tokenizer vocabulary of a billion", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl",
      "--vocab-size", "1000000000"], tokenizer_out, {}, ["--vocab-size 1,000,000,000", "more than titan's models take"]),
+    ("tokenizer min-frequency negative", "cli", ["tokenizer", "train", "--data", "data/stories.jsonl",
+     "--min-frequency", "-1"], tokenizer_out, {}, ["--min-frequency -1", "give 1 or more"]),
     # -- titan eval (on the saved checkpoint)
+    ("eval of a task file that runs code", "cli", ["eval", "--tasks", "sneaky"], task_running_code, {},
+     ["a task file is code", "sneaky.yaml: process_docs: !function os.system", "--allow-task-code"]),
+    ("eval of a hub task without network", "cli", ["eval", "--tasks", "hellaswag", "--limit", "2"], saved_checkpoint,
+     {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": "/nonexistent/titan-datasets"},
+     ["--tasks hellaswag: could not fetch a task's dataset", "--include-path"]),
     ("eval of nothing", "cli", ["eval"], saved_checkpoint, {}, ["give --data SOURCE", "or --tasks NAMES"]),
     ("eval of no task", "cli", ["eval", "--tasks", " , "], saved_checkpoint, {}, ["--tasks names no task"]),
     ("eval --seq-len above the model's", "cli", ["eval", "--data", "data/stories.jsonl", "--seq-len", "4096"],

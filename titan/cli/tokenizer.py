@@ -49,7 +49,13 @@ def tokenizer_train(
     except OSError as e:
         raise UserError(f"--out {out}: cannot write it: {write_error(e)}") from None
     size = trained.tokenizer.get_vocab_size()
+    # BPE stops when no pair is seen --min-frequency times: a small corpus learns fewer tokens than asked.
+    short = (
+        f" of the {vocab_size:,} asked: the corpus has no more pairs seen {min_frequency}+ times"
+        if size < vocab_size
+        else ""
+    )
     typer.echo(
-        f"wrote {out}: {size:,} tokens ({special[0]} = 0, {special[1]} = 1), trained on {trained.documents:,} "
-        f'documents of {trained.characters:,} characters; set tokenizer.path = "{out}"'
+        f"wrote {out}: {size:,} tokens{short} ({special[0]} = 0, {special[1]} = 1), trained on "
+        f'{trained.documents:,} documents of {trained.characters:,} characters; set tokenizer.path = "{out}"'
     )

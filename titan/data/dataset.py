@@ -106,7 +106,14 @@ def open_documents(cfg: Data | DataSource) -> Documents:
 
         path = resolve_source(path)
     source = Path(path).expanduser()
-    looks_local = source.exists() or path.startswith((".", "/", "~")) or _format_of(source) is not None
+    # A hub dataset's name is "name" or "owner/name": a trailing slash or a deeper path names a folder.
+    looks_local = (
+        source.exists()
+        or path.startswith((".", "/", "~"))
+        or path.endswith("/")
+        or path.count("/") > 1
+        or _format_of(source) is not None
+    )
     if cfg.format == "hub" or not looks_local:
         return Documents(cfg, path, "hub", [])
     if not source.exists():
@@ -374,8 +381,8 @@ def _hub_texts(documents: Documents) -> Iterator[str]:
         raise
     except Exception as e:  # network and hub errors: assorted types
         raise ConfigError(
-            f"data.source: could not open hub dataset {documents.path!r} (split {cfg.split!r}): {_first_line(e)}. "
-            "Without internet, use a local file or a dataset already in the HF cache"
+            f"data.source: could not open hub dataset {documents.path!r} (split {cfg.split!r}), nor is it a local "
+            f"file or folder: {_first_line(e)}. Without internet, use a local file or a dataset already in the HF cache"
         ) from None
 
 

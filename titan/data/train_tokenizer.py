@@ -48,6 +48,10 @@ def train_on_sources(
         raise ConfigError(
             f"--vocab-size {vocab_size:,} is more than titan's models take ({MAX_VOCAB:,}); Llama 3's is 128,256"
         )
+    if min_frequency < 1:
+        raise ConfigError(
+            f"--min-frequency {min_frequency}: a pair is merged when seen at least this often; give 1 or more"
+        )
     opened = [open_documents(source) for source in sources]  # each checked before anything is trained
     read = {"documents": 0, "characters": 0}
 

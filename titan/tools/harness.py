@@ -237,6 +237,16 @@ def run_tasks(lm, tasks: list[str], include_path: Path | None, limit: float | No
     if unknown:
         where = f" nor in {include_path}" if include_path else " (a task file of your own: --include-path FOLDER)"
         raise ConfigError(f"--tasks: {', '.join(unknown)} is no lm-eval task{where}; `lm_eval ls tasks` lists them")
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=False
-    )
+    # Without a network, the hub client retries each file five times, a warning each, before the error below says
+    # it once.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=False
+        )
+    except ConnectionError as e:  # datasets' and the hub client's, offline mode's included
+        raise ConfigError(
+            f"--tasks {','.join(tasks)}: could not fetch a task's dataset: {str(e).splitlines()[0]}. Run it once "
+            "where the Hugging Face hub is reachable (the datasets cache keeps it), or give a task file over local "
+            "data (--include-path)"
+        ) from None
