@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import DEBUG_RECIPE, ROOT, tiny_overrides
 from helpers import straight_and_resumed
 from titan.config import load_config
-from titan.models.llama.attention import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
+from titan.models.decoder.attention import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
 from titan.parallel.cp.blocks import BlockKernel
 from titan.train.trainer import Trainer
 

@@ -520,7 +520,7 @@ def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, mon
     import gzip
     import random
 
-    from titan.data import dataset
+    from titan.data import local_files
 
     source = tmp_path / "many.txt.bz2"
     source.write_bytes(bz2.compress(b"the same line of text, again\n" * 80_000))
@@ -533,7 +533,7 @@ def test_a_compressed_source_is_bounded_by_the_text_it_inflates_to(tmp_path, mon
     assert "many.txt.bz2 (about 2.2 MB of text, 0.0 MB compressed)" in caplog.text
     assert json.loads((path / "meta.json").read_text())["documents"] == 80_000
 
-    monkeypatch.setattr(dataset, "TEXT_SAMPLE_BYTES", 1 << 16)
+    monkeypatch.setattr(local_files, "TEXT_SAMPLE_BYTES", 1 << 16)
     rng = random.Random(0)
     start = "".join(f"{rng.randrange(10**9)}\n" for _ in range(30_000)).encode()  # 300 KB of digits, then 3 MB
     source = tmp_path / "misleading.txt.gz"

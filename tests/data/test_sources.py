@@ -13,7 +13,7 @@ import pytest
 from conftest import DEBUG_RECIPE, ROOT, run_titan
 from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
-from titan.data import dataset
+from titan.data import local_files
 from titan.data.prepared import PreparedDocuments, cached_sources, prepare
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
@@ -159,7 +159,7 @@ def test_a_dataset_saved_by_save_to_disk_gives_the_documents_of_its_jsonl(tmp_pa
 
 @pytest.mark.parametrize("unit", ["file", "paragraph"])
 def test_a_document_too_long_to_tokenize_at_once_is_one_line(tmp_path, monkeypatch, unit):
-    monkeypatch.setattr(dataset, "MAX_DOCUMENT_CHARS", 30)
+    monkeypatch.setattr(local_files, "MAX_DOCUMENT_CHARS", 30)
     books = write_books(tmp_path / "books")
     with pytest.raises(ConfigError) as error:
         prepare(DataSource(str(books), text_unit=unit), TOKENIZER, tmp_path / "cache", 1, False)
@@ -184,10 +184,10 @@ def test_the_cli_prepares_a_folder_of_gzipped_books(tmp_path):
 def test_a_line_is_read_up_to_the_document_bound_and_refused_past_it(tmp_path, monkeypatch, suffix, unit):
     """A line is read at most MAX_DOCUMENT_CHARS characters at a time: one of exactly that many (newline aside)
     trains, one more character is refused in one line naming it, as text or as a JSON-lines record."""
-    from titan.data import dataset
+    from titan.data import local_files
     from titan.data.dataset import iter_texts, open_documents
 
-    monkeypatch.setattr(dataset, "MAX_DOCUMENT_CHARS", 100)
+    monkeypatch.setattr(local_files, "MAX_DOCUMENT_CHARS", 100)
     first, line = (
         ("first\n", "a" * 100) if suffix == ".txt" else ('{"text": "first"}\n', json.dumps({"text": "a" * 88}))
     )

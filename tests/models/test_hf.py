@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from helpers import TOL, hf_logits, max_diff, randomize_, read_checkpoint, tiny_hf_config  # noqa: E402
+from titan.models.decoder.hf import permute_rope_rows  # noqa: E402
+from titan.models.decoder.rope import rope_frequencies  # noqa: E402
 from titan.models.llama.flavors import FLAVORS  # noqa: E402
 from titan.models.llama.hf import (  # noqa: E402
     args_from_hf_config,
@@ -25,12 +27,10 @@ from titan.models.llama.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_args,
     hf_sources,
-    permute_rope_rows,
     to_hf_state_dict,
     to_hf_tensor,
 )
 from titan.models.llama.model import Transformer  # noqa: E402
-from titan.models.llama.rope import rope_frequencies  # noqa: E402
 
 BATCH, SEQ = 2, 24
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from titan import models
+from titan.models.decoder.attention import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
+from titan.models.decoder.rope import document_positions
 from titan.models.llama import FLAVORS, Transformer, flops_per_token
-from titan.models.llama.attention import MaskForm, attend_flex, attend_per_document, document_mask, flex_length
-from titan.models.llama.rope import document_positions
 
 # Meta's published parameter counts (Llama 3.2 1B/3B with tied embeddings; Llama 3.1 8B/70B/405B).
 PUBLISHED_PARAMETERS = {
@@ -246,8 +246,8 @@ def test_the_rope_table_is_built_to_the_positions_a_command_runs_and_bounded():
     in one line; the same model builds on the meta device, and a command that runs 100 positions (`titan generate`'s
     prompts and tokens) gets a table of 100, equal to the first 100 rows of the full one."""
     from titan.errors import ConfigError
+    from titan.models.decoder.rope import rope_table
     from titan.models.llama.args import ModelArgs
-    from titan.models.llama.rope import rope_table
 
     huge = ModelArgs(dim=4096, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=256, max_seq_len=2**24)
     with pytest.raises(

@@ -10,9 +10,9 @@ from torch import fx
 
 from conftest import DEBUG_RECIPE, run_titan, scenarios_beyond
 from titan import models
+from titan.models.decoder.rope import rope_table
 from titan.models.llama.flavors import FLAVORS
-from titan.models.llama.model import TransformerBlock
-from titan.models.llama.rope import rope_table
+from titan.models.llama.model import llama_block
 from titan.train.estimate.graph import (
     PLACEMENTS,
     analyse,
@@ -39,7 +39,7 @@ def block_graph():
 def _eager_block_step():
     """One block's output and gradients in eager mode (the C dropout kernels, not the traced torch ops)."""
     torch.manual_seed(0)
-    block = TransformerBlock(0, ARGS)
+    block = llama_block(0, ARGS)
     # Named as the traced block is: the first of a model.
     block.attention_dropout.stream, block.ffn_dropout.stream = "layers.0.attention_dropout", "layers.0.ffn_dropout"
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_peaks_and_layouts_on_the_block(block_graph):
     stores, input_bytes = storages(block_graph)
     # The inputs: the block's parameters, its input and its output's gradient, the rows, and the model's whole
     # rope table (cos and sin per position and head-dim pair), of which the block reads a slice.
-    params = sum(p.numel() for p in TransformerBlock(0, ARGS).parameters())
+    params = sum(p.numel() for p in llama_block(0, ARGS).parameters())
     rope = ARGS.max_seq_len * ARGS.dim // ARGS.n_heads
     assert input_bytes == 4 * (params + 2 * ROWS * SEQ * ARGS.dim + rope) + 8 * ROWS
     analysis = analyse(block_graph)
@@ -162,7 +162,7 @@ def _measured_saved_bytes(args, bf16: bool, compiled: bool) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     torch.manual_seed(0)
-    block = TransformerBlock(0, args)
+    block = llama_block(0, args)
     block.attention_dropout.stream, block.ffn_dropout.stream = "attention_dropout", "ffn_dropout"
     inputs = (torch.randn(ROWS, SEQ, args.dim, requires_grad=True), rope_table(args)[:SEQ][None], torch.arange(ROWS))
     run = torch.compile(block) if compiled else block

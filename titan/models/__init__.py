@@ -23,7 +23,8 @@ __all__ = [
 
 def _llama3() -> ModelSpec:
     from titan.models import llama
-    from titan.models.llama import hf, parallelize
+    from titan.models.decoder import parallelize
+    from titan.models.llama import hf
 
     return ModelSpec(
         name="llama3",
@@ -50,7 +51,7 @@ def _llama3() -> ModelSpec:
 
 def _moe() -> ModelSpec:
     from titan.models import moe
-    from titan.models.llama import parallelize as llama
+    from titan.models.decoder import parallelize as decoder
     from titan.models.moe import hf, parallelize
 
     return ModelSpec(
@@ -60,10 +61,10 @@ def _moe() -> ModelSpec:
         flops_per_token=moe.flops_per_token,
         kv_width=moe.kv_width,
         tp_plan=parallelize.tp_plan,
-        blocks=llama.blocks,
-        pipeline_stage=llama.pipeline_stage,
-        pipeline_io=llama.pipeline_io,
-        block_inputs=llama.block_inputs,
+        blocks=decoder.blocks,
+        pipeline_stage=decoder.pipeline_stage,
+        pipeline_io=decoder.pipeline_io,
+        block_inputs=decoder.block_inputs,
         routed_experts=moe.routed_experts,
         layers_args=moe.layers_args,
         hf=HFAdapter(

@@ -53,6 +53,25 @@ class Args(Protocol):
         ...
 
 
+class Routing(Protocol):
+    """A mixture of experts' routing, which the step drives (titan/models/moe/routing.py has the family's)."""
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Before each micro-batch: the auxiliary balance loss is on the step loss's scale."""
+        ...
+
+    def split_rows(self, cp_group: Any, tp_group: Any) -> None:
+        """The process groups that split each row's tokens (None: not split there), which balancing sums over."""
+        ...
+
+    def end_step(self, groups: tuple, finite: torch.Tensor, stages: tuple[Routing, ...] = ()) -> dict:
+        """After the optimizer: sum the step's expert loads over `groups` (the ranks that split its tokens, and the
+        pipeline's; `stages`: this rank's other stages' routing, in the same collectives), move the balancing
+        biases unless the step was skipped (`finite` false), and return the step's routing metrics for the whole
+        model."""
+        ...
+
+
 class Model(Protocol):
     """What ModelSpec.build returns, and pipeline_stage cuts: an nn.Module (parameters, to_empty, train, ... as torch
     has them) with these besides."""
@@ -69,13 +88,7 @@ class Model(Protocol):
     # (x its tokens sorted by expert, counts[e] of them for expert e), which computes each token on its experts' rank.
     # A module the family's TP plan marks with a true `tp_gradient_shares` attribute computes on its tp rank's own
     # tokens with its parameters whole on every tp rank: the step sums their gradients over tp (titan/parallel/tp.py).
-    # A mixture of experts' routing, which the step drives (None: a dense model): `set_loss_scale(scale)` before each
-    # micro-batch (the auxiliary balance loss is on the step loss's scale), and after the optimizer
-    # `end_step(groups, finite, stages)`, which sums the step's expert loads over the ranks that split its tokens and
-    # the pipeline's (with `stages`, this rank's other stages' routing), moves the balancing biases unless the step
-    # was skipped, and returns the step's routing metrics for the whole model (titan/models/moe/);
-    # `split_rows(cp_group, tp_group)` names the groups that split each row's tokens (None: not split there).
-    routing: Any
+    routing: Routing | None  # a mixture of experts' routing, which the step drives (None: a dense model)
 
     def __call__(
         self,

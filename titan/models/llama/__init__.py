@@ -1,3 +1,4 @@
+from titan.models.decoder.args import kv_width
 from titan.models.llama.args import ModelArgs
 from titan.models.llama.flavors import FLAVORS
 
@@ -21,8 +22,3 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     ffn = 3 * args.dim * args.ffn_hidden_dim
     matmul_weights = args.n_layers * (attention + ffn) + args.dim * args.vocab_size
     return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
-
-
-def kv_width(args: ModelArgs) -> int:
-    """One token's keys (or values) in one layer: its kv heads' dimensions."""
-    return args.n_kv_heads * args.head_dim

@@ -7,71 +7,36 @@ Pure functions on config dicts and tensors; reading and writing files is left to
   mapping in both directions: per tensor (`to_hf_tensor`; titan/checkpoint/hf/ reads just a shard's rows with it)
   and for whole state dicts (`from_hf_state_dict` / `to_hf_state_dict`, full tensors).
 
-The one non-trivial step is the q/k layout. titan (like Meta's reference code) rotates *interleaved* pairs
-(x[2i], x[2i+1]) of each head with RoPE, while HF rotates *half-split* pairs (x[i], x[i + head_dim/2]). Both
-rotate pair i by the same angle, so reordering the rows of wq and wk within every head turns one model into
-the other exactly; see `permute_rope_rows`.
+What every decoder shares (RoPE's config shapes, the attention's tensor names, the q/k row order) is in
+titan/models/decoder/hf.py.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from titan.models.llama.args import LIMITS, ModelArgs
-from titan.schema import Integer, Number, Table, Text, optional
-
-# HF's default when a config names no rope_theta (transformers' LlamaConfig).
-_HF_DEFAULT_ROPE_THETA = 10000.0
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# Args that are training choices rather than properties of the weights: the RoPE table's length (titan sizes it by
-# training.seq_len) and dropout.
-TRAINING_CHOICES = ("max_seq_len", "attn_dropout", "resid_dropout")
-
-
-def _size(arg: str) -> Integer:
-    return Integer(1, LIMITS[arg])
-
-
-# The fields of a config.json titan reads (others are left alone), checked before any is used: sizes within titan's
-# LIMITS, every float finite. The RoPE fields come in either of transformers' shapes (see `_rope_settings`).
-_POSITIVE = Number(0, above=True)
-_ROPE = Table(
-    {
-        "rope_type": Text(),
-        "type": Text(),
-        "rope_theta": _POSITIVE,
-        "factor": Number(0),
-        "low_freq_factor": _POSITIVE,
-        "high_freq_factor": _POSITIVE,
-        "original_max_position_embeddings": _size("rope_original_max_seq_len"),
-        "partial_rotary_factor": Number(),
-    },
+from titan.models.decoder.hf import (
+    ATTENTION_NAMES,
+    DENSE_NAMES,
+    HF_CONFIG,
+    TRAINING_CHOICES,
+    check_keys,
+    check_names,
+    decoder_sources,
+    rope_config,
+    rope_rows,
+    rope_settings,
+    to_hf_tensor,
 )
-HF_CONFIG = Table(
-    {
-        "model_type": Text(),
-        "hidden_act": Text(),
-        "hidden_size": _size("dim"),
-        "num_hidden_layers": _size("n_layers"),
-        "num_attention_heads": _size("n_heads"),
-        "num_key_value_heads": optional(_size("n_kv_heads")),
-        "head_dim": optional(_size("dim")),
-        "intermediate_size": Integer(1, 8 * LIMITS["dim"]),
-        "vocab_size": _size("vocab_size"),
-        "max_position_embeddings": _size("max_seq_len"),
-        "rms_norm_eps": _POSITIVE,
-        "rope_theta": _POSITIVE,
-        "partial_rotary_factor": Number(),
-        "rope_parameters": optional(_ROPE),
-        "rope_scaling": optional(_ROPE),
-        "attention_dropout": optional(Number(0, 1)),
-    },
-    required=frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"}),
-)
+from titan.models.llama.args import ModelArgs
+
+__all__ = [
+    "TRAINING_CHOICES", "args_from_hf_config", "check_hf_names", "from_hf_state_dict", "hf_config_from_args",
+    "hf_sources", "to_hf_state_dict", "to_hf_tensor",
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -96,39 +61,6 @@ def _ffn_multiplier_for(dim: int, intermediate_size: int) -> float:
         if int(multiplier * base) == intermediate_size:
             return multiplier
     raise ValueError(f"cannot express intermediate_size={intermediate_size} as a titan FFN size for hidden_size={dim}")
-
-
-def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
-    """RoPE fields of ModelArgs from either config shape.
-
-    transformers 5 writes `rope_parameters: {rope_type, rope_theta, ...}`; transformers 4 wrote a top-level
-    `rope_theta` and `rope_scaling: {rope_type (or "type"), factor, ...}` or `rope_scaling: null`.
-    """
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters/rope_scaling must be a dict, got {params!r}")
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("rope_parameters: per-layer-type RoPE parameters are not supported")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", hf.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor: only full-head RoPE is supported")
-    if rope_type == "default":
-        return {"rope_theta": float(theta), "rope_scaling_factor": 0.0}
-    if rope_type == "llama3":
-        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
-        if missing:
-            raise ValueError(f"rope_parameters: llama3 RoPE scaling lacks {', '.join(missing)}")
-        if not params["factor"]:
-            raise ValueError("rope_parameters.factor: a llama3 scaling factor of 0 is not meaningful")
-        return {
-            "rope_theta": float(theta),
-            "rope_scaling_factor": float(params["factor"]),
-            "rope_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
-        }
-    raise ValueError(f"rope_type: {rope_type!r} is not supported (only 'default' and 'llama3')")
 
 
 def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
@@ -163,28 +95,12 @@ def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attn_dropout=float(hf.get("attention_dropout") or 0.0),
-        **_rope_settings(hf),
+        **rope_settings(hf),
     )
     if args.ffn_hidden_dim != intermediate:  # guards the arithmetic above
         raise ValueError(f"intermediate_size: titan's FFN size came out {args.ffn_hidden_dim}, expected {intermediate}")
     args.validate()
     return args
-
-
-def _rope_config(args: ModelArgs) -> dict[str, Any]:
-    """The RoPE fields of a config.json, in both shapes (see hf_config_from_args)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
-    if args.rope_scaling_factor:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": float(args.rope_theta),
-            "factor": float(args.rope_scaling_factor),
-            "low_freq_factor": float(args.rope_low_freq_factor),
-            "high_freq_factor": float(args.rope_high_freq_factor),
-            "original_max_position_embeddings": int(args.rope_original_max_seq_len),
-        }
-    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling_factor else None
-    return {"rope_parameters": rope, "rope_theta": float(args.rope_theta), "rope_scaling": legacy_scaling}
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
@@ -208,7 +124,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
-        **_rope_config(args),
+        **rope_config(args),
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -225,46 +141,6 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype | str = "float32") -
 # --------------------------------------------------------------------------------------------------------------
 
 
-def permute_rope_rows(w: Tensor, n_heads: int, *, to_half_split: bool) -> Tensor:
-    """Reorder the output rows of a q or k projection, head by head, between the two RoPE layouts.
-
-    Within one head of size d, RoPE rotates pair i by angle pos * freq[i]:
-      interleaved (titan/Meta): pair i is rows (2i, 2i+1)       -> rows read as (d/2 pairs, 2)
-      half-split  (HF):         pair i is rows (i, i + d/2)     -> rows read as (2, d/2 pairs)
-    Swapping those two axes moves every pair to where the other layout expects it, so the rotated q and k
-    are the same vectors with their coordinates reordered; q.k (and hence attention) is unchanged because q
-    and k are reordered alike. `to_half_split=False` swaps the axes back: the inverse permutation.
-    """
-    rows, cols = w.shape
-    if rows % n_heads or (rows // n_heads) % 2:
-        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
-    half = rows // n_heads // 2
-    shape = (n_heads, half, 2, cols) if to_half_split else (n_heads, 2, half, cols)
-    return w.reshape(shape).transpose(1, 2).reshape(rows, cols)
-
-
-# titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`).
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# HF checkpoints from older transformers may carry RoPE inverse frequencies; they are derived, not weights.
-_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-def _rope_rows(n_heads: int, head_dim: int) -> Tensor:
-    """The HF row behind each titan row of a q or k projection: `permute_rope_rows` applied to row numbers."""
-    rows = torch.arange(n_heads * head_dim).unsqueeze(1)
-    return permute_rope_rows(rows, n_heads, to_half_split=False).squeeze(1)
-
-
 def hf_sources(args: ModelArgs, *, permute_qk: bool = True) -> dict[str, tuple[str, Tensor | None]]:
     """Where each titan parameter comes from: its name -> (HF tensor name, rows), the one definition of the mapping.
 
@@ -275,17 +151,11 @@ def hf_sources(args: ModelArgs, *, permute_qk: bool = True) -> dict[str, tuple[s
     stores them (only to show that the layout change matters).
     """
     qk = {
-        "attention.wq.weight": _rope_rows(args.n_heads, args.head_dim) if permute_qk else None,
-        "attention.wk.weight": _rope_rows(args.n_kv_heads, args.head_dim) if permute_qk else None,
+        "attention.wq.weight": rope_rows(args.n_heads, args.head_dim),
+        "attention.wk.weight": rope_rows(args.n_kv_heads, args.head_dim),
     }
-    sources = {"tok_embeddings.weight": ("model.embed_tokens.weight", None)}
-    for i in range(args.n_layers):
-        for titan, hf in _LAYER_NAMES.items():
-            sources[f"layers.{i}.{titan}"] = (f"model.layers.{i}.{hf}", qk.get(titan))
-    sources["norm.weight"] = ("model.norm.weight", None)
-    if not args.tie_embeddings:
-        sources["output.weight"] = ("lm_head.weight", None)
-    return sources
+    layer = {**ATTENTION_NAMES, **DENSE_NAMES}
+    return decoder_sources(args, lambda _: layer, qk if permute_qk else {})
 
 
 def check_hf_names(names, args: ModelArgs) -> dict[str, str]:
@@ -293,23 +163,7 @@ def check_hf_names(names, args: ModelArgs) -> dict[str, str]:
     ones. Returns the copies it holds, {name: the tensor it must equal}: a tied model may keep lm_head.weight
     (some exports do), which is then unused but must really be the embedding. RoPE inverse frequencies are ignored.
     """
-    names = {name for name in names if not _IGNORED_HF.search(name)}
-    copies = {}
-    if args.tie_embeddings and "lm_head.weight" in names:
-        copies["lm_head.weight"] = "model.embed_tokens.weight"
-    _check_keys(names - set(copies), {hf for hf, _ in hf_sources(args).values()}, "HF")
-    return copies
-
-
-def to_hf_tensor(w: Tensor, rows: Tensor | None) -> Tensor:
-    """A titan tensor as HF stores it, given its rows from `hf_sources` (HF row rows[r] is titan row r)."""
-    return w if rows is None else w[rows.argsort()]
-
-
-def _check_keys(given: set[str], expected: set[str], side: str) -> None:
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
-    if missing or unexpected:
-        raise ValueError(f"{side} state dict does not match the model args: missing {missing}, unexpected {unexpected}")
+    return check_names(set(names), args, hf_sources(args))
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs, *, permute_qk: bool = True) -> dict[str, Tensor]:
@@ -345,5 +199,5 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor
                 "(was the tie lost, e.g. by Module.to_empty?)"
             )
         sd = {k: v for k, v in sd.items() if k != "output.weight"}
-    _check_keys(set(sd), set(sources), "titan")
+    check_keys(set(sd), set(sources), "titan")
     return {sources[name][0]: to_hf_tensor(w, sources[name][1]) for name, w in sd.items()}

@@ -2,6 +2,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from titan.models.contract import RoutedExperts
+from titan.models.decoder.args import kv_width
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.flavors import FLAVORS
 
@@ -40,11 +41,6 @@ def active_params(args: MoEArgs) -> int:
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights."""
     return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
-def kv_width(args: MoEArgs) -> int:
-    """One token's keys (or values) in one layer: its kv heads' dimensions."""
-    return args.n_kv_heads * args.head_dim
 
 
 def routed_experts(args: MoEArgs) -> RoutedExperts:

@@ -8,12 +8,12 @@ import math
 from dataclasses import dataclass
 
 from titan.models.contract import PerRow
-from titan.models.llama.args import LIMITS as LLAMA_LIMITS
-from titan.models.llama.args import attention_params, check_layer_split, dropout_per_row
+from titan.models.decoder.args import LIMITS as DECODER_LIMITS
+from titan.models.decoder.args import DecoderArgs
 
-# Llama's bounds (but its FFN rounding, which this family has not), and the experts'.
+# The decoder's bounds, and the heads' and experts'.
 LIMITS = {
-    **{name: most for name, most in LLAMA_LIMITS.items() if name != "multiple_of"},
+    **DECODER_LIMITS,
     "head_dim": 2**12,
     "n_experts": 2**12,
     "top_k": 2**12,
@@ -24,25 +24,16 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass
-class MoEArgs:
+class MoEArgs(DecoderArgs):
     dim: int = 2048
     n_layers: int = 48
     n_heads: int = 32
     n_kv_heads: int = 4
-    head_dim: int = 128  # each head's width: Qwen3's heads are wider than dim / n_heads
-    qk_norm: bool = True  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     vocab_size: int = 151936
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    # Llama 3.1 long-context frequency scaling; factor 0 (the default here) disables it.
-    rope_scaling_factor: float = 0.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 8192  # RoPE table length
-    tie_embeddings: bool = False
-    attn_dropout: float = 0.0
-    resid_dropout: float = 0.0
+    head_dim: int = 128  # each head's width: Qwen3's heads are wider than dim / n_heads
+    qk_norm: bool = True  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     # The first `dense_layers` layers have a dense SwiGLU of dense_hidden_dim (DeepSeek-V3 keeps its first three).
     dense_layers: int = 0
     dense_hidden_dim: int = 6144
@@ -66,16 +57,11 @@ class MoEArgs:
         if self.aux_loss_coef:
             why = "it weighs each row's tokens by that row's expert counts"
             return PerRow("the balance loss", why, "set aux_loss_coef to 0 (the bias balances alone)")
-        return dropout_per_row(self)
+        return super().per_row
 
     @property
     def moe_layers(self) -> range:
         return range(self.dense_layers, self.n_layers)
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """The dense layers' SwiGLU width (Llama's blocks read this name)."""
-        return self.dense_hidden_dim
 
     def check_parallelism(self, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
         if self.n_experts % ep:
@@ -83,7 +69,8 @@ class MoEArgs:
                 f"parallel.ep = {ep} must divide the model's n_experts ({self.n_experts}): each expert-parallel rank "
                 "holds as many experts; use a divisor of n_experts"
             )
-        check_layer_split(self, tp, pp_stages)
+        dense = ("dense_hidden_dim", self.dense_hidden_dim) if self.dense_layers else None
+        self.check_layer_split(tp, pp_stages, dense)
         shared = self.n_shared_experts * self.expert_hidden_dim
         if shared % tp:
             raise ValueError(
@@ -98,22 +85,14 @@ class MoEArgs:
         else:  # the router, the routed experts and the shared ones
             experts = self.n_experts + self.n_shared_experts
             feed_forward = self.dim * self.n_experts + 3 * self.dim * self.expert_hidden_dim * experts
-        return attention_params(self, self.qk_norm) + feed_forward
+        return self.attention_params(self.qk_norm) + feed_forward
 
     def validate(self) -> None:
-        for name, most in LIMITS.items():
-            if not 1 <= getattr(self, name) <= most:
-                raise ValueError(f"{name} must be in [1, {most:,}], got {getattr(self, name):,}")
-        for name in ("norm_eps", "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "route_scale"):
-            if not 0 < getattr(self, name) < math.inf:  # NaN too
-                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
-        for name in ("rope_scaling_factor", "bias_update_rate", "aux_loss_coef"):
+        self.check_bounds(LIMITS, ("route_scale",))
+        for name in ("bias_update_rate", "aux_loss_coef"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide by n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        self.check_heads()
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts}): a token picks top_k")
         if not 0 <= self.dense_layers <= self.n_layers:
@@ -122,6 +101,3 @@ class MoEArgs:
             raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCTIONS)}, got {self.score_func!r}")
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        for name in ("attn_dropout", "resid_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -1,4 +1,4 @@
-"""The MoE family's sizes. Each uses Llama's grouped-query attention with RoPE (titan/models/llama/attention.py);
+"""The MoE family's sizes. Each uses Llama's grouped-query attention with RoPE (titan/models/decoder/attention.py);
 none uses DeepSeek's multi-head latent attention."""
 
 from titan.models.moe.args import MoEArgs

@@ -6,7 +6,7 @@ each token's top `num_experts_per_tok` experts by softmax score, their weights r
 Its layers are dense where `mlp_only_layers` or `decoder_sparse_step` say; titan keeps only its first
 `dense_layers` dense, so only that pattern converts.
 
-Attention converts as Llama's (titan/models/llama/hf.py), the q/k rows moved within each head between HF's
+Attention converts as every decoder's (titan/models/decoder/hf.py), the q/k rows moved within each head between HF's
 half-split RoPE layout and titan's interleaved one; the q/k norms act on each head's coordinates before RoPE, so
 their weights move alike. Each expert is three linears in the files (`mlp.experts.{e}.gate_proj.weight`, ...), as
 transformers' save_pretrained writes them; titan's experts.w1 is the E gate_proj stacked on dim 0 (a stacked
@@ -21,24 +21,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from titan.models.llama import hf as llama
+from titan.models.decoder import hf as decoder
 from titan.models.moe.args import LIMITS, MoEArgs
 from titan.schema import Flag, Integer, ListOf, Table, optional
 
-# Fields that are training choices: Llama's, and the MoE's load balancing (Qwen3-MoE's router_aux_loss_coef too).
-TRAINING_CHOICES = (*llama.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
+# Fields that are training choices: the decoder's, and the MoE's load balancing (Qwen3-MoE's router_aux_loss_coef
+# too).
+TRAINING_CHOICES = (*decoder.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
 # transformers' Qwen3MoeConfig defaults for fields a config.json may leave out.
 _HF_DEFAULTS = {"intermediate_size": 6144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
 
 
 def _size(arg: str) -> Integer:
-    return Integer(1, LIMITS[arg])
+    return decoder.hf_size(arg, LIMITS)
 
 
-# Llama's fields with this family's bounds, and the experts': checked before any is used.
+# The decoder's fields with this family's bounds, and the experts': checked before any is used.
 HF_CONFIG = Table(
     {
-        **llama.HF_CONFIG.fields,
+        **decoder.HF_CONFIG.fields,
         "head_dim": optional(_size("head_dim")),
         "intermediate_size": _size("dense_hidden_dim"),
         "moe_intermediate_size": _size("expert_hidden_dim"),
@@ -127,7 +128,7 @@ def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
         score_func="softmax",
         norm_topk=hf.get("norm_topk_prob", False),
         route_scale=1.0,
-        **llama._rope_settings(hf),
+        **decoder.rope_settings(hf),
     )
     args.validate()
     return args
@@ -164,7 +165,7 @@ def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> 
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
-        **llama._rope_config(args),
+        **decoder.rope_config(args),
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "use_sliding_window": False,
@@ -189,14 +190,13 @@ def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> 
 # Weights
 # --------------------------------------------------------------------------------------------------------------
 
-# titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`): Llama's
-# attention and norms and Qwen3's q/k norms; Llama's MLP in the dense layers.
+# titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`): the decoder's
+# attention and norms with Qwen3's q/k norms; a dense MLP in the dense layers.
 _ATTENTION = {
-    **{titan: hf for titan, hf in llama._LAYER_NAMES.items() if not titan.startswith("feed_forward.")},
+    **decoder.ATTENTION_NAMES,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
-_DENSE = {titan: hf for titan, hf in llama._LAYER_NAMES.items() if titan.startswith("feed_forward.")}
 _EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # each expert's linears, as Llama's MLP's
 # An expert's tensor in the files: the layer and the expert's index.
 _EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
@@ -216,27 +216,18 @@ def hf_sources(args: MoEArgs) -> dict[str, tuple[str | tuple[str, ...], Tensor |
     which act on one head's coordinates, element rows[r]; rows is None for every other tensor. A tied model has no
     output.weight of its own."""
     rope_rows = {
-        "attention.wq.weight": llama._rope_rows(args.n_heads, args.head_dim),
-        "attention.wk.weight": llama._rope_rows(args.n_kv_heads, args.head_dim),
-        "attention.q_norm.weight": llama._rope_rows(1, args.head_dim),
-        "attention.k_norm.weight": llama._rope_rows(1, args.head_dim),
+        "attention.wq.weight": decoder.rope_rows(args.n_heads, args.head_dim),
+        "attention.wk.weight": decoder.rope_rows(args.n_kv_heads, args.head_dim),
+        "attention.q_norm.weight": decoder.rope_rows(1, args.head_dim),
+        "attention.k_norm.weight": decoder.rope_rows(1, args.head_dim),
     }
-    sources: dict[str, tuple[str | tuple[str, ...], Tensor | None]] = {
-        "tok_embeddings.weight": ("model.embed_tokens.weight", None)
-    }
-    moe = _moe_names(args.n_experts)
-    for i in range(args.n_layers):
-        for titan, hf in {**_ATTENTION, **(_DENSE if i < args.dense_layers else moe)}.items():
-            theirs = f"model.layers.{i}.{hf}" if isinstance(hf, str) else tuple(f"model.layers.{i}.{h}" for h in hf)
-            sources[f"layers.{i}.{titan}"] = (theirs, rope_rows.get(titan))
-    sources["norm.weight"] = ("model.norm.weight", None)
-    if not args.tie_embeddings:
-        sources["output.weight"] = ("lm_head.weight", None)
-    return sources
+    dense, moe = {**_ATTENTION, **decoder.DENSE_NAMES}, {**_ATTENTION, **_moe_names(args.n_experts)}
+    return decoder.decoder_sources(args, lambda i: dense if i < args.dense_layers else moe, rope_rows)
 
 
-# A titan tensor as HF stores it, given its rows (each expert's tensor of a stack, for stacked sources): as Llama's.
-to_hf_tensor = llama.to_hf_tensor
+# A titan tensor as HF stores it, given its rows (each expert's tensor of a stack, for stacked sources): as every
+# decoder's.
+to_hf_tensor = decoder.to_hf_tensor
 
 
 def _check_experts(names: set[str], args: MoEArgs) -> None:
@@ -262,17 +253,10 @@ def _check_experts(names: set[str], args: MoEArgs) -> None:
 
 def check_hf_names(names, args: MoEArgs) -> dict[str, str]:
     """Check the tensor names of an HF checkpoint against `args`: ValueError naming experts of another number or
-    form, or listing the missing and unexpected tensors. Returns the tied copies the files hold (see Llama's)."""
-    names = {name for name in names if not llama._IGNORED_HF.search(name)}
+    form, or listing the missing and unexpected tensors. Returns the tied copies the files hold (see the decoder's)."""
+    names = {name for name in names if not decoder.IGNORED_HF.search(name)}
     _check_experts(names, args)
-    copies = {}
-    if args.tie_embeddings and "lm_head.weight" in names:
-        copies["lm_head.weight"] = "model.embed_tokens.weight"
-    expected = set()
-    for hf, _ in hf_sources(args).values():
-        expected.update([hf] if isinstance(hf, str) else hf)
-    llama._check_keys(names - set(copies), expected, "HF")
-    return copies
+    return decoder.check_names(names, args, hf_sources(args))
 
 
 def check_hf_buffers(args: MoEArgs, buffers: dict[str, Tensor]) -> None:

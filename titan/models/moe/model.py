@@ -1,7 +1,7 @@
-"""The mixture-of-experts transformer: Llama's blocks (titan/models/llama/) with q/k norms, and in every layer after
-the first `dense_layers` a MoE feed-forward: the router picks each token's top_k routed experts, the experts run as
-one grouped matmul on the tokens sorted by expert, and each token's results are summed in expert order with their
-weights, plus the shared experts' output.
+"""The mixture-of-experts transformer: the decoder's blocks (titan/models/decoder/) with q/k norms, a dense SwiGLU
+in the first `dense_layers` layers and in every later layer a MoE feed-forward: the router picks each token's top_k
+routed experts, the experts run as one grouped matmul on the tokens sorted by expert, and each token's results are
+summed in expert order with their weights, plus the shared experts' output.
 
 Dropless: every token reaches its top_k experts, however unevenly they are loaded. A capacity factor would drop a
 token or not depending on which other tokens share its rank, so the math would depend on the layout.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from titan.models.llama.model import FeedForward, Transformer, TransformerBlock
+from titan.models.decoder.model import Decoder, FeedForward, TransformerBlock
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.experts import GroupedExperts
 from titan.models.moe.routing import BalanceLoss, Router, Routing, expert_counts, pair_order
@@ -46,22 +46,29 @@ class MoE(nn.Module):
         return out if balance_loss is None else BalanceLoss.apply(out, balance_loss)
 
 
-class MoETransformer(Transformer):
-    """Llama's transformer with MoE feed-forwards after the first `dense_layers` layers, and Qwen3's q/k norms."""
+class MoETransformer(Decoder):
+    """The decoder with MoE feed-forwards after the first `dense_layers` layers, and Qwen3's q/k norms."""
+
+    args: MoEArgs
+    residual_outputs = (*Decoder.residual_outputs, "experts.w2")
 
     def __init__(self, args: MoEArgs, traceable: bool = False):
         self.routing = Routing(self, args.bias_update_rate)  # before the blocks, which share it
         super().__init__(args, traceable)
 
     def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False):
-        """Llama's; the routing notes whether the rows are this rank's own (`local`), not split over a cp group."""
+        """The decoder's; the routing notes whether the rows are this rank's own (`local`), not split over a cp
+        group."""
         self.routing.local = local
         return super().forward(tokens, rows, document_ids, cache, local)
 
     def block(self, layer_id: int) -> TransformerBlock:
         args = self.args
-        moe = MoE(args, self.routing) if layer_id in args.moe_layers else None
-        return TransformerBlock(layer_id, args, moe, qk_norm=args.qk_norm)
+        if layer_id in args.moe_layers:
+            feed_forward = MoE(args, self.routing)
+        else:
+            feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
+        return TransformerBlock(layer_id, args, feed_forward, qk_norm=args.qk_norm)
 
     def init_buffers(self, positions: int | None = None) -> None:
         """The RoPE table, and each router's step counts at zero; the routers' biases are state, left as loaded."""

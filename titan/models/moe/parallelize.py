@@ -1,46 +1,33 @@
-"""How the MoE family is parallelised. Its blocks and pipeline stages are Llama's (titan/models/llama/parallelize.py),
-and so is its tensor-parallel plan but for the MoE layers: each tp rank routes and computes its own share of the
-sequence, with the router and the routed experts whole on it (or split over the ep group of the ranks with its tp
-index), and the shared experts split as a dense feed-forward."""
+"""How the MoE family is parallelised. Its blocks and pipeline stages are the decoder's
+(titan/models/decoder/parallelize.py), and so is its tensor-parallel plan but for the MoE layers: each tp rank
+routes and computes its own share of the sequence, with the router and the routed experts whole on it (or split
+over the ep group of the ranks with its tp index), and the shared experts split as a dense feed-forward."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-)
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from titan.models.llama import parallelize as llama
+from titan.models.decoder import parallelize as decoder
 from titan.models.moe.model import MoE, MoETransformer
 
 
 def tp_plan(
     model: MoETransformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
 ) -> dict[str, nn.Module]:
-    """Llama's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE layer,
-    the layer on this rank's sequence shard (TokenShards) and its shared experts split as Llama's feed-forward:
-    w1 and w3 by output columns, w2 by input rows, on the layer's tokens gathered over tp."""
-    colwise, rowwise, prepare_input = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
-    plan = llama.tp_plan(model, sequence_parallel, loss_parallel, styles)
+    """The decoder's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE
+    layer, the layer on this rank's sequence shard (TokenShards) and its shared experts split as a dense
+    feed-forward, on the layer's tokens gathered over tp."""
+    plan = decoder.tp_plan(model, sequence_parallel, loss_parallel, styles)
     for name, block in model.layers.items():
         if not isinstance(block.feed_forward, MoE):
             continue
         moe = f"layers.{name}.feed_forward"
-        for linear in ("w1", "w2", "w3"):
-            del plan[f"{moe}.{linear}"]  # Llama's dense feed-forward, which this layer has not
         plan[moe] = TokenShards(Shard(1) if sequence_parallel else Replicate())
         if block.feed_forward.shared is not None:
-            plan[f"{moe}.shared"] = prepare_input(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
-            )
-            plan[f"{moe}.shared.w1"] = colwise()
-            plan[f"{moe}.shared.w3"] = colwise()
-            plan[f"{moe}.shared.w2"] = rowwise(output_layouts=Shard(1))
+            plan.update(decoder.dense_feed_forward_plan(f"{moe}.shared", Shard(1), styles))
     return plan
 
 

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titan import rng
-from titan.models.llama.args import ModelArgs
-from titan.models.llama.kv_cache import KVCache
-from titan.models.llama.rope import apply_rope
+from titan.models.decoder.args import DecoderArgs
+from titan.models.decoder.kv_cache import KVCache
+from titan.models.decoder.rope import apply_rope
 
 
 @functools.cache
@@ -109,7 +109,7 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, qk_norm: bool = False):
+    def __init__(self, args: DecoderArgs, qk_norm: bool = False):
         """qk_norm: RMSNorm of each head's queries and keys before RoPE, as Qwen3 has."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -131,7 +131,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | BlockMask | list | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """mask: from document_mask; None: causal. cache: this layer's, when decoding (see Transformer.forward)."""
+        """mask: from document_mask; None: causal. cache: this layer's, when decoding (see Decoder.forward)."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)

@@ -8,14 +8,14 @@ import math
 import torch
 
 from titan.errors import ConfigError
-from titan.models.llama.args import ModelArgs
+from titan.models.decoder.args import DecoderArgs
 
 # The most a RoPE table may take: a 128k-position Llama 3's is 64 MiB. A config of 2^24 positions and one head of
 # 4,096 would ask for 256 GiB; a command builds the positions it runs (`titan generate`: its prompts' and tokens').
 ROPE_MAX_BYTES = 4 << 30
 
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+def rope_frequencies(args: DecoderArgs) -> torch.Tensor:
     """Inverse frequencies per rotated pair, with Llama 3.1's smooth long-wavelength scaling."""
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
     if args.rope_scaling_factor:
@@ -32,7 +32,7 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return freqs
 
 
-def rope_table(args: ModelArgs, device=None, positions: int | None = None) -> torch.Tensor:
+def rope_table(args: DecoderArgs, device=None, positions: int | None = None) -> torch.Tensor:
     """(positions, head_dim/2, 2) table of cos and sin for the first `positions` (default and at most max_seq_len),
     refused in one line above ROPE_MAX_BYTES; computed in float64 a slice at a time, so the peak is the table's."""
     count = args.max_seq_len if positions is None else min(positions, args.max_seq_len)

@@ -1,5 +1,6 @@
-"""How Llama is parallelised: its tensor-parallel plan, its blocks, and how it splits into pipeline stages (with
-the tensors the stages exchange, and a block's own inputs for titan plan).
+"""How the decoder is parallelised: its tensor-parallel plan (of the attention, the dense feed-forwards, the
+embedding and the head), its blocks, and how it splits into pipeline stages (with the tensors the stages exchange,
+and a block's own inputs for titan plan). A family adds the plan of its own feed-forwards.
 
 titan's generic appliers (titan/parallel/) read these; the model itself stays plain PyTorch.
 """
@@ -24,13 +25,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.models.contract import StageBatch, StageIO
-from titan.models.llama.args import ModelArgs
-from titan.models.llama.model import Transformer
-from titan.models.llama.rope import rope_table
+from titan.models.decoder.args import DecoderArgs
+from titan.models.decoder.model import Decoder, FeedForward
+from titan.models.decoder.rope import rope_table
 
 
 def tp_plan(
-    model: Transformer, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
+    model: Decoder, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
 ) -> dict[str, nn.Module]:
     """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each sub-layer
     (attention, feed-forward) moves its activations once each way: one all-reduce forward and one backward, or,
@@ -71,14 +72,24 @@ def tp_plan(
         if sequence_parallel:
             plan[f"{block}.attention_dropout"] = _sharded_input(Shard(1))
             plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
-        plan[f"{block}.feed_forward"] = prepare_input(
-            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False
-        )
-        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        for linear in ("attention.wq", "attention.wk", "attention.wv"):
             plan[f"{block}.{linear}"] = colwise()
-        for linear in ("attention.wo", "feed_forward.w2"):
-            plan[f"{block}.{linear}"] = rowwise(output_layouts=between)
+        plan[f"{block}.attention.wo"] = rowwise(output_layouts=between)
+        if isinstance(model.layers[name].feed_forward, FeedForward):  # a family plans its other feed-forwards
+            plan.update(dense_feed_forward_plan(f"{block}.feed_forward", between, styles))
     return plan
+
+
+def dense_feed_forward_plan(name: str, between: Placement, styles: tuple | None = None) -> dict[str, nn.Module]:
+    """A FeedForward's: its input gathered from `between` (kept a DTensor, as the attention's), w1 and w3 split by
+    output columns, w2 by input rows back to `between`."""
+    colwise, rowwise, prepare_input = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    return {
+        name: prepare_input(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False),
+        f"{name}.w1": colwise(),
+        f"{name}.w3": colwise(),
+        f"{name}.w2": rowwise(output_layouts=between),
+    }
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -119,12 +130,12 @@ def _sharded_input(placement) -> PrepareModuleInputOutput:
     )
 
 
-def blocks(model: Transformer) -> list[nn.Module]:
+def blocks(model: Decoder) -> list[nn.Module]:
     """The units that activation checkpointing, compile and FSDP wrap one by one."""
     return list(model.layers.values())
 
 
-def pipeline_stage(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+def pipeline_stage(model: Decoder, layer_ids: list[int], first: bool, last: bool) -> Decoder:
     """A copy of the (meta) model holding only `layer_ids`; names stay those of the full model, so
     initialisation and checkpoints see the same parameter names on every layout."""
     stage = copy.deepcopy(model)
@@ -139,7 +150,7 @@ def pipeline_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
     return stage
 
 
-def pipeline_io(args: ModelArgs, batch: StageBatch) -> StageIO:
+def pipeline_io(args: DecoderArgs, batch: StageBatch) -> StageIO:
     """Meta tensors of one stage's inputs and outputs for a micro-batch, as forward takes and returns them. Stages
     pass hidden states (sequence-sharded under sequence parallel) with the rows and, with document masking, the
     document ids."""
@@ -156,7 +167,7 @@ def pipeline_io(args: ModelArgs, batch: StageBatch) -> StageIO:
     return StageIO(inputs, (states,) + passed)
 
 
-def block_inputs(args: ModelArgs, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def block_inputs(args: DecoderArgs, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A block's positional inputs, one causal sequence per row: hidden states, the RoPE table's first seq_len
     positions and the rows."""
     x = torch.empty(rows, seq_len, args.dim, dtype=dtype, requires_grad=True)
