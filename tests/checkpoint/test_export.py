@@ -133,6 +133,7 @@ def test_the_model_card_holds_the_recipe_tokens_and_losses_of_the_run(exported, 
         "resid_dropout = 0.1) |",
         "| data | stories.jsonl |",  # the file's name: the card says nothing of the machine's folders
         "| batch | 4 sequences of 32 tokens |",
+        "| context length | trained at 32 tokens (positions up to 2,048) |",  # not the positions the model takes
         "| optimizer | adamw, lr 0.01, weight decay 0.1; no warmup, cosine decay to 0.1 x lr |",
         f"| final training loss (step 4) | {train[4]:.4f} |",
         f"| final validation loss (step 4) | {val[4]:.4f} |",

@@ -153,13 +153,25 @@ def test_configs_titan_cannot_build_are_refused_naming_the_field(change, words):
     [({"qk_norm": False}, "qk_norm = false: Qwen3-MoE normalises every head's queries and keys"),
      ({"n_shared_experts": 2}, "n_shared_experts = 2: Qwen3-MoE has no shared experts"),
      ({"score_func": "sigmoid"}, "score_func = 'sigmoid': Qwen3-MoE scores experts by softmax"),
-     ({"route_scale": 2.5}, "route_scale = 2.5: Qwen3-MoE does not scale the routing weights")],
+     ({"route_scale": 2.5}, "route_scale = 2.5: Qwen3-MoE does not scale the routing weights"),
+     ({"n_group": 8, "topk_group": 4}, "n_group = 8: Qwen3-MoE chooses among all its experts")],
 )  # fmt: skip
 def test_flavors_qwen3_moe_cannot_express_are_refused(change, words):
     args = dataclasses.replace(FLAVORS["qwen3_30b_a3b"], **change)
     with pytest.raises(ValueError, match=words):
         hf_config_from_args(args)
     hf_config_from_args(FLAVORS["qwen3_30b_a3b"])  # which it can
+
+
+def test_an_export_refusal_names_every_blocker_at_once():
+    """DeepSeek-V3-style routing has five things Qwen3-MoE has no place for: one refusal lists them all, rather
+    than one per attempt."""
+    args = dataclasses.replace(FLAVORS["qwen3_30b_a3b"], qk_norm=False, n_shared_experts=1, score_func="sigmoid",
+                               route_scale=2.5, n_group=8, topk_group=4)  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        hf_config_from_args(args)
+    named = [part.split(" = ")[0] for part in str(error.value).split("; ")]
+    assert named == ["qk_norm", "n_shared_experts", "score_func", "route_scale", "n_group"]
 
 
 def test_the_files_must_hold_the_experts_the_config_says_one_tensor_each(hf_model):
@@ -192,3 +204,24 @@ def test_a_shard_of_experts_reads_only_their_tensors(hf_model):
                                                                        torch.arange(64)])  # fmt: skip
     up = model.model.layers[1].mlp.experts.gate_up_proj[:, 32:]  # transformers fuses gate and up in memory
     assert torch.equal(values, up[[2, 5]]) and read == 2 * 32 * 64 * 4
+
+
+def test_a_run_that_cannot_export_is_told_at_start_up_and_the_qwen3_recipe_exports(caplog):
+    """The debug MoE (shared experts, no q/k norms, moving biases) is told at start-up, every blocker at once, that
+    its model will not export; recipes/qwen3_30b_a3b.toml balances without routing biases, so its model does."""
+    from conftest import ROOT
+    from titan.config import load_config
+    from titan.train.model import resolve_args, warn_of_an_impossible_export
+
+    told = {}
+    for recipe in ("debug_moe", "qwen3_30b_a3b"):
+        config = load_config(ROOT / "recipes" / f"{recipe}.toml", [], 16)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="titan"):
+            warn_of_an_impossible_export(config, resolve_args(config))
+        told[recipe] = caplog.text
+    assert "will not export to Hugging Face" in told["debug_moe"]
+    assert all(field in told["debug_moe"] for field in ("qk_norm", "n_shared_experts", "bias_update_rate"))
+    assert told["qwen3_30b_a3b"] == ""
+    config = load_config(ROOT / "recipes" / "qwen3_30b_a3b.toml", [], 16)
+    assert transformers.Qwen3MoeConfig(**hf_config_from_args(resolve_args(config))).num_experts == 128

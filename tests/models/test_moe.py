@@ -2,6 +2,7 @@
 experts, routing and balancing by hand."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from titan import models
-from titan.models.moe import FLAVORS, MoETransformer, active_params
+from titan.models.moe import FLAVORS, MoEArgs, MoETransformer, active_params
 from titan.models.moe.experts import GroupedExperts, grouped_mm
 from titan.models.moe.model import MoE
 from titan.models.moe.routing import Router, Routing
@@ -88,7 +89,7 @@ def test_a_tokens_rows_do_not_depend_on_the_other_tokens_in_the_grouped_matmul()
 
 
 def test_the_router_breaks_ties_by_expert_index_and_keeps_the_chosen_in_expert_order():
-    router = Router(dim=4, n_experts=6, top_k=3, score_func="softmax", norm_topk=True, route_scale=2.0)
+    router = Router(MoEArgs(dim=4, n_experts=6, top_k=3, score_func="softmax", norm_topk=True, route_scale=2.0))
     torch.nn.init.zeros_(router.gate.weight)  # every expert scores the same for every token
     router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.1]))  # 3 and 5 lead, then a tie of four
     scores, experts, weights = router(torch.randn(5, 4))
@@ -226,3 +227,48 @@ def test_the_router_and_the_experts_are_marked_for_the_profiler():
         moe(torch.randn(2, 5, 256)).sum().backward()
     marks = [e.key for e in profile.key_averages() if e.key.startswith("moe.")]
     assert sorted(marks) == ["moe.experts", "moe.router"]
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2), (8, 3)])
+def test_group_limited_routing_chooses_and_weighs_as_transformers_deepseek_v3(n_group, topk_group):
+    """DeepSeek-V3's router in transformers (sigmoid scores, the correction bias, experts chosen within the best
+    groups, each scored by its two best; routed_scaling_factor 2.5) on 512 random tokens: the same experts for
+    every token, weights within fp32 rounding."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, n_routed_experts=32, num_experts_per_tok=6, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    theirs = DeepseekV3TopkRouter(config)
+    args = MoEArgs(dim=32, n_experts=32, top_k=6, score_func="sigmoid", norm_topk=True, route_scale=2.5,
+                   n_group=n_group, topk_group=topk_group)  # fmt: skip
+    ours = Router(args)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        theirs.weight.normal_(std=0.3)
+        theirs.e_score_correction_bias.normal_(std=0.05)
+        ours.gate.weight.copy_(theirs.weight)
+        ours.expert_bias.copy_(theirs.e_score_correction_bias)
+        x = torch.randn(512, 32)
+        _, their_weights, their_experts = theirs(x)
+        _, experts, weights = ours(x)
+    order = their_experts.argsort(dim=-1)
+    assert torch.equal(experts, their_experts.gather(1, order))
+    torch.testing.assert_close(weights, their_weights.gather(1, order), rtol=1e-6, atol=0)
+    if n_group > 1:  # the groups decide: some token's best experts overall lie outside its best groups
+        overall = torch.sort(torch.sigmoid(x @ theirs.weight.T) + theirs.e_score_correction_bias, dim=-1,
+                             descending=True, stable=True).indices[:, :6].sort(dim=-1).values  # fmt: skip
+        assert not torch.equal(overall, experts)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [({"n_group": 3}, "n_group (3) must divide n_experts (8)"), ({"n_group": 4, "topk_group": 5}, "topk_group (5)"),
+     ({"n_group": 4, "topk_group": 1, "top_k": 3}, "top_k (3) exceeds the 2 experts")],
+)  # fmt: skip
+def test_groups_that_cannot_route_are_refused_naming_the_field(overrides, words):
+    args = dataclasses.replace(FLAVORS["debug"], **overrides)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        args.validate()

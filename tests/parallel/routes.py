@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from titan.cli import main
-from titan.models.llama.model import Transformer
+from titan.models.decoder.model import Decoder
 from titan.models.moe.routing import Router, counting
 
 
@@ -25,7 +25,7 @@ class Routes:
 
     def part(self, module: nn.Module, args: tuple) -> None:
         """A model or pipeline stage starts a micro-batch: its inputs are (tokens or hidden states, rows, ...)."""
-        if isinstance(module, Transformer) and len(args) > 1:
+        if isinstance(module, Decoder) and len(args) > 1:
             self.rows = args[1].cpu().clone()  # a pipeline stage receives them into a reused buffer
             ring = module.context_parallel
             # The positions of each row this rank holds: the ring's, or the whole row's (the input's length).

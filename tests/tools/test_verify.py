@@ -267,6 +267,21 @@ def test_verify_passes_on_the_debug_model_with_clipping_active(tmp_path_factory,
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_verify_passes_on_qwen3_under_tp_with_its_qk_norms_split_by_head(tmp_path_factory):
+    """Qwen3's q and k norms are whole on each tp rank and applied to its heads: their gradients are shares the step
+    sums over tp. Before the decoder's plan marked them, k_norm's gradient was 0.66 of its magnitude off."""
+    folder = tmp_path_factory.getbasetemp() / "verify_qwen3"
+    folder.mkdir(exist_ok=True)
+    overrides = {"model.name": "qwen3", "model.flavor": "debug", "model.overrides.n_layers": "2"}
+    overrides |= {"training.seq_len": "64", "training.global_batch_size": "8", "training.local_batch_size": "8"}
+    args = tiny_overrides(folder, **overrides, **{"parallel.tp": "2"})
+    result = run_titan("verify", "--config", str(DEBUG_RECIPE), *args, "--steps", "2", "--reuse-reference")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "equivalent: every tensor within tolerance" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "break_name,first",
     [

@@ -12,7 +12,7 @@ from titan.config import Config, load_config, require_inputs
 from titan.config.checks import warn_of_a_short_warmup
 from titan.launcher import Launch
 from titan.run_plan import run_plan
-from titan.train.model import resolve_args
+from titan.train.model import resolve_args, warn_of_an_impossible_export
 
 app = typer.Typer(
     help="titan: pretrain Llama-family language models from a TOML recipe, on one CPU or thousands of GPUs.",
@@ -94,7 +94,8 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     world_size = world_size or Launch.from_env().world
     config = load_config(path, overrides, world_size)
     require_inputs(config)
-    resolve_args(config)
+    args = resolve_args(config)
     run_plan(config, world_size)
     warn_of_a_short_warmup(config)
+    warn_of_an_impossible_export(config, args)
     return config

@@ -80,11 +80,40 @@ def _moe() -> ModelSpec:
     )
 
 
+def _qwen3() -> ModelSpec:
+    from titan.models import qwen3
+    from titan.models.decoder import parallelize
+    from titan.models.qwen3 import hf
+
+    return ModelSpec(
+        name="qwen3",
+        flavors=qwen3.FLAVORS,
+        build=qwen3.Qwen3,
+        flops_per_token=qwen3.flops_per_token,
+        kv_width=qwen3.kv_width,
+        tp_plan=parallelize.tp_plan,
+        blocks=parallelize.blocks,
+        pipeline_stage=parallelize.pipeline_stage,
+        pipeline_io=parallelize.pipeline_io,
+        block_inputs=parallelize.block_inputs,
+        hf=HFAdapter(
+            args_from_config=hf.args_from_hf_config,
+            config_from_args=hf.hf_config_from_args,
+            sources=hf.hf_sources,
+            check_names=hf.check_hf_names,
+            to_hf_tensor=hf.to_hf_tensor,
+            training_choices=hf.TRAINING_CHOICES,
+            model_type="qwen3",
+        ),
+    )
+
+
 # name -> its package, whose FLAVORS import without torch (a recipe's model is checked before torch loads), and
 # its ModelSpec.
 _REGISTRY: dict[str, tuple[str, Callable[[], ModelSpec]]] = {
     "llama3": ("titan.models.llama", _llama3),
     "moe": ("titan.models.moe", _moe),
+    "qwen3": ("titan.models.qwen3", _qwen3),
 }
 
 
@@ -147,6 +176,13 @@ def _override_hint(family: str, key: str, fields) -> str:
     if owners:
         return f"{key} belongs to the {owners[0]} family, not to {family}: set model.name = {owners[0]!r}"
     return f"fields of {family} args: {', '.join(fields)}"
+
+
+def hf_export_blockers(name: str, args: Args) -> list[str]:
+    """What a run of family `name` with these args trains that its Hugging Face format cannot hold (the family
+    module's `training_blockers`; none where it has none), found without importing torch."""
+    blockers = getattr(importlib.import_module(_family(name)[0]), "training_blockers", None)
+    return blockers(args) if blockers else []
 
 
 def model_blocks(args: Args) -> Blocks:

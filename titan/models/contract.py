@@ -87,7 +87,8 @@ class Model(Protocol):
     # slot is set calls `expert_parallel(compute, x, counts, *weights)` in place of `compute(x, counts, *weights)`
     # (x its tokens sorted by expert, counts[e] of them for expert e), which computes each token on its experts' rank.
     # A module the family's TP plan marks with a true `tp_gradient_shares` attribute computes on its tp rank's own
-    # tokens with its parameters whole on every tp rank: the step sums their gradients over tp (titan/parallel/tp.py).
+    # tokens (or heads) with its parameters whole on every tp rank: the step sums their gradients over tp
+    # (titan/parallel/tp.py).
     routing: Routing | None  # a mixture of experts' routing, which the step drives (None: a dense model)
 
     def __call__(

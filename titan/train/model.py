@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from titan import models
 from titan.config import Config
 from titan.errors import ConfigError
 from titan.models import Args, ModelSpec
+
+log = logging.getLogger("titan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +24,15 @@ class ResolvedModel:
 def resolve_model(config: Config) -> ResolvedModel:
     """The registry spec and the model args the recipe names, checked."""
     return ResolvedModel(models.get_model_spec(config.model.name), resolve_args(config))
+
+
+def warn_of_an_impossible_export(config: Config, args: Args) -> None:
+    """A run whose model its family's Hugging Face format cannot hold (a MoE with moving routing biases, shared
+    experts...) trains all the same: said at start-up, not first at export."""
+    if blockers := models.hf_export_blockers(config.model.name, args):
+        log.warning(
+            "this run's model will not export to Hugging Face (titan convert dcp-to-hf): %s", "; ".join(blockers)
+        )
 
 
 def resolve_args(config: Config) -> Args:

@@ -66,9 +66,13 @@ def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list
     rows = [
         ("model", f"{model.get('name')}, flavor {model.get('flavor')}" + (f" ({overrides})" if overrides else "")),
         ("parameters", f"{n_params:,}"),
-        ("context length", f"{context:,} tokens"),
     ]
-    if state["step"] == 0:  # the recipe's training keys are defaults that trained nothing
+    trained_at = training.get("seq_len")
+    if state["step"] == 0 or not trained_at:  # the recipe's training keys are defaults that trained nothing
+        rows.append(("context length", f"{context:,} tokens"))
+    else:  # the positions the model takes are not what it learned: a run at 256 tokens saw no longer context
+        rows.append(("context length", f"trained at {trained_at:,} tokens (positions up to {context:,})"))
+    if state["step"] == 0:
         return rows
     sources = data.get("sources") or [{"source": data.get("source", "?")}]
     weighted = len(sources) > 1

@@ -160,6 +160,11 @@ ATTENTION_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Qwen3's q/k norms: RMSNorm of each head's queries and keys, before RoPE.
+QK_NORM_NAMES = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
 DENSE_NAMES = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -174,6 +179,18 @@ def rope_rows(n_heads: int, head_dim: int) -> Tensor:
     """The HF row behind each titan row of a q or k projection: `permute_rope_rows` applied to row numbers."""
     rows = torch.arange(n_heads * head_dim).unsqueeze(1)
     return permute_rope_rows(rows, n_heads, to_half_split=False).squeeze(1)
+
+
+def attention_rope_rows(args: DecoderArgs, qk_norm: bool = False) -> dict[str, Tensor]:
+    """The rows of the attention's tensors that RoPE's layout change moves: wq's and wk's within each head, and a q/k
+    norm's elements (they act on one head's coordinates before RoPE), by titan name."""
+    rows = {
+        "attention.wq.weight": rope_rows(args.n_heads, args.head_dim),
+        "attention.wk.weight": rope_rows(args.n_kv_heads, args.head_dim),
+    }
+    if qk_norm:
+        rows |= {name: rope_rows(1, args.head_dim) for name in QK_NORM_NAMES}
+    return rows
 
 
 def decoder_sources(

@@ -74,6 +74,8 @@ def tp_plan(
             plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
         for linear in ("attention.wq", "attention.wk", "attention.wv"):
             plan[f"{block}.{linear}"] = colwise()
+        if model.layers[name].attention.q_norm is not None:
+            plan[f"{block}.attention.q_norm"] = plan[f"{block}.attention.k_norm"] = HeadShares()
         plan[f"{block}.attention.wo"] = rowwise(output_layouts=between)
         if isinstance(model.layers[name].feed_forward, FeedForward):  # a family plans its other feed-forwards
             plan.update(dense_feed_forward_plan(f"{block}.feed_forward", between, styles))
@@ -116,6 +118,15 @@ def _vocab_slice_lookup(module: nn.Embedding, mesh: DeviceMesh, output_layout: P
     looked_up = F.embedding((ids - start).masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0)
     summed = DTensor.from_local(looked_up, mesh, [Partial()], run_check=False)
     return summed.redistribute(mesh, [output_layout]).to_local()
+
+
+class HeadShares(ParallelStyle):
+    """A module applied to each of its tp rank's heads with its parameters whole (a q or k norm): its gradients on a
+    rank are its heads' share, marked for the step to sum over tp (the model contract's `tp_gradient_shares`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_gradient_shares = True
+        return module
 
 
 def _sharded_input(placement) -> PrepareModuleInputOutput:

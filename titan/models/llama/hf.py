@@ -23,11 +23,11 @@ from titan.models.decoder.hf import (
     DENSE_NAMES,
     HF_CONFIG,
     TRAINING_CHOICES,
+    attention_rope_rows,
     check_keys,
     check_names,
     decoder_sources,
     rope_config,
-    rope_rows,
     rope_settings,
     to_hf_tensor,
 )
@@ -150,12 +150,8 @@ def hf_sources(args: ModelArgs, *, permute_qk: bool = True) -> dict[str, tuple[s
     output.weight of its own: HF stores the tied head once, as the embedding. `permute_qk=False` keeps q/k as HF
     stores them (only to show that the layout change matters).
     """
-    qk = {
-        "attention.wq.weight": rope_rows(args.n_heads, args.head_dim),
-        "attention.wk.weight": rope_rows(args.n_kv_heads, args.head_dim),
-    }
     layer = {**ATTENTION_NAMES, **DENSE_NAMES}
-    return decoder_sources(args, lambda _: layer, qk if permute_qk else {})
+    return decoder_sources(args, lambda _: layer, attention_rope_rows(args) if permute_qk else {})
 
 
 def check_hf_names(names, args: ModelArgs) -> dict[str, str]:

@@ -11,10 +11,12 @@ __all__ = [
     "MoEArgs",
     "MoETransformer",
     "active_params",
+    "hf_format_blockers",
     "flops_per_token",
     "kv_width",
     "layers_args",
     "routed_experts",
+    "training_blockers",
 ]
 
 
@@ -41,6 +43,26 @@ def active_params(args: MoEArgs) -> int:
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights."""
     return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def hf_format_blockers(args: MoEArgs) -> list[str]:
+    """Each of these args that Qwen3-MoE's format has no place for (none: the weights export as Qwen3-MoE)."""
+    blockers = {
+        "qk_norm = false: Qwen3-MoE normalises every head's queries and keys": not args.qk_norm,
+        f"n_shared_experts = {args.n_shared_experts}: Qwen3-MoE has no shared experts": args.n_shared_experts,
+        f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax": args.score_func != "softmax",
+        f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights": args.route_scale != 1,
+        f"n_group = {args.n_group}: Qwen3-MoE chooses among all its experts": args.n_group != 1,
+    }
+    return [blocker for blocker, blocks in blockers.items() if blocks]
+
+
+def training_blockers(args: MoEArgs) -> list[str]:
+    """What a run of these args trains that no Qwen3-MoE export holds: the format's blockers, and routing biases
+    that move (Qwen3-MoE routes without them), said at start-up rather than at export."""
+    moving = [f"bias_update_rate = {args.bias_update_rate}: the routing biases move, and Qwen3-MoE has none (set it "
+              "to 0 and balance with aux_loss_coef)"] if args.bias_update_rate else []  # fmt: skip
+    return hf_format_blockers(args) + moving
 
 
 def routed_experts(args: MoEArgs) -> RoutedExperts:

@@ -45,7 +45,11 @@ class MoEArgs(DecoderArgs):
     n_shared_experts: int = 0
     score_func: str = "softmax"  # the router's scores: "softmax" over the experts, or each expert's "sigmoid"
     norm_topk: bool = True  # the chosen experts' weights divided by their sum
-    route_scale: float = 1.0  # the chosen experts' weights multiplied by this
+    route_scale: float = 1.0  # the chosen experts' weights multiplied by this (DeepSeek's routed_scaling_factor)
+    # DeepSeek-V3's group-limited routing: the experts in n_group groups, a token's top_k chosen within its topk_group
+    # best groups (each scored by its two best scores). 1 and 1: no groups.
+    n_group: int = 1
+    topk_group: int = 1
     # Load balancing, both over the step's global batch: DeepSeek-V3's per-expert bias added to the scores when
     # choosing experts (not when weighting them), moved by this much per step towards the mean load (0: off) ...
     bias_update_rate: float = 0.001
@@ -87,6 +91,22 @@ class MoEArgs(DecoderArgs):
             feed_forward = self.dim * self.n_experts + 3 * self.dim * self.expert_hidden_dim * experts
         return self.attention_params(self.qk_norm) + feed_forward
 
+    def _check_groups(self) -> None:
+        if not 1 <= self.n_group <= self.n_experts or self.n_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide n_experts ({self.n_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group = {self.n_group}]")
+        per_group = self.n_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(
+                f"n_group ({self.n_group}) leaves {per_group} expert per group; a group is scored by its two best"
+            )
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {self.topk_group * per_group} experts of topk_group "
+                f"({self.topk_group}) groups of {per_group}"
+            )
+
     def validate(self) -> None:
         self.check_bounds(LIMITS, ("route_scale",))
         for name in ("bias_update_rate", "aux_loss_coef"):
@@ -95,6 +115,7 @@ class MoEArgs(DecoderArgs):
         self.check_heads()
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts}): a token picks top_k")
+        self._check_groups()
         if not 0 <= self.dense_layers <= self.n_layers:
             raise ValueError(f"dense_layers must be in [0, n_layers = {self.n_layers}], got {self.dense_layers}")
         if self.score_func not in SCORE_FUNCTIONS:

@@ -48,7 +48,8 @@ FLAVORS: dict[str, MoEArgs] = {
         norm_topk=True,
     ),
     # DeepSeek-V3's routing at DeepSeek-V2-Lite's 16B size (2.4B active): the first layer dense, 64 routed experts,
-    # 6 per token, 2 shared; sigmoid scores normalised over the chosen; the bias and a small sequence-level loss.
+    # 6 per token, 2 shared; sigmoid scores normalised over the chosen and scaled by V3's 2.5, chosen within the 4
+    # best of 8 groups; the bias and a small sequence-level loss.
     # Attention is Llama's multi-head attention (16 heads of 128) in place of DeepSeek's MLA.
     "deepseek_v3_16b": MoEArgs(
         dim=2048,
@@ -69,6 +70,9 @@ FLAVORS: dict[str, MoEArgs] = {
         n_shared_experts=2,
         score_func="sigmoid",
         norm_topk=True,
+        route_scale=2.5,
+        n_group=8,
+        topk_group=4,
         aux_loss_coef=0.0001,
     ),
 }

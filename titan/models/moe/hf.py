@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from titan.models.decoder import hf as decoder
+from titan.models.moe import hf_format_blockers
 from titan.models.moe.args import LIMITS, MoEArgs
 from titan.schema import Flag, Integer, ListOf, Table, optional
 
@@ -134,24 +135,13 @@ def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
     return args
 
 
-def _check_expressible(args: MoEArgs) -> None:
-    """ValueError naming the first of these args Qwen3-MoE has no place for."""
-    if not args.qk_norm:
-        raise ValueError("qk_norm = false: Qwen3-MoE normalises every head's queries and keys (qk_norm = true)")
-    if args.n_shared_experts:
-        raise ValueError(f"n_shared_experts = {args.n_shared_experts}: Qwen3-MoE has no shared experts")
-    if args.score_func != "softmax":
-        raise ValueError(f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax")
-    if args.route_scale != 1:
-        raise ValueError(f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights (1)")
-
-
 def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
     """A `config.json` dict for `args` that `transformers.Qwen3MoeConfig(**d)` accepts; ValueError for args
     Qwen3-MoE cannot express. The dense layers' width is written only when there are dense layers: otherwise it
     describes nothing (transformers then takes its default)."""
     args.validate()
-    _check_expressible(args)
+    if blockers := hf_format_blockers(args):
+        raise ValueError("; ".join(blockers))
     dtype = str(dtype).removeprefix("torch.")
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -192,11 +182,7 @@ def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> 
 
 # titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`): the decoder's
 # attention and norms with Qwen3's q/k norms; a dense MLP in the dense layers.
-_ATTENTION = {
-    **decoder.ATTENTION_NAMES,
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
+_ATTENTION = {**decoder.ATTENTION_NAMES, **decoder.QK_NORM_NAMES}
 _EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # each expert's linears, as Llama's MLP's
 # An expert's tensor in the files: the layer and the expert's index.
 _EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
@@ -215,12 +201,7 @@ def hf_sources(args: MoEArgs) -> dict[str, tuple[str | tuple[str, ...], Tensor |
     stacks; rows). Titan row r of wq and wk is HF row rows[r] (Llama's RoPE layout change); of the q/k norms,
     which act on one head's coordinates, element rows[r]; rows is None for every other tensor. A tied model has no
     output.weight of its own."""
-    rope_rows = {
-        "attention.wq.weight": decoder.rope_rows(args.n_heads, args.head_dim),
-        "attention.wk.weight": decoder.rope_rows(args.n_kv_heads, args.head_dim),
-        "attention.q_norm.weight": decoder.rope_rows(1, args.head_dim),
-        "attention.k_norm.weight": decoder.rope_rows(1, args.head_dim),
-    }
+    rope_rows = decoder.attention_rope_rows(args, qk_norm=True)
     dense, moe = {**_ATTENTION, **decoder.DENSE_NAMES}, {**_ATTENTION, **_moe_names(args.n_experts)}
     return decoder.decoder_sources(args, lambda i: dense if i < args.dense_layers else moe, rope_rows)
 

@@ -24,7 +24,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.aux_loss_coef = args.n_experts, args.top_k, args.aux_loss_coef
         self.routing = routing  # the step's loss scale, for the balance loss
-        self.router = Router(args.dim, args.n_experts, args.top_k, args.score_func, args.norm_topk, args.route_scale)
+        self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts)
         hidden = args.n_shared_experts * args.expert_hidden_dim
         self.shared = FeedForward(args.dim, hidden) if hidden else None

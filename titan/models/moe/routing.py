@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan.models.moe.args import MoEArgs
+
 
 class BalanceLoss(torch.autograd.Function):
     """Pass `x` through; in backward, give `loss` the gradient 1, as if it were added to the step's loss."""
@@ -64,10 +66,12 @@ def counting() -> bool:
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, norm_topk: bool, route_scale: float):
+    def __init__(self, args: MoEArgs):
         super().__init__()
-        self.top_k, self.score_func, self.norm_topk, self.route_scale = top_k, score_func, norm_topk, route_scale
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.top_k, self.score_func, self.norm_topk = args.top_k, args.score_func, args.norm_topk
+        self.route_scale, self.n_group, self.topk_group = args.route_scale, args.n_group, args.topk_group
+        n_experts = args.n_experts
+        self.gate = nn.Linear(args.dim, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # persistent: checkpoints hold it
         # This step's training tokens per expert, and its balance loss (not saved: a step ends before a save).
         self.register_buffer("load", torch.zeros(n_experts, dtype=torch.long), persistent=False)
@@ -78,14 +82,28 @@ class Router(nn.Module):
         weights (tokens, top_k) fp32)."""
         logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias.float()
+        if self.n_group > 1:
+            choice = self._within_best_groups(choice)
         # A stable descending sort keeps equal scores in expert order: ties go to the lower index on any layout,
         # where topk's choice among equals is the kernel's.
-        chosen = torch.sort(scores + self.expert_bias.float(), dim=-1, descending=True, stable=True).indices
+        chosen = torch.sort(choice, dim=-1, descending=True, stable=True).indices
         experts = chosen[:, : self.top_k].sort(dim=-1).values
         weights = scores.gather(-1, experts)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return scores, experts, weights * self.route_scale
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited choice: the experts in n_group groups of consecutive indices, each group
+        scored by the sum of its two best (biased) scores; outside the topk_group best groups (ties to the lower
+        group), every score is -inf."""
+        tokens, n_experts = choice.shape
+        grouped = choice.view(tokens, self.n_group, n_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, : self.topk_group]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
 
     def account(self, scores: torch.Tensor, experts: torch.Tensor, rows: int, coef: float, routing: Routing):
         """Count this forward's tokens per expert for the step's bias update, and return its balance loss (None
