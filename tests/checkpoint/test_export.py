@@ -285,3 +285,30 @@ def test_push_to_hub_without_credentials_or_rights_is_one_line(run_dir, hub, tmp
     nowhere = {**hub_env(hub, tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on port 9
     result = run_titan(*args[:3], str(tmp_path / "hf2"), "--push-to-hub", "acme/tiny", env=nowhere)
     assert_one_line_error(result, "--push-to-hub acme/tiny", "cannot reach the hub at http://127.0.0.1:9")
+
+
+def test_a_run_folder_moved_away_from_its_tokenizer_generates_and_exports_with_the_one_it_trained_with(tmp_path):
+    """The run folder holds a copy of its tokenizer: moved to where the recipe's tokenizer.path does not exist (as
+    on another machine), `titan generate` and `titan convert dcp-to-hf` read the copy, and the export has a
+    tokenizer."""
+    import shutil
+
+    from conftest import DEBUG_RECIPE, tiny_overrides
+    from titan.config import load_config
+    from titan.train.trainer import Trainer
+
+    own = tmp_path / "mine" / "tokenizer.json"
+    own.parent.mkdir()
+    shutil.copyfile(ROOT / "data" / "tokenizer.json", own)
+    overrides = {**SMALL, "training.steps": "1", "tokenizer.path": str(own)}
+    Trainer(load_config(DEBUG_RECIPE, tiny_overrides(tmp_path / "runs", **overrides))).train()
+    moved = tmp_path / "elsewhere"
+    shutil.move(tmp_path / "runs" / "debug", moved)
+    shutil.rmtree(own.parent)
+    generated = run_titan("generate", "--checkpoint", str(moved), "--prompt", "Once upon", "--max-new-tokens", "3")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip()  # the continuation
+    result = run_titan("convert", "dcp-to-hf", str(moved), str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() != b""
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("Once upon")["input_ids"][0] == 0  # its BOS

@@ -237,3 +237,16 @@ def test_a_compressed_files_progress_follows_its_text_and_ends_at_its_size(tmp_p
         chars, progress = chars + sum(map(len, chunk)), progress + read
         assert abs(progress / size - chars / total_chars) < 0.1, (progress / size, chars / total_chars)
     assert (chars, progress) == (total_chars, size)
+
+
+def test_a_tokenizer_without_bos_frames_documents_with_eos_alone(tmp_path):
+    """tokenizer.bos_token = "" (Qwen's tokenizers have no BOS): every prepared document is its text then EOS, as
+    Tokenizer.encode frames it, and the prepared folder is another than the BOS-framed one."""
+    source = write_jsonl(tmp_path / "web.jsonl", TEXTS)
+    no_bos = TokenizerConfig(path=TOKENIZER.path, bos_token="")
+    tokenizer = Tokenizer(no_bos)
+    cache = tmp_path / "cache"
+    path = prepare(DataSource(str(source)), no_bos, cache, 1, False)
+    assert texts_of(path) == [tokenizer.encode(t) for t in TEXTS]
+    assert all(doc[0] != Tokenizer(TOKENIZER).bos_id and doc[-1] == tokenizer.eos_id for doc in texts_of(path))
+    assert path != prepare(DataSource(str(source)), TOKENIZER, cache, 1, False)

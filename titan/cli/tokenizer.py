@@ -42,6 +42,8 @@ def tokenizer_train(
     from titan.data.train_tokenizer import train_on_sources  # imported late: reading may import HF datasets
 
     special = (cfg.tokenizer.bos_token, cfg.tokenizer.eos_token)
+    if not special[0]:
+        raise UserError("tokenizer.bos_token is empty: titan tokenizer train gives BOS id 0; name a BOS token")
     trained = train_on_sources(cfg.data.source_list(), vocab_size, min_frequency, sys.stderr.isatty(), special)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

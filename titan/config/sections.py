@@ -33,7 +33,7 @@ class Tokenizer:
     # "titan:shakespeare". Left "" only by a run that starts from weights: it takes theirs (checkpoint.init_from_hf,
     # or the checkpoint checkpoint.resume names).
     path: str = ""
-    bos_token: str = "<|begin_of_text|>"  # starts every document
+    bos_token: str = "<|begin_of_text|>"  # starts every document; "" for none (Qwen's tokenizers have none)
     eos_token: str = "<|end_of_text|>"  # ends every document
 
 
@@ -316,9 +316,12 @@ class Checkpoint:
     # ["optimizer.lr"] (or --checkpoint.allow_changes optimizer.lr,training.steps).
     allow_changes: list[str] = field(default_factory=list)
     verify: bool = True  # check every file against the checkpoint's SHA-256 manifest before loading
-    # Start from a HF checkpoint (config.json + *.safetensors: Llama, Qwen3-MoE for the moe family) when not
+    # Start from a HF checkpoint (config.json + *.safetensors: Llama, Qwen3, Qwen3-MoE for the moe family) when not
     # resuming: a folder, or a hub model in the local HF cache (titan download NAME --weights).
     init_from_hf: str = ""
+    # With init_from_hf and a tokenizer.path that is not the HF model's own tokenizer: train its weights on the
+    # recipe's token ids all the same (they then mean other text than the weights learned). Off: refused.
+    allow_other_tokenizer: bool = False
 
 
 @dataclass(frozen=True)

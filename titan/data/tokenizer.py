@@ -1,4 +1,5 @@
-"""A HF `tokenizers` tokenizer plus the BOS/EOS ids that frame every document."""
+"""A HF `tokenizers` tokenizer plus the BOS/EOS ids that frame every document (a tokenizer may have no BOS, as
+Qwen's: its documents end with EOS and start with nothing)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ConfigError(f"tokenizer.path: {path} is not a valid tokenizer.json: {e}") from None
-        self.bos_id = self._special_id(cfg.bos_token, "bos_token", path)
+        self.bos_id = self._special_id(cfg.bos_token, "bos_token", path) if cfg.bos_token else None
         self.eos_id = self._special_id(cfg.eos_token, "eos_token", path)
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -58,9 +59,14 @@ class Tokenizer:
             raise ConfigError(f"tokenizer.{key}: {token!r} is not in the vocabulary of {path}")
         return token_id
 
+    @property
+    def starts(self) -> list[int]:
+        """What begins every document: its BOS, or nothing for a tokenizer without one."""
+        return [] if self.bos_id is None else [self.bos_id]
+
     def encode(self, text: str) -> list[int]:
         """BOS + text + EOS, so packed sequences keep document boundaries visible to the model."""
-        return [self.bos_id, *self._tok.encode(text, add_special_tokens=False).ids, self.eos_id]
+        return [*self.starts, *self._tok.encode(text, add_special_tokens=False).ids, self.eos_id]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

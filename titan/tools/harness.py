@@ -138,11 +138,13 @@ def lm_class():
 
         @property
         def prefix_token_id(self) -> int:
-            return self.titan_tokenizer.bos_id  # what an empty context is: a document just begun
+            # What an empty context is: a document just begun (after EOS, for a tokenizer without BOS).
+            tokenizer = self.titan_tokenizer
+            return tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
 
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
             ids = self.titan_tokenizer.encode(string)[:-1]  # BOS + text: a document still going on
-            return ids if add_special_tokens is not False else ids[1:]
+            return ids if add_special_tokens is not False else ids[len(self.titan_tokenizer.starts) :]
 
         def tok_decode(self, ids: list[int]) -> str:
             return self.titan_tokenizer.decode(ids)

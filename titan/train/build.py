@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
+from titan.data.tokenizer import tokenizer_file
 from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
 from titan.hub import model_folder
@@ -206,17 +208,24 @@ def with_absolute_tokenizer(config: Config) -> Config:
     return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(path.absolute())))
 
 
-def keep_hf_tokenizer(config: Config) -> Config:
-    """A tokenizer read from checkpoint.init_from_hf's folder (the HF model's own, which a recipe that names none
-    takes) copied into the run folder's tokenizer/ and read from there: the run's recipe and checkpoints name a copy
-    that outlives the HF folder, or cache. Rank 0's work, once the run folder is claimed."""
-    source = config.checkpoint.init_from_hf
-    given = Path(config.tokenizer.path).parent
-    if not source or given != model_folder(source, "checkpoint.init_from_hf").absolute():
+def keep_tokenizer(config: Config) -> Config:
+    """The run's tokenizer copied into the run folder's tokenizer/, which `titan generate`, `titan eval` and
+    `titan convert dcp-to-hf` read before the recipe's path: a run folder copied to another machine (or kept after
+    its tokenizer's file changed) has the tokenizer it trained with. A tokenizer read from checkpoint.init_from_hf's
+    folder (the HF model's own, which a recipe that names none takes) comes with its other files, and the recipe then
+    names the copy, which outlives the HF folder, or cache. Rank 0's work, once the run folder is claimed."""
+    if not config.tokenizer.path:
         return config
+    given = tokenizer_file(config.tokenizer.path)
     folder = config.run_dir.absolute() / "tokenizer"
+    if given.parent == folder:  # the copy already, as a run from HF weights names it on resuming
+        return config
     folder.mkdir(exist_ok=True)
-    names = copy_tokenizer_files(given, folder)
+    source = config.checkpoint.init_from_hf
+    if not source or given.parent != model_folder(source, "checkpoint.init_from_hf").absolute():
+        shutil.copyfile(given, folder / "tokenizer.json")
+        return config
+    names = copy_tokenizer_files(given.parent, folder)
     log.info("tokenizer: %s of checkpoint.init_from_hf's %s, copied into %s", ", ".join(names), source, folder)
     return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(folder / names[0])))
 

@@ -30,7 +30,7 @@ from titan.train.build import (
     build_step,
     claim_run_folder,
     init_from_hf,
-    keep_hf_tokenizer,
+    keep_tokenizer,
 )
 from titan.train.device import pick_device
 from titan.train.digests import DIGESTS, StepDigests
@@ -82,7 +82,7 @@ class Trainer:
         self.control_group = new_gloo_group(waits)  # agreement on errors, checkpoint barriers and the stop vote
         self.run_dir = config.run_dir
         on_rank_0(lambda: claim_run_folder(self.run_dir), self.control_group)
-        self.config = config = on_rank_0(lambda: keep_hf_tokenizer(config), self.control_group)
+        self.config = config = on_rank_0(lambda: keep_tokenizer(config), self.control_group)
         if self.rank == 0:  # from here on: the folder is this run's
             log_to_file(self.run_dir / "console.log")
         torch.manual_seed(config.job.seed)

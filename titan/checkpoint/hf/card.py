@@ -147,6 +147,11 @@ def _validation(run_dir: Path, step: int) -> dict[int, float]:
 def _tokenizer_text(tokenizer, section: dict) -> str:
     """The exported tokenizer: its size and special tokens (as the recipe names them, whichever file was read)."""
     bos, eos = section.get("bos_token"), section.get("eos_token")
+    if tokenizer.bos_id is None:
+        return (
+            f"`tokenizer.json`, {tokenizer.vocab_size:,} tokens; no BOS, EOS `{eos}` ({tokenizer.eos_id}), which "
+            "also pads. titan trained on documents framed text + EOS, as the tokenizer encodes them.\n"
+        )
     return (
         f"`tokenizer.json`, {tokenizer.vocab_size:,} tokens; BOS `{bos}` ({tokenizer.bos_id}), EOS `{eos}` "
         f"({tokenizer.eos_id}), which also pads. titan trained on documents framed BOS + text + EOS, so the "

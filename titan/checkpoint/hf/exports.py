@@ -90,8 +90,11 @@ def _saved_section(path: Path, name: str):
 
 
 def saved_tokenizer(path: Path):
-    """The [tokenizer] of the recipe saved in the checkpoint at `path` (a step-N folder)."""
-    return _saved_section(path, "tokenizer")
+    """The [tokenizer] of the recipe saved in the checkpoint at `path` (a step-N folder), naming the copy its run
+    folder holds where it has one: the file the run trained with, wherever the folder went since."""
+    cfg = _saved_section(path, "tokenizer")
+    copy = Path(path).parent.parent / "tokenizer" / "tokenizer.json"
+    return replace(cfg, path=str(copy)) if copy.is_file() else cfg
 
 
 @torch.no_grad()
@@ -165,14 +168,16 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
 
     titan trains on documents framed BOS + text + EOS and continues a prompt as BOS + text; so the tokenizer.json
     written prepends BOS to what it encodes (a post-processor, as Llama 3's own tokenizer.json has), unless the
-    source tokenizer does so already. Decoding keeps the text as titan decodes it (no clean-up of spaces).
+    source tokenizer does so already, or has no BOS (Qwen's: text + EOS, and a prompt is its text). Decoding keeps
+    the text as titan decodes it (no clean-up of spaces).
     """
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 
     hf = HFTokenizer.from_file(str(tokenizer.path))
-    bos, eos = hf.id_to_token(tokenizer.bos_id), hf.id_to_token(tokenizer.eos_id)
-    if hf.encode("a").ids[:1] != [tokenizer.bos_id]:
+    bos = None if tokenizer.bos_id is None else hf.id_to_token(tokenizer.bos_id)
+    eos = hf.id_to_token(tokenizer.eos_id)
+    if bos is not None and hf.encode("a").ids[:1] != [tokenizer.bos_id]:
         prepend = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
         )
@@ -181,7 +186,7 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
     # Pad with EOS, as Llama 3's exports do: titan's tokenizers have no pad token, and a new one would be an id
     # the embedding never trained. Padded positions are masked (attention_mask 0), so which id fills them does
     # not change a prompt's tokens; transformers' batched tokenization (padding=True) needs one set.
-    special = {"bos_token": bos, "eos_token": eos, "pad_token": eos}
+    special = {**({"bos_token": bos} if bos else {}), "eos_token": eos, "pad_token": eos}
     files = {
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",  # the tokenizer.json as it is, as Llama 3 ships it
@@ -193,7 +198,7 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
         "special_tokens_map.json": special,
         # Greedy, as `titan generate` by default; batches pad with EOS (the tokenizer's pad token).
         "generation_config.json": {
-            "bos_token_id": tokenizer.bos_id,
+            **({"bos_token_id": tokenizer.bos_id} if bos else {}),
             "eos_token_id": tokenizer.eos_id,
             "pad_token_id": tokenizer.eos_id,
         },
@@ -239,7 +244,7 @@ def dcp_to_hf(
         what = f"exporting {path.name} to {Path(out_dir).name}"
         with atomic_folder(Path(out_dir)) as tmp, Progress(what, split.metadata["total_size"], "B") as progress:
             if tok is not None:
-                config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+                config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)  # a bos_token_id of None: none
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             for file, hf_names in split.filename_to_tensors.items():
                 tensors = load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})

@@ -98,11 +98,11 @@ def hf_tokenizer(folder: Path) -> Tokenizer | None:
             token = token.get("content") if isinstance(token, dict) else token  # an AddedToken, serialised
             if isinstance(token, str) and token:
                 special[key] = token
-    # A tokenizer without a BOS (Qwen's) starts documents with its EOS, as GPT-2's does.
-    bos, eos = special.get("bos_token", special.get("eos_token")), special.get("eos_token")
     default = Tokenizer()
     path = folder.absolute() / TOKENIZER_FILES[0]  # not resolved: a hub snapshot's files are links to its blobs
-    return Tokenizer(str(path), bos or default.bos_token, eos or default.eos_token)
+    if "eos_token" in special:  # the files name the specials: a tokenizer without a BOS (Qwen's) starts with none
+        return Tokenizer(str(path), special.get("bos_token", ""), special["eos_token"])
+    return Tokenizer(str(path), special.get("bos_token", default.bos_token), default.eos_token)
 
 
 def tokenizer_file_json(folder: Path, name: str) -> Any:

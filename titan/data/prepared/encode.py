@@ -62,24 +62,28 @@ class TextLimit:
 
 
 class _Encoder:
-    """Texts -> (their documents' tokens concatenated, each document's length), documents framed by BOS and EOS
-    exactly as Tokenizer.encode frames them."""
+    """Texts -> (their documents' tokens concatenated, each document's length), documents framed by BOS (if the
+    tokenizer has one: bos_id None otherwise) and EOS exactly as Tokenizer.encode frames them."""
 
-    def __init__(self, tokenizer_json: str, bos_id: int, eos_id: int, dtype: str):
+    def __init__(self, tokenizer_json: str, bos_id: int | None, eos_id: int, dtype: str):
         self.tokenizer = HFTokenizer.from_str(tokenizer_json)
         self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, dtype
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         # One call for the chunk: the tokenizer's own batch API, off the GIL (and on its threads where allowed).
         bodies = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
-        lengths = np.fromiter((len(body) + 2 for body in bodies), dtype=np.int64, count=len(bodies))
+        framing = 1 if self.bos_id is None else 2
+        lengths = np.fromiter((len(body) + framing for body in bodies), dtype=np.int64, count=len(bodies))
         ends = np.cumsum(lengths)
         ids = np.empty(int(ends[-1]) if len(ends) else 0, dtype=self.dtype)
         inside = np.ones(len(ids), dtype=bool)
-        inside[ends - lengths] = inside[ends - 1] = False
-        ids[ends - lengths], ids[ends - 1] = self.bos_id, self.eos_id
+        inside[ends - 1] = False
+        ids[ends - 1] = self.eos_id
+        if self.bos_id is not None:
+            inside[ends - lengths] = False
+            ids[ends - lengths] = self.bos_id
         ids[inside] = np.fromiter(
-            itertools.chain.from_iterable(bodies), dtype=self.dtype, count=len(ids) - 2 * len(bodies)
+            itertools.chain.from_iterable(bodies), dtype=self.dtype, count=len(ids) - framing * len(bodies)
         )
         return ids, lengths
 
