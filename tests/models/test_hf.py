@@ -262,7 +262,7 @@ def test_exported_config_is_accepted_by_transformers():
         ({"mlp_bias": True}, "mlp_bias"),
         ({"head_dim": 256}, "head_dim"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_type"),
     ],
 )

@@ -139,8 +139,8 @@ def test_the_first_layers_dense_convert_as_transformers_places_its_experts(chang
      ({"moe_intermediate_size": 1.5}, "moe_intermediate_size must be an integer"),
      ({"use_sliding_window": True}, "use_sliding_window: not supported"),
      ({"model_type": "qwen3"}, "model_type: expected 'qwen3_moe', got 'qwen3'"),
-     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-      "rope_type: 'yarn' is not supported")],
+     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}},
+      "rope_type: 'longrope' is not supported")],
 )  # fmt: skip
 def test_configs_titan_cannot_build_are_refused_naming_the_field(change, words):
     with pytest.raises(ValueError) as error:

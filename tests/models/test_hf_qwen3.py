@@ -8,6 +8,7 @@ weights, tied and untied.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,38 @@ def test_configs_titan_cannot_build_are_refused_naming_the_field(change, field):
     config = {**hf_config_from_args(FLAVORS["debug"]), **change}
     with pytest.raises(ValueError, match=field):
         args_from_hf_config(config)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [{"factor": 4.0, "original_max_position_embeddings": 16},
+     {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 2.0,
+      "attention_factor": 1.3},
+     {"factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7, "mscale_all_dim": 1.0}],
+    ids=["paper", "stated", "deepseek_mscale"],
+)  # fmt: skip
+def test_yarn_rope_scaling_gives_transformers_logits_past_the_original_context(tmp_path, rope):
+    """Qwen3 extends its context with YaRN (rope_scaling), as DeepSeek-V3 does: 48 positions of a model whose
+    original context is 16, factor 4. titan's table and attention factor give transformers' logits; without the
+    scaling they are far off; the config maps back to the same parameters."""
+    config = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **rope},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3ForCausalLM(config).float().eval()
+    randomize_(theirs, seed=1)
+    theirs.save_pretrained(tmp_path)
+    ours = titan_model(tmp_path)
+    assert ours.args.rope_scaling == "yarn"
+    tokens = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        assert max_diff(ours(tokens), expected) < TOL
+        plain = Qwen3(dataclasses.replace(ours.args, rope_scaling_factor=0.0))
+        plain.load_state_dict(ours.state_dict())
+        plain.init_buffers()
+        assert max_diff(plain.eval()(tokens), expected) > 100 * TOL  # the scaling matters at these positions
+    again = args_from_hf_config(hf_config_from_args(ours.args))
+    assert again == ours.args

@@ -22,6 +22,9 @@ LIMITS = {
 }
 
 
+ROPE_SCALINGS = ("llama3", "yarn")
+
+
 @dataclass
 class DecoderArgs:
     """A family adds its own fields (its feed-forward's) and defaults, and a `head_dim`."""
@@ -33,11 +36,18 @@ class DecoderArgs:
     vocab_size: int = 128256
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # Llama 3.1 long-context frequency scaling; factor 0 disables it.
+    # Long-context frequency scaling by rope_scaling_factor (0: none) over rope_original_max_seq_len positions:
+    # "llama3", Llama 3.1's smooth long-wavelength scaling, or "yarn", YaRN's (Qwen3's and DeepSeek-V3's).
+    rope_scaling: str = "llama3"
     rope_scaling_factor: float = 0.0
-    rope_low_freq_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3's
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
+    # YaRN's ramp from extrapolated to interpolated frequencies, in rotations (its beta_fast and beta_slow), and its
+    # scale of cos and sin (HF's attention_factor; 0: 0.1 ln(factor) + 1, as the paper has it).
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0
     max_seq_len: int = 8192  # the most positions a sequence holds
     tie_embeddings: bool = False
     attn_dropout: float = 0.0
@@ -66,14 +76,16 @@ class DecoderArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
             if getattr(self, name) > most:
                 raise ValueError(f"{name} must be at most {most:,}, got {getattr(self, name):,}")
-        for name in ("norm_eps", "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", *positive):
+        rope = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow")
+        for name in ("norm_eps", "rope_theta", *rope, *positive):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:  # NaN too
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        if not 0 <= self.rope_scaling_factor < math.inf:
-            raise ValueError(
-                f"rope_scaling_factor must be a finite number >= 0 (0: none), got {self.rope_scaling_factor}"
-            )
+        for name in ("rope_scaling_factor", "rope_attention_factor"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0 (0: none), got {getattr(self, name)}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
 
     def check_heads(self) -> None:
         """ValueError when the heads cannot be grouped or rotated, or a dropout is not a probability."""

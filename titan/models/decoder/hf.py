@@ -10,6 +10,7 @@ the other exactly; see `permute_rope_rows`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from titan.models.decoder.args import LIMITS, DecoderArgs
-from titan.schema import Integer, Number, Table, Text, optional
+from titan.schema import Flag, Integer, Number, Table, Text, optional
 
 # HF's default when a config names no rope_theta (transformers' LlamaConfig).
 HF_DEFAULT_ROPE_THETA = 10000.0
@@ -47,6 +48,12 @@ _ROPE = Table(
         "high_freq_factor": _POSITIVE,
         "original_max_position_embeddings": hf_size("rope_original_max_seq_len"),
         "partial_rotary_factor": Number(),
+        "beta_fast": _POSITIVE,
+        "beta_slow": _POSITIVE,
+        "attention_factor": _POSITIVE,
+        "mscale": Number(0),
+        "mscale_all_dim": Number(0),
+        "truncate": Flag(),
     },
 )
 HF_CONFIG = Table(
@@ -107,14 +114,50 @@ def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
             "rope_high_freq_factor": float(params["high_freq_factor"]),
             "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
         }
-    raise ValueError(f"rope_type: {rope_type!r} is not supported (only 'default' and 'llama3')")
+    if rope_type == "yarn":
+        return {"rope_theta": float(theta), **_yarn_settings(hf, params)}
+    raise ValueError(f"rope_type: {rope_type!r} is not supported (only 'default', 'llama3' and 'yarn')")
+
+
+def _yarn_settings(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's args, as transformers reads its parameters: the factor (else max_position_embeddings over the original
+    context), the betas (default 32 and 1), and the attention factor stated, or from DeepSeek's mscale and
+    mscale_all_dim, else the paper's (0 here)."""
+    if "original_max_position_embeddings" not in params:
+        raise ValueError("rope_parameters: yarn RoPE scaling lacks original_max_position_embeddings")
+    if params.get("truncate", True) is not True:
+        raise ValueError("rope_parameters.truncate: only YaRN's rounded ramp (truncate = true) is supported")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor") or 0.0
+    if not attention and params.get("mscale") and params.get("mscale_all_dim"):
+        mscale = lambda m: 0.1 * m * math.log(factor) + 1 if factor > 1 else 1.0  # noqa: E731
+        attention = mscale(params["mscale"]) / mscale(params["mscale_all_dim"])
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_original_max_seq_len": original,
+        "rope_yarn_beta_fast": float(params.get("beta_fast") or 32),
+        "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
+        "rope_attention_factor": float(attention),
+    }
 
 
 def rope_config(args: DecoderArgs) -> dict[str, Any]:
     """The RoPE fields of a config.json, in both shapes: transformers 5's `rope_parameters`, and 4's `rope_theta` and
     `rope_scaling`."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
-    if args.rope_scaling_factor:
+    if args.rope_scaling_factor and args.rope_scaling == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": float(args.rope_theta),
+            "factor": float(args.rope_scaling_factor),
+            "original_max_position_embeddings": int(args.rope_original_max_seq_len),
+            "beta_fast": float(args.rope_yarn_beta_fast),
+            "beta_slow": float(args.rope_yarn_beta_slow),
+            **({"attention_factor": float(args.rope_attention_factor)} if args.rope_attention_factor else {}),
+        }
+    elif args.rope_scaling_factor:
         rope = {
             "rope_type": "llama3",
             "rope_theta": float(args.rope_theta),

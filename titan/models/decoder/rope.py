@@ -16,8 +16,10 @@ ROPE_MAX_BYTES = 4 << 30
 
 
 def rope_frequencies(args: DecoderArgs) -> torch.Tensor:
-    """Inverse frequencies per rotated pair, with Llama 3.1's smooth long-wavelength scaling."""
+    """Inverse frequencies per rotated pair, with Llama 3.1's smooth long-wavelength scaling or YaRN's."""
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if args.rope_scaling_factor and args.rope_scaling == "yarn":
+        return _yarn_frequencies(args, freqs)
     if args.rope_scaling_factor:
         low_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
         high_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
@@ -30,6 +32,31 @@ def rope_frequencies(args: DecoderArgs) -> torch.Tensor:
         in_between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         freqs = torch.where(in_between, blended, freqs)
     return freqs
+
+
+def _yarn_frequencies(args: DecoderArgs, freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv:2309.00071): the pairs that turn fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those that turn more than beta_fast times kept, with a linear ramp between
+    them over the pairs, its ends rounded outwards as transformers rounds them."""
+
+    def pair_turning(rotations: float) -> float:  # the pair that turns this many times over the original context
+        turns = math.log(args.rope_original_max_seq_len / (rotations * 2 * math.pi))
+        return args.head_dim * turns / (2 * math.log(args.rope_theta))
+
+    low = max(math.floor(pair_turning(args.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(args.rope_yarn_beta_slow)), args.head_dim - 1)
+    high = high if high != low else high + 0.001
+    ramp = ((torch.arange(args.head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freqs / args.rope_scaling_factor * ramp + freqs * (1 - ramp)
+
+
+def rope_scale(args: DecoderArgs) -> float:
+    """What multiplies cos and sin: YaRN's attention factor (its stated one, or 0.1 ln(factor) + 1), else 1."""
+    if args.rope_scaling != "yarn" or not args.rope_scaling_factor:
+        return 1.0
+    if args.rope_attention_factor:
+        return args.rope_attention_factor
+    return 0.1 * math.log(args.rope_scaling_factor) + 1 if args.rope_scaling_factor > 1 else 1.0
 
 
 def rope_table(args: DecoderArgs, device=None, positions: int | None = None) -> torch.Tensor:
@@ -46,10 +73,11 @@ def rope_table(args: DecoderArgs, device=None, positions: int | None = None) -> 
             "max_position_embeddings)"
         )
     table = torch.empty(count, args.head_dim // 2, 2, device=device)
-    frequencies, step = rope_frequencies(args), 1 << 16
+    frequencies, scale, step = rope_frequencies(args), rope_scale(args), 1 << 16
     for start in range(0, count, step):
         angles = torch.outer(torch.arange(start, min(start + step, count), dtype=torch.float64), frequencies)
-        table[start : start + step] = torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+        pairs = torch.stack([angles.cos(), angles.sin()], dim=-1)
+        table[start : start + step] = (pairs if scale == 1 else pairs * scale).float().to(device)
     return table
 
 
