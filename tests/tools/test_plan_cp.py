@@ -124,18 +124,19 @@ def test_the_planned_ring_traffic_is_what_the_real_ring_sends(measured_cp2):
 
 def test_a_cp_rank_s_flops_are_its_chunk_pairs(tmp_path):
     """The trace counts what the ring computes: per layer, 2·cp + 1 chunk pairs of (seq / 2·cp)² (the pairs whose
-    keys all come after their queries skipped; a diagonal pair, causal, counted whole as the FLOP formula counts any
-    causal attention call), and 1/cp of every matmul of the weights. From the one-process plan, whose attention is
-    one (seq)² call per layer: 14·rows·heads·seq²·head_dim FLOPs forward and backward (torch's formulas: 2 matmuls
-    forward, 5 backward)."""
+    keys all come after their queries skipped), two of them diagonal and causal, counted at their triangle (c + 1) /
+    2c as a flash kernel computes it, and 1/cp of every matmul of the weights. From the one-process plan, whose
+    attention is one causal (seq)² call per layer: 14·rows·heads·seq²·head_dim FLOPs forward and backward (torch's
+    formulas: 2 matmuls forward, 5 backward) times its triangle (seq + 1) / 2·seq."""
     cp = 2
     single = estimate_step(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1), 1).ranks[0].flops
     ring = estimate_step(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, cp), world_size=cp), cp).ranks[0].flops
     args = resolve_model(load_config(DEBUG_RECIPE, cp_overrides(tmp_path, 1), world_size=1)).args
-    attention = args.n_layers * 14 * ROWS * args.n_heads * SEQ**2 * args.head_dim
-    weights = single - attention
-    pairs = 2 * cp + 1
-    assert ring == pytest.approx(weights / cp + attention * pairs / (2 * cp) ** 2, rel=1e-12)
+    per_square = args.n_layers * 14 * ROWS * args.n_heads * args.head_dim  # times a (queries x keys) square
+    weights = single - per_square * SEQ**2 * (SEQ + 1) / (2 * SEQ)
+    chunk = SEQ // (2 * cp)
+    pairs = 2 * (chunk + 1) / (2 * chunk) + (2 * cp + 1 - 2)  # two causal diagonal pairs, the others whole
+    assert ring == pytest.approx(weights / cp + per_square * chunk**2 * pairs, rel=1e-12)
 
 
 @pytest.mark.scenario  # titan plan --ep compares degrees by the same code (test_plan_ep.py)

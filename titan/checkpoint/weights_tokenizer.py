@@ -37,15 +37,26 @@ def with_weights_tokenizer(config: Config) -> Config:
 
 
 def _check_own_tokenizer(config: Config) -> None:
-    """ConfigError when tokenizer.path is not checkpoint.init_from_hf's own tokenizer.json: the weights learned what
-    its ids mean, and another tokenizer's ids mean other text (loss 9.77 at step 1 where the own gave 2.11)."""
+    """ConfigError when tokenizer.path's vocabulary is not that of checkpoint.init_from_hf's own tokenizer.json: the
+    weights learned what its ids mean, and another vocabulary's ids mean other text (loss 9.77 at step 1 where the
+    own gave 2.11). The same vocabulary written otherwise (an export's, with its BOS post-processor) is the same."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     from titan.checkpoint.hf.files import own_file
     from titan.data.tokenizer import tokenizer_file
 
     source = config.checkpoint.init_from_hf
     theirs = own_file(model_folder(source, "checkpoint.init_from_hf"), "tokenizer.json")
     given = tokenizer_file(config.tokenizer.path)
-    if theirs is not None and given.read_bytes() != theirs.read_bytes():
+    if theirs is None:
+        return
+    try:
+        ours, their_vocabulary = (
+            HFTokenizer.from_file(str(p)).get_vocab(with_added_tokens=True) for p in (given, theirs)
+        )
+    except Exception:  # a file that does not parse: its reader says so, in its own words, when it reads it
+        return
+    if ours != their_vocabulary:
         raise ConfigError(
             f"tokenizer.path {config.tokenizer.path} is not checkpoint.init_from_hf's own tokenizer ({theirs}): the "
             "weights' token ids would mean other text; leave tokenizer.path empty to train with theirs, or set "

@@ -48,16 +48,27 @@ def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a[-1]
 
 
-# FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as) and
-# the grouped matmul.
+def causal_share(q, is_causal: bool) -> float:
+    """The share of the score matrix a flash kernel computes: the lower triangle, diagonal included, of a causal
+    one (a 128k step's attention is most of it; FlopCounterMode counts the whole matrix)."""
+    seq = q[-2]
+    return (seq + 1) / (2 * seq) if is_causal else 1.0
+
+
+# FlopCounterMode's formulas, plus the CPU's flash attention (the kernel the GPU's flash attention is traced as),
+# causal at its triangle, and the grouped matmul.
 FLOPS = {
     **flop_registry,
     aten._grouped_mm: shape_wrapper(grouped_mm_flops),
     aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(
-        lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v)
+        lambda q, k, v, dropout_p=0.0, is_causal=False, *_, out_shape=None, **__: (
+            sdpa_flop_count(q, k, v) * causal_share(q, is_causal)
+        )
     ),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
-        lambda grad, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(grad, q, k, v)
+        lambda grad, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *_, out_shape=None, **__: (
+            sdpa_backward_flop_count(grad, q, k, v) * causal_share(q, is_causal)
+        )
     ),
 }
 # The attention kernels, behind which context parallelism's ring sends its next block.
