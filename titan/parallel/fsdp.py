@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import torch
@@ -33,6 +34,10 @@ def apply_fsdp(
     # in fp32, as autocast does on one device, and keeps FSDP's cast out of the block: its pre-forward hook runs
     # before checkpointing's in forward but inside the recomputation, which selective checkpointing refuses.
     block_policy = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)}
+    if expert_mesh is not None:
+        # torch warns on every forward that the experts' unit returns a view, which an in-place op would cut off
+        # from its backward hook; the MoE layer only reads it (index_copy_ into a new tensor).
+        warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view", UserWarning)
     for i, block in enumerate(blocks):
         # The last block's parameters are the first needed by backward: resharding them would be wasted work.
         reshard = reshard_after_forward and i < len(blocks) - 1
