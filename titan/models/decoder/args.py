@@ -64,6 +64,11 @@ class DecoderArgs:
             )
         return None
 
+    @property
+    def rope_dim(self) -> int:
+        """Each head's width that RoPE rotates: all of it (latent attention rotates a part of its own)."""
+        return self.head_dim
+
     def validate(self) -> None:
         self.check_bounds()
         self.check_heads()

@@ -40,7 +40,7 @@ def flex_length(seq: int) -> int:
     return max(FLEX_MIN_LENGTH, 1 << (seq - 1).bit_length())
 
 
-def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
+def attend_flex(q, k, v, mask: BlockMask, attention=None, scale: float | None = None) -> torch.Tensor:
     """Flex attention of (batch, heads, seq, head_dim) q, k, v under a document mask built for flex_length(seq)
     tokens: padded to that length, attended, cut back. `attention`: the kernel (default the compiled one)."""
     seq = q.shape[2]
@@ -50,7 +50,7 @@ def attend_flex(q, k, v, mask: BlockMask, attention=None) -> torch.Tensor:
         attention = compiled_flex_attention()
     limit = max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     with torch._dynamo.config.patch(recompile_limit=limit):
-        out = attention(q, k, v, block_mask=mask, enable_gqa=True)
+        out = attention(q, k, v, block_mask=mask, enable_gqa=True, scale=scale)
     return out[:, :, :seq]
 
 
@@ -93,7 +93,7 @@ def document_mask(document_ids: torch.Tensor, form: MaskForm) -> torch.Tensor | 
     return spans
 
 
-def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list) -> torch.Tensor:
+def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list, scale=None) -> torch.Tensor:
     """Causal attention within each document span of each row (see document_mask). Rows and documents are cut
     with unbind and split, whose backward is one stack or cat: a slice's would fill a zero tensor of the whole
     input for every document."""
@@ -101,7 +101,7 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
     for q_row, k_row, v_row, row_spans in zip(q.unbind(0), k.unbind(0), v.unbind(0), spans):
         sizes = [stop - start for start, stop, _ in row_spans]
         pieces = [
-            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True)
+            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True, scale=scale)
             for qs, ks, vs in zip(q_row.split(sizes, dim=1), k_row.split(sizes, dim=1), v_row.split(sizes, dim=1))
         ]
         rows.append(torch.cat(pieces, dim=2))
@@ -143,27 +143,35 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.extend(k, v)
-        if self.context_parallel is not None and self.context_parallel.is_ring(mask):
-            # This rank's chunks of the sequence; the others' come round a ring.
-            out = self.context_parallel.attend(q, k, v, mask, rows, self.dropout if self.training else None)
-        elif isinstance(mask, BlockMask):
-            out = attend_flex(q, k, v, mask)
-        elif isinstance(mask, list):
-            out = attend_per_document(q, k, v, mask)
-        elif self.training and self.dropout.p:
-            # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            if mask is None:
-                mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            # The mask as the bias and the scale as the alpha of the scores' matmul: two fewer passes over the
-            # (batch, heads, seq, seq) scores each way, which on a CPU cost more than the matmul itself.
-            heads = q.shape[1]
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            if bias.ndim == 4:  # a mask per row (documents): one per row and head
-                bias = bias.expand(batch, heads, seq, seq).flatten(0, 1)
-            scores = torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=self.head_dim**-0.5)
-            probs = scores.view(batch, heads, seq, seq).softmax(dim=-1, dtype=torch.float32).type_as(q)
-            out = self.dropout(probs, rows) @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(attend(self, q, k, v, mask, rows).transpose(1, 2).reshape(batch, seq, -1))
+
+
+def attend(module: nn.Module, q, k, v, mask, rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """An attention module's (batch, heads, seq, width) q, k and v (v's width may differ; k and v may hold fewer
+    heads, or the cache's earlier tokens) -> (batch, heads, seq, v's width), scores scaled by `scale` (default
+    1/sqrt(q's width)): round its context-parallel ring, by flex or per document under a document mask, with titan's
+    own dropout of the probabilities, or by SDPA. `module`: its `context_parallel`, `dropout` and `training`."""
+    batch, heads, seq, width = q.shape
+    ring = module.context_parallel
+    if ring is not None and ring.is_ring(mask):
+        # This rank's chunks of the sequence; the others' come round a ring.
+        return ring.attend(q, k, v, mask, rows, module.dropout if module.training else None)
+    if isinstance(mask, BlockMask):
+        return attend_flex(q, k, v, mask, scale=scale)
+    if isinstance(mask, list):
+        return attend_per_document(q, k, v, mask, scale=scale)
+    if module.training and module.dropout.p:
+        # SDPA draws its own dropout mask; titan's mask must come from its counter-based RNG.
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        if mask is None:
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        # The mask as the bias and the scale as the alpha of the scores' matmul: two fewer passes over the
+        # (batch, heads, seq, seq) scores each way, which on a CPU cost more than the matmul itself.
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        if bias.ndim == 4:  # a mask per row (documents): one per row and head
+            bias = bias.expand(batch, heads, seq, seq).flatten(0, 1)
+        alpha = width**-0.5 if scale is None else scale
+        scores = torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=alpha)
+        probs = scores.view(batch, heads, seq, seq).softmax(dim=-1, dtype=torch.float32).type_as(q)
+        return module.dropout(probs, rows) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scale)

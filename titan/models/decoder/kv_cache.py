@@ -23,10 +23,9 @@ class KVCache:
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' keys and values (batch, n_kv_heads, seq, head_dim) after the cached ones;
         returns those of every token so far."""
-        if self.keys is None:
-            batch, heads, _, head_dim = k.shape
-            self.keys = k.new_zeros(batch, heads, self.max_len, head_dim)
-            self.values = torch.zeros_like(self.keys)
+        if self.keys is None:  # a value may be narrower than its key (latent attention's)
+            self.keys = k.new_zeros(*k.shape[:2], self.max_len, k.shape[3])
+            self.values = v.new_zeros(*v.shape[:2], self.max_len, v.shape[3])
         stop = self.length + k.shape[2]
         self.keys[:, :, self.length : stop] = k
         self.values[:, :, self.length : stop] = v

@@ -38,12 +38,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: DecoderArgs, feed_forward: nn.Module, qk_norm: bool = False):
-        """feed_forward: x (rows, seq, dim) -> (rows, seq, dim), e.g. a FeedForward, or a mixture of experts."""
+    def __init__(self, layer_id: int, args: DecoderArgs, feed_forward: nn.Module, attention: nn.Module | None = None):
+        """feed_forward: x (rows, seq, dim) -> (rows, seq, dim), e.g. a FeedForward, or a mixture of experts.
+        attention: grouped-query Attention by default, or latent attention."""
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, qk_norm)
+        self.attention = attention if attention is not None else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = feed_forward
         self.attention_dropout = rng.Dropout(args.resid_dropout)  # on each residual branch's output

@@ -17,7 +17,7 @@ ROPE_MAX_BYTES = 4 << 30
 
 def rope_frequencies(args: DecoderArgs) -> torch.Tensor:
     """Inverse frequencies per rotated pair, with Llama 3.1's smooth long-wavelength scaling or YaRN's."""
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.rope_dim, 2, dtype=torch.float64) / args.rope_dim))
     if args.rope_scaling_factor and args.rope_scaling == "yarn":
         return _yarn_frequencies(args, freqs)
     if args.rope_scaling_factor:
@@ -41,12 +41,12 @@ def _yarn_frequencies(args: DecoderArgs, freqs: torch.Tensor) -> torch.Tensor:
 
     def pair_turning(rotations: float) -> float:  # the pair that turns this many times over the original context
         turns = math.log(args.rope_original_max_seq_len / (rotations * 2 * math.pi))
-        return args.head_dim * turns / (2 * math.log(args.rope_theta))
+        return args.rope_dim * turns / (2 * math.log(args.rope_theta))
 
     low = max(math.floor(pair_turning(args.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(pair_turning(args.rope_yarn_beta_slow)), args.head_dim - 1)
+    high = min(math.ceil(pair_turning(args.rope_yarn_beta_slow)), args.rope_dim - 1)
     high = high if high != low else high + 0.001
-    ramp = ((torch.arange(args.head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(args.rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     return freqs / args.rope_scaling_factor * ramp + freqs * (1 - ramp)
 
 
@@ -64,15 +64,15 @@ def rope_table(args: DecoderArgs, device=None, positions: int | None = None) -> 
     refused in one line above ROPE_MAX_BYTES; computed in float64 a slice at a time, so the peak is the table's."""
     count = args.max_seq_len if positions is None else min(positions, args.max_seq_len)
     if torch.empty(0, device=device).is_meta:  # a model built on the meta device: the shape is all there is
-        return torch.empty(count, args.head_dim // 2, 2, device=device)
-    size = count * args.head_dim * 4
+        return torch.empty(count, args.rope_dim // 2, 2, device=device)
+    size = count * args.rope_dim * 4
     if size > ROPE_MAX_BYTES:
         raise ConfigError(
-            f"the RoPE table of {count:,} positions for heads of {args.head_dim} would take {size / 2**30:,.0f} "
+            f"the RoPE table of {count:,} positions for heads of {args.rope_dim} would take {size / 2**30:,.0f} "
             f"GiB, more than titan builds ({ROPE_MAX_BYTES / 2**30:.0f} GiB): lower max_seq_len (the model's "
             "max_position_embeddings)"
         )
-    table = torch.empty(count, args.head_dim // 2, 2, device=device)
+    table = torch.empty(count, args.rope_dim // 2, 2, device=device)
     frequencies, scale, step = rope_frequencies(args), rope_scale(args), 1 << 16
     for start in range(0, count, step):
         angles = torch.outer(torch.arange(start, min(start + step, count), dtype=torch.float64), frequencies)

@@ -32,7 +32,7 @@ def __getattr__(name: str):
 def active_params(args: MoEArgs) -> int:
     """Matmul weights one token goes through: attention, its layer's dense SwiGLU or router, top_k routed and the
     shared experts, and the output head."""
-    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    attention = args.attention_matmuls()
     dense = 3 * args.dim * args.dense_hidden_dim
     experts = args.top_k + args.n_shared_experts
     moe = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * experts
@@ -42,7 +42,8 @@ def active_params(args: MoEArgs) -> int:
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights."""
-    return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    qk, v = args.score_widths
+    return 6 * active_params(args) + 6 * args.n_layers * args.n_heads * (qk + v) * seq_len
 
 
 def hf_format_blockers(args: MoEArgs) -> list[str]:

@@ -34,6 +34,15 @@ class MoEArgs(DecoderArgs):
     rope_theta: float = 1000000.0
     head_dim: int = 128  # each head's width: Qwen3's heads are wider than dim / n_heads
     qk_norm: bool = True  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
+    # DeepSeek's multi-head latent attention in place of grouped-query attention when kv_lora_rank > 0: keys and
+    # values from a latent of kv_lora_rank per token, queries from one of q_lora_rank (0: from the hidden state);
+    # each head's query and key a part without position and a rotated part (the key's one for all heads), values
+    # v_head_dim wide. head_dim, n_kv_heads and qk_norm are then unused.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
     # The first `dense_layers` layers have a dense SwiGLU of dense_hidden_dim (DeepSeek-V3 keeps its first three).
     dense_layers: int = 0
     dense_hidden_dim: int = 6144
@@ -64,6 +73,36 @@ class MoEArgs(DecoderArgs):
         return super().per_row
 
     @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Latent attention's scores' scale: 1/sqrt of a query's whole width."""
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    @property
+    def score_widths(self) -> tuple[int, int]:
+        """A head's query (and key) width and its value's."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
+    def attention_matmuls(self) -> int:
+        """The attention's matmul weights: q, k, v and o, or latent attention's projections."""
+        if not self.kv_lora_rank:
+            return self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        (qk, v), heads, q_lora = self.score_widths, self.n_heads, self.q_lora_rank
+        query = q_lora * (self.dim + heads * qk) if q_lora else self.dim * heads * qk
+        latent = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return query + latent + self.kv_lora_rank * heads * (self.qk_nope_head_dim + v) + heads * v * self.dim
+
+    def attention_params(self, qk_norm: bool = False) -> int:
+        if not self.kv_lora_rank:
+            return super().attention_params(qk_norm)
+        return self.attention_matmuls() + self.q_lora_rank + self.kv_lora_rank + 2 * self.dim  # and the norms
+
+    @property
     def moe_layers(self) -> range:
         return range(self.dense_layers, self.n_layers)
 
@@ -72,6 +111,11 @@ class MoEArgs(DecoderArgs):
             raise ValueError(
                 f"parallel.ep = {ep} must divide the model's n_experts ({self.n_experts}): each expert-parallel rank "
                 "holds as many experts; use a divisor of n_experts"
+            )
+        if self.kv_lora_rank and (tp > 1 or cp > 1):
+            raise ValueError(
+                f"parallel.tp = {tp} and parallel.cp = {cp}: titan splits latent attention (kv_lora_rank > 0) by "
+                "neither yet; use data, pipeline and expert parallelism"
             )
         dense = ("dense_hidden_dim", self.dense_hidden_dim) if self.dense_layers else None
         self.check_layer_split(tp, pp_stages, dense)
@@ -116,6 +160,14 @@ class MoEArgs(DecoderArgs):
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts}): a token picks top_k")
         self._check_groups()
+        if self.kv_lora_rank:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if not 1 <= getattr(self, name) <= 2**14:
+                    raise ValueError(f"{name} must be in [1, 16,384] for latent attention, got {getattr(self, name)}")
+            if not 0 <= self.q_lora_rank <= 2**14:
+                raise ValueError(f"q_lora_rank must be in [0, 16,384] (0: no query latent), got {self.q_lora_rank}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
         if not 0 <= self.dense_layers <= self.n_layers:
             raise ValueError(f"dense_layers must be in [0, n_layers = {self.n_layers}], got {self.dense_layers}")
         if self.score_func not in SCORE_FUNCTIONS:

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from titan.models.decoder.attention import Attention
+from titan.models.decoder.latent_attention import LatentAttention
 from titan.models.decoder.model import Decoder, FeedForward, TransformerBlock
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.experts import GroupedExperts
@@ -68,7 +70,8 @@ class MoETransformer(Decoder):
             feed_forward = MoE(args, self.routing)
         else:
             feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
-        return TransformerBlock(layer_id, args, feed_forward, qk_norm=args.qk_norm)
+        attention = LatentAttention(args) if args.kv_lora_rank else Attention(args, args.qk_norm)
+        return TransformerBlock(layer_id, args, feed_forward, attention)
 
     def init_buffers(self, positions: int | None = None) -> None:
         """The RoPE table, and each router's step counts at zero; the routers' biases are state, left as loaded."""

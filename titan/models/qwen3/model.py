@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan.models.decoder.attention import Attention
 from titan.models.decoder.model import Decoder, FeedForward, TransformerBlock
 from titan.models.qwen3.args import Qwen3Args
 
@@ -11,4 +12,4 @@ class Qwen3(Decoder):
 
     def block(self, layer_id: int) -> TransformerBlock:
         feed_forward = FeedForward(self.args.dim, self.args.hidden_dim)
-        return TransformerBlock(layer_id, self.args, feed_forward, qk_norm=True)
+        return TransformerBlock(layer_id, self.args, feed_forward, Attention(self.args, qk_norm=True))

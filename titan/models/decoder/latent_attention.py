@@ -1,0 +1,62 @@
+"""DeepSeek-V2/V3's multi-head latent attention (MLA): keys and values come from one compressed latent per token
+(kv_lora_rank wide, RMS-normalised) expanded per head, queries from the hidden state or a compressed one of their
+own (q_lora_rank; 0: none). Each head's query and key are a part without position (qk_nope_head_dim) and a part
+RoPE rotates (qk_rope_head_dim), the key's rotated part one for all heads; values are v_head_dim wide.
+
+RoPE rotates interleaved pairs, as titan's other attention does and as DeepSeek's weights (and transformers'
+`rope_interleave`) hold them, so the weights need no reordering.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan import rng
+from titan.models.decoder.attention import BlockMask, attend
+from titan.models.decoder.kv_cache import KVCache
+from titan.models.decoder.rope import apply_rope
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, args):
+        """args: a family's with dim, n_heads, norm_eps, attn_dropout, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+        qk_rope_head_dim, v_head_dim and softmax_scale."""
+        super().__init__()
+        self.nope, self.rope, self.v_width = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.rank, self.scale = args.kv_lora_rank, args.softmax_scale
+        heads, qk_width = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+        self.dropout = rng.Dropout(args.attn_dropout)  # on the attention probabilities
+        if args.q_lora_rank:  # the query's own latent
+            self.wq, self.wq_a = None, nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, heads * qk_width, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, heads * qk_width, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(heads * args.v_head_dim, args.dim, bias=False)
+        self.context_parallel = None  # the slot every attention module has (titan/parallel/cp/ring.py)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor | BlockMask | list | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(batch, seq, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.nope + self.v_width)
+        k_nope, v = kv.split([self.nope, self.v_width], dim=-1)
+        k_rope = apply_rope(k_rope.view(batch, seq, 1, self.rope), rope).expand(-1, -1, k_nope.shape[2], -1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        return self.wo(attend(self, q, k, v, mask, rows, self.scale).transpose(1, 2).reshape(batch, seq, -1))
