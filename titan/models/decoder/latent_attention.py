@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from titan import rng
-from titan.models.decoder.attention import BlockMask, attend
+from titan.models.decoder.attention import attend
 from titan.models.decoder.kv_cache import KVCache
 from titan.models.decoder.rope import apply_rope
 
