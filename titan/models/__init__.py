@@ -21,91 +21,64 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _llama3() -> ModelSpec:
-    from titan.models import llama
+def _on_decoder(name: str, family, build, hf, **own) -> ModelSpec:
+    """A family on the shared decoder (titan/models/decoder/): its flavors, model, FLOPs and Hugging Face conversion
+    (its hf module's names), and the decoder's parallelism, but for the parts of its own in `own`."""
     from titan.models.decoder import parallelize
-    from titan.models.llama import hf
 
-    return ModelSpec(
-        name="llama3",
-        flavors=llama.FLAVORS,
-        build=llama.Transformer,
-        flops_per_token=llama.flops_per_token,
-        kv_width=llama.kv_width,
+    adapter = HFAdapter(
+        args_from_config=hf.args_from_hf_config,
+        config_from_args=hf.hf_config_from_args,
+        sources=hf.hf_sources,
+        check_names=hf.check_hf_names,
+        to_hf_tensor=hf.to_hf_tensor,
+        training_choices=hf.TRAINING_CHOICES,
+        check_buffers=getattr(hf, "check_hf_buffers", None),
+        model_type=hf.MODEL_TYPE,
+    )
+    parts = dict(
+        name=name,
+        flavors=family.FLAVORS,
+        build=build,
+        flops_per_token=family.flops_per_token,
+        kv_width=family.kv_width,
         tp_plan=parallelize.tp_plan,
         blocks=parallelize.blocks,
         pipeline_stage=parallelize.pipeline_stage,
         pipeline_io=parallelize.pipeline_io,
         block_inputs=parallelize.block_inputs,
-        hf=HFAdapter(
-            args_from_config=hf.args_from_hf_config,
-            config_from_args=hf.hf_config_from_args,
-            sources=hf.hf_sources,
-            check_names=hf.check_hf_names,
-            to_hf_tensor=hf.to_hf_tensor,
-            training_choices=hf.TRAINING_CHOICES,
-            model_type="llama",
-        ),
+        hf=adapter,
     )
+    return ModelSpec(**{**parts, **own})
+
+
+def _llama3() -> ModelSpec:
+    from titan.models import llama
+    from titan.models.llama import hf
+
+    return _on_decoder("llama3", llama, llama.Transformer, hf)
 
 
 def _moe() -> ModelSpec:
     from titan.models import moe
-    from titan.models.decoder import parallelize as decoder
     from titan.models.moe import hf, parallelize
 
-    return ModelSpec(
-        name="moe",
-        flavors=moe.FLAVORS,
-        build=moe.MoETransformer,
-        flops_per_token=moe.flops_per_token,
-        kv_width=moe.kv_width,
+    return _on_decoder(
+        "moe",
+        moe,
+        moe.MoETransformer,
+        hf,
         tp_plan=parallelize.tp_plan,
-        blocks=decoder.blocks,
-        pipeline_stage=decoder.pipeline_stage,
-        pipeline_io=decoder.pipeline_io,
-        block_inputs=decoder.block_inputs,
         routed_experts=moe.routed_experts,
         layers_args=moe.layers_args,
-        hf=HFAdapter(
-            args_from_config=hf.args_from_hf_config,
-            config_from_args=hf.hf_config_from_args,
-            sources=hf.hf_sources,
-            check_names=hf.check_hf_names,
-            to_hf_tensor=hf.to_hf_tensor,
-            training_choices=hf.TRAINING_CHOICES,
-            check_buffers=hf.check_hf_buffers,
-            model_type="qwen3_moe",
-        ),
     )
 
 
 def _qwen3() -> ModelSpec:
     from titan.models import qwen3
-    from titan.models.decoder import parallelize
     from titan.models.qwen3 import hf
 
-    return ModelSpec(
-        name="qwen3",
-        flavors=qwen3.FLAVORS,
-        build=qwen3.Qwen3,
-        flops_per_token=qwen3.flops_per_token,
-        kv_width=qwen3.kv_width,
-        tp_plan=parallelize.tp_plan,
-        blocks=parallelize.blocks,
-        pipeline_stage=parallelize.pipeline_stage,
-        pipeline_io=parallelize.pipeline_io,
-        block_inputs=parallelize.block_inputs,
-        hf=HFAdapter(
-            args_from_config=hf.args_from_hf_config,
-            config_from_args=hf.hf_config_from_args,
-            sources=hf.hf_sources,
-            check_names=hf.check_hf_names,
-            to_hf_tensor=hf.to_hf_tensor,
-            training_choices=hf.TRAINING_CHOICES,
-            model_type="qwen3",
-        ),
-    )
+    return _on_decoder("qwen3", qwen3, qwen3.Qwen3, hf)
 
 
 # name -> its package, whose FLAVORS import without torch (a recipe's model is checked before torch loads), and

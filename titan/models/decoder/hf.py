@@ -84,6 +84,20 @@ HF_CONFIG = Table(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def check_config(hf: dict[str, Any], schema: Table, model_type: str, refused: tuple[str, ...]) -> None:
+    """What every family's config import checks first: its fields' types and bounds (`schema`), its model_type,
+    the `refused` features (flags titan does not build: biases, sliding windows) off, and SwiGLU's activation;
+    ValueError naming the field."""
+    schema.check(hf, "")
+    if hf.get("model_type", model_type) != model_type:
+        raise ValueError(f"model_type: expected {model_type!r}, got {hf['model_type']!r}")
+    for field in refused:
+        if hf.get(field, False):
+            raise ValueError(f"{field}: not supported by titan's {model_type} conversion")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+
+
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     """The RoPE fields of a family's args from either config shape.
 

@@ -24,6 +24,7 @@ from titan.models.decoder.hf import (
     HF_CONFIG,
     TRAINING_CHOICES,
     attention_rope_rows,
+    check_config,
     check_keys,
     check_names,
     decoder_sources,
@@ -34,9 +35,10 @@ from titan.models.decoder.hf import (
 from titan.models.llama.args import ModelArgs
 
 __all__ = [
-    "TRAINING_CHOICES", "args_from_hf_config", "check_hf_names", "from_hf_state_dict", "hf_config_from_args",
-    "hf_sources", "to_hf_state_dict", "to_hf_tensor",
+    "MODEL_TYPE", "TRAINING_CHOICES", "args_from_hf_config", "check_hf_names", "from_hf_state_dict",
+    "hf_config_from_args", "hf_sources", "to_hf_state_dict", "to_hf_tensor",
 ]  # fmt: skip
+MODEL_TYPE = "llama"  # config.json's, which picks this family
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -66,14 +68,7 @@ def _ffn_multiplier_for(dim: int, intermediate_size: int) -> float:
 def args_from_hf_config(hf: dict[str, Any]) -> ModelArgs:
     """`ModelArgs` for an HF Llama `config.json` dict; unsupported features and values of the wrong type or out of
     bounds raise ValueError naming the field."""
-    HF_CONFIG.check(hf, "")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type: expected 'llama', got {hf['model_type']!r}")
-    for field in ("attention_bias", "mlp_bias"):
-        if hf.get(field, False):
-            raise ValueError(f"{field}: biases are not supported by titan's Llama")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+    check_config(hf, HF_CONFIG, MODEL_TYPE, ("attention_bias", "mlp_bias"))
     dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if dim % n_heads:
         raise ValueError(f"hidden_size ({dim}) must divide by num_attention_heads ({n_heads})")

@@ -28,6 +28,7 @@ from titan.schema import Flag, Integer, ListOf, Table, optional
 
 # Fields that are training choices: the decoder's, and the MoE's load balancing (Qwen3-MoE's router_aux_loss_coef
 # too).
+MODEL_TYPE = "qwen3_moe"  # config.json's, which picks this family
 TRAINING_CHOICES = (*decoder.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
 # transformers' Qwen3MoeConfig defaults for fields a config.json may leave out.
 _HF_DEFAULTS = {"intermediate_size": 6144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
@@ -95,14 +96,7 @@ def _dense_layers(hf: dict[str, Any], n_layers: int) -> int:
 def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
     """`MoEArgs` for an HF Qwen3-MoE `config.json` dict; unsupported features and values of the wrong type or out of
     bounds raise ValueError naming the field."""
-    HF_CONFIG.check(hf, "")
-    if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
-        raise ValueError(f"model_type: expected 'qwen3_moe', got {hf['model_type']!r}")
-    for field in ("attention_bias", "use_sliding_window"):
-        if hf.get(field, False):
-            raise ValueError(f"{field}: not supported by titan's moe")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+    decoder.check_config(hf, HF_CONFIG, MODEL_TYPE, ("attention_bias", "use_sliding_window"))
     dim, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     n_experts, top_k = _n_experts(hf), hf["num_experts_per_tok"]
     if top_k > n_experts:

@@ -16,6 +16,7 @@ from titan.models.decoder import hf as decoder
 from titan.models.qwen3.args import LIMITS, Qwen3Args
 from titan.schema import Flag, Table, optional
 
+MODEL_TYPE = "qwen3"  # config.json's, which picks this family
 TRAINING_CHOICES = decoder.TRAINING_CHOICES
 # The decoder's fields with this family's bounds: checked before any is used.
 HF_CONFIG = Table(
@@ -34,14 +35,7 @@ HF_CONFIG = Table(
 def args_from_hf_config(hf: dict[str, Any]) -> Qwen3Args:
     """`Qwen3Args` for an HF Qwen3 `config.json` dict; unsupported features and values of the wrong type or out of
     bounds raise ValueError naming the field."""
-    HF_CONFIG.check(hf, "")
-    if hf.get("model_type", "qwen3") != "qwen3":
-        raise ValueError(f"model_type: expected 'qwen3', got {hf['model_type']!r}")
-    for field in ("attention_bias", "use_sliding_window"):
-        if hf.get(field, False):
-            raise ValueError(f"{field}: not supported by titan's qwen3")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act: only 'silu' is supported, got {hf['hidden_act']!r}")
+    decoder.check_config(hf, HF_CONFIG, MODEL_TYPE, ("attention_bias", "use_sliding_window"))
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     args = Qwen3Args(
         dim=dim,
