@@ -320,6 +320,32 @@ def tiny_hf_config(tied: bool):
     )
 
 
+def tiny_deepseek_v3(path: Path, vocab_size: int = 320, q_lora_rank: int | None = 24, tied: bool = False, **save):
+    """A random transformers DeepseekV3ForCausalLM, saved at `path` (save_pretrained's keyword arguments in `save`):
+    3 layers, the first dense, the others of 8 experts in 2 groups, 2 per token from the best group, with a shared
+    expert and random routing biases; latent attention of 4 heads (queries 16 + 8 wide, values 12) from a 32-wide
+    latent, and a 24-wide query latent unless q_lora_rank is None."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        tie_word_embeddings=tied, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    randomize_(model, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8, generator=gen))
+    model.save_pretrained(path, **save)
+    return model
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that attention is far from uniform (so a q/k layout error shows) and norms not 1.
 

@@ -34,7 +34,7 @@ def _on_decoder(name: str, family, build, hf, **own) -> ModelSpec:
         to_hf_tensor=hf.to_hf_tensor,
         training_choices=hf.TRAINING_CHOICES,
         check_buffers=getattr(hf, "check_hf_buffers", None),
-        model_type=hf.MODEL_TYPE,
+        model_types=hf.MODEL_TYPES,
     )
     parts = dict(
         name=name,
@@ -94,9 +94,9 @@ def family_of_hf(model_type: str) -> str:
     """The family whose Hugging Face conversion reads config.json's `model_type`."""
     for name in _REGISTRY:
         hf = get_model_spec(name).hf
-        if hf is not None and hf.model_type == model_type:
+        if hf is not None and model_type in hf.model_types:
             return name
-    known = ", ".join(f"{get_model_spec(n).hf.model_type} ({n})" for n in _REGISTRY if get_model_spec(n).hf)
+    known = ", ".join(f"{t} ({n})" for n in _REGISTRY if get_model_spec(n).hf for t in get_model_spec(n).hf.model_types)
     raise KeyError(f"no titan model family reads HF model_type {model_type!r}; titan reads {known}")
 
 

@@ -170,10 +170,12 @@ class HFAdapter:
     # Args fields that are training choices rather than properties of the weights: an HF model and the recipe
     # that uses it may differ in them.
     training_choices: tuple[str, ...]
-    model_type: str  # config.json's model_type for this family: `titan convert hf-to-dcp` picks the family by it
+    # config.json's model_types this family reads: `titan convert hf-to-dcp` picks the family by it
+    model_types: tuple[str, ...]
     # (args, {buffer name: tensor}) -> None: the state a model holds besides its parameters (a MoE's routing
-    # biases), which an HF checkpoint has no place for; ValueError when its values make a model the HF one is not.
-    # An HF checkpoint imports with these buffers at zero. None: the family's models have no such buffers.
+    # biases) that `sources` does not name, which the HF checkpoint has no place for; ValueError when its values
+    # make a model the HF one is not. An HF checkpoint imports with these buffers at zero. None: the family's
+    # models have no such buffers. A buffer `sources` names is read and written as the parameters are.
     check_buffers: Callable[[Args, dict], None] | None = None
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.hf.files import copy_tokenizer_files
-from titan.checkpoint.train_state import model_shapes
+from titan.checkpoint.train_state import model_buffers, model_shapes
 from titan.config import Config, math_values, to_toml
 from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record
 from titan.data.document_batches import Placement
@@ -252,4 +252,6 @@ def init_from_hf(config: Config, model: ResolvedModel, parts, resumed: bool) -> 
     from titan.checkpoint import hf
 
     name = f"{config.model.name} {config.model.flavor}"
-    hf.init_from_hf(parts.named_parameters(), model.spec, model.args, config.checkpoint.init_from_hf, name)
+    buffers = [item for part in parts.parts for item in model_buffers(part).items()]
+    tensors = [*parts.named_parameters(), *buffers]
+    hf.init_from_hf(tensors, model.spec, model.args, config.checkpoint.init_from_hf, name)

@@ -229,7 +229,8 @@ def dcp_to_hf(
         config = _hf_config(found, dtype)
         tok, tokenizer_note = _export_tokenizer(path, args.vocab_size, tokenizer)
         sources = spec.hf.sources(args)
-        saved = {name: found.saved[name] for name in model_shapes(spec, args)}  # the parameters
+        saved = {name: found.saved[name] for name in sources}  # the parameters, and the buffers the format holds
+        buffers = set(sources) - set(model_shapes(spec, args))
         owners = {hf: titan for titan in saved for hf in stacked(sources[titan][0])}  # a stack's tensors: its own
         # huggingface_hub plans the files and the index from sizes alone (meta tensors: nothing is allocated). Its
         # save_torch_state_dict would need every tensor in memory at once, so the files are written here, one
@@ -248,7 +249,7 @@ def dcp_to_hf(
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             for file, hf_names in split.filename_to_tensors.items():
                 tensors = load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})
-                weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype)
+                weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype, buffers)
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
                 progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
                 del weights  # before the next file's tensors are loaded, not after
@@ -276,7 +277,8 @@ def _hf_config(found: ModelCheckpoint, dtype: str) -> dict[str, Any]:
     spec, args = found.spec, found.args
     try:
         config = spec.hf.config_from_args(args, dtype)
-        buffers = buffer_shapes(spec, args)
+        sources = spec.hf.sources(args)
+        buffers = [name for name in buffer_shapes(spec, args) if name not in sources]
         if buffers:
             spec.hf.check_buffers(args, load_parameters(found.path, {name: found.saved[name] for name in buffers}))
     except ValueError as e:
@@ -284,15 +286,19 @@ def _hf_config(found: ModelCheckpoint, dtype: str) -> dict[str, Any]:
     return config
 
 
-def _hf_tensors(spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[str], dtype) -> dict[str, Tensor]:
+def _hf_tensors(
+    spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[str], dtype, buffers: set[str]
+) -> dict[str, Tensor]:
     """The HF tensors `hf_names`, in `dtype`, from the titan parameters holding them (taken out of `tensors`): a
-    stacked one gives each of its HF tensors that is in `hf_names` (a stack may span files)."""
+    stacked one gives each of its HF tensors that is in `hf_names` (a stack may span files). Buffers (routing
+    biases) stay float32, as transformers keeps them: rounded, they would route tokens otherwise."""
     weights = {}
     for titan in list(tensors):
         hf_name, rows = sources[titan]
         w = tensors.pop(titan)
         if isinstance(hf_name, str):
-            weights[hf_name] = spec.hf.to_hf_tensor(w, rows).to(dtype).contiguous()
+            as_saved = torch.float32 if titan in buffers else dtype
+            weights[hf_name] = spec.hf.to_hf_tensor(w, rows).to(as_saved).contiguous()
             continue
         for name, part in zip(hf_name, w.unbind(0)):
             if name in hf_names:  # a copy of its own: safetensors refuses tensors that share memory

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from titan import models
-from titan.checkpoint.train_state import model_shapes
+from titan.checkpoint.train_state import buffer_shapes, model_shapes
 from titan.config import Tokenizer
 from titan.errors import ConfigError
 from titan.progress import Progress
@@ -193,6 +193,13 @@ def hf_shapes(hf_name: str | tuple[str, ...], shape: list[int]) -> dict[str, lis
     return {hf_name: shape} if isinstance(hf_name, str) else {name: shape[1:] for name in hf_name}
 
 
+def held_shapes(spec: models.ModelSpec, args, sources: dict) -> dict[str, list[int]]:
+    """The shapes of what the HF files hold, by titan name: every parameter, and the buffers `sources` names (a
+    DeepSeek-V3 router's bias)."""
+    buffers = {name: shape for name, shape in buffer_shapes(spec, args).items() if name in sources}
+    return {**model_shapes(spec, args), **buffers}
+
+
 @dataclass(frozen=True)
 class HFFolder:
     """An HF checkpoint as its config and file headers describe it, checked against each other (`open_hf`);
@@ -221,7 +228,7 @@ def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
     try:
         copies = spec.hf.check_names(files, args)
         expected = {}
-        for name, shape in model_shapes(spec, args).items():
+        for name, shape in held_shapes(spec, args, sources).items():
             expected.update(hf_shapes(sources[name][0], shape))
         expected.update({copy: expected[original] for copy, original in copies.items()})
         for name, shape in expected.items():

@@ -18,6 +18,7 @@ from titan.checkpoint.hf.files import (
     TOKENIZER_FILES,
     atomic_folder,
     copy_tokenizer_files,
+    held_shapes,
     hf_spec,
     hf_tokenizer,
     open_hf,
@@ -55,11 +56,14 @@ def hf_to_dcp(hf_dir: Path, out_dir: Path, model_name: str | None = None, flavor
     tokenizer = _tokenizer_of(hf_dir, out_dir, hf.args.vocab_size)
     shapes = model_shapes(spec, hf.args)
     # The trainer's parameters are fp32 (mixed precision casts copies), so that is what a checkpoint holds.
-    tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    held = held_shapes(spec, hf.args, hf.sources)
+    tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in held.items()}
     read_into(hf, tensors.items(), f"reading {hf_dir.name}")
-    # The state besides the parameters (a MoE's routing biases) has no place in an HF checkpoint: the HF model is
-    # the one with it at zero, which is what the export requires of it (the adapter's check_buffers).
-    tensors.update({name: torch.zeros(shape) for name, shape in buffer_shapes(spec, hf.args).items()})
+    # The state besides the parameters that the format has no place for (Qwen3-MoE's routing biases): the HF model
+    # is the one with it at zero, which is what the export requires of it (the adapter's check_buffers).
+    tensors.update(
+        {name: torch.zeros(shape) for name, shape in buffer_shapes(spec, hf.args).items() if name not in held}
+    )
     recipe = Config(model=Model(name=spec.name, flavor=flavor, overrides=overrides), tokenizer=tokenizer)
     with atomic_folder(out_dir) as tmp:
         copied = copy_tokenizer_files(hf_dir, tmp) if tokenizer.path else []  # sealed with the weights
@@ -133,10 +137,11 @@ def _tokenizer_toml(tokenizer: Tokenizer) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
-    """Load the HF folder `source` into these parameters (this rank's, of any layout), after checking that
-    it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug").
-    Each rank reads only the parts of the files its shards hold."""
+def init_from_hf(named_tensors, spec: models.ModelSpec, model_args, source: str | Path, recipe_model: str) -> None:
+    """Load the HF folder `source` into these parameters and buffers (this rank's, of any layout), after checking
+    that it holds the model `model_args` describe (`recipe_model` names it in errors, e.g. "llama3 debug"). Buffers
+    the files have no place for are left as they are. Each rank reads only the parts of the files its shards
+    hold."""
     source = model_folder(str(source), "checkpoint.init_from_hf")
     spec = hf_spec(spec.name)
     with PeakMemory() as peak:
@@ -146,7 +151,8 @@ def init_from_hf(named_parameters, spec: models.ModelSpec, model_args, source: s
             raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
         check_model_matches(spec, model_args, hf.args, f"checkpoint.init_from_hf {source}", recipe_model)
         try:
-            count, read = read_into(hf, named_parameters, f"checkpoint.init_from_hf: reading {source.name}")
+            held = [(name, tensor) for name, tensor in named_tensors if name in hf.sources]
+            count, read = read_into(hf, held, f"checkpoint.init_from_hf: reading {source.name}")
         except ConfigError as e:
             raise ConfigError(f"checkpoint.init_from_hf: {e}") from None
     n_params = sum(math.prod(s) for s in model_shapes(spec, hf.args).values())

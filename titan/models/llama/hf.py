@@ -35,10 +35,11 @@ from titan.models.decoder.hf import (
 from titan.models.llama.args import ModelArgs
 
 __all__ = [
-    "MODEL_TYPE", "TRAINING_CHOICES", "args_from_hf_config", "check_hf_names", "from_hf_state_dict",
+    "MODEL_TYPE", "MODEL_TYPES", "TRAINING_CHOICES", "args_from_hf_config", "check_hf_names", "from_hf_state_dict",
     "hf_config_from_args", "hf_sources", "to_hf_state_dict", "to_hf_tensor",
 ]  # fmt: skip
 MODEL_TYPE = "llama"  # config.json's, which picks this family
+MODEL_TYPES = (MODEL_TYPE,)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ __all__ = [
     "MoEArgs",
     "MoETransformer",
     "active_params",
+    "hf_format",
     "hf_format_blockers",
     "flops_per_token",
     "kv_width",
@@ -46,24 +47,37 @@ def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     return 6 * active_params(args) + 6 * args.n_layers * args.n_heads * (qk + v) * seq_len
 
 
+def hf_format(args: MoEArgs) -> str:
+    """The Hugging Face format these args export to: DeepSeek-V3's with latent attention, Qwen3-MoE's without."""
+    return "deepseek_v3" if args.kv_lora_rank else "qwen3_moe"
+
+
 def hf_format_blockers(args: MoEArgs) -> list[str]:
-    """Each of these args that Qwen3-MoE's format has no place for (none: the weights export as Qwen3-MoE)."""
-    blockers = {
-        "qk_norm = false: Qwen3-MoE normalises every head's queries and keys": not args.qk_norm,
-        f"n_shared_experts = {args.n_shared_experts}: Qwen3-MoE has no shared experts": args.n_shared_experts,
-        f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax": args.score_func != "softmax",
-        f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights": args.route_scale != 1,
-        f"n_group = {args.n_group}: Qwen3-MoE chooses among all its experts": args.n_group != 1,
-    }
+    """Each of these args that their HF format (`hf_format`) has no place for (none: the weights export)."""
+    if hf_format(args) == "deepseek_v3":
+        blockers = {
+            f"score_func = {args.score_func!r}: DeepSeek-V3 scores experts by sigmoid": args.score_func != "sigmoid",
+            "n_shared_experts = 0: DeepSeek-V3 has shared experts in every MoE layer": not args.n_shared_experts,
+        }
+    else:
+        blockers = {
+            "qk_norm = false: Qwen3-MoE normalises every head's queries and keys": not args.qk_norm,
+            f"n_shared_experts = {args.n_shared_experts}: Qwen3-MoE has no shared experts": args.n_shared_experts,
+            f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax": args.score_func != "softmax",
+            f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights": args.route_scale != 1,
+            f"n_group = {args.n_group}: Qwen3-MoE chooses among all its experts": args.n_group != 1,
+        }
     return [blocker for blocker, blocks in blockers.items() if blocks]
 
 
 def training_blockers(args: MoEArgs) -> list[str]:
-    """What a run of these args trains that no Qwen3-MoE export holds: the format's blockers, and routing biases
-    that move (Qwen3-MoE routes without them), said at start-up rather than at export."""
-    moving = [f"bias_update_rate = {args.bias_update_rate}: the routing biases move, and Qwen3-MoE has none (set it "
-              "to 0 and balance with aux_loss_coef)"] if args.bias_update_rate else []  # fmt: skip
-    return hf_format_blockers(args) + moving
+    """What a run of these args trains that no export holds: the format's blockers, and, for Qwen3-MoE, routing
+    biases that move (it routes without them; DeepSeek-V3's files hold them), said at start-up rather than at
+    export."""
+    moving = hf_format(args) == "qwen3_moe" and args.bias_update_rate
+    bias = [f"bias_update_rate = {args.bias_update_rate}: the routing biases move, and Qwen3-MoE has none (set it "
+            "to 0 and balance with aux_loss_coef)"] if moving else []  # fmt: skip
+    return hf_format_blockers(args) + bias
 
 
 def routed_experts(args: MoEArgs) -> RoutedExperts:

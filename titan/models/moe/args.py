@@ -43,6 +43,9 @@ class MoEArgs(DecoderArgs):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # YaRN's mscale_all_dim (DeepSeek's): with YaRN scaling, latent attention's scores are also multiplied by
+    # (0.1 mscale_all_dim ln(factor) + 1)^2, on every dimension, not only the rotated ones (0: not).
+    rope_yarn_mscale_all_dim: float = 0.0
     # The first `dense_layers` layers have a dense SwiGLU of dense_hidden_dim (DeepSeek-V3 keeps its first three).
     dense_layers: int = 0
     dense_hidden_dim: int = 6144
@@ -78,8 +81,12 @@ class MoEArgs(DecoderArgs):
 
     @property
     def softmax_scale(self) -> float:
-        """Latent attention's scores' scale: 1/sqrt of a query's whole width."""
-        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        """Latent attention's scores' scale: 1/sqrt of a query's whole width, times YaRN's mscale squared."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        factor, mscale = self.rope_scaling_factor, self.rope_yarn_mscale_all_dim
+        if self.rope_scaling == "yarn" and factor > 1 and mscale:
+            scale *= (0.1 * mscale * math.log(factor) + 1) ** 2
+        return scale
 
     @property
     def score_widths(self) -> tuple[int, int]:
@@ -153,7 +160,7 @@ class MoEArgs(DecoderArgs):
 
     def validate(self) -> None:
         self.check_bounds(LIMITS, ("route_scale",))
-        for name in ("bias_update_rate", "aux_loss_coef"):
+        for name in ("bias_update_rate", "aux_loss_coef", "rope_yarn_mscale_all_dim"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
         self.check_heads()

@@ -17,6 +17,7 @@ from titan.models.qwen3.args import LIMITS, Qwen3Args
 from titan.schema import Flag, Table, optional
 
 MODEL_TYPE = "qwen3"  # config.json's, which picks this family
+MODEL_TYPES = (MODEL_TYPE,)
 TRAINING_CHOICES = decoder.TRAINING_CHOICES
 # The decoder's fields with this family's bounds: checked before any is used.
 HF_CONFIG = Table(

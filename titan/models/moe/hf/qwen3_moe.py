@@ -1,5 +1,5 @@
-"""Conversion between Hugging Face `Qwen3MoeForCausalLM` checkpoints and titan's MoE family (the moe family's
-HFAdapter; titan/checkpoint/hf/ reads and writes the files).
+"""Conversion between Hugging Face `Qwen3MoeForCausalLM` checkpoints and titan's MoE family (one of the moe family's
+two formats; titan/checkpoint/hf/ reads and writes the files).
 
 Qwen3-MoE is titan's MoE with q/k norms, softmax scores, route scale 1, no shared experts and no routing bias:
 each token's top `num_experts_per_tok` experts by softmax score, their weights renormalised when norm_topk_prob.
@@ -8,14 +8,11 @@ Its layers are dense where `mlp_only_layers` or `decoder_sparse_step` say; titan
 
 Attention converts as every decoder's (titan/models/decoder/hf.py), the q/k rows moved within each head between HF's
 half-split RoPE layout and titan's interleaved one; the q/k norms act on each head's coordinates before RoPE, so
-their weights move alike. Each expert is three linears in the files (`mlp.experts.{e}.gate_proj.weight`, ...), as
-transformers' save_pretrained writes them; titan's experts.w1 is the E gate_proj stacked on dim 0 (a stacked
-source: a shard reads only its experts' tensors).
+their weights move alike. The experts are read and written as both formats do (experts.py).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -24,12 +21,10 @@ from torch import Tensor
 from titan.models.decoder import hf as decoder
 from titan.models.moe import hf_format_blockers
 from titan.models.moe.args import LIMITS, MoEArgs
+from titan.models.moe.hf.experts import check_experts, expert_names
 from titan.schema import Flag, Integer, ListOf, Table, optional
 
-# Fields that are training choices: the decoder's, and the MoE's load balancing (Qwen3-MoE's router_aux_loss_coef
-# too).
-MODEL_TYPE = "qwen3_moe"  # config.json's, which picks this family
-TRAINING_CHOICES = (*decoder.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
+MODEL_TYPE = "qwen3_moe"  # config.json's
 # transformers' Qwen3MoeConfig defaults for fields a config.json may leave out.
 _HF_DEFAULTS = {"intermediate_size": 6144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
 
@@ -177,17 +172,11 @@ def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> 
 # titan name -> HF name of each layer's tensors (prefixed with `layers.{i}.` and `model.layers.{i}.`): the decoder's
 # attention and norms with Qwen3's q/k norms; a dense MLP in the dense layers.
 _ATTENTION = {**decoder.ATTENTION_NAMES, **decoder.QK_NORM_NAMES}
-_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # each expert's linears, as Llama's MLP's
-# An expert's tensor in the files: the layer and the expert's index.
-_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 def _moe_names(n_experts: int) -> dict[str, str | tuple[str, ...]]:
     """titan name -> HF name(s) of a MoE layer's feed-forward: its router, and each stacked expert tensor."""
-    names: dict[str, str | tuple[str, ...]] = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
-    for titan, hf in _EXPERT.items():
-        names[f"feed_forward.experts.{titan}"] = tuple(f"mlp.experts.{e}.{hf}.weight" for e in range(n_experts))
-    return names
+    return {"feed_forward.router.gate.weight": "mlp.gate.weight", **expert_names(n_experts)}
 
 
 def hf_sources(args: MoEArgs) -> dict[str, tuple[str | tuple[str, ...], Tensor | None]]:
@@ -200,37 +189,11 @@ def hf_sources(args: MoEArgs) -> dict[str, tuple[str | tuple[str, ...], Tensor |
     return decoder.decoder_sources(args, lambda i: dense if i < args.dense_layers else moe, rope_rows)
 
 
-# A titan tensor as HF stores it, given its rows (each expert's tensor of a stack, for stacked sources): as every
-# decoder's.
-to_hf_tensor = decoder.to_hf_tensor
-
-
-def _check_experts(names: set[str], args: MoEArgs) -> None:
-    """ValueError when the files hold experts in another form or number than the config says."""
-    fused = sorted(name for name in names if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
-    if fused:
-        raise ValueError(
-            f"{fused[0]}: experts fused into one tensor are not read; titan reads each expert's gate_proj, up_proj "
-            "and down_proj, as transformers' save_pretrained writes them"
-        )
-    held: dict[int, int] = {}
-    for name in names:
-        match = _EXPERT_NAME.match(name)
-        if match:
-            layer, expert = int(match[1]), int(match[2])
-            held[layer] = max(held.get(layer, 0), expert + 1)
-    for layer, count in sorted(held.items()):
-        if count != args.n_experts:
-            raise ValueError(
-                f"model.layers.{layer}.mlp holds {count} experts, but num_experts in config.json is {args.n_experts}"
-            )
-
-
 def check_hf_names(names, args: MoEArgs) -> dict[str, str]:
     """Check the tensor names of an HF checkpoint against `args`: ValueError naming experts of another number or
     form, or listing the missing and unexpected tensors. Returns the tied copies the files hold (see the decoder's)."""
     names = {name for name in names if not decoder.IGNORED_HF.search(name)}
-    _check_experts(names, args)
+    check_experts(names, args.n_experts, "num_experts")
     return decoder.check_names(names, args, hf_sources(args))
 
 

@@ -1,0 +1,176 @@
+"""HF DeepSeek-V3 <-> titan's moe with latent attention: a tiny random `DeepseekV3ForCausalLM` and titan's
+MoETransformer on the weights (and routing biases) read from its files give the same logits, which checks latent
+attention, the group-limited sigmoid routing with its correction bias and scale, the shared experts and the dense
+first layer against transformers'; and the config mapping, both ways, with what it refuses.
+
+The model is helpers.tiny_deepseek_v3: 3 layers, the first dense, 8 experts in 2 groups, 2 per token from the best
+group, random routing biases; with the query's latent and without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import TOL, max_diff, tiny_deepseek_v3  # noqa: E402
+from titan import models  # noqa: E402
+from titan.checkpoint.hf import open_hf, read_into  # noqa: E402
+from titan.checkpoint.hf.files import stacked  # noqa: E402
+from titan.checkpoint.train_state import model_buffers  # noqa: E402
+from titan.models.moe import FLAVORS, MoETransformer  # noqa: E402
+from titan.models.moe.hf import args_from_hf_config, hf_config_from_args, hf_sources  # noqa: E402
+
+BATCH, SEQ = 2, 24
+SPEC = models.get_model_spec("moe")
+
+
+@pytest.fixture(scope="module", params=[24, None], ids=["query_latent", "plain_query"])
+def hf_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    return path, tiny_deepseek_v3(path, q_lora_rank=request.param)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 320, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def titan_model(path: Path, **change) -> MoETransformer:
+    """titan's moe with the args of the HF folder at `path` (changed by `change`), its parameters and routing biases
+    as titan's HF reader fills them."""
+    hf = open_hf(path, SPEC)
+    with torch.device("meta"):
+        model = MoETransformer(dataclasses.replace(hf.args, **change))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    model.init_buffers()
+    state = {**dict(model.named_parameters()), **model_buffers(model)}
+    read_into(hf, [(name, t) for name, t in state.items() if name in hf.sources], "reading")
+    return model.eval()
+
+
+def test_titan_on_the_imported_weights_gives_transformers_logits(hf_model, tokens):
+    path, model = hf_model
+    with torch.no_grad():
+        theirs, ours = model(tokens).logits, titan_model(path)(tokens)
+    assert theirs.abs().max() > 1  # not a comparison of near-zero numbers
+    assert max_diff(ours, theirs) < TOL
+
+
+@pytest.mark.parametrize("wrong", ["routing_bias", "topk_group", "route_scale"])
+def test_the_comparison_sees_the_routing(hf_model, tokens, wrong):
+    """The same weights routed otherwise (biases at zero, both groups open, no scale) are far from transformers'
+    logits: the test above checks each part of the routing."""
+    path, model = hf_model
+    change = {"topk_group": {"topk_group": 2}, "route_scale": {"route_scale": 1.0}}.get(wrong, {})
+    ours = titan_model(path, **change)
+    if wrong == "routing_bias":
+        for bias in model_buffers(ours).values():
+            bias.zero_()
+    with torch.no_grad():
+        assert max_diff(ours(tokens), model(tokens).logits) > 1e-2
+
+
+def test_greedy_generation_continues_as_transformers_does(hf_model, tokens):
+    from titan.tools.generate import generate
+
+    path, model = hf_model
+    prompt = tokens[:1, :6]
+    theirs = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 6:]
+    ours = generate(titan_model(path), [prompt[0].tolist()], 12).tokens[0]
+    assert ours == theirs.tolist()
+
+
+def test_the_config_maps_to_args_and_back_to_what_transformers_builds(hf_model):
+    path, model = hf_model
+    args = args_from_hf_config(model.config.to_dict())
+    assert (args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim) == (32, 16, 8, 12)
+    assert (args.dense_layers, args.n_experts, args.top_k, args.n_shared_experts) == (1, 8, 2, 1)
+    assert (args.score_func, args.route_scale, args.n_group, args.topk_group) == ("sigmoid", 2.5, 2, 1)
+    assert args.q_lora_rank == (model.config.q_lora_rank or 0)
+    config = hf_config_from_args(args)
+    assert args_from_hf_config(config) == args
+    with torch.device("meta"):
+        theirs = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    shapes = {name: list(p.shape) for name, p in model.state_dict().items()}
+    assert {name: list(p.shape) for name, p in theirs.state_dict().items()} == shapes
+
+
+def test_the_sources_name_every_tensor_of_the_files_once(hf_model):
+    path, model = hf_model
+    hf = open_hf(path, SPEC)  # the files' names and shapes, checked against the config
+    named = [name for hf_name, _ in hf_sources(hf.args).values() for name in stacked(hf_name)]
+    assert len(named) == len(set(named)) and set(named) == set(hf.files)
+    assert hf_sources(hf.args)["layers.2.feed_forward.router.expert_bias"] == (
+        "model.layers.2.mlp.gate.e_score_correction_bias",
+        None,
+    )
+
+
+def test_yarn_scales_latent_attention_scores_as_deepseek_does():
+    """DeepSeek-V3's own rope_scaling (factor 40, mscale_all_dim 1): the scores' scale is 1/sqrt(192) times
+    (0.1 ln 40 + 1)^2, as transformers' DeepseekV3Attention computes it, and the export writes it back."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    rope = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}  # fmt: skip
+    config = {**hf_config_from_args(dataclasses.replace(FLAVORS["debug"], kv_lora_rank=32, score_func="sigmoid")),
+              "rope_scaling": rope, "rope_parameters": None, "max_position_embeddings": 163840}  # fmt: skip
+    args = args_from_hf_config(config)
+    assert args.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-12)
+    assert (args.rope_scaling, args.rope_scaling_factor, args.rope_attention_factor) == ("yarn", 40, 1.0)
+    theirs = hf.DeepseekV3Attention(transformers.DeepseekV3Config(**hf_config_from_args(args)), layer_idx=0)
+    assert theirs.scaling == pytest.approx(args.softmax_scale, rel=1e-12)
+    assert args_from_hf_config(hf_config_from_args(args)) == args
+
+
+def hf_config(**change) -> dict:
+    """The tiny model's config.json, changed."""
+    args = dataclasses.replace(FLAVORS["debug"], kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=12, score_func="sigmoid", n_group=2)  # fmt: skip
+    return {key: value for key, value in {**hf_config_from_args(args), **change}.items() if value is not None}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [({"topk_group": 3}, "topk_group (3) must be in [1, n_group = 2]"),
+     ({"n_group": 3}, "n_group (3) must divide n_experts (8)"),
+     ({"scoring_func": "softmax"}, "scoring_func: titan reads DeepSeek-V3's 'sigmoid' only, got 'softmax'"),
+     ({"topk_method": "greedy"}, "topk_method: titan reads DeepSeek-V3's 'noaux_tc' only, got 'greedy'"),
+     ({"moe_layer_freq": 2}, "moe_layer_freq: titan reads DeepSeek-V3's 1 only, got 2"),
+     ({"rope_interleave": False}, "rope_interleave: titan reads DeepSeek-V3's True only, got False"),
+     ({"n_shared_experts": 0}, "n_shared_experts: 0 is not read"),
+     ({"kv_lora_rank": 0}, "kv_lora_rank must be an integer in [1, 16384], got 0"),
+     ({"attention_bias": True}, "attention_bias: not supported"),
+     ({"n_routed_experts": None}, "n_routed_experts"),
+     ({"model_type": "deepseek_v2"}, "model_type: expected 'deepseek_v3', got 'deepseek_v2'")],
+)  # fmt: skip
+def test_configs_titan_cannot_build_are_refused_naming_the_field(change, words):
+    with pytest.raises(ValueError) as error:
+        from titan.models.moe.hf import deepseek_v3
+
+        deepseek_v3.args_from_hf_config(hf_config(**change))
+    assert words in str(error.value)
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3():
+    assert args_from_hf_config(hf_config(model_type="kimi_k2")) == args_from_hf_config(hf_config())
+    assert models.family_of_hf("kimi_k2") == models.family_of_hf("deepseek_v3") == "moe"
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [({"score_func": "softmax"}, "score_func = 'softmax': DeepSeek-V3 scores experts by sigmoid"),
+     ({"n_shared_experts": 0}, "n_shared_experts = 0: DeepSeek-V3 has shared experts in every MoE layer")],
+)  # fmt: skip
+def test_flavors_deepseek_v3_cannot_express_are_refused(change, words):
+    args = dataclasses.replace(FLAVORS["debug"], kv_lora_rank=32, score_func="sigmoid")
+    with pytest.raises(ValueError, match=words):
+        hf_config_from_args(dataclasses.replace(args, **change))
+    hf_config_from_args(args)  # which it can
