@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,114 @@ def test_flavors_deepseek_v3_cannot_express_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         hf_config_from_args(dataclasses.replace(args, **change))
     hf_config_from_args(args)  # which it can
+
+
+# -- DeepSeek's FP8 block-quantized weights --------------------------------------------------------------------------
+
+BLOCK = 16  # small blocks, so the tiny model's matrices have several, and shards start inside them
+
+
+def fp8_copy(path: Path, out: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The folder at `path` as DeepSeek ships V3: every linear weight but the router's, the embedding and the head
+    in float8 e4m3 with a float32 scale per BLOCK x BLOCK block (its largest magnitude over fp8's 448); returns
+    {name: (the fp8 weight, its scales)}."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK]}
+    (out / "config.json").write_text(json.dumps(config))
+    tensors, quantized = load_file(out / "model.safetensors"), {}
+    for name, w in list(tensors.items()):
+        if w.ndim != 2 or any(part in name for part in ("embed_tokens", "lm_head", "mlp.gate.")):
+            continue
+        rows, cols = (-n % BLOCK for n in w.shape)  # wkv_a's 40 rows end in part of a block
+        blocks = torch.nn.functional.pad(w, (0, cols, 0, rows)).unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
+        scale = blocks.abs().amax(dim=(1, 3)) / 448
+        per_element = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: w.shape[0], : w.shape[1]]
+        tensors[name] = (w / per_element).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        quantized[name] = (tensors[name], scale)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return quantized
+
+
+@pytest.fixture(scope="module")
+def fp8_model(hf_model, tmp_path_factory):
+    path, model = hf_model
+    out = tmp_path_factory.mktemp("fp8") / "hf"
+    return out, fp8_copy(path, out), model
+
+
+def block_by_block(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight, one block at a time: the reference."""
+    out = torch.empty(w8.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            out[rows, cols] = w8[rows, cols].float() * scale[i, j]
+    return out
+
+
+def test_fp8_weights_are_dequantized_by_their_blocks_scales_within_fp8_rounding(fp8_model):
+    """Every quantized weight reads as its fp8 numbers times their blocks' scales, which is the original within
+    e4m3's rounding (3 mantissa bits: 2^-4 of the value, or 2^-10 of the scale below fp8's smallest normal)."""
+    folder, quantized, model = fp8_model
+    hf = open_hf(folder, SPEC)
+    assert hf.dtypes == "F32, F8_E4M3" and len(quantized) > 20
+    original = model.state_dict()
+    state = titan_model(folder).state_dict()
+    for titan_name, (hf_name, _) in hf.sources.items():
+        for e, name in enumerate(stacked(hf_name)):
+            if name not in quantized:
+                continue
+            got = state[titan_name][e] if isinstance(hf_name, tuple) else state[titan_name]
+            assert torch.equal(got, block_by_block(*quantized[name])), name
+            scale = quantized[name][1].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: got.shape[0]]
+            w = original[name] if name in original else None
+            if w is not None:  # transformers fuses the experts in memory; their tensors are checked above
+                assert ((got - w).abs() <= 2**-4 * w.abs() + 2**-10 * scale[:, : w.shape[1]]).all(), name
+
+
+def test_a_shard_of_an_fp8_weight_reads_its_own_blocks_scales(fp8_model):
+    """Rows 5 to 36 of wkv_b start and end inside blocks, and a rank's two experts are read alone: each reads as the
+    same elements of the whole."""
+    from titan.checkpoint.hf import read_part
+
+    folder, quantized, _ = fp8_model
+    hf = open_hf(folder, SPEC)
+    whole, _ = read_part(hf, "layers.1.attention.wkv_b.weight", [torch.arange(112), torch.arange(32)])
+    part, _ = read_part(hf, "layers.1.attention.wkv_b.weight", [torch.arange(5, 37), torch.arange(32)])
+    assert torch.equal(part, whole[5:37])
+    experts, _ = read_part(hf, "layers.2.feed_forward.experts.w2", [torch.tensor([3, 6]), torch.arange(64),
+                                                                     torch.arange(7, 30)])  # fmt: skip
+    down = [block_by_block(*quantized[f"model.layers.2.mlp.experts.{e}.down_proj.weight"]) for e in (3, 6)]
+    assert torch.equal(experts, torch.stack(down)[:, :, 7:30])
+
+
+@pytest.mark.parametrize("damage", ["no_scale", "wrong_scale"])
+def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    from titan.errors import ConfigError
+
+    folder, _, _ = fp8_model
+    copy = tmp_path / "hf"
+    import shutil
+
+    shutil.copytree(folder, copy)
+    tensors = load_file(copy / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+    if damage == "no_scale":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:3]
+    save_file(tensors, copy / "model.safetensors")
+    words = ("the files hold no model.layers.1.self_attn.kv_b_proj.weight_scale_inv" if damage == "no_scale" else
+             "weight_scale_inv is F32 [3, 2], but model.layers.1.self_attn.kv_b_proj.weight [112, 32] in blocks of "
+             "[16, 16] needs F32 [7, 2]")  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        open_hf(copy, SPEC)

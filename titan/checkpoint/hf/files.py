@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from titan import models
+from titan.checkpoint.hf.block_fp8 import FP8_WEIGHTS, BlockScale, block_scales, dequantize
 from titan.checkpoint.train_state import buffer_shapes, model_shapes
 from titan.config import Tokenizer
 from titan.errors import ConfigError
@@ -157,13 +158,14 @@ def hf_weight_files(folder: Path) -> list[Path]:
     raise ConfigError(f"{folder} has no *.safetensors weights{hint}")
 
 
-def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], str]:
-    """({HF tensor: its file}, {HF tensor: shape}, the dtypes) from the safetensors headers; no tensor is read."""
+def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], dict[str, str]]:
+    """({HF tensor: its file}, {HF tensor: shape}, {HF tensor: safetensors dtype}) from the safetensors headers; no
+    tensor is read."""
     from safetensors import SafetensorError, safe_open
 
     files: dict[str, Path] = {}
     shapes: dict[str, list[int]] = {}
-    dtypes: set[str] = set()
+    dtypes: dict[str, str] = {}
     for file in hf_weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -171,16 +173,15 @@ def _read_headers(folder: Path) -> tuple[dict[str, Path], dict[str, list[int]], 
                     if name in files:
                         raise ConfigError(f"tensor {name} appears in more than one file of {folder}")
                     part = f.get_slice(name)
-                    if part.get_dtype() not in FLOAT_WEIGHTS:
+                    if part.get_dtype() not in FLOAT_WEIGHTS + FP8_WEIGHTS:
                         raise ConfigError(
                             f"{file}: tensor {name} is {part.get_dtype()}, not weights titan reads "
-                            f"({', '.join(FLOAT_WEIGHTS)})"
+                            f"({', '.join(FLOAT_WEIGHTS + FP8_WEIGHTS)})"
                         )
-                    files[name], shapes[name] = file, list(part.get_shape())
-                    dtypes.add(part.get_dtype())
+                    files[name], shapes[name], dtypes[name] = file, list(part.get_shape()), part.get_dtype()
         except SafetensorError as e:
             raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
-    return files, shapes, ", ".join(sorted(dtypes))
+    return files, shapes, dtypes
 
 
 def stacked(hf_name: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -211,6 +212,7 @@ class HFFolder:
     # titan parameter -> (HF tensor, or the tensors it stacks; rows): the adapter's mapping
     sources: dict[str, tuple[str | tuple[str, ...], Tensor | None]]
     copies: dict[str, str]  # tied copies the files hold -> the HF tensor each must equal
+    scales: dict[str, BlockScale]  # FP8 weights -> their block scales
     dtypes: str  # the files' dtypes, for reports
 
 
@@ -226,7 +228,8 @@ def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
     files, shapes, dtypes = _read_headers(folder)
     sources = spec.hf.sources(args)
     try:
-        copies = spec.hf.check_names(files, args)
+        scales = block_scales(config, shapes, dtypes)
+        copies = spec.hf.check_names(set(files) - {scale.name for scale in scales.values()}, args)
         expected = {}
         for name, shape in held_shapes(spec, args, sources).items():
             expected.update(hf_shapes(sources[name][0], shape))
@@ -236,7 +239,7 @@ def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
                 raise ValueError(f"{name} has shape {shapes[name]}, but the config makes it {shape}")
     except ValueError as e:
         raise ConfigError(f"{folder}: the weights do not match its {CONFIG_FILE}: {e}") from None
-    return HFFolder(folder, args, files, sources, copies, dtypes)
+    return HFFolder(folder, args, files, sources, copies, scales, ", ".join(sorted(set(dtypes.values()))))
 
 
 def _shard_index(name: str, param: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -260,24 +263,32 @@ def _shard_index(name: str, param: Tensor) -> tuple[Tensor, list[Tensor]]:
     return local, [torch.arange(n) if v is None else v for n, v in zip(param.shape, shard.vecs)]
 
 
-def _read_box(file: Path, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
-    """(the elements of HF tensor `name` at the cross product of `index`, one vector of indices per dim; bytes read).
-
-    One slice read of their bounding box, then a gather along the dims whose indices are not one ascending run:
-    for the common row or column shard (FSDP, TP) the box is the shard itself and nothing is gathered; q/k rows
-    reordered within heads gather along rows. Index vectors are per dim, never as large as the shard.
-    """
+def _read_slice(file: Path, name: str, slices: tuple[slice, ...]) -> Tensor:
+    """HF tensor `name`'s elements in `slices`, read from `file`."""
     from safetensors import SafetensorError, safe_open
 
-    starts = [int(v.min()) for v in index]
     try:
         # Opened per read: the tensors safetensors returns map the file, and every page a read touched stays
         # resident while the file is open, which across reads would add up to this process's whole share.
         with safe_open(str(file), framework="pt") as f:
-            box = f.get_slice(name)[tuple(slice(s, int(v.max()) + 1) for s, v in zip(starts, index))]
+            return f.get_slice(name)[slices]
     except SafetensorError as e:
         raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
+
+
+def _read_box(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int]:
+    """(the elements of HF tensor `name` at the cross product of `index`, one vector of indices per dim; bytes read).
+
+    One slice read of their bounding box (an FP8 weight's dequantized with its blocks' scales), then a gather along
+    the dims whose indices are not one ascending run: for the common row or column shard (FSDP, TP) the box is the
+    shard itself and nothing is gathered; q/k rows reordered within heads gather along rows. Index vectors are per
+    dim, never as large as the shard.
+    """
+    starts = [int(v.min()) for v in index]
+    box = _read_slice(hf.files[name], name, tuple(slice(s, int(v.max()) + 1) for s, v in zip(starts, index)))
     read = box.numel() * box.element_size()
+    if (scale := hf.scales.get(name)) is not None:
+        box = dequantize(box, starts, scale, lambda slices: _read_slice(hf.files[scale.name], scale.name, slices))
     for dim, (start, v) in enumerate(zip(starts, index)):
         if not torch.equal(v, torch.arange(start, start + len(v))):
             box = box.index_select(dim, v - start)
@@ -299,9 +310,9 @@ def _read_one(hf: HFFolder, hf_name: str, rows: Tensor | None, index: list[Tenso
     """read_part of one HF tensor: index in titan's numbering, of which rows gives HF's (None: the same)."""
     if rows is not None:  # the titan rows wanted, as HF numbers them
         index = [rows[index[0]], *index[1:]]
-    values, read = _read_box(hf.files[hf_name], hf_name, index)
+    values, read = _read_box(hf, hf_name, index)
     for copy in [c for c, original in hf.copies.items() if original == hf_name]:
-        copied, n = _read_box(hf.files[copy], copy, index)
+        copied, n = _read_box(hf, copy, index)
         read += n
         if not torch.equal(copied, values):
             raise ConfigError(f"{hf.path}: {copy} differs from {hf_name}, of which the model makes it a copy")
