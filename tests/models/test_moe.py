@@ -42,6 +42,80 @@ def test_qwen3_30b_a3b_has_the_parameters_of_transformers_qwen3_moe():
     assert round(ours / 1e9, 1) == 30.5 and 3.3e9 <= active_params(args) + args.vocab_size * args.dim < 3.4e9
 
 
+# DeepSeek-V3's config.json as DeepSeek publishes it (its fields titan reads), and Kimi K2's differences.
+DEEPSEEK_V3_CONFIG = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
+KIMI_K2_CONFIG = {
+    **DEEPSEEK_V3_CONFIG, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flavor, config, total, active",
+    [("deepseek_v3_671b", DEEPSEEK_V3_CONFIG, 671.0, 37), ("kimi_k2", KIMI_K2_CONFIG, 1026.4, 32)],
+)
+def test_deepseek_v3_and_kimi_k2_are_their_published_configs_with_transformers_parameters(
+    flavor, config, total, active
+):
+    """Each flavor is what titan reads from the published config.json (but the training choices), and has the
+    parameters transformers builds from it; the published sizes: 671B with 37B active, and Kimi K2's 32B active
+    (both with the embedding, a lookup active_params leaves out)."""
+    transformers = pytest.importorskip("transformers")
+    from titan.models.moe.hf import TRAINING_CHOICES, args_from_hf_config
+
+    args, read = FLAVORS[flavor], args_from_hf_config(config)
+    assert args == dataclasses.replace(read, **{name: getattr(args, name) for name in TRAINING_CHOICES})
+    hf_config = transformers.DeepseekV3Config(**{**config, "model_type": "deepseek_v3"})
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
+        ours = sum(p.numel() for p in MoETransformer(args).parameters())
+    assert ours == theirs and round(ours / 1e9, 1) == total
+    assert round(active_params(args) / 1e9) == active
+
+
 def test_debug_flavor_has_the_dense_debug_models_active_feed_forward():
     """The comparison in docs/moe.md: the same attention and active SwiGLU width per token as the dense debug Llama."""
     moe, dense = FLAVORS["debug"], models.get_model_spec("llama3").flavors["debug"]

@@ -75,6 +75,30 @@ def test_the_planned_flops_count_the_experts_grouped_matmuls_in_bf16(tmp_path):
     assert flops["bf16"] == flops["fp32"]
 
 
+def test_a_v_pipeline_of_dense_and_routed_layers_plans_each_rank_s_own_blocks(tmp_path):
+    """DualPipeV on 3 ranks over 6 layers, the first two dense: rank 1 holds a dense and a routed layer, rank 2
+    two routed ones. Both hold middle stages, and a plan that traced one for both counted 62% of DeepSeek-V3's
+    671B: each rank's parameters are its own layers', and the ranks' sum the model's."""
+    import math
+
+    from titan.checkpoint.train_state import model_shapes
+
+    extra = {"parallel.pp": "3", "parallel.pp_schedule": "DualPipeV", "training.local_batch_size": "6",
+             "training.global_batch_size": "6", "model.overrides.n_layers": "6",
+             "model.overrides.dense_layers": "2"}  # fmt: skip
+    config = load_config(MOE_RECIPE, tiny_overrides(tmp_path, **{"training.seq_len": str(SEQ), **extra}), 3)
+    estimate = estimate_step(config, 3)
+    model = resolve_model(config)
+    layers = estimate.run.stage_layers
+    assert [[list(layers[s]) for s in estimate.run.stages(r)] for r in range(3)] == [[[0], [5]], [[1], [4]], [[2], [3]]]
+    params = {name: math.prod(shape) for name, shape in model_shapes(model.spec, model.args).items()}
+    for rank, held in zip(estimate.ranks, ([0, 5], [1, 4], [2, 3])):
+        own = sum(n for name, n in params.items() if name.split(".")[:2] in [["layers", str(i)] for i in held])
+        assert rank.trace.total_params - own == (params["tok_embeddings.weight"] + params["norm.weight"] +
+                                                 params["output.weight"]) * (rank is estimate.ranks[0])  # fmt: skip
+    assert estimate.params == sum(params.values())
+
+
 def test_the_routed_tokens_activations_are_the_most_loaded_rank_s(tmp_path):
     """What one MoE layer's routed experts keep for backward per micro-batch, measured in the trace, by hand at the
     stated imbalance: the most loaded rank receives R = f T k rows, each keeping its four hidden states (w1's and

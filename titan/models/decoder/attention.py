@@ -101,7 +101,7 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
     for q_row, k_row, v_row, row_spans in zip(q.unbind(0), k.unbind(0), v.unbind(0), spans):
         sizes = [stop - start for start, stop, _ in row_spans]
         pieces = [
-            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True, scale=scale)
+            sdpa(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True, scale=scale)
             for qs, ks, vs in zip(q_row.split(sizes, dim=1), k_row.split(sizes, dim=1), v_row.split(sizes, dim=1))
         ]
         rows.append(torch.cat(pieces, dim=2))
@@ -174,4 +174,14 @@ def attend(module: nn.Module, q, k, v, mask, rows: torch.Tensor, scale: float | 
         scores = torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=alpha)
         probs = scores.view(batch, heads, seq, seq).softmax(dim=-1, dtype=torch.float32).type_as(q)
         return module.dropout(probs, rows) @ v
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scale)
+    return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scale)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """F.scaled_dot_product_attention, with values narrower than the queries and keys (latent attention's) padded
+    with zeros to their width and the output cut back: the flash kernels (the CPU's, and CUDA's) take one width,
+    and without them SDPA materialises the (seq, seq) scores. The padding adds nothing to the values' columns."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad <= 0:
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    return F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)), **options)[..., : v.shape[-1]]

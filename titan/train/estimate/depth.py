@@ -19,15 +19,19 @@ TRACED_DEPTH = 3
 def trace_ranks(estimate: StepEstimate, trace, layers: list[list[int]], order) -> None:
     """Each pipeline rank's step at its real depth. The rate per block comes from the rank with the longest stage,
     traced with TRACED_DEPTH blocks per stage and again with `every` more in that stage; every rank's trace with
-    TRACED_DEPTH per stage grows from there. Ranks whose stages have the same ends (embedding, head) share a
-    trace."""
+    TRACED_DEPTH per stage grows from there. Ranks whose stages have the same ends (embedding, head) and whose
+    traced blocks are of the same kinds (a dense first layer, say, in a mixture of experts) share a trace."""
     config, layout = estimate.config, estimate.layout
     every = config.activation_checkpoint.every if config.activation_checkpoint.mode != "none" else 1
     ids = [list(estimate.run.stages(r)) for r in range(layout.pp)]
     longest = max(range(layout.pp), key=lambda r: max(len(layers[s]) for s in ids[r]))
     rate = (trace(longest, TRACED_DEPTH), trace(longest, TRACED_DEPTH, deeper=every))
     grows = rate[1].param_bytes > rate[0].param_bytes  # not when no stage is deeper: all are traced whole
-    ends = [tuple((s == 0, s == len(layers) - 1) for s in stages) for stages in ids]
+    kinds = estimate.kinds
+    ends = [
+        tuple((s == 0, s == len(layers) - 1, tuple(kinds[layer] for layer in layers[s][:TRACED_DEPTH])) for s in stages)
+        for stages in ids
+    ]
     traces = {ends[longest]: rate[0]}
     for pp_rank, stages in enumerate(ids):
         if ends[pp_rank] not in traces:
