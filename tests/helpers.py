@@ -230,6 +230,15 @@ def with_local_batch(layouts: dict, world: int) -> dict:
     return result
 
 
+# DeepSeek's latent attention in the debug MoE (recipes/debug_moe.toml), as recipe overrides: a query latent of 24 and
+# a key-value latent of 32, query and key heads of 16 + 8 rotated, value heads of 12.
+LATENT_ATTENTION = {
+    f"model.overrides.{name}": str(size)
+    for name, size in (("q_lora_rank", 24), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16), ("qk_rope_head_dim", 8),
+                       ("v_head_dim", 12))
+}  # fmt: skip
+
+
 # -- runs stopped and resumed
 
 SMALL = {
