@@ -230,6 +230,15 @@ def with_local_batch(layouts: dict, world: int) -> dict:
     return result
 
 
+# DeepSeek's latent attention in the debug MoE (recipes/debug_moe.toml), as recipe overrides: a query latent of 24 and
+# a key-value latent of 32, query and key heads of 16 + 8 rotated, value heads of 12.
+LATENT_ATTENTION = {
+    f"model.overrides.{name}": str(size)
+    for name, size in (("q_lora_rank", 24), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16), ("qk_rope_head_dim", 8),
+                       ("v_head_dim", 12))
+}  # fmt: skip
+
+
 # -- runs stopped and resumed
 
 SMALL = {
@@ -384,15 +393,21 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- the ring against full attention: inputs, the brute-force reference, and a ring of threads on one device
 
 
-def attention_inputs(cp: int, documents: bool, device="cpu", dtype=torch.float32):
-    """Seeded q (2 rows, 4 heads, 8·cp positions, head dim 16), k and v (2 kv heads), the weights of a loss on the
-    output, and document ids of 1 to ~2 chunks of tokens, so that some documents meet across chunks and some pairs of
-    chunks never do (None: one causal sequence). The same on every rank."""
+# (v's width, the scores' scale) of attention_inputs: values as wide as keys, and latent attention's, narrower with a
+# scale of its own.
+RING_WIDTHS = {"same_widths": (16, None), "narrow_values": (12, 0.2)}
+
+
+def attention_inputs(cp: int, documents: bool, device="cpu", dtype=torch.float32, v_width: int = 16):
+    """Seeded q (2 rows, 4 heads, 8·cp positions, head dim 16), k and v (2 kv heads; v the first `v_width` of 16),
+    the weights of a loss on the output, and document ids of 1 to ~2 chunks of tokens, so that some documents meet
+    across chunks and some pairs of chunks never do (None: one causal sequence). The same on every rank."""
     batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 8 * cp, 16
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seq, head_dim, generator=gen)
     k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen) for _ in range(2))
     weights = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    v, weights = v[..., :v_width], weights[..., :v_width]
     ids = torch.sort(torch.randint(0, 2 * cp + 1, (batch, seq), generator=gen), dim=1).values if documents else None
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return *(t.to(device, dtype) for t in (q, k, v, weights)), move(ids)
@@ -404,12 +419,12 @@ def cp_sequence(cp: int, seq: int, cp_rank: int) -> tuple[range, ...]:
     return run_plan(config, cp).rank(cp_rank).sequence
 
 
-def full_attention(q, k, v, documents, dropout=None, rows=None):
-    """Brute force on the whole sequence: every score, the causal (and document) mask, softmax, and dropout by the
-    module as one process applies it to the probabilities."""
+def full_attention(q, k, v, documents, dropout=None, rows=None, scale=None):
+    """Brute force on the whole sequence: every score (scaled by `scale`, None: 1/sqrt(q's width)), the causal (and
+    document) mask, softmax, and dropout by the module as one process applies it to the probabilities."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     seq = q.shape[2]
     allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     if documents is not None:
@@ -441,22 +456,24 @@ class ThreadRing:
         ring.exchange = exchange
         return ring
 
-    def attend(self, q, k, v, ids, grad_out) -> tuple[torch.Tensor, ...]:
+    def attend(self, q, k, v, ids, grad_out, scale: float | None = None) -> tuple[torch.Tensor, ...]:
         """Every rank's output and q, k, v gradients (for a loss whose gradient on the output is `grad_out`), put
-        back at their positions of the sequence.
+        back at their positions of the sequence, the scores scaled by `scale` (None: 1/sqrt(q's width)).
 
         Each thread calls the ring's forward and backward itself: autograd runs the CUDA nodes of every thread's
         backward on one thread per device, where one rank's backward would wait on a message from a rank queued
         behind it."""
         seq, rows = q.shape[2], torch.arange(q.shape[0], device=q.device)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
 
         def run(cp_rank):
             ring = self.ring(cp_rank, seq, q.device)
             here, ctx = ring.positions, _Saved()
-            out = _Ring.forward(ctx, *(t[:, :, here] for t in (q, k, v)), ring, ring.mask(ids), rows, None)
+            blocks = BlockAttention(ring, ring.mask(ids), rows, None, q.shape[1] // k.shape[1], scale)
+            out = _Ring.forward(ctx, *(t[:, :, here] for t in (q, k, v)), blocks)
             return here, out, *_Ring.backward(ctx, grad_out[:, :, here])[:3]
 
-        results = [torch.empty_like(t) for t in (q, q, k, v)]
+        results = [torch.empty_like(t) for t in (grad_out, q, k, v)]
         with ThreadPoolExecutor(self.cp) as pool:
             for here, *parts in pool.map(run, range(self.cp)):
                 for whole, part in zip(results, parts):

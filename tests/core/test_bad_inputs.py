@@ -916,6 +916,9 @@ CASES = [
     ("tp not dividing the shared experts", "show", ["--model.name", "moe", "--parallel.tp", "2",
      "--model.overrides.n_shared_experts", "1", "--model.overrides.expert_hidden_dim", "177"], None,
      {"WORLD_SIZE": "2"}, ["parallel.tp = 2 must divide the model's shared experts' width (1 x 177)"]),
+    ("latent attention's heads not dividing by tp", "show", ["--model.name", "moe", "--model.overrides.kv_lora_rank",
+     "32", "--parallel.tp", "3"], None, {"WORLD_SIZE": "3"},
+     ["parallel.tp = 3 must divide the model's n_heads (8)", "splits latent attention by heads"]),
     ("unknown text unit", "show", ["--data.text_unit", "sentence"], None, {},
      ["data.text_unit", "'paragraph'", "sentence"]),
     # -- dtypes: titan's names and torch's

@@ -276,16 +276,19 @@ def test_the_rings_fused_block_kernels_give_the_explicit_output_log_sum_exp_and_
 
 @pytest.mark.parametrize("dtype", list(FUSED), ids=["bf16", "fp32"])
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_a_cp2_ring_on_one_gpu_matches_full_attention(dtype, documents, monkeypatch):
+@pytest.mark.parametrize("widths", ["same_widths", "narrow_values"])
+def test_a_cp2_ring_on_one_gpu_matches_full_attention(dtype, documents, widths, monkeypatch):
     """Both cp ranks as threads of this process (tests/helpers.ThreadRing): every block on the fused kernels (a pair
-    where documents meet in part once per shared document), merged and sent round as on several GPUs."""
-    from helpers import ThreadRing, attention_inputs, full_attention, record_kernels
+    where documents meet in part once per shared document), merged and sent round as on several GPUs; values
+    narrower than keys (latent attention's) padded to their width, on the same kernels."""
+    from helpers import RING_WIDTHS, ThreadRing, attention_inputs, full_attention, record_kernels
 
     kernels = record_kernels(monkeypatch)
-    q, k, v, weights, ids = attention_inputs(2, documents, "cuda", dtype)
-    ring = ThreadRing(2).attend(q, k, v, ids, weights)
+    v_width, scale = RING_WIDTHS[widths]
+    q, k, v, weights, ids = attention_inputs(2, documents, "cuda", dtype, v_width)
+    ring = ThreadRing(2).attend(q, k, v, ids, weights, scale)
     whole = [t.float().requires_grad_() for t in (q, k, v)]
-    expected = full_attention(*whole, ids)
+    expected = full_attention(*whole, ids, scale=scale)
     expected_grads = torch.autograd.grad(expected, whole, weights.float())
     errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(ring, (expected, *expected_grads))]
     print(f"CP2 ring, {dtype}, documents {documents}: against full attention, out, dq, dk, dv: {errors}")

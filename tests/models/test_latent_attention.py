@@ -74,8 +74,7 @@ def test_a_debug_moe_on_latent_attention_trains_and_decodes_as_it_computes():
 
 @pytest.mark.parametrize(
     "overrides, degrees, words",
-    [({}, {"tp": 2}, "titan splits latent attention (kv_lora_rank > 0) by neither yet"),
-     ({}, {"cp": 2}, "titan splits latent attention (kv_lora_rank > 0) by neither yet"),
+    [({}, {"tp": 3}, "parallel.tp = 3 must divide the model's n_heads (8): tensor parallelism splits latent attention"),
      ({"qk_rope_head_dim": 7}, {}, "qk_rope_head_dim (7) must be even for RoPE"),
      ({"q_lora_rank": -1}, {}, "q_lora_rank must be in [0, 16,384]")],
 )  # fmt: skip
@@ -85,3 +84,10 @@ def test_latent_attention_that_cannot_run_is_refused_naming_the_field(overrides,
         args.validate()
         args.check_parallelism(degrees.get("tp", 1), 1, 1, degrees.get("cp", 1))
     assert words in str(error.value)
+
+
+def test_latent_attention_splits_over_tp_by_its_heads_alone_and_over_cp():
+    """Its latents stay whole on every tp rank, and n_kv_heads, which it does not use, need not divide by tp."""
+    args = dataclasses.replace(FLAVORS["debug"], n_kv_heads=1, **MLA)
+    args.validate()
+    args.check_parallelism(2, 1, 1, 2)

@@ -18,6 +18,7 @@ from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
     LOSS_RTOL,
+    RING_WIDTHS,
     STEPS,
     ThreadRing,
     assert_matches_one_process,
@@ -55,12 +56,14 @@ def test_each_rank_holds_a_chunk_from_each_end_of_the_sequence():
 # -- the ring against full attention
 
 
-def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: bool = False):
+def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: bool = False, widths=(16, None)):
     """This rank's outputs and q, k, v gradients by the ring, less those of full attention at its positions (the
-    largest absolute difference of each), how many chunk pairs it computed, and of which kinds."""
+    largest absolute difference of each), how many chunk pairs it computed, and of which kinds. widths: v's width
+    and the scores' scale (None: 1/sqrt(q's width))."""
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     rank = dist.get_rank()
-    q, k, v, weights, ids = attention_inputs(cp, documents)
+    v_width, scale = widths
+    q, k, v, weights, ids = attention_inputs(cp, documents, v_width=v_width)
     rows = torch.tensor([3, 5])  # rows of a global batch: dropout is keyed by them
     dropout = None
     if p:
@@ -73,10 +76,10 @@ def ring_against_full_attention(cp: int, documents: bool, p: float, drop_pair: b
     if drop_pair:  # a ring that loses a block: every pair with key chunk (rank + 1) % cp, held by another rank
         mask = dataclasses.replace(mask, pairs={ab: m for ab, m in mask.pairs.items() if ab[1] != (rank + 1) % cp})
     local = [t[:, :, here].clone().requires_grad_() for t in (q, k, v)]
-    out = ring.attend(*local, mask, rows, dropout)
+    out = ring.attend(*local, mask, rows, dropout, scale)
     (out * weights[:, :, here]).sum().backward()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = full_attention(*whole, ids, dropout, rows)
+    expected = full_attention(*whole, ids, dropout, rows, scale)
     (expected * weights).sum().backward()
     diffs = [(out - expected[:, :, here]).abs().max().item()]
     diffs += [(mine.grad - full.grad[:, :, here]).abs().max().item() for mine, full in zip(local, whole)]
@@ -93,8 +96,9 @@ RING_ATOL = 1e-5
 @pytest.mark.parametrize("cp", [2, 3])
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "attention_dropout"])
-def test_ring_attention_matches_full_attention_forward_and_backward(cp, documents, p):
-    results = run_distributed(ring_against_full_attention, cp, cp, documents, p)
+@pytest.mark.parametrize("widths", RING_WIDTHS.values(), ids=RING_WIDTHS)
+def test_ring_attention_matches_full_attention_forward_and_backward(cp, documents, p, widths):
+    results = run_distributed(ring_against_full_attention, cp, cp, documents, p, False, widths)
     for diffs, _, _ in results:
         assert max(diffs) < RING_ATOL, diffs
     # Causal: of each rank's 2 x 2·cp chunk pairs, those whose keys all come after the queries are skipped.
@@ -118,12 +122,14 @@ def test_a_ring_that_drops_a_block_is_caught():
 
 @pytest.mark.parametrize("cp", [2, 3])
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_a_ring_of_threads_matches_full_attention(cp, documents, monkeypatch):
+@pytest.mark.parametrize("widths", RING_WIDTHS.values(), ids=RING_WIDTHS)
+def test_a_ring_of_threads_matches_full_attention(cp, documents, widths, monkeypatch):
     kernels = record_kernels(monkeypatch)
-    q, k, v, weights, ids = attention_inputs(cp, documents)
-    ring = ThreadRing(cp).attend(q, k, v, ids, weights)
+    v_width, scale = widths
+    q, k, v, weights, ids = attention_inputs(cp, documents, v_width=v_width)
+    ring = ThreadRing(cp).attend(q, k, v, ids, weights, scale)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = full_attention(*whole, ids)
+    expected = full_attention(*whole, ids, scale=scale)
     expected_grads = torch.autograd.grad(expected, whole, weights)
     diffs = [(a - b).abs().max().item() for a, b in zip(ring, (expected, *expected_grads))]
     assert max(diffs) < RING_ATOL, diffs

@@ -79,8 +79,8 @@ class Model(Protocol):
     args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
     # Context parallelism's slot (titan/parallel/cp/ring.py puts its ring in it, on the model and on every module of it
     # with the slot): the model reads `positions` (this rank's positions of each row) and `mask(document_ids)`, and
-    # its attention modules call `attend(q, k, v, mask, rows, dropout)` when `is_ring(mask)`. None: the model holds
-    # whole sequences, as it does under it for a micro-batch called with local=True.
+    # its attention modules call `attend(q, k, v, mask, rows, dropout, scale)` when `is_ring(mask)`. None: the model
+    # holds whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
     # Expert parallelism's slot is on the modules that hold experts, those with an `expert_parallel` attribute: each
     # stacks its experts' parameters along dim 0, which titan/parallel/ep.py shards over the ep group, and when the

@@ -102,11 +102,12 @@ class DecoderArgs:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
-    def check_layer_split(self, tp: int, pp_stages: int, dense: tuple[str, int] | None) -> None:
-        """ValueError when tensor parallelism or the pipeline stages cannot split the layers: tp splits the heads,
-        the vocabulary and the dense feed-forwards' hidden units (`dense`: their field's name and width; None: the
-        model has none)."""
-        sizes = [("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads), *([dense] if dense else [])]
+    def check_layer_split(self, tp: int, pp_stages: int, dense: tuple[str, int] | None, kv_heads: bool = True) -> None:
+        """ValueError when tensor parallelism or the pipeline stages cannot split the layers: tp splits the heads
+        (and the kv heads, where the attention has them: `kv_heads`), the vocabulary and the dense feed-forwards'
+        hidden units (`dense`: their field's name and width; None: the model has none)."""
+        heads = [("n_heads", self.n_heads)] + ([("n_kv_heads", self.n_kv_heads)] if kv_heads else [])
+        sizes = [*heads, *([dense] if dense else [])]
         for name, size in (*sizes, ("vocab_size", self.vocab_size)):
             if size % tp:
                 raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({size})")

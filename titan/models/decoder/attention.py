@@ -120,7 +120,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
-        # Context parallelism installs its ring here (titan/parallel/cp/ring.py): attend(q, k, v, mask, rows, dropout).
+        # Context parallelism installs its ring here (titan/parallel/cp/ring.py): see the model contract's slot.
         self.context_parallel = None
 
     def forward(
@@ -155,7 +155,7 @@ def attend(module: nn.Module, q, k, v, mask, rows: torch.Tensor, scale: float | 
     ring = module.context_parallel
     if ring is not None and ring.is_ring(mask):
         # This rank's chunks of the sequence; the others' come round a ring.
-        return ring.attend(q, k, v, mask, rows, module.dropout if module.training else None)
+        return ring.attend(q, k, v, mask, rows, module.dropout if module.training else None, scale)
     if isinstance(mask, BlockMask):
         return attend_flex(q, k, v, mask, scale=scale)
     if isinstance(mask, list):

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from titan.models.contract import StageBatch, StageIO
 from titan.models.decoder.args import DecoderArgs
+from titan.models.decoder.latent_attention import LatentAttention
 from titan.models.decoder.model import Decoder, FeedForward
 from titan.models.decoder.rope import rope_table
 
@@ -33,9 +34,10 @@ from titan.models.decoder.rope import rope_table
 def tp_plan(
     model: Decoder, sequence_parallel: bool, loss_parallel: bool, styles: tuple | None = None
 ) -> dict[str, nn.Module]:
-    """Megatron-style plan: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each sub-layer
-    (attention, feed-forward) moves its activations once each way: one all-reduce forward and one backward, or,
-    with sequence parallel, an all-gather and a reduce-scatter forward and their mirror backward.
+    """Megatron-style plan: q/k/v (latent attention's wq or wq_b, and wkv_b) and w1/w3 split by output columns, wo
+    and w2 by input rows, so each sub-layer (attention, feed-forward) moves its activations once each way: one
+    all-reduce forward and one backward, or, with sequence parallel, an all-gather and a reduce-scatter forward and
+    their mirror backward.
     With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions.
     styles: (colwise, rowwise, prepare_module_input) classes for the blocks' linears and their inputs, e.g.
     torchao's float8 styles; None: torch's own. The embedding and the output head always use torch's."""
@@ -72,13 +74,30 @@ def tp_plan(
         if sequence_parallel:
             plan[f"{block}.attention_dropout"] = _sharded_input(Shard(1))
             plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
-        for linear in ("attention.wq", "attention.wk", "attention.wv"):
-            plan[f"{block}.{linear}"] = colwise()
-        if model.layers[name].attention.q_norm is not None:
-            plan[f"{block}.attention.q_norm"] = plan[f"{block}.attention.k_norm"] = HeadShares()
-        plan[f"{block}.attention.wo"] = rowwise(output_layouts=between)
+        plan.update(attention_plan(f"{block}.attention", model.layers[name].attention, between, styles))
         if isinstance(model.layers[name].feed_forward, FeedForward):  # a family plans its other feed-forwards
             plan.update(dense_feed_forward_plan(f"{block}.feed_forward", between, styles))
+    return plan
+
+
+def attention_plan(name: str, attention: nn.Module, between: Placement, styles: tuple | None = None) -> dict:
+    """An attention's heads split over tp: the linears into heads by output columns, wo by input rows back to
+    `between`. The modules whole on every rank are marked: a q or k norm applies to the rank's heads (HeadShares),
+    latent attention's latent projections and norms compute the latent all heads share (LatentShares)."""
+    colwise, rowwise, _ = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    whole: dict[str, ParallelStyle] = {}
+    if isinstance(attention, LatentAttention):
+        into_heads = ["wkv_b", "wq" if attention.wq is not None else "wq_b"]
+        whole |= {"wkv_a": LatentShares(), "kv_norm": LatentShares(to_heads=True)}
+        if attention.wq is None:
+            whole |= {"wq_a": LatentShares(), "q_a_norm": LatentShares(to_heads=True)}
+    else:
+        into_heads = ["wq", "wk", "wv"]
+        if attention.q_norm is not None:
+            whole |= {"q_norm": HeadShares(), "k_norm": HeadShares()}
+    plan = {f"{name}.{linear}": colwise() for linear in into_heads}
+    plan |= {f"{name}.{module}": style for module, style in whole.items()}
+    plan[f"{name}.wo"] = rowwise(output_layouts=between)
     return plan
 
 
@@ -127,6 +146,35 @@ class HeadShares(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.tp_gradient_shares = True
         return module
+
+
+class LatentShares(ParallelStyle):
+    """A latent projection or norm of latent attention (wq_a, q_a_norm, wkv_a, kv_norm), whole on every tp rank,
+    where it computes the same latent from the attention's whole input; only the rank's heads read it (wq_b and wkv_b
+    are split by them), so its gradients on a rank are those heads' share, marked for the step to sum over tp. The
+    gradient it sends back is such a share too: it reads the attention's input (a Replicate DTensor) as a local tensor
+    whose gradient is Partial, summed with the other linears' where that input is reduced once. `to_heads`: its output
+    goes to a column-parallel linear as a Replicate DTensor whose gradient stays this rank's Partial share (the
+    linear's own conversion of a plain tensor would all-reduce it there)."""
+
+    def __init__(self, to_heads: bool = False):
+        super().__init__()
+        self.to_heads = to_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_gradient_shares = True
+        module.register_forward_pre_hook(_local_shares)
+        if self.to_heads:
+            module.register_forward_hook(partial(_replicated_shares, device_mesh))
+        return module
+
+
+def _local_shares(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.to_local(grad_placements=[Partial()]) if isinstance(a, DTensor) else a for a in args)
+
+
+def _replicated_shares(mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor) -> DTensor:
+    return DTensor.from_local(output, mesh, [Replicate()], run_check=False, grad_placements=[Partial()])
 
 
 def _sharded_input(placement) -> PrepareModuleInputOutput:

@@ -2,7 +2,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from titan.models.contract import RoutedExperts
-from titan.models.decoder.args import kv_width
+from titan.models.decoder import args as decoder_args
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.flavors import FLAVORS
 
@@ -28,6 +28,12 @@ def __getattr__(name: str):
 
         return MoETransformer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def kv_width(args: MoEArgs) -> int:
+    """One token's keys (or values) in one layer, as the context-parallel ring carries them: latent attention's are
+    every head's, its values padded to the keys' width (titan/parallel/cp/ring.py)."""
+    return args.n_heads * max(args.score_widths) if args.kv_lora_rank else decoder_args.kv_width(args)
 
 
 def active_params(args: MoEArgs) -> int:

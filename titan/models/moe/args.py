@@ -119,13 +119,14 @@ class MoEArgs(DecoderArgs):
                 f"parallel.ep = {ep} must divide the model's n_experts ({self.n_experts}): each expert-parallel rank "
                 "holds as many experts; use a divisor of n_experts"
             )
-        if self.kv_lora_rank and (tp > 1 or cp > 1):
+        if self.kv_lora_rank and self.n_heads % tp:
             raise ValueError(
-                f"parallel.tp = {tp} and parallel.cp = {cp}: titan splits latent attention (kv_lora_rank > 0) by "
-                "neither yet; use data, pipeline and expert parallelism"
+                f"parallel.tp = {tp} must divide the model's n_heads ({self.n_heads}): tensor parallelism splits "
+                "latent attention by heads, its latents (kv_lora_rank, q_lora_rank) whole on every rank; use a "
+                "divisor of n_heads"
             )
         dense = ("dense_hidden_dim", self.dense_hidden_dim) if self.dense_layers else None
-        self.check_layer_split(tp, pp_stages, dense)
+        self.check_layer_split(tp, pp_stages, dense, kv_heads=not self.kv_lora_rank)
         shared = self.n_shared_experts * self.expert_hidden_dim
         if shared % tp:
             raise ValueError(

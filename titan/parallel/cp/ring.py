@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,12 +56,21 @@ class ContextParallel:
     # plan of chunk pairs changes with every micro-batch's documents, which guards would recompile for.
     @torch.compiler.disable
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: RingMask, rows: Tensor, dropout: rng.Dropout | None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: RingMask,
+        rows: Tensor,
+        dropout: rng.Dropout | None,
+        scale: float | None = None,
     ) -> Tensor:
         """Causal attention of this rank's queries (batch, heads, local seq, head dim) to the whole sequence's keys
-        and values (this rank's k and v: (batch, kv heads, local seq, head dim)), dropout on the probabilities by
-        `dropout` (None or p = 0: none)."""
-        return _Ring.apply(q, k, v, self, mask, rows, dropout if dropout is not None and dropout.p > 0 else None)
+        and values (this rank's k and v: (batch, kv heads, local seq, head dim), v's width may differ), dropout on
+        the probabilities by `dropout` (None or p = 0: none), scores scaled by `scale` (None: 1/sqrt(q's width))."""
+        dropout = dropout if dropout is not None and dropout.p > 0 else None
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _Ring.apply(q, k, v, BlockAttention(self, mask, rows, dropout, q.shape[1] // k.shape[1], scale))
 
     # -- the ring's steps
 
@@ -85,6 +95,11 @@ def ring_hop(send: Tensor, group, tag: int = 0) -> tuple[Tensor, list]:
     return recv, dist.batch_isend_irecv(ops)
 
 
+def _padded(t: Tensor, width: int) -> Tensor:
+    """t zero-padded on its last dim to `width`: zeros add nothing to a score or to an output."""
+    return F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+
 def _wait(works: list) -> None:
     for work in works:
         work.wait()
@@ -92,11 +107,15 @@ def _wait(works: list) -> None:
 
 class _Ring(torch.autograd.Function):
     """The ring attention of ContextParallel.attend: forward merges the blocks' results as they come round, backward
-    sends the blocks round again and their key and value gradients after them."""
+    sends the blocks round again and their key and value gradients after them. Values narrower (or wider) than the
+    keys, as latent attention's, are padded to one width with zeros: the fused kernels take one width, and keys and
+    values travel as one tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: ContextParallel, mask: RingMask, rows, dropout):
-        blocks = BlockAttention(ring, mask, rows, dropout, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5)
+    def forward(ctx, q, k, v, blocks: BlockAttention):
+        ctx.widths = q.shape[-1], v.shape[-1]
+        q, k, v = (_padded(t, max(ctx.widths)) for t in (q, k, v))
+        ring, mask = blocks.ring, blocks.mask
         queries = dict(zip(ring.chunks, q.split(ring.chunk, dim=2)))
         out: dict[int, Tensor] = {}
         lse: dict[int, Tensor] = {}
@@ -124,7 +143,7 @@ class _Ring(torch.autograd.Function):
         out_all = torch.cat([out[a].to(q.dtype) for a in ring.chunks], dim=2)
         ctx.blocks = blocks
         ctx.save_for_backward(q, k, v, out_all, torch.cat([lse[a] for a in ring.chunks], dim=2))
-        return out_all
+        return out_all[..., : ctx.widths[1]]
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -132,7 +151,8 @@ class _Ring(torch.autograd.Function):
         blocks: BlockAttention = ctx.blocks
         ring, chunk = blocks.ring, blocks.ring.chunk
         split = lambda t: dict(zip(ring.chunks, t.split(chunk, dim=2)))  # noqa: E731
-        queries, outs, lses, grads = split(q), split(out), split(lse), split(grad_out.contiguous())
+        queries, outs, lses = split(q), split(out), split(lse)
+        grads = split(_padded(grad_out, q.shape[-1]).contiguous())
         grad_q = {a: torch.zeros_like(x, dtype=torch.float32) for a, x in queries.items()}
         kv = torch.stack([k, v])
         pending, works = None, []  # the key/value gradients of the block this rank gets next, in flight
@@ -161,7 +181,9 @@ class _Ring(torch.autograd.Function):
                 kv = next_kv
         _wait(works)
         grad_q_all = torch.cat([grad_q[a] for a in ring.chunks], dim=2).to(q.dtype)
-        return grad_q_all, pending[0].to(k.dtype), pending[1].to(v.dtype), None, None, None, None
+        qk, v_width = ctx.widths
+        grad_k, grad_v = pending[0][..., :qk].to(k.dtype), pending[1][..., :v_width].to(v.dtype)
+        return grad_q_all[..., :qk], grad_k, grad_v, None
 
 
 def apply_context_parallel(model: nn.Module, plan: RunPlan, rank: int, mesh: DeviceMesh, device) -> ContextParallel:
