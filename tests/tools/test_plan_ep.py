@@ -178,3 +178,14 @@ def test_under_tp_a_rank_dispatches_its_share_of_the_sequence(tmp_path):
     by_hand = all_to_all_by_hand(config, world, recomputing=0)
     assert rank.traffic[("all-to-all", "ep")] == by_hand
     assert rank.all_to_all_formula == by_hand
+
+
+@pytest.mark.scenario
+def test_the_deepseek_v3_recipe_fits_its_256_h100s(tmp_path):
+    """recipes/deepseek_v3_671b.toml: the whole 671B planned on its layout, every pipeline rank within the device,
+    at the step docs/moe.md states."""
+    from conftest import ROOT
+
+    result = run_titan("plan", "--config", str(ROOT / "recipes" / "deepseek_v3_671b.toml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "671.03B parameters, on 256 x NVIDIA H100" in result.stdout and "step 31.1 s" in result.stdout
