@@ -70,6 +70,11 @@ def test_a_debug_moe_on_latent_attention_trains_and_decodes_as_it_computes():
         for _ in range(8):
             sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
     assert cached == sequence[len(prompt) :]
+    cache = model.kv_cache(1, 16)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), cache=cache)
+    # The cache holds each token's latent and rotated key, one for all heads, not their keys and values.
+    assert cache[1].keys.shape == (1, 1, 16, args.kv_lora_rank + args.qk_rope_head_dim) and cache[1].values is None
 
 
 @pytest.mark.parametrize(
@@ -91,3 +96,43 @@ def test_latent_attention_splits_over_tp_by_its_heads_alone_and_over_cp():
     args = dataclasses.replace(FLAVORS["debug"], n_kv_heads=1, **MLA)
     args.validate()
     args.check_parallelism(2, 1, 1, 2)
+
+
+def deepseek_v3_debug() -> MoETransformer:
+    with torch.device("meta"):
+        model = MoETransformer(dataclasses.replace(FLAVORS["deepseek_v3_debug"], max_seq_len=64))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    model.init_buffers()
+    return model.eval()
+
+
+PROMPTS = [[5, 17, 300, 41, 9], [7, 1000, 3]]
+
+
+def tp_decode():
+    """On each of 2 tensor-parallel ranks: the model's logits of a prompt, and greedy decoding of both prompts, each
+    rank holding half the heads and decoding over their share of the absorbed latent."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan import models
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = deepseek_v3_debug()
+    parallelize_module(model, mesh, models.get_model_spec("moe").tp_plan(model, False, False))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0]]))[0]
+    return logits, generate(model, PROMPTS, 12, group=mesh.get_group()).tokens
+
+
+@pytest.mark.distributed
+def test_latent_decoding_under_tensor_parallelism_is_one_process_s():
+    from distributed import run_distributed
+
+    model = deepseek_v3_debug()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0]]))[0]
+    tokens = generate(model, PROMPTS, 12).tokens
+    for rank_logits, rank_tokens in run_distributed(tp_decode, 2):
+        assert max_diff(rank_logits, logits) < 1e-5 and rank_tokens == tokens

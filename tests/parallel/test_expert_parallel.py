@@ -61,6 +61,7 @@ STEPS = int(os.environ.get("MOE_LAYOUT_STEPS", "6"))
 SEQ_LEN = int(os.environ.get("MOE_LAYOUT_SEQ_LEN", "64"))
 GLOBAL_BATCH, TOP_K = 8, 2
 DROPOUT = {"model.overrides.resid_dropout": "0.1"}
+DEEPSEEK = {"model.flavor": "deepseek_v3_debug", "model.overrides.attn_dropout": "0.1", **DROPOUT}
 # name: (processes, overrides, the one-process run it must equal). The references hold all 8 rows in one
 # micro-batch; "single" and "ep2" save checkpoints, for the resume test.
 SAVES = {"checkpoint.enable": "true", "checkpoint.interval": "3"}
@@ -81,6 +82,13 @@ RUNS = {
     "ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2"}, "single"),
     # The balance loss with a row's tokens split over the cp group (and its positions over tp): whole rows' counts.
     "cp2_ep2_aux": (4, {"parallel.cp": "2", "parallel.ep": "2"}, "single"),
+    # DeepSeek-V3's form (latent attention, sigmoid routing in groups, a shared expert) with dropout on the
+    # attention's probabilities and the residuals, on every parallelism.
+    "deepseek_single": (1, DEEPSEEK, None),
+    "deepseek_ep2": (2, {"parallel.ep": "2", **DEEPSEEK}, "deepseek_single"),
+    "deepseek_ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2", **DEEPSEEK}, "deepseek_single"),
+    "deepseek_pp2_ep2": (4, {"parallel.pp": "2", "parallel.ep": "2", **DEEPSEEK}, "deepseek_single"),
+    "deepseek_cp2_ep2": (4, {"parallel.cp": "2", "parallel.ep": "2", **DEEPSEEK}, "deepseek_single"),
 }
 # Measured here: every layout within 2.3e-7 of one process (the gradients' sums run in other orders; the resume
 # bitwise), and no token routed otherwise at any step (docs/moe.md has the table). assert_close_losses's 1e-6 is ~4x

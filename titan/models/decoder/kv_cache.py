@@ -20,17 +20,19 @@ class KVCache:
         self.values: torch.Tensor | None = None
         self.length = 0  # slots filled: the slot of the next token
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store the new tokens' keys and values (batch, n_kv_heads, seq, head_dim) after the cached ones;
-        returns those of every token so far."""
-        if self.keys is None:  # a value may be narrower than its key (latent attention's)
+        returns those of every token so far. Values None: the keys hold them (latent attention's latent)."""
+        if self.keys is None:
             self.keys = k.new_zeros(*k.shape[:2], self.max_len, k.shape[3])
-            self.values = v.new_zeros(*v.shape[:2], self.max_len, v.shape[3])
+            if v is not None:
+                self.values = v.new_zeros(*v.shape[:2], self.max_len, v.shape[3])
         stop = self.length + k.shape[2]
         self.keys[:, :, self.length : stop] = k
-        self.values[:, :, self.length : stop] = v
+        if v is not None:
+            self.values[:, :, self.length : stop] = v
         self.length = stop
-        return self.keys[:, :, :stop], self.values[:, :, :stop]
+        return self.keys[:, :, :stop], None if v is None else self.values[:, :, :stop]
 
 
 def cached_positions_and_mask(pad: torch.Tensor, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,13 +4,15 @@ own (q_lora_rank; 0: none). Each head's query and key are a part without positio
 RoPE rotates (qk_rope_head_dim), the key's rotated part one for all heads; values are v_head_dim wide.
 
 RoPE rotates interleaved pairs, as titan's other attention does and as DeepSeek's weights (and transformers'
-`rope_interleave`) hold them, so the weights need no reordering.
+`rope_interleave`) hold them, so the weights need no reordering. Decoding caches each token's latent and rotated
+key: at DeepSeek-V3's sizes 576 numbers a token and layer, where its 128 heads' keys and values are 40,960.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from titan import rng
@@ -51,13 +53,29 @@ class LatentAttention(nn.Module):
         batch, seq, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(batch, seq, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        q_rope = apply_rope(q_rope, rope)
         latent, k_rope = self.wkv_a(x).split([self.rank, self.rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.nope + self.v_width)
-        k_nope, v = kv.split([self.nope, self.v_width], dim=-1)
-        k_rope = apply_rope(k_rope.view(batch, seq, 1, self.rope), rope).expand(-1, -1, k_nope.shape[2], -1)
-        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        latent, k_rope = self.kv_norm(latent), apply_rope(k_rope.view(batch, seq, 1, self.rope), rope)
         if cache is not None:
-            k, v = cache.extend(k, v)
+            return self.wo(self._decode(q_nope, q_rope, latent, k_rope, mask, rows, cache).flatten(2))
+        k_nope, v = (
+            self.wkv_b(latent).view(batch, seq, -1, self.nope + self.v_width).split([self.nope, self.v_width], -1)
+        )
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return self.wo(attend(self, q, k, v, mask, rows, self.scale).transpose(1, 2).reshape(batch, seq, -1))
+
+    def _decode(self, q_nope, q_rope, latent, k_rope, mask, rows, cache: KVCache) -> torch.Tensor:
+        """Attention over the cache of each token's latent and rotated key (kv_lora_rank + qk_rope_head_dim wide,
+        one for all heads), not of every head's keys and values: wkv_b's key half is absorbed into the queries
+        (q_nope . (W_k latent) = (q_nope W_k) . latent) and its value half applied to the heads' attended latents,
+        so decoding is multi-query attention over the latent. Returns (batch, seq, heads, v_head_dim)."""
+        # Under tensor parallelism wkv_b holds this rank's heads, and kv_norm hands it the latent as a DTensor.
+        w, latent = (t.to_local() if isinstance(t, DTensor) else t for t in (self.wkv_b.weight, latent))
+        w = w.view(-1, self.nope + self.v_width, self.rank)
+        w_key, w_value = w.split([self.nope, self.v_width], dim=1)
+        q = torch.cat([torch.einsum("bshn,hnr->bshr", q_nope, w_key), q_rope], dim=-1).transpose(1, 2)
+        keys, _ = cache.extend(torch.cat([latent.unsqueeze(2), k_rope], dim=-1).transpose(1, 2))
+        attended = attend(self, q, keys, keys[..., : self.rank], mask, rows, self.scale)  # (batch, heads, seq, rank)
+        return torch.einsum("bhsr,hvr->bshv", attended, w_value)

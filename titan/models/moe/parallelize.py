@@ -5,9 +5,10 @@ over the ep group of the ranks with its tp index), and the shared experts split 
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan.models.decoder import parallelize as decoder
@@ -49,4 +50,23 @@ class TokenShards(PrepareModuleInputOutput):
     def _apply(self, module: MoE, device_mesh: DeviceMesh) -> nn.Module:
         for whole in (module.router, module.experts):
             whole.tp_gradient_shares = True  # the model contract's mark: the step sums their gradients over tp
-        return super()._apply(module, device_mesh)
+        # A sequence tp does not divide (decoding's prompt, or its one new token) is padded to one it does, and cut
+        # back after: its shards must be even for the gathers of the shared experts' input and of the output.
+        # Training's sequences divide, and are never padded.
+        tp, lengths = device_mesh.size(), []
+
+        def pad(_, args):
+            lengths.append(args[0].shape[1])
+            return (_pad_sequence(args[0], tp), *args[1:])
+
+        module.register_forward_pre_hook(pad)
+        super()._apply(module, device_mesh)  # its hooks run between these
+        module.register_forward_hook(lambda _, args, out: out[:, : lengths.pop()])
+        return module
+
+
+def _pad_sequence(x, tp: int):
+    """x (rows, seq, dim), a plain tensor, with zero tokens after its last to a multiple of tp; a DTensor as it is."""
+    if isinstance(x, DTensor) or x.shape[1] % tp == 0:
+        return x
+    return F.pad(x, (0, 0, 0, -x.shape[1] % tp))
