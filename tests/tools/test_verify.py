@@ -340,10 +340,10 @@ def test_verify_names_the_experts_when_the_dispatch_returns_results_to_the_wrong
     assert "step 0, forward, output of layers.1.feed_forward.experts on rank 1:" in last, result.stdout
 
 
-# DeepSeek's latent attention in the debug MoE's first layer (dense) alone: titan verify does not match the MoE
-# layers' routers under tp, whose ranks route their own tokens. The reference sums 2 micro-batches: with one, the
-# floor's split in two misses how Adam's first update magnifies the rounding of near-zero gradients, and TP2 then
-# fails there at step 0 with latent attention or without (wo.weight, 4.2e-4 of its magnitude against 8.3e-5).
+# DeepSeek's latent attention in the debug MoE's first layer (dense) alone. The reference sums 2 micro-batches:
+# with one, the floor's split in two misses how Adam's first update magnifies the rounding of near-zero gradients,
+# and TP2 then fails there at step 0 with latent attention or without (wo.weight, 4.2e-4 of its magnitude against
+# 8.3e-5).
 LATENT = {
     **LATENT_ATTENTION,
     "model.overrides.n_layers": "1",
@@ -377,3 +377,19 @@ def test_verify_of_one_process_or_packed_documents_is_a_clear_error(tmp_path):
         result = run_titan("verify", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **extra))
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# DeepSeek-V3's form (latent attention, sigmoid routing in groups, a shared expert) in its first two layers, the
+# second routing: each tp rank routes its share of the sequence, the experts split over the ep group of its tp index.
+DEEPSEEK = {**MOE, "model.flavor": "deepseek_v3_debug", "training.local_batch_size": "4"}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_passes_on_deepseek_v3_under_ep2_tp2(verify_folder):
+    """The routers' and experts' outputs compared per token under tp, each rank's share of every row's positions
+    against that chunk of the reference's."""
+    result = verify(verify_folder, {"parallel.ep": "2", "parallel.tp": "2"}, recipe=MOE_RECIPE, settings=DEEPSEEK)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "layout dp_shard2-tp2-ep2 (4 processes)" in result.stdout
+    assert "equivalent: every tensor within tolerance" in result.stdout

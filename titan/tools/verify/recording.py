@@ -32,7 +32,6 @@ class Recorder:
     def __init__(self, model_parts, optimizer, stages=()):
         self.step = 0
         self.rows = None
-        self.seq = 1  # the positions of each row this rank holds
         self.routes: dict = {}  # a MoE's name -> its router's experts (tokens, top_k) in this forward
         self.inferring = False
         for stage in stages:
@@ -71,7 +70,6 @@ class Recorder:
         # Stage inputs are (tokens or hidden states, rows, ...) positionally, as the trainer and schedules pass them.
         first = args[0]
         self.rows = args[1].cpu().clone() if len(args) > 1 else torch.arange(first.shape[0])
-        self.seq = first.shape[1]
         if not first.is_floating_point():
             self.tokens.append((self.step, self.rows, first.cpu().clone()))
 
@@ -82,9 +80,11 @@ class Recorder:
         output = self._compared(name, module, output)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             rows = len(self.rows)
-            if output.ndim and output.shape[0] == rows * self.seq != rows:
-                # A MoE's modules take the rows' tokens flattened: per row again, as the comparison matches rows.
-                output = output.view(rows, self.seq, *output.shape[1:])
+            if output.ndim and output.shape[0] != rows and output.shape[0] % rows == 0:
+                # A MoE's modules take the rows' tokens flattened, all of each row's positions or, under tensor
+                # parallelism, a tp rank's share of them: per row again, as the comparison matches rows (and finds
+                # a share's chunk of the positions).
+                output = output.view(rows, -1, *output.shape[1:])
             # A tensor-parallel shard stays local: the comparison finds its chunk of the reference.
             self.forward.append((self.step, name, self.rows, _local(output)))
 
