@@ -158,7 +158,7 @@ def test_layouts_match_single_process(reference, tmp_path, world, layouts):
 # Latent attention (DeepSeek's MLA) on the debug MoE's first two layers, dense and routed: heads split over tp with
 # the latents whole on each rank, and the ring with values narrower than keys.
 MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
-MLA = {**LATENT_ATTENTION, "model.overrides.n_layers": "2", "training.seq_len": "32"}
+MLA = {**LATENT_ATTENTION, "model.overrides.n_layers": "2", "training.seq_len": "32", "checkpoint.enable": "false"}
 MLA_LAYOUTS = {
     "tp2_sp_lossparallel": {"parallel.tp": "2"},
     "tp2_plain": {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false"},

@@ -23,7 +23,7 @@ class BlockScale:
     """The scales of one FP8 weight: their tensor's name in the files, and the block they each cover."""
 
     name: str
-    block: tuple[int, int]
+    size: tuple[int, int]  # of a block
 
 
 def block_size(config: dict[str, Any]) -> tuple[int, int]:
@@ -59,7 +59,7 @@ def block_scales(config: dict[str, Any], shapes: dict[str, list[int]], dtypes: d
 def dequantize(box: Tensor, starts: list[int], scale: BlockScale, read_scales) -> Tensor:
     """A box of an FP8 weight (rows and columns from `starts` on) in float32: each element times its block's scale.
     read_scales(slices) reads those of the scale tensor."""
-    (r0, c0), (rows, cols), (b0, b1) = starts, box.shape, scale.block
+    (r0, c0), (rows, cols), (b0, b1) = starts, box.shape, scale.size
     scales = read_scales((slice(r0 // b0, (r0 + rows - 1) // b0 + 1), slice(c0 // b1, (c0 + cols - 1) // b1 + 1)))
     per_element = scales.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
     return box.float() * per_element[r0 % b0 : r0 % b0 + rows, c0 % b1 : c0 % b1 + cols]
