@@ -58,7 +58,7 @@ class MoETransformer(Decoder):
         self.routing = Routing(self, args.bias_update_rate)  # before the blocks, which share it
         super().__init__(args, traceable)
 
-    def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False):
+    def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False, labels=None):
         """The decoder's; the routing notes whether the rows are this rank's own (`local`), not split over a cp
         group."""
         self.routing.local = local

@@ -225,7 +225,9 @@ class _RankStep:
             self.trace.forward[stage] = Cost()
             with self.counter.phase(self.trace.forward[stage]), self.rules.precision("cpu"):
                 x = inputs["tokens"] if stage == 0 else inputs["hidden"].clone()
-                out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
+                x.requires_grad_(x.is_floating_point())
+                labels = inputs["tokens"] if stage == last else None  # as the trainer's (a multi-token prediction's)
+                out = part(x, inputs["rows"], inputs["document_ids"], labels=labels)
                 outputs[stage] = token_loss(out, inputs["tokens"]) if stage == last else out[0]
             self.trace.held[stage] = self._activations() - before
         return outputs
