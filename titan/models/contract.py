@@ -219,7 +219,9 @@ class ModelSpec:
     kv_width: Callable[[Args], int]
     # Parallelism, applied from outside by titan/parallel (Args.check_parallelism says which degrees can split it):
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
-    blocks: Callable[[Model], list[nn.Module]]  # units for checkpointing, compile, FSDP and titan plan's block graph
+    # Units for checkpointing, compile, FSDP and titan plan's block graph: the layers' blocks in order, then any the
+    # model holds after its layers (a multi-token prediction's, on the last stage), whose kind is the last layer's.
+    blocks: Callable[[Model], list[nn.Module]]
     pipeline_stage: Callable[[Model, list[int], bool, bool], Model]  # (model, layer ids, first, last) -> stage
     pipeline_io: Callable[[Args, StageBatch], StageIO]  # a stage's tensors for the pipeline schedule and titan plan
     # (args, rows, seq_len, dtype) -> a block's positional inputs for rows x seq_len tokens, made on the current

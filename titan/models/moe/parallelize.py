@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
 
 from titan.models.decoder import parallelize as decoder
 from titan.models.moe.model import MoE, MoETransformer
@@ -19,16 +19,37 @@ def tp_plan(
 ) -> dict[str, nn.Module]:
     """The decoder's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE
     layer, the layer on this rank's sequence shard (TokenShards) and its shared experts split as a dense
-    feed-forward, on the layer's tokens gathered over tp."""
+    feed-forward, on the layer's tokens gathered over tp; and the multi-token prediction's blocks as the layers.
+    Under sequence parallelism its norms and projection run on the sequence shards, as the blocks' norms do."""
     plan = decoder.tp_plan(model, sequence_parallel, loss_parallel, styles)
-    for name, block in model.layers.items():
+    blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    for layer, module in model.mtp.items():
+        blocks[f"mtp.{layer}.block"] = module.block
+        plan.update(decoder.block_plan(f"mtp.{layer}.block", module.block, sequence_parallel, styles))
+        if sequence_parallel:  # the projection's output is the block's input: a local shard, as between blocks
+            plan |= {f"mtp.{layer}.{name}": SequenceParallel() for name in ("enorm", "hnorm", "norm")}
+            plan[f"mtp.{layer}.eh_proj"] = SequenceParallel(use_local_output=True)
+    for name, block in blocks.items():
         if not isinstance(block.feed_forward, MoE):
             continue
-        moe = f"layers.{name}.feed_forward"
+        moe = f"{name}.feed_forward"
         plan[moe] = TokenShards(Shard(1) if sequence_parallel else Replicate())
         if block.feed_forward.shared is not None:
             plan.update(decoder.dense_feed_forward_plan(f"{moe}.shared", Shard(1), styles))
     return plan
+
+
+def blocks(model: MoETransformer) -> list[nn.Module]:
+    """The decoder's blocks, then the multi-token prediction's (built as a layer is, held after the stack)."""
+    return decoder.blocks(model) + [module.block for module in model.mtp.values()]
+
+
+def pipeline_stage(model: MoETransformer, layer_ids: list[int], first: bool, last: bool) -> MoETransformer:
+    """The decoder's stage; the multi-token prediction's modules, which take the head's input, on the last alone."""
+    stage = decoder.pipeline_stage(model, layer_ids, first, last)
+    if not last:
+        stage.mtp = nn.ModuleDict()
+    return stage
 
 
 class TokenShards(PrepareModuleInputOutput):
