@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import run_titan, scenarios_beyond, tiny_overrides
 from expert_plan import MOE_RECIPE, all_to_all_by_hand
@@ -154,3 +155,25 @@ def test_under_tp_a_rank_dispatches_its_share_of_the_sequence(tmp_path):
     by_hand = all_to_all_by_hand(config, world, recomputing=0)
     assert rank.traffic[("all-to-all", "ep")] == by_hand
     assert rank.all_to_all_formula == by_hand
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_the_plan_counts_the_multi_token_prediction(tmp_path, mode):
+    """With mtp_layers = 1 the trace runs the module as the trainer does (given the labels): the model's parameters
+    exactly, the ranks' FLOPs the per-token formula (its block, projection and second pass of the head) without
+    recomputation, and its block's all-to-all by the formula, where full checkpointing of every second block
+    recomputes it as it does layer 2 (the first, dense, has none; the module's block follows the 4 layers: the
+    fifth)."""
+    world, extra = 2, {"parallel.ep": "2", "plan.moe_load_imbalance": "1", "model.overrides.mtp_layers": "1"}
+    checkpointing = {"activation_checkpoint.mode": mode, "activation_checkpoint.every": "2"}
+    config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **extra, **checkpointing), world_size=world)
+    estimate = estimate_step(config, world)
+    model = resolve_model(config)
+    with torch.device("meta"):
+        assert estimate.params == sum(p.numel() for p in model.spec.build(model.args).parameters())
+    (rank,) = estimate.ranks
+    assert rank.traffic[("all-to-all", "ep")] == rank.all_to_all_formula
+    assert rank.all_to_all_formula == all_to_all_by_hand(config, world, 2 if mode == "full" else 0)
+    if mode == "none":
+        by_formula = model.spec.flops_per_token(model.args, SEQ) * estimate.run.tokens_per_step
+        assert world * rank.flops == pytest.approx(by_formula, rel=0.02)
