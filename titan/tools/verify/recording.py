@@ -34,6 +34,7 @@ class Recorder:
         self.rows = None
         self.seq = 1  # the positions of each row this rank holds
         self.routes: dict = {}  # a MoE's name -> its router's experts (tokens, top_k) in this forward
+        self.calls: dict = {}  # a module's name -> its calls in this forward
         self.inferring = False
         for stage in stages:
             # torch's pipeline stages run a forward on uninitialised tensors at their first step to learn the
@@ -72,6 +73,7 @@ class Recorder:
         first = args[0]
         self.rows = args[1].cpu().clone() if len(args) > 1 else torch.arange(first.shape[0])
         self.seq = first.shape[1]
+        self.calls = {}
         if not first.is_floating_point():
             self.tokens.append((self.step, self.rows, first.cpu().clone()))
 
@@ -79,6 +81,9 @@ class Recorder:
         # Activation checkpointing re-runs forwards inside backward: those are the same values, recorded once.
         if torch._C._current_graph_task_id() != -1 or self.inferring:
             return
+        calls = self.calls[name] = self.calls.get(name, 0) + 1
+        if calls > 1:  # a module that a forward calls again (a multi-token prediction's embedding and head)
+            name = f"{name} (call {calls})"
         output = self._compared(name, module, output)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             rows = len(self.rows)
