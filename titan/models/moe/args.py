@@ -201,7 +201,7 @@ class MoEArgs(DecoderArgs):
             raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCTIONS)}, got {self.score_func!r}")
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        if not 0 <= self.mtp_layers <= self.n_layers:
-            raise ValueError(f"mtp_layers must be in [0, n_layers = {self.n_layers}] (0: none), got {self.mtp_layers}")
+        if not 0 <= self.mtp_layers <= LIMITS["n_layers"]:  # not n_layers: titan plan traces a few layers of a model
+            raise ValueError(f"mtp_layers must be in [0, {LIMITS['n_layers']:,}] (0: none), got {self.mtp_layers}")
         if not 0 <= self.mtp_loss_weight < math.inf:
             raise ValueError(f"mtp_loss_weight must be a finite number >= 0, got {self.mtp_loss_weight}")

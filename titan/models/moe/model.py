@@ -67,12 +67,12 @@ class MoETransformer(Decoder):
 
     def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False, labels=None):
         """The decoder's; the routing notes whether the rows are this rank's own (`local`), not split over a cp
-        group. With labels (a training forward) the multi-token prediction's loss is added to the objective inside
-        the backward, where the gradient reaches the head's input, the logits unchanged."""
+        group. With labels (a training forward, without a cache) the multi-token prediction's loss is added to the
+        objective inside the backward, where the gradient reaches the head's input, the logits unchanged."""
         self.routing.local = local
         if labels is None or not self.mtp:
             return super().forward(tokens, rows, document_ids, cache, local)
-        rows, rope, mask = self.attention_inputs(tokens, rows, document_ids, cache, local)
+        rows, rope, mask = self.attention_inputs(tokens, rows, document_ids, None, local)
         h = self.norm(self.through_blocks(self.tok_embeddings(tokens), rows, rope, mask))
         # At the head's input rather than its output: FSDP warns of a model whose output is a view.
         return self.output(AddedLoss.apply(h, self.mtp_loss(h, tokens, labels, document_ids, rows, rope, mask)))

@@ -26,8 +26,9 @@ def tp_plan(
     for layer, module in model.mtp.items():
         blocks[f"mtp.{layer}.block"] = module.block
         plan.update(decoder.block_plan(f"mtp.{layer}.block", module.block, sequence_parallel, styles))
-        if sequence_parallel:  # the projection's output is the block's input: a local shard, as between blocks
+        if sequence_parallel:
             plan |= {f"mtp.{layer}.{name}": SequenceParallel() for name in ("enorm", "hnorm", "norm")}
+            # The projection's output is the block's input: a local shard, as between the blocks.
             plan[f"mtp.{layer}.eh_proj"] = SequenceParallel(use_local_output=True)
     for name, block in blocks.items():
         if not isinstance(block.feed_forward, MoE):
