@@ -37,7 +37,7 @@ def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, routed: Route
     moe = set(routed.expert_layers)
     layers = [layer in moe for layer in _flat(rank.layers)]
     if after := _blocks_after_layers(estimate, rank, routed, ways):
-        layers, ways = layers + [True] * len(after), ways + after
+        layers, ways = layers + [True] * len(after), [*ways, *after]
     recomputing = sum(way in RECOMPUTING for way, routed in zip(ways, layers) if routed)
     tokens = (4 * sum(layers) + 2 * recomputing) * received * row
     counts = (sum(layers) + recomputing) * routed.n_experts // layout.ep * (layout.ep - 1) * 8
@@ -53,7 +53,7 @@ def _blocks_after_layers(estimate: StepEstimate, rank: RankEstimate, routed: Rou
     if not after or last not in rank.stage_ids:
         return []
     if rank.checkpointing:
-        return ways[-1:] * len(after)
+        return [ways[-1]] * len(after)
     stage = rank.layers[rank.stage_ids.index(last)]
     continued = dataclasses.replace(rank, layers=[[*stage, *after]])
     return mode_ways(estimate, continued, estimate.config.activation_checkpoint.mode)[0][len(stage) :]
