@@ -326,7 +326,7 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(), an autograd op: slow here
 
 
-def with_checkpointing(config: Config, mode: str) -> Config:
-    """The recipe with another activation checkpointing mode (every block)."""
-    checkpointing = dataclasses.replace(config.activation_checkpoint, mode=mode, every=1)
+def with_checkpointing(config: Config, mode: str, every: int = 1) -> Config:
+    """The recipe with another activation checkpointing mode (every block, or every Nth)."""
+    checkpointing = dataclasses.replace(config.activation_checkpoint, mode=mode, every=every)
     return dataclasses.replace(config, activation_checkpoint=checkpointing)
