@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
 
 from titan.models.decoder import parallelize as decoder
 from titan.models.moe.model import MoE, MoETransformer
@@ -19,17 +19,20 @@ def tp_plan(
 ) -> dict[str, nn.Module]:
     """The decoder's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE
     layer, the layer on this rank's sequence shard (TokenShards) and its shared experts split as a dense
-    feed-forward, on the layer's tokens gathered over tp; and the multi-token prediction's blocks as the layers.
-    Under sequence parallelism its norms and projection run on the sequence shards, as the blocks' norms do."""
+    feed-forward, on the layer's tokens gathered over tp; and the multi-token prediction's blocks as the layers,
+    its projection split by output columns and, under sequence parallelism, its norms on the sequence shards, as
+    the blocks' norms."""
     plan = decoder.tp_plan(model, sequence_parallel, loss_parallel, styles)
     blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    between = Shard(1) if sequence_parallel else Replicate()
     for layer, module in model.mtp.items():
         blocks[f"mtp.{layer}.block"] = module.block
         plan.update(decoder.block_plan(f"mtp.{layer}.block", module.block, sequence_parallel, styles))
         if sequence_parallel:
             plan |= {f"mtp.{layer}.{name}": SequenceParallel() for name in ("enorm", "hnorm", "norm")}
-            # The projection's output is the block's input: a local shard, as between the blocks.
-            plan[f"mtp.{layer}.eh_proj"] = SequenceParallel(use_local_output=True)
+        # Split by output columns, as Megatron's and as the blocks' linears: no rank holds the whole 2 dim x dim
+        # weight. Its output is the block's input: a local tensor laid out as between the blocks.
+        plan[f"mtp.{layer}.eh_proj"] = ColwiseParallel(input_layouts=between, output_layouts=between)
     for name, block in blocks.items():
         if not isinstance(block.feed_forward, MoE):
             continue
