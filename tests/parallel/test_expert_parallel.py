@@ -65,6 +65,7 @@ DEEPSEEK = {"model.flavor": "deepseek_v3_debug", "model.overrides.attn_dropout":
 # name: (processes, overrides, the one-process run it must equal). The references hold all 8 rows in one
 # micro-batch; "single" and "ep2" save checkpoints, for the resume test.
 SAVES = {"checkpoint.enable": "true", "checkpoint.interval": "3"}
+MTP = {"model.overrides.mtp_layers": "1"}
 RUNS = {
     "single": (1, SAVES, None),
     "single_dropout": (1, DROPOUT, None),
@@ -89,6 +90,12 @@ RUNS = {
     "deepseek_ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2", **DEEPSEEK}, "deepseek_single"),
     "deepseek_pp2_ep2": (4, {"parallel.pp": "2", "parallel.ep": "2", **DEEPSEEK}, "deepseek_single"),
     "deepseek_cp2_ep2": (4, {"parallel.cp": "2", "parallel.ep": "2", **DEEPSEEK}, "deepseek_single"),
+    "deepseek_mtp_single": (1, {**DEEPSEEK, **MTP}, None),
+    "deepseek_mtp_ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2", **DEEPSEEK, **MTP}, "deepseek_mtp_single"),
+    # DeepSeek-V3's multi-token prediction: its loss, and its block's routes and loads besides the layers'.
+    "single_mtp": (1, MTP, None),
+    "ep2_mtp": (2, {"parallel.ep": "2", **MTP}, "single_mtp"),
+    "tp2_mtp": (2, {"parallel.tp": "2", **MTP}, "single_mtp"),
 }
 # Measured here: every layout within 2.3e-7 of one process (the gradients' sums run in other orders; the resume
 # bitwise), and no token routed otherwise at any step (docs/moe.md has the table). assert_close_losses's 1e-6 is ~4x
@@ -135,9 +142,10 @@ def flipped_tokens(got: dict, want: dict) -> list[int]:
 
 
 def routing_metrics(run_dir) -> dict[int, dict[str, float]]:
-    """Each step's logged routing metrics: the balance loss, and per layer the most and least loaded expert."""
+    """Each step's logged routing metrics: the balance loss, per layer the most and least loaded expert, and the
+    multi-token prediction's loss where there is one."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k.startswith("moe/")} for r in records if "loss" in r}
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith(("moe/", "mtp_"))} for r in records if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +170,9 @@ class MoeRuns(dict):
         return self[name]
 
 
-# The default run's layout: EP2 x FSDP2 at one row per micro-batch (EP2 alone and the others are scenarios).
-DEFAULT = ("ep2_fsdp2",)
+# The default run's layouts: EP2 x FSDP2 at one row per micro-batch, and EP2 with multi-token prediction (EP2 alone
+# and the others are scenarios).
+DEFAULT = ("ep2_fsdp2", "ep2_mtp")
 
 
 @pytest.mark.distributed
@@ -183,9 +192,10 @@ def test_each_layout_trains_the_one_process_losses_and_routes(moe_runs, name, ca
     assert_close_losses(got[2], want[2], f"{name}: gradient norms")
     # The expert loads the biases move by, summed over the step's global batch, and the balance loss: unchanged.
     loads = [{s: {k: v for k, v in m.items() if "load" in k} for s, m in run.items()} for run in (got[3], want[3])]
-    assert loads[0] == loads[1] and len(loads[1][1]) == 6, name
-    balance = [{s: m["moe/balance_loss"] for s, m in metrics.items()} for metrics in (got[3], want[3])]
-    assert_close_losses(*balance, f"{name}: balance loss")
+    assert loads[0] == loads[1] and len(loads[1][1]) == 2 * len(want[1][1]), name  # a max and a min per MoE layer
+    for metric in ("moe/balance_loss", "mtp_loss") if "mtp" in name else ("moe/balance_loss",):
+        logged = [{s: m[metric] for s, m in metrics.items()} for metrics in (got[3], want[3])]
+        assert_close_losses(*logged, f"{name}: {metric}")
 
 
 @pytest.mark.distributed

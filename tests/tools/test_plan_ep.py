@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import run_titan, scenarios_beyond, tiny_overrides
 from expert_plan import MOE_RECIPE, all_to_all_by_hand
@@ -189,3 +190,45 @@ def test_the_deepseek_v3_recipe_fits_its_256_h100s(tmp_path):
     result = run_titan("plan", "--config", str(ROOT / "recipes" / "deepseek_v3_671b.toml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "671.03B parameters, on 256 x NVIDIA H100" in result.stdout and "step 31.1 s" in result.stdout
+
+
+# Per way of checkpointing: its settings, and the routed blocks that recompute their all-to-all, by hand.
+MTP_CHECKPOINTING = {
+    "none": ({}, 0),
+    # Every second block of five: layer 2 and the module's block (the fifth, after the 4 layers; layer 0 is dense).
+    "full": ({"activation_checkpoint.every": "2"}, 2),
+    # At this budget auto plans the layers full, full, full, keep; the module's block is traced, and counted, full.
+    "auto": ({"activation_checkpoint.budget_gib": "0.005"}, 3),
+}
+
+
+@pytest.mark.parametrize("mode", MTP_CHECKPOINTING)
+def test_the_plan_counts_the_multi_token_prediction(tmp_path, mode):
+    """With mtp_layers = 1 the trace runs the module as the trainer does (given the labels): the model's parameters
+    exactly, the ranks' FLOPs the per-token formula (its block, projection and second pass of the head) without
+    recomputation, and its block's all-to-all by the formula and by hand. Under auto, the ways of one block of each
+    kind are those of the plan without the module (whose block runs alike in every way's trace of one block)."""
+    settings, recomputing = MTP_CHECKPOINTING[mode]
+    world, extra = 2, {"parallel.ep": "2", "plan.moe_load_imbalance": "1", "activation_checkpoint.mode": mode}
+
+    def planned(mtp_layers: int):
+        overrides = {**extra, **settings, "model.overrides.mtp_layers": str(mtp_layers)}
+        config = load_config(MOE_RECIPE, moe_overrides(tmp_path, world, **overrides), world_size=world)
+        return config, estimate_step(config, world)
+
+    config, estimate = planned(1)
+    model = resolve_model(config)
+    with torch.device("meta"):
+        assert estimate.params == sum(p.numel() for p in model.spec.build(model.args).parameters())
+    (rank,) = estimate.ranks
+    assert rank.traffic[("all-to-all", "ep")] == rank.all_to_all_formula
+    assert rank.all_to_all_formula == all_to_all_by_hand(config, world, recomputing)
+    if mode == "none":
+        by_formula = model.spec.flops_per_token(model.args, SEQ) * estimate.run.tokens_per_step
+        assert world * rank.flops == pytest.approx(by_formula, rel=0.02)
+    if mode == "auto":
+        assert rank.checkpointing.choices == ("full", "full", "full", "keep")
+        alone = planned(0)[1].kind_options
+        for kind, options in estimate.kind_options.items():  # the seconds: differences of sums, rounded otherwise
+            assert [(o.name, o.saved_bytes) for o in options] == [(o.name, o.saved_bytes) for o in alone[kind]]
+            assert [o.added_seconds for o in options] == pytest.approx([o.added_seconds for o in alone[kind]])

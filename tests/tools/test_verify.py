@@ -149,6 +149,28 @@ def test_a_moe_is_recorded_per_token_whichever_rows_a_rank_holds():
     assert whole.rows(0, "moe.experts", ROWS).shape == (2, 8, 2, 32)  # each token's top_k results
 
 
+def test_a_module_a_forward_calls_twice_is_recorded_per_call():
+    """As a multi-token prediction calls the shared head again: each call is compared with the same call of the
+    reference, whichever rows a rank holds (the last call alone was kept, and the first compared with it)."""
+    head = torch.nn.Linear(6, 6)
+    part = torch.nn.ModuleDict({"head": head})
+    part.forward = lambda x, rows: head(head(x).tanh())
+    model_parts = SimpleNamespace(parts=[part], named_parameters=part.named_parameters)
+    x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(1))
+
+    def recorded(*halves):
+        recorder = Recorder(model_parts, torch.optim.SGD(head.parameters()))
+        for rows in halves:
+            part(x[rows], rows)
+        return records(recorder.forward, {}, {})
+
+    whole = Records([recorded(torch.arange(4))])
+    assert list(whole.forward) == [(0, "head"), (0, "head (call 2)")]
+    assert torch.allclose(whole.rows(0, "head (call 2)", torch.arange(4)), head(head(x).tanh()), atol=1e-6)
+    for _, module, rows, output in recorded(torch.arange(2), torch.arange(2, 4))["forward"]:
+        assert torch.allclose(output, whole.rows(0, module, rows), atol=1e-6), module
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # From the command line
 # ---------------------------------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ def _moe() -> ModelSpec:
         moe.MoETransformer,
         hf,
         tp_plan=parallelize.tp_plan,
+        blocks=parallelize.blocks,
+        pipeline_stage=parallelize.pipeline_stage,
         routed_experts=moe.routed_experts,
         layers_args=moe.layers_args,
     )

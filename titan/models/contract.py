@@ -57,7 +57,8 @@ class Routing(Protocol):
     """A mixture of experts' routing, which the step drives (titan/models/moe/routing.py has the family's)."""
 
     def set_loss_scale(self, scale: float) -> None:
-        """Before each micro-batch: the auxiliary balance loss is on the step loss's scale."""
+        """Before each micro-batch: the auxiliary balance loss (and a multi-token prediction's) is on the step loss's
+        scale."""
         ...
 
     def split_rows(self, cp_group: Any, tp_group: Any) -> None:
@@ -98,12 +99,22 @@ class Model(Protocol):
         document_ids: torch.Tensor | None = None,
         cache: Any = None,
         local: bool = False,
+        labels: torch.Tensor | None = None,
     ) -> Any:
         """tokens (batch, seq) -> logits (batch, seq, vocab). rows: each sample's row in the step's global batch,
         which dropout masks are keyed by (default 0..batch-1). document_ids (batch, seq): packed documents, each
         attending only to itself. A pipeline stage other than the first takes hidden states for `tokens`; one other
         than the last returns what the next stage takes (see StageIO). cache: from kv_cache, when decoding. local:
-        under context parallelism, whole rows of this rank's own rather than its positions of its cp group's rows."""
+        under context parallelism, whole rows of this rank's own rather than its positions of its cp group's rows.
+        labels (batch, seq): a training forward's next tokens (the data's IGNORE where none), which a model whose
+        objective looks further ahead reads (a multi-token prediction): it adds its own loss, on the step loss's
+        scale, inside the backward of the logits, which stay the same (see step_losses)."""
+        ...
+
+    def step_losses(self) -> dict[str, torch.Tensor]:
+        """The losses the model added to the objective since the last call (forwards with labels), by name, each
+        unweighted, as this rank's share on the step loss's scale: summed over the ranks the step's loss sums over,
+        it is the step's. Counting starts again from zero. {}: the next-token loss is the whole objective."""
         ...
 
     def init_weights(self, seed: int) -> None:
@@ -208,7 +219,9 @@ class ModelSpec:
     kv_width: Callable[[Args], int]
     # Parallelism, applied from outside by titan/parallel (Args.check_parallelism says which degrees can split it):
     tp_plan: Callable[..., dict]  # (model, sequence_parallel, loss_parallel, styles=None) -> {fqn: style}
-    blocks: Callable[[Model], list[nn.Module]]  # units for checkpointing, compile, FSDP and titan plan's block graph
+    # Units for checkpointing, compile, FSDP and titan plan's block graph: the layers' blocks in order, then any the
+    # model holds after its layers (a multi-token prediction's, on the last stage), whose kind is the last layer's.
+    blocks: Callable[[Model], list[nn.Module]]
     pipeline_stage: Callable[[Model, list[int], bool, bool], Model]  # (model, layer ids, first, last) -> stage
     pipeline_io: Callable[[Args, StageBatch], StageIO]  # a stage's tensors for the pipeline schedule and titan plan
     # (args, rows, seq_len, dtype) -> a block's positional inputs for rows x seq_len tokens, made on the current

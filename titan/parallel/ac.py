@@ -76,7 +76,10 @@ def block_choices(
     # The largest micro-batch of any rank (a pipeline's, under pipeline parallelism), so that the same choices fit
     # every rank; the budget is per micro-batch, of which a pipeline rank holds several at once.
     rows, micro_batches = plan.largest_micro_batch
-    kinds, layers = spec.block_kinds(model.args), range(n_blocks) if layers is None else layers
+    kinds = spec.block_kinds(model.args)
+    layers = list(range(len(kinds)) if layers is None else layers)
+    # Blocks after the layers (a mixture of experts' multi-token prediction) run the ways of the last layer's kind.
+    layers += layers[-1:] * (n_blocks - len(layers))
     # Rank 0's measurement on every rank: all agree on the choices (and a budget too small fails alike everywhere).
     options = on_rank_0(lambda: _measure_kinds(model, spec, config, plan.layout, rows, device, layers), device=device)
     for kind, ways in options.items():

@@ -83,9 +83,10 @@ class StepRules:
     def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> tuple[torch.Tensor, dict]:
         """After the step's backwards: sum the gradients where FSDP did not, and those whose shares tp ranks hold,
         clip by the global gradient norm, step, drop the gradients, precompute float8's scales, move a mixture of
-        experts' balancing biases, advance the lr; returns the norm and the step's routing metrics (tensors). A NaN
-        or inf norm leaves the weights, biases and optimizer state as they were, decided on the device (the host
-        reads the norm later)."""
+        experts' balancing biases, advance the lr; returns the norm and the step's metrics (tensors): the routing's
+        and the losses the model added to the objective (Model.step_losses, summed over the ranks as the loss is).
+        A NaN or inf norm leaves the weights, biases and optimizer state as they were, decided on the device (the
+        host reads the norm later)."""
         params = [p for part in parts for p in part.parameters()]
         if self.cp_gradient_group is not None:
             with clock.phase("backward"):
@@ -101,12 +102,22 @@ class StepRules:
             optimizer.zero_grad(set_to_none=True)
             if self.float8_scales:
                 precompute_float8_scales(parts)
-            routing = {}
+            metrics = {}
             if routings := [part.routing for part in parts if part.routing is not None]:
                 pipeline = () if self.pp_group is None else (self.pp_group,)
-                routing = routings[0].end_step(self.token_groups + pipeline, grad_norm.isfinite(), tuple(routings[1:]))
+                metrics = routings[0].end_step(self.token_groups + pipeline, grad_norm.isfinite(), tuple(routings[1:]))
+            metrics |= self.model_losses([part.step_losses() for part in parts])
             lr_scheduler.step()
-        return grad_norm, routing
+        return grad_norm, metrics
+
+    def model_losses(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The losses the model parts added to the step's objective (each part's step_losses), each summed over the
+        parts and the ranks; no collective where none did, as on every rank then."""
+        names = list(dict.fromkeys(name for losses in parts for name in losses))
+        if not names:
+            return {}
+        shares = torch.stack([sum(losses[name] for losses in parts if name in losses) for name in names])
+        return dict(zip(names, self.global_loss(shares)))
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' shares of the loss over data-, context- and pipeline-parallel ranks."""
@@ -175,11 +186,13 @@ class TrainStep:
         self.parts, self.optimizer, self.lr_scheduler = trained.parts, trained.optimizer, trained.lr_scheduler
         self.rules, self.loss, self.schedule, self.sequence = rules, loss, schedule, sequence
         self.device, self.clock = device, clock
-        self.routing_metrics: dict[str, torch.Tensor] = {}  # the last step's, of a mixture of experts
+        # The last step's metrics besides its loss and norm: a mixture of experts' expert loads, a multi-token
+        # prediction's loss.
+        self.metrics: dict[str, torch.Tensor] = {}
 
     def step_metrics(self) -> dict[str, float]:
-        """The last step's metrics besides its loss and norm (a mixture of experts' expert loads), for the log."""
-        return {name: float(value) for name, value in self.routing_metrics.items()}
+        """The last step's metrics besides its loss and norm, for the log."""
+        return {name: float(value) for name, value in self.metrics.items()}
 
     def __call__(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step + 1`: returns (this rank's share of the loss, gradient norm), both on the device. The loop sums
@@ -189,9 +202,7 @@ class TrainStep:
     def _step(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.forward_backward(batches, step)
         self.loss.hook.gradients(step, self.parts)
-        grad_norm, self.routing_metrics = self.rules.update(
-            self.parts.parts, self.optimizer, self.lr_scheduler, self.clock
-        )
+        grad_norm, self.metrics = self.rules.update(self.parts.parts, self.optimizer, self.lr_scheduler, self.clock)
         return local, grad_norm
 
     def forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -229,7 +240,10 @@ class TrainStep:
                 return self._pipeline(batch, train)
             with self.clock.phase("forward"):
                 with self.rules.precision(self.device.type):
-                    logits = self.parts.parts[0](batch.inputs, batch.rows, batch.document_ids, local=batch.local)
+                    labels = batch.labels if train else None  # a model that trains on more than the next token's
+                    logits = self.parts.parts[0](
+                        batch.inputs, batch.rows, batch.document_ids, local=batch.local, labels=labels
+                    )
                 loss = self.loss(logits, batch.labels)
             if train:
                 with self.clock.phase("backward"):

@@ -88,9 +88,13 @@ class Decoder(nn.Module):
         # Context parallelism's view of the sequence (titan/parallel/cp/ring.py): `positions`, the positions of each row
         # that this rank's tokens hold, and mask(document_ids), what its attention's ring needs of the documents.
         self.context_parallel = None
+        self.name_dropout_streams()
+
+    def name_dropout_streams(self) -> None:
+        """Each dropout's mask stream: its module's name, the same on every layout."""
         for name, module in self.named_modules():
             if isinstance(module, rng.Dropout):
-                module.stream = name  # the mask's stream: the same name on every layout
+                module.stream = name
 
     def block(self, layer_id: int) -> TransformerBlock:
         """Layer `layer_id`, as the family builds it."""
@@ -110,6 +114,7 @@ class Decoder(nn.Module):
         document_ids: torch.Tensor | None = None,
         cache: list[KVCache] | None = None,
         local: bool = False,
+        labels: torch.Tensor | None = None,
     ):
         """tokens: (batch, seq) ids -> logits (batch, seq, vocab).
 
@@ -121,7 +126,25 @@ class Decoder(nn.Module):
         decoding (one causal sequence, no document_ids; see kv_cache): `tokens` follow the cached ones, which they
         attend to, and are added to the cache. local: under context parallelism, `tokens` are whole rows of this
         rank's own, attended without the ring (default: this rank's positions of rows its cp group shares).
+        labels: a training forward's (the model contract's); the decoder trains on the next token alone, whose loss
+        the step computes from the logits, so it does not read them.
         """
+        rows, rope, mask = self.attention_inputs(tokens, rows, document_ids, cache, local)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.through_blocks(h, rows, rope, mask, cache)
+        if self.output is None:
+            return (h, rows) if document_ids is None else (h, rows, document_ids)
+        return self.output(self.norm(h))
+
+    def attention_inputs(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        cache: list[KVCache] | None,
+        local: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | list | None]:
+        """What every block takes besides the hidden states, from forward's arguments: (rows, RoPE, mask)."""
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         seq = tokens.shape[1]
@@ -151,12 +174,17 @@ class Decoder(nn.Module):
             else:
                 form = MaskForm.DENSE if explicit or self.traceable else MaskForm.SPANS
             mask = document_mask(document_ids, form)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        return rows, rope, mask
+
+    def through_blocks(self, h: torch.Tensor, rows, rope, mask, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """The hidden states through the blocks."""
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, rope, rows, mask, None if cache is None else cache[i])
-        if self.output is None:
-            return (h, rows) if document_ids is None else (h, rows, document_ids)
-        return self.output(self.norm(h))
+        return h
+
+    def step_losses(self) -> dict[str, torch.Tensor]:
+        """None (the model contract's): the decoder's objective is the step's next-token loss alone."""
+        return {}
 
     def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> list[KVCache]:
         """A KVCache per layer for decoding up to max_len tokens of `batch` rows; pad: each row's slots of left
@@ -178,7 +206,6 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, rng.Dropout):
                 module.seed = seed
-        depth_std = {f"layers.{i}.": 0.02 / math.sqrt(2 * (i + 1)) for i in range(self.args.n_layers)}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
@@ -188,8 +215,9 @@ class Decoder(nn.Module):
                 std = self.args.dim**-0.5
                 rng.trunc_normal_(param, std=std, a=-3 * std, b=3 * std, seed=seed, stream=name)
             else:
-                # Output projections of each residual branch shrink with depth.
+                # Output projections of each residual branch shrink with depth: their block's layer number, the
+                # second part of the name (layers.N..., and a family's blocks after the stack alike).
                 std = 0.02
                 if name.endswith(self.residual_outputs):
-                    std = depth_std[name[: name.index(".", len("layers.")) + 1]]
+                    std = 0.02 / math.sqrt(2 * (int(name.split(".")[1]) + 1))
                 rng.trunc_normal_(param, std=std, a=-3 * std, b=3 * std, seed=seed, stream=name)

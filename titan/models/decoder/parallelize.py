@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 from titan.models.contract import StageBatch, StageIO
 from titan.models.decoder.args import DecoderArgs
 from titan.models.decoder.latent_attention import LatentAttention
-from titan.models.decoder.model import Decoder, FeedForward
+from titan.models.decoder.model import Decoder, FeedForward, TransformerBlock
 from titan.models.decoder.rope import rope_table
 
 
@@ -41,7 +41,6 @@ def tp_plan(
     With sequence parallel, norms and residuals run on sequence shards (Shard(1)) between the regions.
     styles: (colwise, rowwise, prepare_module_input) classes for the blocks' linears and their inputs, e.g.
     torchao's float8 styles; None: torch's own. The embedding and the output head always use torch's."""
-    colwise, rowwise, prepare_input = styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {}
     if model.tok_embeddings is not None:
@@ -54,29 +53,37 @@ def tp_plan(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,  # loss parallel computes cross-entropy on the DTensor shards
         )
-    for name in model.layers:
-        block = f"layers.{name}"
-        if sequence_parallel:
-            plan[f"{block}.attention_norm"] = SequenceParallel()
-            plan[f"{block}.ffn_norm"] = SequenceParallel()
-        # The sub-layer's input stays a DTensor (use_local_output=False): the column-parallel linears that read it
-        # then add their Partial input gradients, and the one redistribution back to `between` reduces them once
-        # (a plain tensor would make each linear all-reduce its own). Rope, attention per document and dropout
-        # still see plain local tensors: the column-parallel linears hand back their local head shards.
-        plan[f"{block}.attention"] = prepare_input(
-            input_layouts=(between, None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=False,
-        )
-        # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
-        # attention probabilities by head (dim 1), residual branches by sequence (dim 1) under SP.
-        plan[f"{block}.attention.dropout"] = _sharded_input(Shard(1))
-        if sequence_parallel:
-            plan[f"{block}.attention_dropout"] = _sharded_input(Shard(1))
-            plan[f"{block}.ffn_dropout"] = _sharded_input(Shard(1))
-        plan.update(attention_plan(f"{block}.attention", model.layers[name].attention, between, styles))
-        if isinstance(model.layers[name].feed_forward, FeedForward):  # a family plans its other feed-forwards
-            plan.update(dense_feed_forward_plan(f"{block}.feed_forward", between, styles))
+    for name, block in model.layers.items():
+        plan.update(block_plan(f"layers.{name}", block, sequence_parallel, styles))
+    return plan
+
+
+def block_plan(name: str, block: TransformerBlock, sequence_parallel: bool, styles: tuple | None = None) -> dict:
+    """The plan of block `name`: its attention, and its feed-forward where that is a FeedForward."""
+    prepare_input = styles[2] if styles else PrepareModuleInput
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, nn.Module] = {}
+    if sequence_parallel:
+        plan[f"{name}.attention_norm"] = SequenceParallel()
+        plan[f"{name}.ffn_norm"] = SequenceParallel()
+    # The sub-layer's input stays a DTensor (use_local_output=False): the column-parallel linears that read it
+    # then add their Partial input gradients, and the one redistribution back to `between` reduces them once
+    # (a plain tensor would make each linear all-reduce its own). Rope, attention per document and dropout
+    # still see plain local tensors: the column-parallel linears hand back their local head shards.
+    plan[f"{name}.attention"] = prepare_input(
+        input_layouts=(between, None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
+        use_local_output=False,
+    )
+    # Dropout draws its mask by global position, so it must see how its local tensor is sharded:
+    # attention probabilities by head (dim 1), residual branches by sequence (dim 1) under SP.
+    plan[f"{name}.attention.dropout"] = _sharded_input(Shard(1))
+    if sequence_parallel:
+        plan[f"{name}.attention_dropout"] = _sharded_input(Shard(1))
+        plan[f"{name}.ffn_dropout"] = _sharded_input(Shard(1))
+    plan.update(attention_plan(f"{name}.attention", block.attention, between, styles))
+    if isinstance(block.feed_forward, FeedForward):  # a family plans its other feed-forwards
+        plan.update(dense_feed_forward_plan(f"{name}.feed_forward", between, styles))
     return plan
 
 

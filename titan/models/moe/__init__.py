@@ -37,20 +37,23 @@ def kv_width(args: MoEArgs) -> int:
 
 
 def active_params(args: MoEArgs) -> int:
-    """Matmul weights one token goes through: attention, its layer's dense SwiGLU or router, top_k routed and the
-    shared experts, and the output head."""
+    """Matmul weights one token goes through in training: attention, its layer's dense SwiGLU or router, top_k routed
+    and the shared experts, and the output head; and in each multi-token prediction module, the projection of its
+    two norms, its MoE block (among the MoE layers) and the shared head again."""
     attention = args.attention_matmuls()
     dense = 3 * args.dim * args.dense_hidden_dim
     experts = args.top_k + args.n_shared_experts
     moe = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * experts
     layers = args.dense_layers * (attention + dense) + len(args.moe_layers) * (attention + moe)
-    return layers + args.dim * args.vocab_size
+    return layers + (1 + args.mtp_layers) * args.dim * args.vocab_size + args.mtp_layers * 2 * args.dim * args.dim
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
-    """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights."""
+    """Training FLOPs per token, as Llama's (titan/models/llama/__init__.py) but counting only the active weights,
+    and the attention of the multi-token prediction's blocks too."""
     qk, v = args.score_widths
-    return 6 * active_params(args) + 6 * args.n_layers * args.n_heads * (qk + v) * seq_len
+    blocks = args.n_layers + args.mtp_layers
+    return 6 * active_params(args) + 6 * blocks * args.n_heads * (qk + v) * seq_len
 
 
 def hf_format(args: MoEArgs) -> str:
@@ -60,8 +63,10 @@ def hf_format(args: MoEArgs) -> str:
 
 def hf_format_blockers(args: MoEArgs) -> list[str]:
     """Each of these args that their HF format (`hf_format`) has no place for (none: the weights export)."""
+    mtp = f"mtp_layers = {args.mtp_layers}: "
     if hf_format(args) == "deepseek_v3":
         blockers = {
+            mtp + "titan does not map the multi-token prediction modules to DeepSeek-V3's files yet": args.mtp_layers,
             f"score_func = {args.score_func!r}: DeepSeek-V3 scores experts by sigmoid": args.score_func != "sigmoid",
             "n_shared_experts = 0: DeepSeek-V3 has shared experts in every MoE layer": not args.n_shared_experts,
         }
@@ -72,6 +77,7 @@ def hf_format_blockers(args: MoEArgs) -> list[str]:
             f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax": args.score_func != "softmax",
             f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights": args.route_scale != 1,
             f"n_group = {args.n_group}: Qwen3-MoE chooses among all its experts": args.n_group != 1,
+            mtp + "Qwen3-MoE has no multi-token prediction modules": args.mtp_layers,
         }
     return [blocker for blocker, blocks in blockers.items() if blocks]
 

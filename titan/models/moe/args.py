@@ -67,6 +67,12 @@ class MoEArgs(DecoderArgs):
     bias_update_rate: float = 0.001
     # ... and the sequence-level auxiliary balance loss's coefficient (0: off).
     aux_loss_coef: float = 0.0
+    # DeepSeek-V3's multi-token prediction: mtp_layers modules (its num_nextn_predict_layers) after the main stack,
+    # module k predicting the token k + 1 after the next from module k - 1's hidden state and the embedding of the
+    # token k ahead, each with a MoE block of its own; their mean loss, times mtp_loss_weight (V3's lambda for its
+    # first 10T tokens, a training choice), is added to the objective. Generation predicts the next token alone.
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     @property
     def per_row(self) -> PerRow | None:
@@ -111,7 +117,9 @@ class MoEArgs(DecoderArgs):
 
     @property
     def moe_layers(self) -> range:
-        return range(self.dense_layers, self.n_layers)
+        """The layers with routed experts: those after the first dense_layers, and the multi-token prediction's
+        blocks, layers n_layers to n_layers + mtp_layers - 1."""
+        return range(self.dense_layers, self.n_layers + self.mtp_layers)
 
     def check_parallelism(self, tp: int, pp_stages: int, ep: int = 1, cp: int = 1) -> None:
         if self.n_experts % ep:
@@ -124,6 +132,18 @@ class MoEArgs(DecoderArgs):
                 f"parallel.tp = {tp} must divide the model's n_heads ({self.n_heads}): tensor parallelism splits "
                 "latent attention by heads, its latents (kv_lora_rank, q_lora_rank) whole on every rank; use a "
                 "divisor of n_heads"
+            )
+        if self.mtp_layers and pp_stages > 1:
+            raise ValueError(
+                f"{pp_stages} pipeline stages (parallel.pp x stages per rank) with mtp_layers = {self.mtp_layers}: "
+                "the multi-token prediction modules take the token embedding on the last stage, which titan does not "
+                "hold there yet; use parallel.pp = 1, or mtp_layers = 0"
+            )
+        if self.mtp_layers and cp > 1:
+            raise ValueError(
+                f"parallel.cp = {cp} with mtp_layers = {self.mtp_layers}: the multi-token prediction shifts each row's "
+                "tokens across the sequence shards context parallelism splits it into, which titan does not do yet; "
+                "use parallel.cp = 1, or mtp_layers = 0"
             )
         dense = ("dense_hidden_dim", self.dense_hidden_dim) if self.dense_layers else None
         self.check_layer_split(tp, pp_stages, dense, kv_heads=not self.kv_lora_rank)
@@ -182,3 +202,7 @@ class MoEArgs(DecoderArgs):
             raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCTIONS)}, got {self.score_func!r}")
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if not 0 <= self.mtp_layers <= LIMITS["n_layers"]:  # not n_layers: titan plan traces a few layers of a model
+            raise ValueError(f"mtp_layers must be in [0, {LIMITS['n_layers']:,}] (0: none), got {self.mtp_layers}")
+        if not 0 <= self.mtp_loss_weight < math.inf:
+            raise ValueError(f"mtp_loss_weight must be a finite number >= 0, got {self.mtp_loss_weight}")

@@ -18,7 +18,9 @@ from titan.models.decoder.latent_attention import LatentAttention
 from titan.models.decoder.model import Decoder, FeedForward, TransformerBlock
 from titan.models.moe.args import MoEArgs
 from titan.models.moe.experts import GroupedExperts
-from titan.models.moe.routing import BalanceLoss, Router, Routing, expert_counts, pair_order
+from titan.models.moe.mtp import MTPModule, summed_token_loss, targets
+from titan.models.moe.routing import AddedLoss, Router, Routing, expert_counts, pair_order
+from titan.rng.shards import full_tensor
 
 
 class MoE(nn.Module):
@@ -45,11 +47,13 @@ class MoE(nn.Module):
         out = (per_pair * weights.to(per_pair.dtype).unsqueeze(-1)).sum(dim=1).view(rows, seq, dim)  # in expert order
         if self.shared is not None:
             out = out + self.shared(x)  # (rows, seq, dim): tensor parallelism splits it as a dense feed-forward
-        return out if balance_loss is None else BalanceLoss.apply(out, balance_loss)
+        return out if balance_loss is None else AddedLoss.apply(out, balance_loss)
 
 
 class MoETransformer(Decoder):
-    """The decoder with MoE feed-forwards after the first `dense_layers` layers, and Qwen3's q/k norms."""
+    """The decoder with MoE feed-forwards after the first `dense_layers` layers, and Qwen3's q/k norms; with
+    mtp_layers, DeepSeek-V3's multi-token prediction modules after the stack (mtp.py), held by layer number as the
+    layers are: mtp.<n_layers>, mtp.<n_layers + 1>, ..."""
 
     args: MoEArgs
     residual_outputs = (*Decoder.residual_outputs, "experts.w2")
@@ -57,12 +61,43 @@ class MoETransformer(Decoder):
     def __init__(self, args: MoEArgs, traceable: bool = False):
         self.routing = Routing(self, args.bias_update_rate)  # before the blocks, which share it
         super().__init__(args, traceable)
+        depths = range(args.n_layers, args.n_layers + args.mtp_layers)
+        self.mtp = nn.ModuleDict({str(layer): MTPModule(args, self.block(layer)) for layer in depths})
+        self.name_dropout_streams()  # the prediction blocks' too
 
-    def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False):
+    def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False, labels=None):
         """The decoder's; the routing notes whether the rows are this rank's own (`local`), not split over a cp
-        group."""
+        group. With labels (a training forward, without a cache) the multi-token prediction's loss is added to the
+        objective inside the backward, where the gradient reaches the head's input, the logits unchanged."""
         self.routing.local = local
-        return super().forward(tokens, rows, document_ids, cache, local)
+        if labels is None or not self.mtp:
+            return super().forward(tokens, rows, document_ids, cache, local)
+        rows, rope, mask = self.attention_inputs(tokens, rows, document_ids, None, local)
+        h = self.norm(self.through_blocks(self.tok_embeddings(tokens), rows, rope, mask))
+        # At the head's input rather than its output: FSDP warns of a model whose output is a view.
+        return self.output(AddedLoss.apply(h, self.mtp_loss(h, tokens, labels, document_ids, rows, rope, mask)))
+
+    def mtp_loss(self, h, tokens, labels, document_ids, rows, rope, mask) -> torch.Tensor:
+        """The prediction modules' loss on the step loss's scale (the routing's), from the main model's final
+        normed hidden states h: the mean over depths of each depth's summed token loss, times mtp_loss_weight. Each
+        depth's unweighted loss is added to its module's `loss`."""
+        losses = []
+        for depth, module in enumerate(self.mtp.values(), start=1):
+            h = module(h, self.tok_embeddings(tokens.roll(-depth, dims=1)), rope, rows, mask)
+            # A DTensor under loss parallelism, replicated: its local value is the whole loss.
+            loss = full_tensor(summed_token_loss(self.output(module.norm(h)), targets(labels, document_ids, depth)))
+            losses.append(loss * self.routing.loss_scale.to(loss.device))
+            module.loss += losses[-1].detach()
+        return torch.stack(losses).mean() * self.args.mtp_loss_weight
+
+    def step_losses(self) -> dict[str, torch.Tensor]:
+        """The multi-token prediction's loss since the last call, the mean over depths, then zero again."""
+        if not self.mtp:
+            return {}
+        loss = torch.stack([module.loss for module in self.mtp.values()]).mean()
+        for module in self.mtp.values():
+            module.loss.zero_()
+        return {"mtp_loss": loss}
 
     def block(self, layer_id: int) -> TransformerBlock:
         args = self.args
@@ -74,11 +109,14 @@ class MoETransformer(Decoder):
         return TransformerBlock(layer_id, args, feed_forward, attention)
 
     def init_buffers(self, positions: int | None = None) -> None:
-        """The RoPE table, and each router's step counts at zero; the routers' biases are state, left as loaded."""
+        """The RoPE table, and each router's step counts and each prediction module's step loss at zero; the
+        routers' biases are state, left as loaded."""
         super().init_buffers(positions)
         for router in self.routing.routers().values():
             router.load.zero_()
             router.balance_loss.zero_()
+        for module in self.mtp.values():
+            module.loss.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
 
 from titan.models.decoder import parallelize as decoder
 from titan.models.moe.model import MoE, MoETransformer
@@ -20,16 +20,41 @@ def tp_plan(
 ) -> dict[str, nn.Module]:
     """The decoder's plan (attention, the dense layers' feed-forwards, the embedding and the head) with, in each MoE
     layer, the layer on this rank's sequence shard (TokenShards) and its shared experts split as a dense
-    feed-forward, on the layer's tokens gathered over tp."""
+    feed-forward, on the layer's tokens gathered over tp; and the multi-token prediction's blocks as the layers,
+    its projection split by output columns and, under sequence parallelism, its norms on the sequence shards, as
+    the blocks' norms."""
     plan = decoder.tp_plan(model, sequence_parallel, loss_parallel, styles)
-    for name, block in model.layers.items():
+    blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    between = Shard(1) if sequence_parallel else Replicate()
+    for layer, module in model.mtp.items():
+        blocks[f"mtp.{layer}.block"] = module.block
+        plan.update(decoder.block_plan(f"mtp.{layer}.block", module.block, sequence_parallel, styles))
+        if sequence_parallel:
+            plan |= {f"mtp.{layer}.{name}": SequenceParallel() for name in ("enorm", "hnorm", "norm")}
+        # Split by output columns, as Megatron's and as the blocks' linears: no rank holds the whole 2 dim x dim
+        # weight. Its output is the block's input: a local tensor laid out as between the blocks.
+        plan[f"mtp.{layer}.eh_proj"] = ColwiseParallel(input_layouts=between, output_layouts=between)
+    for name, block in blocks.items():
         if not isinstance(block.feed_forward, MoE):
             continue
-        moe = f"layers.{name}.feed_forward"
+        moe = f"{name}.feed_forward"
         plan[moe] = TokenShards(Shard(1) if sequence_parallel else Replicate())
         if block.feed_forward.shared is not None:
             plan.update(decoder.dense_feed_forward_plan(f"{moe}.shared", Shard(1), styles))
     return plan
+
+
+def blocks(model: MoETransformer) -> list[nn.Module]:
+    """The decoder's blocks, then the multi-token prediction's (built as a layer is, held after the stack)."""
+    return decoder.blocks(model) + [module.block for module in model.mtp.values()]
+
+
+def pipeline_stage(model: MoETransformer, layer_ids: list[int], first: bool, last: bool) -> MoETransformer:
+    """The decoder's stage; the multi-token prediction's modules, which take the head's input, on the last alone."""
+    stage = decoder.pipeline_stage(model, layer_ids, first, last)
+    if not last:
+        stage.mtp = nn.ModuleDict()
+    return stage
 
 
 class TokenShards(PrepareModuleInputOutput):

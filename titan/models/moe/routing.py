@@ -12,7 +12,7 @@ tokens are split over ranks:
   weighs T / (the step's loss tokens) in the step, as the token loss's rows do, so the sum over the global batch is
   the same whichever ranks hold the rows. Where a row's tokens are split over ranks (context parallelism's ring,
   tensor parallelism's sequence shards), its counts are summed over them first, so f_ri is the whole row's. Its
-  gradient reaches the router inside the backward (BalanceLoss), so a pipeline stage needs nothing of the last
+  gradient reaches the router inside the backward (AddedLoss), so a pipeline stage needs nothing of the last
   stage's loss.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from titan.models.moe.args import MoEArgs
 
 
-class BalanceLoss(torch.autograd.Function):
+class AddedLoss(torch.autograd.Function):
     """Pass `x` through; in backward, give `loss` the gradient 1, as if it were added to the step's loss."""
 
     @staticmethod
@@ -134,8 +134,8 @@ class Router(nn.Module):
 
 
 class Routing:
-    """What the step does with a model's routers: it sets the loss scale (the step loss's, 1 / its loss tokens)
-    before each micro-batch and calls `end_step` after the optimizer."""
+    """What the step does with a model's routers: it sets the loss scale (the step loss's, 1 / its loss tokens, which
+    the multi-token prediction's loss takes too) before each micro-batch and calls `end_step` after the optimizer."""
 
     def __init__(self, model: nn.Module, bias_update_rate: float):
         self.model, self.bias_update_rate = model, bias_update_rate

@@ -33,6 +33,7 @@ class Recorder:
         self.step = 0
         self.rows = None
         self.routes: dict = {}  # a MoE's name -> its router's experts (tokens, top_k) in this forward
+        self.calls: dict = {}  # a module's name -> its calls in this forward
         self.inferring = False
         for stage in stages:
             # torch's pipeline stages run a forward on uninitialised tensors at their first step to learn the
@@ -70,6 +71,7 @@ class Recorder:
         # Stage inputs are (tokens or hidden states, rows, ...) positionally, as the trainer and schedules pass them.
         first = args[0]
         self.rows = args[1].cpu().clone() if len(args) > 1 else torch.arange(first.shape[0])
+        self.calls = {}
         if not first.is_floating_point():
             self.tokens.append((self.step, self.rows, first.cpu().clone()))
 
@@ -77,6 +79,9 @@ class Recorder:
         # Activation checkpointing re-runs forwards inside backward: those are the same values, recorded once.
         if torch._C._current_graph_task_id() != -1 or self.inferring:
             return
+        calls = self.calls[name] = self.calls.get(name, 0) + 1
+        if calls > 1:  # a module that a forward calls again (a multi-token prediction's embedding and head)
+            name = f"{name} (call {calls})"
         output = self._compared(name, module, output)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             rows = len(self.rows)

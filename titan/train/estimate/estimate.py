@@ -81,7 +81,9 @@ def estimate_step(config: Config, world_size: int) -> StepEstimate:
             one_block[kind] = {}
             for mode in MODES:
                 if auto or mode not in activations:
-                    traced = with_checkpointing(config, mode)
+                    # The mode on the one block alone: blocks after the layers (a multi-token prediction's) run
+                    # alike in every mode's trace, and the differences between the modes are the one block's.
+                    traced = with_checkpointing(config, mode, every=2)
                     like = estimate.kinds.index(kind)
                     one_block[kind][mode] = trace(0, 1, traced=traced, forward_only=not auto, like=like)
                     activations[mode] = one_block[kind][mode].block_held[0]

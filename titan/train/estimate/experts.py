@@ -9,6 +9,8 @@ all-to-all are that rank's, which the others wait for.
 
 from __future__ import annotations
 
+import dataclasses
+
 from titan.models import RoutedExperts
 from titan.train.estimate.activations import mode_ways
 from titan.train.estimate.devices import Links
@@ -34,10 +36,28 @@ def all_to_all_formula(estimate: StepEstimate, rank: RankEstimate, routed: Route
     ways = rank.checkpointing.choices if rank.checkpointing else _flat(mode_ways(estimate, rank, mode))
     moe = set(routed.expert_layers)
     layers = [layer in moe for layer in _flat(rank.layers)]
+    if after := _blocks_after_layers(estimate, rank, routed):
+        layers, ways = layers + [True] * len(after), [*ways, *after]
     recomputing = sum(way in RECOMPUTING for way, routed in zip(ways, layers) if routed)
     tokens = (4 * sum(layers) + 2 * recomputing) * received * row
     counts = (sum(layers) + recomputing) * routed.n_experts // layout.ep * (layout.ep - 1) * 8
     return estimate.microbatches * estimate.runs * (tokens + counts)
+
+
+def _blocks_after_layers(estimate: StepEstimate, rank: RankEstimate, routed: RoutedExperts) -> list[str]:
+    """How the routed blocks after the layers (a multi-token prediction's, ModelSpec.blocks' last) run on the rank
+    that holds the last stage: the recipe's mode continuing its period over them; under auto, which plans the
+    layers' blocks, in full, as traced (the trainer plans them too, from the last layer's kind's ways); [] on the
+    other ranks."""
+    after = [layer for layer in routed.expert_layers if layer >= len(estimate.kinds)]
+    last = estimate.run.n_stages - 1
+    if not after or last not in rank.stage_ids:
+        return []
+    if rank.checkpointing:
+        return ["full"] * len(after)
+    stage = rank.layers[rank.stage_ids.index(last)]
+    continued = dataclasses.replace(rank, layers=[[*stage, *after]])
+    return mode_ways(estimate, continued, estimate.config.activation_checkpoint.mode)[0][len(stage) :]
 
 
 def all_to_all_seconds(estimate: StepEstimate, rank: RankEstimate) -> float:

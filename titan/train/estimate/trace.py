@@ -225,7 +225,9 @@ class _RankStep:
             self.trace.forward[stage] = Cost()
             with self.counter.phase(self.trace.forward[stage]), self.rules.precision("cpu"):
                 x = inputs["tokens"] if stage == 0 else inputs["hidden"].clone()
-                out = part(x.requires_grad_(x.is_floating_point()), inputs["rows"], inputs["document_ids"])
+                x.requires_grad_(x.is_floating_point())
+                labels = inputs["tokens"] if stage == last else None  # as the trainer's (a multi-token prediction's)
+                out = part(x, inputs["rows"], inputs["document_ids"], labels=labels)
                 outputs[stage] = token_loss(out, inputs["tokens"]) if stage == last else out[0]
             self.trace.held[stage] = self._activations() - before
         return outputs
@@ -324,7 +326,7 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(), an autograd op: slow here
 
 
-def with_checkpointing(config: Config, mode: str) -> Config:
-    """The recipe with another activation checkpointing mode (every block)."""
-    checkpointing = dataclasses.replace(config.activation_checkpoint, mode=mode, every=1)
+def with_checkpointing(config: Config, mode: str, every: int = 1) -> Config:
+    """The recipe with another activation checkpointing mode (every block, or every Nth)."""
+    checkpointing = dataclasses.replace(config.activation_checkpoint, mode=mode, every=every)
     return dataclasses.replace(config, activation_checkpoint=checkpointing)
