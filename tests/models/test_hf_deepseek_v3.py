@@ -286,3 +286,127 @@ def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path, damag
              "[16, 16] needs F32 [7, 2]")  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape(words)):
         open_hf(copy, SPEC)
+
+
+# -- multi-token prediction ------------------------------------------------------------------------------------------
+
+
+def with_an_mtp_layer(path: Path, out: Path, model) -> torch.nn.Module:
+    """The folder at `path` with a multi-token prediction layer as DeepSeek's files hold one (model.layers.3.*, the
+    layer after the last: its norms, projection, block and head's norm, and its own copies of the embedding and the
+    head), random; returns it as transformers' MtpLayer, which the reference runs."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from helpers import randomize_
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    torch.manual_seed(3)
+    layer = MtpLayer(model.config, hf.DeepseekV3DecoderLayer, hf.DeepseekV3RMSNorm, layer_idx=3).float().eval()
+    randomize_(layer, seed=4)
+    with torch.no_grad():
+        layer.mtp_block.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8))
+    tensors = load_file(out / "model.safetensors")
+    at, inner = "model.layers.3.", 32  # moe_intermediate_size
+    for name, value in layer.state_dict().items():
+        name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if name == "mlp.experts.gate_up_proj":
+            for e, fused in enumerate(value):
+                tensors[f"{at}mlp.experts.{e}.gate_proj.weight"] = fused[:inner].clone()
+                tensors[f"{at}mlp.experts.{e}.up_proj.weight"] = fused[inner:].clone()
+        elif name == "mlp.experts.down_proj":
+            tensors |= {f"{at}mlp.experts.{e}.down_proj.weight": w.clone() for e, w in enumerate(value)}
+        else:
+            tensors[at + name] = value.clone()
+    tensors[at + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[at + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return layer
+
+
+@pytest.fixture(scope="module")
+def mtp_model(hf_model, tmp_path_factory):
+    path, model = hf_model
+    out = tmp_path_factory.mktemp("mtp") / "hf"
+    return out, model, with_an_mtp_layer(path, out, model)
+
+
+def test_the_mtp_layer_reads_from_deepseek_s_files_and_predicts_as_transformers_mtp_layer(mtp_model):
+    """titan's multi-token prediction loss on the layer read from the files against transformers' MtpLayer on the
+    main model's final hidden states and the next tokens' embeddings, through the head: position i predicts the
+    token two ahead."""
+    folder, model, layer = mtp_model
+    ours = titan_model(folder)
+    assert ours.args.mtp_layers == 1
+    seq = torch.randint(0, 320, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    inputs, labels = seq[:, :-1], seq[:, 1:]
+    with torch.no_grad():
+        ours(inputs, labels=labels)
+        got = ours.step_losses()["mtp_loss"]  # the depths' mean summed loss, before mtp_loss_weight
+        model.config._attn_implementation = "sdpa"  # causal without a mask
+        h = model.model(inputs).last_hidden_state[:, :-1]  # the final normed states of the positions with a target
+        positions = torch.arange(SEQ - 1)[None]
+        rope = model.model.rotary_emb(h, positions)
+        out = layer(model.model.embed_tokens(inputs[:, 1:]), h, rope, None, positions, None)
+        want = torch.nn.functional.cross_entropy(
+            model.lm_head(out).flatten(0, 1), seq[:, 2:].flatten(), reduction="sum"
+        )
+    assert want > 1
+    assert abs(got - want) / want < 1e-6
+
+
+def test_an_export_writes_the_mtp_layer_back_as_deepseek_s_files_hold_it(mtp_model, tmp_path):
+    """hf -> titan -> hf through the command line: every tensor of the files, the MTP layer and its copies of the
+    embedding and the head included, equal; transformers loads the export, the MTP layer aside (it keeps only a
+    61-layer model's), and gives the original's logits."""
+    from conftest import run_titan
+    from helpers import read_checkpoint
+
+    folder, model, _ = mtp_model
+    for command in (("hf-to-dcp", folder, tmp_path / "dcp"), ("dcp-to-hf", tmp_path / "dcp", tmp_path / "hf")):
+        result = run_titan("convert", *map(str, command))
+        assert result.returncode == 0, result.stderr
+    config, again = read_checkpoint(tmp_path / "hf")
+    _, original = read_checkpoint(folder)
+    assert again.keys() == original.keys() and any(name.startswith("model.layers.3.") for name in again)
+    assert all(torch.equal(again[name], tensor) for name, tensor in original.items())
+    assert config["num_nextn_predict_layers"] == 1
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert {name.split(".")[2] for name in info["unexpected_keys"]} == {"3"} and not info["missing_keys"]
+    tokens = torch.randint(0, 320, (BATCH, SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert max_diff(exported.eval()(tokens).logits, model(tokens).logits) < TOL
+
+
+def test_files_without_the_mtp_layer_their_config_names_read_without_it(hf_model, caplog):
+    """transformers' save_pretrained writes num_nextn_predict_layers = 1 and no MTP layer: titan reads the model
+    without it, and says so."""
+    path, model = hf_model
+    assert model.config.to_dict()["num_nextn_predict_layers"] == 1
+    with caplog.at_level("INFO", logger="titan"):
+        assert open_hf(path, SPEC).args.mtp_layers == 0
+    assert (
+        "names 1 multi-token prediction layer(s) (num_nextn_predict_layers) that its files do not hold" in caplog.text
+    )
+
+
+def test_an_mtp_layer_the_files_hold_in_part_is_one_line(mtp_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from titan.errors import ConfigError
+
+    folder, _, _ = mtp_model
+    shutil.copytree(folder, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors["model.layers.3.eh_proj.weight"]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"missing \['model.layers.3.eh_proj.weight'\], unexpected \[\]"):
+        open_hf(tmp_path / "hf", SPEC)

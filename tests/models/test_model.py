@@ -37,7 +37,8 @@ def test_block_params_count_each_block_as_built(family, flavor):
     args = spec.flavors[flavor]
     with torch.device("meta"):
         built = [sum(p.numel() for p in block.parameters()) for block in spec.blocks(spec.build(args))]
-    assert [args.block_params(layer) for layer in range(args.n_layers)] == built
+    blocks = args.n_layers + getattr(args, "mtp_layers", 0)  # a multi-token prediction module's block after them
+    assert [args.block_params(layer) for layer in range(blocks)] == built
 
 
 def test_the_layer_split_holds_each_block_at_its_own_size():

@@ -83,26 +83,27 @@ DEEPSEEK_V3_CONFIG = {
         "original_max_position_embeddings": 4096,
         "type": "yarn",
     },
+    "num_nextn_predict_layers": 1,
 }
 KIMI_K2_CONFIG = {
     **DEEPSEEK_V3_CONFIG, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
     "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1,
-    "first_k_dense_replace": 1, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+    "first_k_dense_replace": 1, "rope_theta": 50000.0, "max_position_embeddings": 262144, "num_nextn_predict_layers": 0,
     "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "flavor, config, total, active",
-    [("deepseek_v3_671b", DEEPSEEK_V3_CONFIG, 671.0, 37), ("kimi_k2", KIMI_K2_CONFIG, 1026.4, 32)],
+    "flavor, config, total, active, with_mtp",
+    [("deepseek_v3_671b", DEEPSEEK_V3_CONFIG, 671.0, 37, 684.5), ("kimi_k2", KIMI_K2_CONFIG, 1026.4, 32, 1026.4)],
 )
-def test_deepseek_v3_and_kimi_k2_are_their_published_configs_with_transformers_parameters(
-    flavor, config, total, active
-):
+def test_deepseek_v3_and_kimi_k2_are_their_published_configs_and_sizes(flavor, config, total, active, with_mtp):
     """Each flavor is what titan reads from the published config.json (but the training choices), and has the
-    parameters transformers builds from it; the published sizes: 671B with 37B active, and Kimi K2's 32B active
-    (both with the embedding, a lookup active_params leaves out)."""
+    parameters transformers builds from it, but for the multi-token prediction modules transformers leaves out; the
+    published sizes: 671B with 37B active, and Kimi K2's 32B active (without the embedding, a lookup, as
+    active_params counts); DeepSeek-V3's 684.5B with its MTP module and the module's own copies of the embedding and
+    head, as its files hold them (DeepSeek says 685B)."""
     transformers = pytest.importorskip("transformers")
     from titan.models.moe.hf import TRAINING_CHOICES, args_from_hf_config
 
@@ -111,9 +112,12 @@ def test_deepseek_v3_and_kimi_k2_are_their_published_configs_with_transformers_p
     hf_config = transformers.DeepseekV3Config(**{**config, "model_type": "deepseek_v3"})
     with torch.device("meta"):
         theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
-        ours = sum(p.numel() for p in MoETransformer(args).parameters())
+        params = dict(MoETransformer(args).named_parameters())
+    ours = sum(p.numel() for name, p in params.items() if not name.startswith("mtp."))
     assert ours == theirs and round(ours / 1e9, 1) == total
-    assert round(active_params(args) / 1e9) == active
+    assert round(active_params(dataclasses.replace(args, mtp_layers=0)) / 1e9) == active
+    copies = 2 * args.vocab_size * args.dim * args.mtp_layers
+    assert round((sum(p.numel() for p in params.values()) + copies) / 1e9, 1) == with_mtp
 
 
 def test_debug_flavor_has_the_dense_debug_models_active_feed_forward():

@@ -34,6 +34,8 @@ def _on_decoder(name: str, family, build, hf, **own) -> ModelSpec:
         to_hf_tensor=hf.to_hf_tensor,
         training_choices=hf.TRAINING_CHOICES,
         check_buffers=getattr(hf, "check_hf_buffers", None),
+        held_args=getattr(hf, "held_args", None),
+        export_copies=getattr(hf, "export_copies", None),
         model_types=hf.MODEL_TYPES,
     )
     parts = dict(

@@ -188,6 +188,12 @@ class HFAdapter:
     # make a model the HF one is not. An HF checkpoint imports with these buffers at zero. None: the family's
     # models have no such buffers. A buffer `sources` names is read and written as the parameters are.
     check_buffers: Callable[[Args, dict], None] | None = None
+    # (args, the files' tensor names) -> (the args of the model the files hold, a note where they differ from
+    # config.json's); None: always config.json's.
+    held_args: Callable[[Args, Any], tuple] | None = None
+    # args -> {HF tensor: the HF tensor it copies} that an export writes besides the sources' (a DeepSeek-V3 MTP
+    # layer's own embedding); None: none.
+    export_copies: Callable[[Args], dict] | None = None
 
 
 @dataclass(frozen=True)

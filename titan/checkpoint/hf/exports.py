@@ -231,7 +231,9 @@ def dcp_to_hf(
         sources = spec.hf.sources(args)
         saved = {name: found.saved[name] for name in sources}  # the parameters, and the buffers the format holds
         buffers = set(sources) - set(model_shapes(spec, args))
+        copies = spec.hf.export_copies(args) if spec.hf.export_copies else {}
         owners = {hf: titan for titan in saved for hf in stacked(sources[titan][0])}  # a stack's tensors: its own
+        owners |= {copy: owners[original] for copy, original in copies.items()}
         # huggingface_hub plans the files and the index from sizes alone (meta tensors: nothing is allocated). Its
         # save_torch_state_dict would need every tensor in memory at once, so the files are written here, one
         # at a time.
@@ -240,6 +242,7 @@ def dcp_to_hf(
             for titan, (titan_shape, _) in saved.items()
             for hf, shape in hf_shapes(sources[titan][0], titan_shape).items()
         }
+        planned |= {copy: planned[original] for copy, original in copies.items()}
         split = split_torch_state_dict_into_shards(planned, max_shard_size=max_bytes)
         n_params = sum(math.prod(shape) for shape, _ in saved.values())
         what = f"exporting {path.name} to {Path(out_dir).name}"
@@ -249,7 +252,7 @@ def dcp_to_hf(
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             for file, hf_names in split.filename_to_tensors.items():
                 tensors = load_parameters(path, {owners[hf]: saved[owners[hf]] for hf in hf_names})
-                weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype, buffers)
+                weights = _hf_tensors(spec, sources, tensors, set(hf_names), out_dtype, buffers, copies)
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
                 progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
                 del weights  # before the next file's tensors are loaded, not after
@@ -287,22 +290,25 @@ def _hf_config(found: ModelCheckpoint, dtype: str) -> dict[str, Any]:
 
 
 def _hf_tensors(
-    spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[str], dtype, buffers: set[str]
+    spec, sources: dict, tensors: dict[str, Tensor], hf_names: set[str], dtype, buffers: set[str], copies: dict
 ) -> dict[str, Tensor]:
     """The HF tensors `hf_names`, in `dtype`, from the titan parameters holding them (taken out of `tensors`): a
-    stacked one gives each of its HF tensors that is in `hf_names` (a stack may span files). Buffers (routing
-    biases) stay float32, as transformers keeps them: rounded, they would route tokens otherwise."""
+    stacked one gives each of its HF tensors that is in `hf_names` (a stack may span files), and a tensor the copies
+    of it that are (`copies`: {copy: original}). Buffers (routing biases) stay float32, as transformers keeps them:
+    rounded, they would route tokens otherwise."""
+    copied: dict[str, list[str]] = {}
+    for copy, original in copies.items():
+        copied.setdefault(original, []).append(copy)
     weights = {}
     for titan in list(tensors):
         hf_name, rows = sources[titan]
         w = tensors.pop(titan)
-        if isinstance(hf_name, str):
-            as_saved = torch.float32 if titan in buffers else dtype
-            weights[hf_name] = spec.hf.to_hf_tensor(w, rows).to(as_saved).contiguous()
-            continue
-        for name, part in zip(hf_name, w.unbind(0)):
-            if name in hf_names:  # a copy of its own: safetensors refuses tensors that share memory
-                weights[name] = spec.hf.to_hf_tensor(part, rows).to(dtype, copy=True)
+        as_saved = torch.float32 if titan in buffers else dtype
+        parts = [w] if isinstance(hf_name, str) else w.unbind(0)
+        for name, part in zip(stacked(hf_name), parts):
+            for out in [n for n in (name, *copied.get(name, ())) if n in hf_names]:
+                # Each its own memory: safetensors refuses tensors that share it (a stack's parts, a copy).
+                weights[out] = spec.hf.to_hf_tensor(part, rows).to(as_saved, copy=True).contiguous()
     return weights
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from titan.config import Tokenizer
 from titan.errors import ConfigError
 from titan.progress import Progress
 from titan.schema import FILE_NAME, MapOf, Table, read_json
+
+log = logging.getLogger("titan")
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -226,6 +229,10 @@ def open_hf(folder: Path, spec: models.ModelSpec) -> HFFolder:
         what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
         raise ConfigError(f"{folder / CONFIG_FILE}: {what}") from None
     files, shapes, dtypes = _read_headers(folder)
+    if spec.hf.held_args is not None:
+        args, note = spec.hf.held_args(args, files)
+        if note:
+            log.info("%s: %s", folder, note)
     sources = spec.hf.sources(args)
     try:
         scales = block_scales(config, shapes, dtypes)

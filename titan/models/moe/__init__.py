@@ -63,10 +63,8 @@ def hf_format(args: MoEArgs) -> str:
 
 def hf_format_blockers(args: MoEArgs) -> list[str]:
     """Each of these args that their HF format (`hf_format`) has no place for (none: the weights export)."""
-    mtp = f"mtp_layers = {args.mtp_layers}: "
     if hf_format(args) == "deepseek_v3":
         blockers = {
-            mtp + "titan does not map the multi-token prediction modules to DeepSeek-V3's files yet": args.mtp_layers,
             f"score_func = {args.score_func!r}: DeepSeek-V3 scores experts by sigmoid": args.score_func != "sigmoid",
             "n_shared_experts = 0: DeepSeek-V3 has shared experts in every MoE layer": not args.n_shared_experts,
         }
@@ -77,7 +75,7 @@ def hf_format_blockers(args: MoEArgs) -> list[str]:
             f"score_func = {args.score_func!r}: Qwen3-MoE scores experts by softmax": args.score_func != "softmax",
             f"route_scale = {args.route_scale}: Qwen3-MoE does not scale the routing weights": args.route_scale != 1,
             f"n_group = {args.n_group}: Qwen3-MoE chooses among all its experts": args.n_group != 1,
-            mtp + "Qwen3-MoE has no multi-token prediction modules": args.mtp_layers,
+            f"mtp_layers = {args.mtp_layers}: Qwen3-MoE has no multi-token prediction modules": args.mtp_layers,
         }
     return [blocker for blocker, blocks in blockers.items() if blocks]
 

@@ -77,8 +77,9 @@ FLAVORS: dict[str, MoEArgs] = {
         aux_loss_coef=0.0001,
     ),
     # DeepSeek-V3 in miniature, for laptops and tests: latent attention (a query latent, keys and values from a
-    # latent of 64), sigmoid routing within the best 2 of 4 groups scaled by 2.5, a shared expert and a dense first
-    # layer; the debug MoE's width, depth and active feed-forward (two routed experts of 176 and one of 352).
+    # latent of 64), sigmoid routing within the best 2 of 4 groups scaled by 2.5, a shared expert, a dense first
+    # layer and a multi-token prediction module; the debug MoE's width, depth and active feed-forward (two routed
+    # experts of 176 and one of 352).
     "deepseek_v3_debug": MoEArgs(
         dim=256,
         n_layers=4,
@@ -107,10 +108,12 @@ FLAVORS: dict[str, MoEArgs] = {
         n_group=4,
         topk_group=2,
         aux_loss_coef=0.0001,
+        mtp_layers=1,
     ),
     # DeepSeek-V3 (671B, 37B active), its published config.json: 61 layers, the first 3 dense, 256 routed experts of
     # 2,048 (8 per token, within the best 4 of 8 groups) and one shared; latent attention of 128 heads; YaRN to 160k
-    # positions from its pretraining's 4k.
+    # positions from its pretraining's 4k; one multi-token prediction module (13.5B more with its own copies of the
+    # embedding and head, as its files hold them: 684.5B).
     "deepseek_v3_671b": MoEArgs(
         dim=7168,
         n_layers=61,
@@ -144,6 +147,7 @@ FLAVORS: dict[str, MoEArgs] = {
         n_group=8,
         topk_group=4,
         aux_loss_coef=0.0001,
+        mtp_layers=1,
     ),
     # Kimi K2 (1.04T, 32B active): DeepSeek-V3's architecture with 384 experts, no groups, half the heads and one
     # dense layer (its config.json of 0905, YaRN to 256k). For titan plan: it needs hundreds of GPUs.

@@ -17,7 +17,7 @@ from titan.models.moe.hf import deepseek_v3, qwen3_moe
 
 MODEL_TYPES = (qwen3_moe.MODEL_TYPE, *deepseek_v3.MODEL_TYPES)  # config.json's, which pick this family
 # Fields that are training choices: the decoder's, and the MoE's load balancing.
-TRAINING_CHOICES = (*decoder.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef")
+TRAINING_CHOICES = (*decoder.TRAINING_CHOICES, "bias_update_rate", "aux_loss_coef", "mtp_loss_weight")
 _FORMATS = {"qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
 
 
@@ -42,6 +42,17 @@ def hf_sources(args: MoEArgs) -> dict[str, decoder.Source]:
 
 def check_hf_names(names, args: MoEArgs) -> dict[str, str]:
     return _format(args).check_hf_names(names, args)
+
+
+def held_args(args: MoEArgs, names) -> tuple[MoEArgs, str | None]:
+    """The args of the model the files hold (DeepSeek-V3's multi-token prediction layers may be absent)."""
+    return deepseek_v3.held_args(args, names) if hf_format(args) == "deepseek_v3" else (args, None)
+
+
+def export_copies(args: MoEArgs) -> dict[str, str]:
+    """{HF tensor: the HF tensor it copies} that an export writes besides (DeepSeek-V3's MTP layers' own copies of
+    the embedding and the head)."""
+    return deepseek_v3.export_copies(args) if hf_format(args) == "deepseek_v3" else {}
 
 
 def check_hf_buffers(args: MoEArgs, buffers: dict[str, Tensor]) -> None:

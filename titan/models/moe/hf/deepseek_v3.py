@@ -13,6 +13,7 @@ RoPE's rotated part of each head is stored in interleaved pairs, as titan comput
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -71,6 +72,8 @@ HF_CONFIG = Table(
         "qk_rope_head_dim": _LATENT,
         "v_head_dim": _LATENT,
         "rope_interleave": Flag(),
+        "num_nextn_predict_layers": Integer(0, LIMITS["n_layers"]),  # DeepSeek's name
+        "num_mtp_layers": Integer(0, LIMITS["n_layers"]),  # transformers 5's
         "tie_word_embeddings": Flag(),
         "attention_bias": Flag(),
     },
@@ -101,6 +104,9 @@ def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
     if not h["n_shared_experts"]:
         raise ValueError("n_shared_experts: 0 is not read; titan builds DeepSeek-V3 with its shared experts")
     n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    mtp = {hf[key] for key in ("num_nextn_predict_layers", "num_mtp_layers") if key in hf}
+    if len(mtp) > 1:
+        raise ValueError(f"num_nextn_predict_layers ({hf['num_nextn_predict_layers']}) and num_mtp_layers differ")
     rope = decoder.rope_settings(hf)
     if rope.get("rope_scaling") == "yarn":
         params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -133,6 +139,7 @@ def args_from_hf_config(hf: dict[str, Any]) -> MoEArgs:
         route_scale=float(h["routed_scaling_factor"]),
         n_group=h["n_group"],
         topk_group=h["topk_group"],
+        mtp_layers=mtp.pop() if mtp else 0,
         **rope,
     )
     args.validate()
@@ -181,6 +188,7 @@ def hf_config_from_args(args: MoEArgs, dtype: torch.dtype | str = "float32") -> 
         "routed_scaling_factor": args.route_scale,
         "n_group": args.n_group,
         "topk_group": args.topk_group,
+        "num_nextn_predict_layers": args.mtp_layers,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "initializer_range": 0.02,
@@ -216,18 +224,60 @@ _ROUTER = {
 }
 
 
+# Each multi-token prediction layer's own tensors (titan: mtp.{L}.*, HF: model.layers.{L}.*, L counting on from the
+# layers), besides its block's; and its copies of the embedding and the head, which it shares in titan.
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight"}  # fmt: skip
+_MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def _mtp_layers(args: MoEArgs) -> range:
+    return range(args.n_layers, args.n_layers + args.mtp_layers)
+
+
 def hf_sources(args: MoEArgs) -> dict[str, decoder.Source]:
     """Where each titan parameter, and the routers' biases, come from: name -> (HF tensor name, or the names of the
-    experts' tensors it stacks; rows, always None: no row moves)."""
+    experts' tensors it stacks; rows, always None: no row moves). A multi-token prediction layer's block is named
+    as a MoE layer's, under its own layer number."""
     attention = {**_NORMS, **_LATENT_ATTENTION, **(_QUERY_LATENT if args.q_lora_rank else _QUERY)}
     dense = {**attention, **decoder.DENSE_NAMES}
     moe = {**attention, **_ROUTER, **expert_names(args.n_experts), **_SHARED}
-    return decoder.decoder_sources(args, lambda i: dense if i < args.dense_layers else moe, {})
+    sources = decoder.decoder_sources(args, lambda i: dense if i < args.dense_layers else moe, {})
+    for layer in _mtp_layers(args):
+        at = f"model.layers.{layer}."
+        for titan, hf in moe.items():
+            hf_name = at + hf if isinstance(hf, str) else tuple(at + name for name in hf)
+            sources[f"mtp.{layer}.block.{titan}"] = (hf_name, None)
+        sources |= {f"mtp.{layer}.{titan}": (at + hf, None) for titan, hf in _MTP.items()}
+    return sources
+
+
+def export_copies(args: MoEArgs) -> dict[str, str]:
+    """{HF tensor: the HF tensor it copies}: each multi-token prediction layer's embedding and head, as DeepSeek's
+    files hold them."""
+    if args.tie_embeddings:  # the head is the embedding
+        return {f"model.layers.{layer}.{name}": "model.embed_tokens.weight" for layer in _mtp_layers(args)
+                for name in _MTP_COPIES}  # fmt: skip
+    return {f"model.layers.{layer}.{name}": hf for layer in _mtp_layers(args) for name, hf in _MTP_COPIES.items()}
+
+
+def held_args(args: MoEArgs, names) -> tuple[MoEArgs, str | None]:
+    """The args of the model the files hold, and a note where they differ from config.json's: transformers' own
+    save_pretrained writes DeepSeek-V3 without its multi-token prediction layers (though its config names them),
+    which then are not read. Files with some of a layer's tensors are left to check_hf_names to list what lacks."""
+    held = [layer for layer in _mtp_layers(args) if any(name.startswith(f"model.layers.{layer}.") for name in names)]
+    if held or not args.mtp_layers:
+        return args, None
+    note = (f"config.json names {args.mtp_layers} multi-token prediction layer(s) (num_nextn_predict_layers) that "
+            "its files do not hold, as transformers' save_pretrained writes them: read without them")  # fmt: skip
+    return dataclasses.replace(args, mtp_layers=0), note
 
 
 def check_hf_names(names, args: MoEArgs) -> dict[str, str]:
     """ValueError naming experts of another number or form, or listing the missing and unexpected tensors; returns
-    the tied copies the files hold (see the decoder's)."""
+    the copies the files hold, each of which must equal its original: a tied head, and each multi-token prediction
+    layer's embedding and head."""
     names = {name for name in names if not decoder.IGNORED_HF.search(name)}
     check_experts(names, args.n_experts, "n_routed_experts")
-    return decoder.check_names(names, args, hf_sources(args))
+    mtp_copies = {copy: original for copy, original in export_copies(args).items() if copy in names}
+    return {**decoder.check_names(names - set(mtp_copies), args, hf_sources(args)), **mtp_copies}
