@@ -29,6 +29,20 @@ from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan
 
 
+@contextlib.contextmanager
+def _loss_parallel():
+    """torch's loss_parallel(), left however its block ends. torch's turns its cross-entropy ops off after its
+    yield without a finally: a block that raises (a step stopped by a failed rank, a planned step that does not
+    fit) leaves every later cross-entropy of the process on DTensors computed as if its logits were split by class,
+    which changes the loss of a replicated one (seen: 8.01 for 7.98, and 15.48 under loss parallelism)."""
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy, in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE)
@@ -74,7 +88,7 @@ class StepRules:
 
     def loss_context(self):
         """A fresh context per use: loss_parallel() is a generator-based context, usable once."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+        return _loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def precision(self, device_type: str):
         """The context the model runs in."""

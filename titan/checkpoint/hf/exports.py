@@ -306,9 +306,11 @@ def _hf_tensors(
         as_saved = torch.float32 if titan in buffers else dtype
         parts = [w] if isinstance(hf_name, str) else w.unbind(0)
         for name, part in zip(stacked(hf_name), parts):
-            for out in [n for n in (name, *copied.get(name, ())) if n in hf_names]:
+            outs = [n for n in (name, *copied.get(name, ())) if n in hf_names]
+            for i, out in enumerate(outs):
                 # Each its own memory: safetensors refuses tensors that share it (a stack's parts, a copy).
-                weights[out] = spec.hf.to_hf_tensor(part, rows).to(as_saved, copy=True).contiguous()
+                shared = i > 0 or not isinstance(hf_name, str)
+                weights[out] = spec.hf.to_hf_tensor(part, rows).to(as_saved, copy=shared).contiguous()
     return weights
 
 
