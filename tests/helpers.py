@@ -329,6 +329,17 @@ def tiny_hf_config(tied: bool):
     )
 
 
+def transformers_model(folder):
+    """transformers' AutoModelForCausalLM of an HF folder in fp32, every tensor loaded and none left over."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    return model.eval()
+
+
 def tiny_deepseek_v3(path: Path, vocab_size: int = 320, q_lora_rank: int | None = 24, tied: bool = False, **save):
     """A random transformers DeepseekV3ForCausalLM, saved at `path` (save_pretrained's keyword arguments in `save`):
     3 layers, the first dense, the others of 8 experts in 2 groups, 2 per token from the best group, with a shared

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT, run_titan, tiny_overrides  # noqa: E402
-from helpers import SAVED, TOL, max_diff, read_checkpoint, tiny_deepseek_v3  # noqa: E402
+from helpers import SAVED, TOL, max_diff, read_checkpoint, tiny_deepseek_v3, transformers_model  # noqa: E402
 from titan.config import load_config  # noqa: E402
 from titan.tools.generate import load_model  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -45,14 +45,6 @@ def exported(hf_dir):
         result = run_titan("convert", *command)
         assert result.returncode == 0, result.stderr
     return converted, out
-
-
-def hf_model(folder):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    return model.eval()
 
 
 def test_hf_to_titan_to_hf_holds_the_same_tensors_and_config(hf_dir, exported):
@@ -84,7 +76,7 @@ def test_hf_to_titan_to_hf_holds_the_same_tensors_and_config(hf_dir, exported):
 def test_transformers_on_the_export_gives_the_logits_of_the_converted_checkpoint(hf_dir, exported):
     with torch.no_grad():
         ours = load_model(exported[0], torch.device("cpu")).model(TOKENS)
-        theirs, original = hf_model(exported[1])(TOKENS).logits, hf_model(hf_dir)(TOKENS).logits
+        theirs, original = transformers_model(exported[1])(TOKENS).logits, transformers_model(hf_dir)(TOKENS).logits
     assert theirs.abs().max() > 1
     assert max_diff(ours, theirs) < TOL and max_diff(ours, original) < TOL
 
@@ -111,7 +103,7 @@ def test_a_deepseek_v3_moe_trained_in_titan_exports_with_its_moved_routing_biase
                            dtype)  # fmt: skip
         assert result.returncode == 0, result.stderr
     with torch.no_grad():
-        theirs = hf_model(tmp_path / "float32")(TOKENS[:, :16] % 2048).logits
+        theirs = transformers_model(tmp_path / "float32")(TOKENS[:, :16] % 2048).logits
     assert max_diff(ours, theirs) < TOL
     # In bfloat16 the weights round, the routing biases do not: transformers keeps them in float32.
     _, rounded = read_checkpoint(tmp_path / "bfloat16")

@@ -20,7 +20,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT, run_titan, tiny_overrides  # noqa: E402
-from helpers import SAVED, TOL, assert_one_line_error, max_diff, read_checkpoint, tiny_qwen3_moe  # noqa: E402
+from helpers import (  # noqa: E402
+    SAVED,
+    TOL,
+    assert_one_line_error,
+    max_diff,
+    read_checkpoint,
+    tiny_qwen3_moe,
+    transformers_model,
+)
 from titan import models  # noqa: E402
 from titan.config import load_config  # noqa: E402
 from titan.tools.generate import load_model  # noqa: E402
@@ -74,14 +82,6 @@ def titan_logits(checkpoint, tokens) -> torch.Tensor:
         return load_model(checkpoint, torch.device("cpu")).model(tokens)
 
 
-def hf_model(folder):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    return model.eval()
-
-
 def test_hf_to_dcp_prints_the_recipe_model_that_builds_it(hf_dir, converted):
     _, printed = converted
     spec = models.get_model_spec("moe")
@@ -108,7 +108,7 @@ def test_hf_to_titan_to_hf_holds_the_same_tensors_and_config(hf_dir, exported):
 def test_transformers_on_the_export_gives_the_logits_of_the_converted_checkpoint(converted, exported, tokens):
     ours = titan_logits(converted[0], tokens)
     with torch.no_grad():
-        theirs = hf_model(exported)(tokens).logits
+        theirs = transformers_model(exported)(tokens).logits
     assert theirs.abs().max() > 1
     assert max_diff(ours, theirs) < TOL  # measured 1.2e-6
 
@@ -121,7 +121,7 @@ def test_titan_generate_continues_as_transformers_generate_on_the_export(convert
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     inputs = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
-        new = hf_model(exported).generate(**inputs, max_new_tokens=16, do_sample=False)[
+        new = transformers_model(exported).generate(**inputs, max_new_tokens=16, do_sample=False)[
             0, inputs["input_ids"].shape[1] :
         ]
     assert len(set(new.tolist())) > 3  # a continuation, not one token repeated
@@ -149,7 +149,7 @@ def test_a_moe_trained_without_moving_its_biases_exports_with_its_logits(tmp_pat
     result = run_titan("convert", "dcp-to-hf", str(tmp_path / "debug_moe"), str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     with torch.no_grad():
-        theirs = hf_model(tmp_path / "hf")(tokens).logits
+        theirs = transformers_model(tmp_path / "hf")(tokens).logits
     assert max_diff(ours, theirs) < TOL
 
 

@@ -2,6 +2,8 @@
 (titan/models/decoder/attention.py), and DeepSeek-V3's and Kimi K2's on multi-head latent attention
 (titan/models/decoder/latent_attention.py), with a debug size of the latter."""
 
+import dataclasses
+
 from titan.models.moe.args import MoEArgs
 
 FLAVORS: dict[str, MoEArgs] = {
@@ -149,41 +151,24 @@ FLAVORS: dict[str, MoEArgs] = {
         aux_loss_coef=0.0001,
         mtp_layers=1,
     ),
-    # Kimi K2 (1.04T, 32B active): DeepSeek-V3's architecture with 384 experts, no groups, half the heads and one
-    # dense layer (its config.json of 0905, YaRN to 256k). For titan plan: it needs hundreds of GPUs.
-    "kimi_k2": MoEArgs(
-        dim=7168,
-        n_layers=61,
-        n_heads=64,
-        n_kv_heads=64,
-        head_dim=192,
-        qk_norm=False,
-        vocab_size=163840,
-        norm_eps=1e-6,
-        rope_theta=50000.0,
-        rope_scaling="yarn",
-        rope_scaling_factor=64.0,
-        rope_original_max_seq_len=4096,
-        rope_yarn_beta_fast=1.0,
-        rope_yarn_beta_slow=1.0,
-        rope_attention_factor=1.0,
-        rope_yarn_mscale_all_dim=1.0,
-        max_seq_len=262144,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        dense_layers=1,
-        dense_hidden_dim=18432,
-        n_experts=384,
-        top_k=8,
-        expert_hidden_dim=2048,
-        n_shared_experts=1,
-        score_func="sigmoid",
-        norm_topk=True,
-        route_scale=2.827,
-        n_group=1,
-        topk_group=1,
-    ),
 }
+# Kimi K2 (1.03T, 32B active): DeepSeek-V3's architecture with 384 experts, no groups, half the heads, one dense layer
+# and no multi-token prediction (its config.json of 0905, YaRN to 256k). For titan plan: it needs hundreds of GPUs.
+FLAVORS["kimi_k2"] = dataclasses.replace(
+    FLAVORS["deepseek_v3_671b"],
+    n_heads=64,
+    n_kv_heads=64,
+    vocab_size=163840,
+    rope_theta=50000.0,
+    rope_scaling_factor=64.0,
+    rope_yarn_beta_fast=1.0,
+    rope_yarn_beta_slow=1.0,
+    max_seq_len=262144,
+    dense_layers=1,
+    n_experts=384,
+    route_scale=2.827,
+    n_group=1,
+    topk_group=1,
+    aux_loss_coef=0.0,
+    mtp_layers=0,
+)
