@@ -284,8 +284,8 @@ def cross_entropy_after_a_raising_loss_block(context: str):
 @pytest.mark.distributed
 def test_a_loss_that_raises_under_loss_parallel_leaves_the_next_losses_alone():
     """torch's loss_parallel() turns its ops off only when its block ends without raising: afterwards a replicated
-    cross-entropy in the same process fails or is wrong (in the suite, a tensor-parallel run forked from such a
-    process trained at loss 15.48 for one process's 7.98). titan's loss context turns them off however it ends."""
+    cross-entropy in the same process is taken for a split one. titan's loss context turns them off however it
+    ends."""
     from distributed import run_distributed
 
     [(got, want)] = run_distributed(cross_entropy_after_a_raising_loss_block, 1, "titan")

@@ -33,8 +33,8 @@ from titan.run_plan import RunPlan
 def _loss_parallel():
     """torch's loss_parallel(), left however its block ends. torch's turns its cross-entropy ops off after its
     yield without a finally: a block that raises (a step stopped by a failed rank, a planned step that does not
-    fit) leaves every later cross-entropy of the process on DTensors computed as if its logits were split by class,
-    which changes the loss of a replicated one (seen: 8.01 for 7.98, and 15.48 under loss parallelism)."""
+    fit) would leave every later cross-entropy on DTensors in the process computed as if its logits were split by
+    class."""
     context = loss_parallel()
     context.__enter__()
     try:

@@ -88,6 +88,11 @@ def fake_world(layout: Layout):
         yield build_mesh(layout, CPU)
     finally:
         dist.destroy_process_group()
+        # DTensor caches each op's sharding by its inputs' specs, whose meshes compare equal across worlds: a later
+        # world of the same shape in this process (a run after its plan) would take the cached specs, meshes of
+        # this world's destroyed groups, and run its collectives on whatever groups now bear their names.
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()  # and its C++ dispatch's copy
 
 
 def trace_rank(
