@@ -202,7 +202,7 @@ MTP_CHECKPOINTING = {
 }
 
 
-@pytest.mark.parametrize("mode", MTP_CHECKPOINTING)
+@pytest.mark.parametrize("mode", scenarios_beyond(["auto"], list(MTP_CHECKPOINTING)))
 def test_the_plan_counts_the_multi_token_prediction(tmp_path, mode):
     """With mtp_layers = 1 the trace runs the module as the trainer does (given the labels): the model's parameters
     exactly, the ranks' FLOPs the per-token formula (its block, projection and second pass of the head) without
