@@ -10,8 +10,10 @@ group, random routing biases; with the query's latent and without.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import TOL, max_diff, tiny_deepseek_v3  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from helpers import TOL, max_diff, randomize_, tiny_deepseek_v3  # noqa: E402
 from titan import models  # noqa: E402
 from titan.checkpoint.hf import open_hf, read_into  # noqa: E402
 from titan.checkpoint.hf.files import stacked  # noqa: E402
 from titan.checkpoint.train_state import model_buffers  # noqa: E402
+from titan.errors import ConfigError  # noqa: E402
 from titan.models.moe import FLAVORS, MoETransformer  # noqa: E402
 from titan.models.moe.hf import args_from_hf_config, hf_config_from_args, hf_sources  # noqa: E402
 
@@ -186,10 +191,6 @@ def fp8_copy(path: Path, out: Path) -> dict[str, tuple[torch.Tensor, torch.Tenso
     """The folder at `path` as DeepSeek ships V3: every linear weight but the router's, the embedding and the head
     in float8 e4m3 with a float32 scale per BLOCK x BLOCK block (its largest magnitude over fp8's 448); returns
     {name: (the fp8 weight, its scales)}."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
 
     shutil.copytree(path, out)
     config = json.loads((out / "config.json").read_text())
@@ -265,13 +266,9 @@ def test_a_shard_of_an_fp8_weight_reads_its_own_blocks_scales(fp8_model):
 
 @pytest.mark.parametrize("damage", ["no_scale", "wrong_scale"])
 def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path, damage):
-    from safetensors.torch import load_file, save_file
-
-    from titan.errors import ConfigError
 
     folder, _, _ = fp8_model
     copy = tmp_path / "hf"
-    import shutil
 
     shutil.copytree(folder, copy)
     tensors = load_file(copy / "model.safetensors")
@@ -295,14 +292,9 @@ def with_an_mtp_layer(path: Path, out: Path, model) -> torch.nn.Module:
     """The folder at `path` with a multi-token prediction layer as DeepSeek's files hold one (model.layers.3.*, the
     layer after the last: its norms, projection, block and head's norm, and its own copies of the embedding and the
     head), random; returns it as transformers' MtpLayer, which the reference runs."""
-    import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
     from transformers.modeling_layers import MtpLayer
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-
-    from helpers import randomize_
 
     shutil.copytree(path, out)
     config = json.loads((out / "config.json").read_text())
@@ -397,11 +389,6 @@ def test_files_without_the_mtp_layer_their_config_names_read_without_it(hf_model
 
 
 def test_an_mtp_layer_the_files_hold_in_part_is_one_line(mtp_model, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from titan.errors import ConfigError
 
     folder, _, _ = mtp_model
     shutil.copytree(folder, tmp_path / "hf")
