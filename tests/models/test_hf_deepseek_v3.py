@@ -264,7 +264,7 @@ def test_a_shard_of_an_fp8_weight_reads_its_own_blocks_scales(fp8_model):
     assert torch.equal(experts, torch.stack(down)[:, :, 7:30])
 
 
-@pytest.mark.parametrize("damage", ["no_scale", "wrong_scale"])
+@pytest.mark.parametrize("damage", ["no_scale", "wrong_scale", "inf_scale"])
 def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path, damage):
 
     folder, _, _ = fp8_model
@@ -275,14 +275,17 @@ def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path, damag
     name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
     if damage == "no_scale":
         del tensors[name]
-    else:
+    elif damage == "wrong_scale":
         tensors[name] = tensors[name][:3]
+    else:
+        tensors[name][2, 1] = float("inf")
     save_file(tensors, copy / "model.safetensors")
-    words = ("the files hold no model.layers.1.self_attn.kv_b_proj.weight_scale_inv" if damage == "no_scale" else
-             "weight_scale_inv is F32 [3, 2], but model.layers.1.self_attn.kv_b_proj.weight [112, 32] in blocks of "
-             "[16, 16] needs F32 [7, 2]")  # fmt: skip
+    words = {"no_scale": "the files hold no model.layers.1.self_attn.kv_b_proj.weight_scale_inv",
+             "wrong_scale": "weight_scale_inv is F32 [3, 2], but model.layers.1.self_attn.kv_b_proj.weight [112, 32] "
+                            "in blocks of [16, 16] needs F32 [7, 2]",
+             "inf_scale": "kv_b_proj.weight_scale_inv holds a scale that is not a finite number"}[damage]  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape(words)):
-        open_hf(copy, SPEC)
+        titan_model(copy)  # the shapes are checked on opening, the values as they are read
 
 
 # -- multi-token prediction ------------------------------------------------------------------------------------------

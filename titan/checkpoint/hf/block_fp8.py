@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 FP8_WEIGHTS = ("F8_E4M3",)  # the safetensors dtypes of block-quantized weights
@@ -58,8 +59,10 @@ def block_scales(config: dict[str, Any], shapes: dict[str, list[int]], dtypes: d
 
 def dequantize(box: Tensor, starts: list[int], scale: BlockScale, read_scales) -> Tensor:
     """A box of an FP8 weight (rows and columns from `starts` on) in float32: each element times its block's scale.
-    read_scales(slices) reads those of the scale tensor."""
+    read_scales(slices) reads those of the scale tensor. ValueError for a scale that is not finite."""
     (r0, c0), (rows, cols), (b0, b1) = starts, box.shape, scale.size
     scales = read_scales((slice(r0 // b0, (r0 + rows - 1) // b0 + 1), slice(c0 // b1, (c0 + cols - 1) // b1 + 1)))
+    if not torch.isfinite(scales).all():  # a weight multiplied by it would be NaN or inf, silently
+        raise ValueError(f"{scale.name} holds a scale that is not a finite number")
     per_element = scales.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
     return box.float() * per_element[r0 % b0 : r0 % b0 + rows, c0 % b1 : c0 % b1 + cols]

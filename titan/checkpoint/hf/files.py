@@ -295,7 +295,10 @@ def _read_box(hf: HFFolder, name: str, index: list[Tensor]) -> tuple[Tensor, int
     box = _read_slice(hf.files[name], name, tuple(slice(s, int(v.max()) + 1) for s, v in zip(starts, index)))
     read = box.numel() * box.element_size()
     if (scale := hf.scales.get(name)) is not None:
-        box = dequantize(box, starts, scale, lambda slices: _read_slice(hf.files[scale.name], scale.name, slices))
+        try:
+            box = dequantize(box, starts, scale, lambda slices: _read_slice(hf.files[scale.name], scale.name, slices))
+        except ValueError as e:
+            raise ConfigError(f"{hf.files[scale.name]}: {e}; the file is damaged, download it again") from None
     for dim, (start, v) in enumerate(zip(starts, index)):
         if not torch.equal(v, torch.arange(start, start + len(v))):
             box = box.index_select(dim, v - start)
