@@ -899,12 +899,6 @@ CASES = [
      ["score_func must be one of softmax, sigmoid, got 'relu'"]),
     ("multi-token prediction weight negative", "show", ["--model.name", "moe", "--model.overrides.mtp_loss_weight",
      "-0.3"], None, {}, ["mtp_loss_weight must be a finite number >= 0, got -0.3"]),
-    ("multi-token prediction in a pipeline", "show", ["--model.name", "moe", "--model.overrides.mtp_layers", "1",
-     "--parallel.pp", "2"], None, {"WORLD_SIZE": "2"},
-     ["2 pipeline stages", "mtp_layers = 1", "embedding on the last stage", "use parallel.pp = 1, or mtp_layers = 0"]),
-    ("multi-token prediction over context parallelism", "show", ["--model.name", "moe", "--model.overrides.mtp_layers",
-     "1", "--parallel.cp", "2"], None, {"WORLD_SIZE": "2"},
-     ["parallel.cp = 2 with mtp_layers = 1", "across the sequence shards", "use parallel.cp = 1, or mtp_layers = 0"]),
     # -- expert parallelism (ranks taken from dp_shard x cp)
     ("zero ep", "show", ["--parallel.ep", "0"], None, {}, ["parallel.ep must be >= 1"]),
     ("ep not dividing the experts", "show", ["--model.name", "moe", "--parallel.ep", "3"], None, {"WORLD_SIZE": "3"},

@@ -5,12 +5,20 @@ parameters, decoding with the cache."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
-from titan import models
+from distributed import run_distributed
+from helpers import cp_sequence
+from titan import models, rng
 from titan.models.moe import MoETransformer
+from titan.models.moe.parallelize import pipeline_stage
+from titan.parallel.cp.ring import ContextParallel
 from titan.tools.generate import generate
 
 IGNORE = -100  # the data's label of a token that carries no loss
@@ -167,3 +175,77 @@ def test_decoding_with_the_cache_gives_the_full_forwards_tokens_and_skips_the_mo
         for _ in range(8):
             sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
     assert cached == sequence[len(prompt) :]
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_pipeline_stages_pass_the_lookahead_embeddings_on_and_train_as_the_whole_model():
+    """The first stage holds the embedding and the last the modules: the first sends its hidden states with the
+    embeddings of the tokens each depth looks ahead to (args.stage_width, as the schedule's tensors are declared),
+    and the two stages' logits, prediction loss and every gradient, the embedding's through the sent tensor, are
+    the whole model's. The first stage's rank logs no prediction loss of its own."""
+    model = build(mtp_layers=2)
+    _, _, inputs, labels, document_ids = batch()
+    rows = torch.arange(len(inputs))
+    first, last = (copy.deepcopy(pipeline_stage(model, ids, ids == [0, 1], ids == [2, 3])) for ids in ([0, 1], [2, 3]))
+    assert first.mtp is not None and not first.mtp and list(last.mtp) == ["4", "5"] and last.tok_embeddings is None
+    for part in (model, first, last):
+        part.routing.set_loss_scale(1 / 40)
+    whole = model(inputs, rows, document_ids, labels=labels)
+    whole.square().sum().backward()
+    sent, *passed = first(inputs, rows, document_ids, labels=labels)
+    assert sent.shape == (*inputs.shape, model.args.stage_width) == (*inputs.shape, 3 * model.args.dim)
+    received = sent.detach().requires_grad_()
+    logits = last(received, *passed, labels=labels)
+    logits.square().sum().backward()
+    sent.backward(received.grad)
+    assert torch.equal(logits, whole)
+    assert torch.equal(last.step_losses()["mtp_loss"], model.step_losses()["mtp_loss"])
+    assert first.step_losses() == {"mtp_loss": 0}
+    staged = gradients(first) | gradients(last)
+    assert staged.keys() == gradients(model).keys()
+    for name, grad in gradients(model).items():
+        assert relative_difference(staged[name], grad) < 1e-6, name
+
+
+def context_parallel_share(cp: int, seed: int):
+    """On this rank of a cp group: the model's logits at its positions (ring attention, the whole rows' document
+    ids), the prediction loss it logs and its gradients, for the objective the trainer backpropagates."""
+    init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    rank = dist.get_rank()
+    model = build(seed, mtp_layers=2, aux_loss_coef=0.0)
+    _, _, inputs, labels, document_ids = batch()
+    ring = ContextParallel(dist.group.WORLD, rank, cp, cp_sequence(cp, SEQ, rank), SEQ, "cpu")
+    for module in model.modules():
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = ring
+        if isinstance(module, rng.Dropout):
+            module.sequence = (SEQ, ring.positions)
+    model.routing.set_loss_scale(1 / 40)
+    here = ring.positions
+    logits = model(inputs[:, here], None, document_ids, labels=labels[:, here])
+    logits.square().sum().backward()
+    return here, logits.detach(), model.step_losses()["mtp_loss"], gradients(model)
+
+
+@pytest.mark.distributed
+def test_under_context_parallelism_each_rank_predicts_its_positions_from_the_whole_rows():
+    """Depth k's input token and target at a position may be another rank's (the shift crosses the sequence's
+    chunks): two ranks of a cp group give one process's logits at their positions, and their prediction losses and
+    gradients sum to its."""
+    shares = run_distributed(context_parallel_share, 2, 2, 0)
+    model = build(0, mtp_layers=2, aux_loss_coef=0.0)
+    _, _, inputs, labels, document_ids = batch()
+    model.routing.set_loss_scale(1 / 40)
+    whole = model(inputs, None, document_ids, labels=labels)
+    whole.square().sum().backward()
+    assert sorted(torch.cat([here for here, *_ in shares]).tolist()) == list(range(SEQ))
+    for here, logits, *_ in shares:
+        assert relative_difference(logits, whole[:, here]) < 1e-6
+    want = model.step_losses()["mtp_loss"]
+    assert want > 1 and relative_difference(sum(loss for _, _, loss, _ in shares), want) < 1e-6
+    # Measured within 1.4e-6: the ring merges its blocks' softmax in another order than one softmax over the row.
+    for name, grad in gradients(model).items():
+        assert relative_difference(sum(share[3][name] for share in shares), grad) < 1e-5, name

@@ -183,13 +183,13 @@ def test_under_tp_a_rank_dispatches_its_share_of_the_sequence(tmp_path):
 
 @pytest.mark.scenario
 def test_the_deepseek_v3_recipe_fits_its_256_h100s(tmp_path):
-    """recipes/deepseek_v3_671b.toml: the whole 671B planned on its layout, every pipeline rank within the device,
-    at the step docs/moe.md states."""
+    """recipes/deepseek_v3_671b.toml: the whole 671B and its prediction module planned on its layout, every rank
+    fitting, at the step docs/moe.md states."""
     from conftest import ROOT
 
     result = run_titan("plan", "--config", str(ROOT / "recipes" / "deepseek_v3_671b.toml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "671.03B parameters, on 256 x NVIDIA H100" in result.stdout and "step 31.1 s" in result.stdout
+    assert "682.64B parameters, on 256 x NVIDIA H100" in result.stdout and "step 35.5 s" in result.stdout
 
 
 # Per way of checkpointing: its settings, and the routed blocks that recompute their all-to-all, by hand.
@@ -232,3 +232,17 @@ def test_the_plan_counts_the_multi_token_prediction(tmp_path, mode):
         for kind, options in estimate.kind_options.items():  # the seconds: differences of sums, rounded otherwise
             assert [(o.name, o.saved_bytes) for o in options] == [(o.name, o.saved_bytes) for o in alone[kind]]
             assert [o.added_seconds for o in options] == pytest.approx([o.added_seconds for o in alone[kind]])
+
+
+def test_a_pipeline_plans_the_lookahead_embeddings_sent_with_the_hidden_states(tmp_path):
+    """Under PP2 with mtp_layers = 1 a stage sends, per micro-batch, its hidden states and the embeddings of the
+    tokens one ahead, fp32: rows x seq x 2 dim x 4 bytes, by hand, which the plan counts as the pipeline's sends."""
+    sent = {}
+    for mtp_layers in (0, 1):
+        overrides = {"parallel.pp": "2", "model.overrides.mtp_layers": str(mtp_layers)}
+        config = load_config(MOE_RECIPE, moe_overrides(tmp_path, 2, **overrides), world_size=2)
+        rank = estimate_step(config, 2).ranks[0]
+        sent[mtp_layers] = rank.traffic[("send", "pp")]
+        rows = ROWS // (config.parallel.pp_microbatches or 2)  # 0: as many as the stages
+        assert rank.trace.boundary_bytes == rows * SEQ * (1 + mtp_layers) * resolve_model(config).args.dim * 4
+    assert sent[1] == 2 * sent[0] > 0

@@ -278,8 +278,17 @@ class TrainStep:
         if self.parts.has_first_stage:
             args = tuple(x for x in (batch.inputs, batch.rows, batch.document_ids) if x is not None)
         run = self.schedule.step if train else self.schedule.eval
+        # Every stage's forward takes the labels by keyword, as one model's does: a model that trains on more than
+        # the next token reads them on its last stage.
+        labels = {"labels": batch.labels} if train else {}
         with self.clock.phase("forward_backward"), self.rules.precision(self.device.type):  # interleaved
-            run(*args, target=batch.labels if last else None, losses=losses if last else None, return_outputs=False)
+            run(
+                *args,
+                target=batch.labels if last else None,
+                losses=losses if last else None,
+                return_outputs=False,
+                **labels,
+            )
         if not last:
             return torch.zeros((), device=self.device)
         return torch.stack([full_tensor(x).detach() for x in losses]).sum()

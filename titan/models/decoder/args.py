@@ -65,6 +65,11 @@ class DecoderArgs:
         return None
 
     @property
+    def stage_width(self) -> int:
+        """The width of the hidden states pipeline stages pass on: dim (a family may pass more along with them)."""
+        return self.dim
+
+    @property
     def rope_dim(self) -> int:
         """Each head's width that RoPE rotates: all of it (latent attention rotates a part of its own)."""
         return self.head_dim

@@ -224,7 +224,7 @@ def pipeline_io(args: DecoderArgs, batch: StageBatch) -> StageIO:
     seq = batch.seq_len // batch.context_shards  # the positions this rank computes
     ids = torch.empty(batch.rows, batch.seq_len, dtype=torch.long, **meta)  # document ids: whole rows
     tokens = torch.empty(batch.rows, seq, dtype=torch.long, **meta)
-    states = torch.empty(batch.rows, seq // batch.seq_shards, args.dim, dtype=batch.dtype, **meta)
+    states = torch.empty(batch.rows, seq // batch.seq_shards, args.stage_width, dtype=batch.dtype, **meta)
     states.requires_grad_()
     passed = (torch.empty(batch.rows, dtype=torch.long, **meta),) + ((ids,) if batch.documents else ())
     inputs = ((tokens,) if batch.first else (states,)) + passed

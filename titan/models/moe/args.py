@@ -116,6 +116,12 @@ class MoEArgs(DecoderArgs):
         return self.attention_matmuls() + self.q_lora_rank + self.kv_lora_rank + 2 * self.dim  # and the norms
 
     @property
+    def stage_width(self) -> int:
+        """Pipeline stages pass on, with the hidden states, the embeddings of the tokens each multi-token prediction
+        depth looks ahead to: the first stage holds the embedding, the last the prediction modules."""
+        return self.dim * (1 + self.mtp_layers)
+
+    @property
     def moe_layers(self) -> range:
         """The layers with routed experts: those after the first dense_layers, and the multi-token prediction's
         blocks, layers n_layers to n_layers + mtp_layers - 1."""
@@ -132,18 +138,6 @@ class MoEArgs(DecoderArgs):
                 f"parallel.tp = {tp} must divide the model's n_heads ({self.n_heads}): tensor parallelism splits "
                 "latent attention by heads, its latents (kv_lora_rank, q_lora_rank) whole on every rank; use a "
                 "divisor of n_heads"
-            )
-        if self.mtp_layers and pp_stages > 1:
-            raise ValueError(
-                f"{pp_stages} pipeline stages (parallel.pp x stages per rank) with mtp_layers = {self.mtp_layers}: "
-                "the multi-token prediction modules take the token embedding on the last stage, which titan does not "
-                "hold there yet; use parallel.pp = 1, or mtp_layers = 0"
-            )
-        if self.mtp_layers and cp > 1:
-            raise ValueError(
-                f"parallel.cp = {cp} with mtp_layers = {self.mtp_layers}: the multi-token prediction shifts each row's "
-                "tokens across the sequence shards context parallelism splits it into, which titan does not do yet; "
-                "use parallel.cp = 1, or mtp_layers = 0"
             )
         dense = ("dense_hidden_dim", self.dense_hidden_dim) if self.dense_layers else None
         self.check_layer_split(tp, pp_stages, dense, kv_heads=not self.kv_lora_rank)

@@ -68,32 +68,70 @@ class MoETransformer(Decoder):
     def forward(self, tokens, rows=None, document_ids=None, cache=None, local: bool = False, labels=None):
         """The decoder's; the routing notes whether the rows are this rank's own (`local`), not split over a cp
         group. With labels (a training forward, without a cache) the multi-token prediction's loss is added to the
-        objective inside the backward, where the gradient reaches the head's input, the logits unchanged."""
+        objective inside the backward, where the gradient reaches the head's input, the logits unchanged.
+
+        Pipeline stages of a model with multi-token prediction pass on, concatenated to the hidden states (last
+        dimension, args.stage_width), the embeddings of the tokens each depth looks ahead to: the first stage holds
+        the embedding and the last the modules, and the gradient flows back to the embedding with the states'."""
         self.routing.local = local
-        if labels is None or not self.mtp:
+        depths = self.args.mtp_layers
+        staged = self.tok_embeddings is None or self.output is None
+        if not depths or cache is not None or (labels is None and not staged):
             return super().forward(tokens, rows, document_ids, cache, local)
         rows, rope, mask = self.attention_inputs(tokens, rows, document_ids, None, local)
-        h = self.norm(self.through_blocks(self.tok_embeddings(tokens), rows, rope, mask))
+        if self.tok_embeddings is None:
+            h, ahead = tokens.split([self.args.dim, depths * self.args.dim], dim=-1)
+        else:
+            h, ahead = self.embed_with_lookahead(tokens, local)
+        h = self.through_blocks(h, rows, rope, mask)
+        if self.output is None:
+            return (torch.cat([h, ahead], dim=-1), rows) + (() if document_ids is None else (document_ids,))
+        h = self.norm(h)
+        if labels is None:  # a pipeline's evaluation
+            return self.output(h)
         # At the head's input rather than its output: FSDP warns of a model whose output is a view.
-        return self.output(AddedLoss.apply(h, self.mtp_loss(h, tokens, labels, document_ids, rows, rope, mask)))
+        loss = self.mtp_loss(h, ahead, labels, document_ids, rows, rope, mask, local)
+        return self.output(AddedLoss.apply(h, loss))
 
-    def mtp_loss(self, h, tokens, labels, document_ids, rows, rope, mask) -> torch.Tensor:
+    def embed_with_lookahead(self, tokens: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' embeddings, and those of the tokens t_{i+k} each depth k looks ahead to from this rank's
+        positions i, concatenated (last dimension); one embedding call. Past the row's end the row's first tokens
+        stand in: their targets are ignored. Under context parallelism (rows the cp group shares) the shift crosses
+        the ranks' positions, so it is taken on the whole rows."""
+        ring = None if local else self.context_parallel
+        whole = tokens if ring is None else ring.whole_rows(tokens)
+        ahead = [whole.roll(-depth, dims=1) for depth in range(1, self.args.mtp_layers + 1)]
+        if ring is not None:
+            ahead = [shifted[:, ring.positions] for shifted in ahead]
+        h, *ahead = self.tok_embeddings(torch.cat([tokens, *ahead])).chunk(1 + len(ahead))
+        return h, torch.cat(ahead, dim=-1)
+
+    def mtp_loss(self, h, ahead, labels, document_ids, rows, rope, mask, local: bool) -> torch.Tensor:
         """The prediction modules' loss on the step loss's scale (the routing's), from the main model's final
-        normed hidden states h: the mean over depths of each depth's summed token loss, times mtp_loss_weight. Each
-        depth's unweighted loss is added to its module's `loss`."""
+        normed hidden states h and the lookahead embeddings: the mean over depths of each depth's summed token loss,
+        times mtp_loss_weight. Each depth's unweighted loss is added to its module's `loss`."""
+        ring = None if local else self.context_parallel
+        if ring is not None:  # a target k ahead may be another rank's label: shift the whole rows, keep ours
+            labels = ring.whole_rows(labels)
         losses = []
-        for depth, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.tok_embeddings(tokens.roll(-depth, dims=1)), rope, rows, mask)
+        for depth, (module, embedded) in enumerate(zip(self.mtp.values(), ahead.chunk(len(self.mtp), dim=-1)), 1):
+            h = module(h, embedded, rope, rows, mask)
+            target = targets(labels, document_ids, depth)
+            if ring is not None:
+                target = target[:, ring.positions]
             # A DTensor under loss parallelism, replicated: its local value is the whole loss.
-            loss = full_tensor(summed_token_loss(self.output(module.norm(h)), targets(labels, document_ids, depth)))
+            loss = full_tensor(summed_token_loss(self.output(module.norm(h)), target))
             losses.append(loss * self.routing.loss_scale.to(loss.device))
             module.loss += losses[-1].detach()
         return torch.stack(losses).mean() * self.args.mtp_loss_weight
 
     def step_losses(self) -> dict[str, torch.Tensor]:
-        """The multi-token prediction's loss since the last call, the mean over depths, then zero again."""
-        if not self.mtp:
+        """The multi-token prediction's loss since the last call, the mean over depths, then zero again; zero on a
+        pipeline stage without the modules, whose rank sums it with the others all the same."""
+        if not self.args.mtp_layers:
             return {}
+        if not self.mtp:
+            return {"mtp_loss": torch.zeros((), device=self.rope.device)}
         loss = torch.stack([module.loss for module in self.mtp.values()]).mean()
         for module in self.mtp.values():
             module.loss.zero_()

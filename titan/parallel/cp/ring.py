@@ -38,6 +38,16 @@ class ContextParallel:
         """The chunks that cp rank `cp_rank` holds."""
         return cp_rank, 2 * self.cp - 1 - cp_rank
 
+    def whole_rows(self, x: Tensor) -> Tensor:
+        """This rank's positions of each row (batch, seq / cp, ...) -> the whole rows, gathered over the group. For
+        ids (tokens, labels): no gradient flows back."""
+        parts = [torch.empty_like(x) for _ in range(self.cp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        whole = x.new_empty(x.shape[0], self.seq_len, *x.shape[2:])
+        for cp_rank, part in enumerate(parts):
+            whole[:, torch.cat([self.span(chunk, x.device) for chunk in self.owned(cp_rank)])] = part
+        return whole
+
     @staticmethod
     def is_ring(mask) -> bool:
         """Whether attention with `mask` runs as the ring: a mask this made (a micro-batch the cp group shares),
