@@ -4,6 +4,7 @@ one-line-error check."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -58,12 +59,17 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def assert_one_line_error(result, *words: str) -> None:
-    """A user error from the CLI: exit 2, no traceback, exactly one `error:` line holding every word."""
+    """A user error from the CLI: exit 2, no traceback, exactly one `error:` report, and one line of it holding
+    every word (a recipe's several mistakes are reported together, a line each)."""
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr
-    assert all(w in errors[0] for w in words), (words, errors[0])
+    lines = result.stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert len(starts) == 1, result.stderr
+    report = [lines[starts[0]]] + list(
+        itertools.takewhile(lambda line: line.startswith("  - "), lines[starts[0] + 1 :])
+    )
+    assert any(all(w in line for w in words) for line in report), (words, report)
 
 
 def start_ranks(args: list[str], logs: list[Path], cores: list[int] | None = None) -> list[subprocess.Popen]:

@@ -1,6 +1,8 @@
 """The errors that are the user's mistake or the machine's state, not titan's bug: the CLI prints their message as
 one line and exits with status 2."""
 
+import contextlib
+
 
 class UserError(Exception):
     """The user's mistake or the machine's state: the CLI prints its message as one line and exits 2."""
@@ -9,6 +11,42 @@ class UserError(Exception):
 class ConfigError(UserError, ValueError):
     """A mistake in the recipe or the command line; the message says what, where and how to fix it. Also a
     ValueError: code that rewords a bad value (`except ValueError`) rewords a ConfigError from below it too."""
+
+
+class RecipeMistakes(ConfigError):
+    """Several mistakes in one recipe, found in one pass and reported together, one line each: a recipe ported
+    from another framework is fixed in one edit, not one run per mistake."""
+
+    def __init__(self, mistakes: list[str]):
+        self.mistakes = mistakes
+        super().__init__(f"{len(mistakes)} mistakes in the recipe:\n" + "\n".join(f"  - {m}" for m in mistakes))
+
+
+class Mistakes:
+    """A recipe's mistakes as the checks find them: `gather` keeps the ConfigError a block raises and goes on,
+    `raise_any` raises the one found as it was (its type kept) or all of them as RecipeMistakes."""
+
+    def __init__(self):
+        self.found: list[ConfigError] = []
+
+    @contextlib.contextmanager
+    def gather(self):
+        try:
+            yield
+        except ConfigError as e:
+            self.add(e)
+
+    def add(self, error: ConfigError) -> None:
+        if isinstance(error, RecipeMistakes):
+            self.found += [ConfigError(m) for m in error.mistakes]
+        else:
+            self.found.append(error)
+
+    def raise_any(self) -> None:
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise RecipeMistakes([str(e) for e in self.found])
 
 
 DISTRIBUTION = "titan-pretrain"  # titan's name on the package index (the command is `titan`)

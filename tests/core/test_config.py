@@ -295,10 +295,10 @@ def test_a_dtype_takes_titans_and_torchs_names():
 
 def test_torchtitans_names_lead_to_titans_keys():
     from titan.config.load import _all_keys
-    from titan.config.torchtitan import TORCHTITAN_KEYS
+    from titan.config.torchtitan import TORCHTITAN_KEYS, TORCHTITAN_WITHOUT
 
     keys = set(_all_keys())
-    assert not keys & TORCHTITAN_KEYS.keys()  # a name titan shares needs no entry
+    assert not keys & (TORCHTITAN_KEYS.keys() | TORCHTITAN_WITHOUT.keys())  # a name titan shares needs no entry
     assert {ours.split()[0] for ours in TORCHTITAN_KEYS.values()} <= keys
 
 
@@ -338,3 +338,140 @@ def test_the_everyday_commands_print_no_warning(name, tmp_path):
     assert result.returncode == 0, result.stderr
     noise = [line for line in result.stderr.splitlines() if re.search(r"warn|warmup_steps", line, re.IGNORECASE)]
     assert not noise, noise
+
+
+# A recipe as a TorchTitan user writes one for the debug model: TorchTitan's sections, key names and values.
+TORCHTITAN_STYLE = """
+[job]
+dump_folder = "OUT"
+description = "Llama 3 debug training"
+
+[metrics]
+log_freq = 1
+enable_tensorboard = false
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "data"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+
+[lr_scheduler]
+warmup_steps = 2
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 4
+seq_len = 64
+max_norm = 1.0
+steps = 2
+dataset = "data/stories.jsonl"
+
+[parallelism]
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[validation]
+enable = false
+freq = 5
+"""
+
+# Each mistake's line names titan's key (or says the key can go), in the recipe's order, then what the defaults
+# left unset and the model's flavor.
+TORCHTITAN_MISTAKES = [
+    "'job.dump_folder' (TorchTitan's name; titan's is job.output_dir",
+    "'job.description' (TorchTitan's; a run is named by job.name",
+    "'metrics.enable_tensorboard' (TorchTitan's name; titan's is metrics.tensorboard)",
+    "'metrics.enable_wandb' (TorchTitan's name; titan's is metrics.wandb",
+    "'model.hf_assets_path' (TorchTitan's name; titan's is tokenizer.path",
+    "optimizer.name must be one of 'adamw', got 'AdamW': write 'adamw'",
+    "'lr_scheduler.decay_type' (TorchTitan's name; titan's is lr_scheduler.decay)",
+    "'lr_scheduler.min_lr_factor' (TorchTitan's name; titan's is lr_scheduler.min_lr_ratio)",
+    "'training.max_norm' (TorchTitan's name; titan's is training.max_grad_norm)",
+    "'training.dataset' (TorchTitan's name; titan's is data.source)",
+    "'parallelism.data_parallel_shard_degree' (TorchTitan's name; titan's is parallel.dp_shard)",
+    "'parallelism.tensor_parallel_degree' (TorchTitan's name; titan's is parallel.tp)",
+    "'parallelism.enable_async_tensor_parallel' (TorchTitan's; titan has no asynchronous tensor parallelism",
+    "'activation_checkpoint.selective_ac_option' (TorchTitan's name; titan's is activation_checkpoint.mode",
+    "'validation.enable' (TorchTitan's name; titan's is validation.interval",
+    "'validation.freq' (TorchTitan's name; titan's is validation.interval",
+    "the recipe names no tokenizer",
+    "the recipe names no data",
+    "unknown model.flavor 'debugmodel' for llama3 (did you mean debug?)",
+]
+
+# The same recipe in titan's keys, as the report says to write it.
+PORTED = """
+[job]
+output_dir = "OUT"
+
+[metrics]
+log_freq = 1
+tensorboard = false
+wandb = "disabled"
+
+[model]
+name = "llama3"
+flavor = "debug"
+overrides = { dim = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2 }
+
+[tokenizer]
+path = "data/tokenizer.json"
+
+[optimizer]
+name = "adamw"
+lr = 8e-4
+
+[lr_scheduler]
+warmup_steps = 2
+decay = "linear"
+min_lr_ratio = 0.0
+
+[training]
+local_batch_size = 4
+seq_len = 64
+max_grad_norm = 1.0
+steps = 2
+
+[data]
+source = "data/stories.jsonl"
+
+[parallel]
+dp_shard = -1
+
+[activation_checkpoint]
+mode = "selective"
+
+[validation]
+interval = 0
+"""
+
+
+def test_a_recipe_ported_from_torchtitan_is_fixed_from_one_report(tmp_path):
+    """Every mistake of a TorchTitan-style recipe in one run's report, one line each with titan's name for the key
+    (or why it can go), the wrong value's spelling, the inputs the recipe then lacks and the model's flavor; the
+    recipe written as the report says trains."""
+    recipe = tmp_path / "torchtitan_debug.toml"
+    recipe.write_text(TORCHTITAN_STYLE.replace("OUT", str(tmp_path)))
+    result = run_titan("train", "--config", str(recipe))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    report = result.stderr[result.stderr.index("error: ") :].splitlines()
+    assert report[0] == f"error: {len(TORCHTITAN_MISTAKES)} mistakes in the recipe:"
+    assert len(report) == 1 + len(TORCHTITAN_MISTAKES)
+    for line, mistake in zip(report[1:], TORCHTITAN_MISTAKES):
+        assert line.startswith("  - ") and mistake in line, (line, mistake)
+    ported = tmp_path / "ported.toml"
+    ported.write_text(PORTED.replace("OUT", str(tmp_path)))
+    result = run_titan("train", "--config", str(ported))
+    assert result.returncode == 0, result.stderr
+    assert "step 2/2" in result.stdout + result.stderr

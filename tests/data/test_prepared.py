@@ -452,8 +452,6 @@ def test_parts_prepared_one_after_another_merge_into_what_one_prepare_makes(tmp_
     assert documents.n_documents == 7 * len(TEXTS) and len(documents.meta["shard_tokens"]) >= 7
     tokenizer = Tokenizer(TOKENIZER)
     assert documents.tokens(3 * len(TEXTS) + 5).tolist() == tokenizer.encode(f"file 3. {TEXTS[5]}")
-    with pytest.raises(ConfigError, match="hub dataset.*leave --part out"):
-        prepare(DataSource("someone/some-dataset"), TOKENIZER, cache, 1, False, part=(0, 2))
 
 
 def test_the_cli_prepares_a_part_and_says_what_remains(tmp_path):

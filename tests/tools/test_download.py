@@ -13,8 +13,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -23,6 +22,7 @@ from safetensors.torch import save_file
 
 from conftest import ROOT, run_titan
 from helpers import assert_one_line_error
+from hub_server import LocalHub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 MODEL = "acme/tiny-llama"
@@ -47,26 +47,12 @@ def model_files(folder: Path) -> dict[str, bytes]:
     return files
 
 
-class Mirror:
+class Mirror(LocalHub):
     """A hub that serves MODEL's files, answers GATED as gated and any other repo as not found."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.served = files, []
-        mirror = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet
-                pass
-
-            def do_HEAD(self):
-                mirror.answer(self, body=False)
-
-            def do_GET(self):
-                mirror.answer(self, body=True)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        super().__init__()
 
     def answer(self, request: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(request.path).path)
@@ -92,15 +78,6 @@ class Mirror:
         data = self.files[name]
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
         self.send(request, 200, data, headers, body)
-
-    @staticmethod
-    def send(request, status: int, data: bytes, headers: dict, body: bool) -> None:
-        request.send_response(status)
-        for key, value in {**headers, "Content-Length": str(len(data))}.items():
-            request.send_header(key, value)
-        request.end_headers()
-        if body:
-            request.wfile.write(data)
 
 
 @pytest.fixture(scope="module")

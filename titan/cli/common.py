@@ -10,6 +10,7 @@ import typer
 from titan import __version__
 from titan.config import Config, load_config, require_inputs
 from titan.config.checks import warn_of_a_short_warmup
+from titan.errors import Mistakes
 from titan.launcher import Launch
 from titan.run_plan import run_plan
 from titan.train.model import resolve_args, warn_of_an_impossible_export
@@ -92,10 +93,16 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     """The recipe, loaded and checked, and its run plan checked at the world size torchrun gives (1 alone): a
     recipe that cannot run is refused here, before torch is imported."""
     world_size = world_size or Launch.from_env().world
-    config = load_config(path, overrides, world_size)
-    require_inputs(config)
-    args = resolve_args(config)
-    run_plan(config, world_size)
+    mistakes = Mistakes()  # every mistake of the recipe in one report, its model's and inputs' included
+    config = load_config(path, overrides, world_size, mistakes)
+    with mistakes.gather():
+        require_inputs(config)
+    if not any(str(e).startswith("model.") for e in mistakes.found):  # else said already
+        with mistakes.gather():
+            args = resolve_args(config)
+    if not mistakes.found:  # the run plan of a recipe whose values are right
+        run_plan(config, world_size)
+    mistakes.raise_any()
     warn_of_a_short_warmup(config)
     warn_of_an_impossible_export(config, args)
     return config

@@ -1,5 +1,5 @@
-"""The checks of a recipe's values (its types are already right), section by section: the first wrong value
-raises a ConfigError that names its key."""
+"""The checks of a recipe's values (its types are already right), section by section: each section's first wrong
+value is a ConfigError that names its key, and a recipe's are reported together."""
 
 from __future__ import annotations
 
@@ -11,23 +11,30 @@ from pathlib import Path
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
 from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
-from titan.errors import ConfigError
+from titan.errors import ConfigError, Mistakes
 from titan.hub import model_folder
 
 log = logging.getLogger("titan")
 
 
-def validate(config: Config, world_size: int) -> None:
-    """Check the values of a recipe whose types are right, section by section; the first wrong one raises a
-    ConfigError that names its key."""
-    _validate_run(config)
-    _validate_parallel(config.parallel)
-    _validate_data(config)
-    _validate_recovery(config)
-    _validate_performance(config)
-    _validate_context_parallel(config)
-    _validate_layout(config, world_size)
-    _require_finite(config)  # after the keys' own checks, whose messages say more
+def validate(config: Config, world_size: int, mistakes: Mistakes | None = None) -> None:
+    """Check the values of a recipe whose types are right, section by section: each section's first wrong value
+    is a ConfigError that names its key, all raised at once, or, given `mistakes`, added there."""
+    found = Mistakes() if mistakes is None else mistakes
+    before = len(found.found)
+    for check in (_validate_run, _validate_data, _validate_recovery, _validate_performance):
+        with found.gather():
+            check(config)
+    with found.gather():
+        _validate_parallel(config.parallel)
+        # What the degrees make, once each is valid.
+        _validate_context_parallel(config)
+        _validate_layout(config, world_size)
+    if len(found.found) == before:  # after the keys' own checks, whose messages say more
+        with found.gather():
+            _require_finite(config)
+    if mistakes is None:
+        found.raise_any()
 
 
 def require(ok: bool, message: str) -> None:
@@ -81,12 +88,16 @@ def require_inputs(config: Config) -> None:
     """What a run reads besides its recipe, named there: a tokenizer (or weights that bring their own:
     checkpoint.init_from_hf's, a checkpoint.resume path's), data, and checkpoint.init_from_hf's model, found. The
     commands that train, show or prepare a run check it; `titan plan` reads none of them."""
-    c = config.checkpoint
+    c, found = config.checkpoint, Mistakes()
     if c.init_from_hf:
-        model_folder(c.init_from_hf, "checkpoint.init_from_hf")
+        with found.gather():
+            model_folder(c.init_from_hf, "checkpoint.init_from_hf")
     brings_tokenizer = c.init_from_hf or c.resume not in ("auto", "never")
-    require(config.tokenizer.path != "" or bool(brings_tokenizer), NO_TOKENIZER)
-    require(config.data.source != "" or bool(config.data.sources), NO_DATA)
+    with found.gather():
+        require(config.tokenizer.path != "" or bool(brings_tokenizer), NO_TOKENIZER)
+    with found.gather():
+        require(config.data.source != "" or bool(config.data.sources), NO_DATA)
+    found.raise_any()
 
 
 def warn_of_a_short_warmup(config: Config) -> None:

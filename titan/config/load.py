@@ -18,24 +18,34 @@ import tomli_w
 from titan.config.checks import validate
 from titan.config.layout import LayoutError, other_degrees
 from titan.config.sections import Config, Parallel, to_dict
-from titan.config.torchtitan import TORCHTITAN_KEYS
+from titan.config.torchtitan import TORCHTITAN_KEYS, TORCHTITAN_WITHOUT
 from titan.dtypes import TORCH_NAMES, parse_dtype
-from titan.errors import ConfigError
+from titan.errors import ConfigError, Mistakes
 from titan.launcher import Launch
 from titan.schema import parse_toml
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
-    """Read a recipe, apply `--section.key value` overrides, type-check and validate everything."""
-    config = read_config(path, overrides)
+def load_config(
+    path: str | os.PathLike | None,
+    overrides: list[str] = (),
+    world_size: int | None = None,
+    mistakes: Mistakes | None = None,
+) -> Config:
+    """Read a recipe, apply `--section.key value` overrides, type-check and validate everything. Every mistake
+    found is reported at once; given `mistakes`, they are added there instead, for the caller's later checks to
+    add theirs, and the Config returned holds the defaults where the recipe was wrong."""
+    found = Mistakes() if mistakes is None else mistakes
+    config = read_config(path, overrides, found)
     world_size = world_size if world_size is not None else Launch.from_env().world
-    try:
-        validate(config, world_size)
-    except LayoutError:
-        given = {k: v for k, v in parse_overrides(overrides) if k in [f"parallel.{d}" for d in DEGREES]}
-        if not given:
-            raise
-        raise LayoutError(_conflict(given, path, config.parallel, world_size)) from None
+    validate(config, world_size, found)
+    given = {k: v for k, v in parse_overrides(overrides) if k in [f"parallel.{d}" for d in DEGREES]}
+    if given:  # degrees set on the command line: the error names them first
+        found.found = [
+            LayoutError(_conflict(given, path, config.parallel, world_size)) if isinstance(e, LayoutError) else e
+            for e in found.found
+        ]
+    if mistakes is None:
+        found.raise_any()
     return config
 
 
@@ -70,8 +80,9 @@ def _conflict(given: dict[str, str], path, p: Parallel, world_size: int) -> str:
     )
 
 
-def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """A recipe with its overrides, type-checked but not yet validated against a world size."""
+def read_config(path: str | os.PathLike | None, overrides: list[str] = (), mistakes: Mistakes | None = None) -> Config:
+    """A recipe with its overrides, type-checked but not yet validated against a world size: every wrongly named
+    or typed key at once, or, given `mistakes`, added there, the key then at its default."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -89,7 +100,11 @@ def read_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         _set_dotted(raw, key, value)
     if path is not None and not raw.get("job", {}).get("recipe"):
         raw.setdefault("job", {})["recipe"] = str(path)
-    return _build(Config, raw, "")
+    found = Mistakes() if mistakes is None else mistakes
+    config = _build(Config, raw, "", found)
+    if mistakes is None:
+        found.raise_any()
+    return config
 
 
 def saved_section(recipe: str, name: str):
@@ -133,17 +148,27 @@ class _CliValue(str):
     """A value typed on the command line: converted to the field's type, unlike TOML values."""
 
 
-def _build(cls, raw: dict, prefix: str):
+def _build(cls, raw: dict, prefix: str, mistakes: Mistakes | None = None):
+    """Section `cls` from its table; a wrong key raises, or, given `mistakes`, is added there and left at its
+    default, so that one pass finds every wrong key of the recipe."""
     if not isinstance(raw, dict):
         raise ConfigError(f"[{prefix.rstrip('.')}] must be a table of keys, got {raw!r}")
+    found = Mistakes() if mistakes is None else mistakes
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
-            raise _unknown(prefix, key, value, cls)
-        kwargs[key] = _convert(hints[key], value, prefix + key)
-    # Sections absent from the recipe take their defaults.
+            found.found += _unknown(prefix, key, value, cls)
+        elif dataclasses.is_dataclass(hints[key]):
+            with found.gather():
+                kwargs[key] = _build(hints[key], value, prefix + key + ".", found)
+        else:
+            with found.gather():
+                kwargs[key] = _convert(hints[key], value, prefix + key)
+    if mistakes is None:
+        found.raise_any()
+    # Sections absent from the recipe (or wrong) take their defaults.
     for name in names:
         if name not in kwargs and dataclasses.is_dataclass(hints[name]):
             kwargs[name] = hints[name]()
@@ -154,16 +179,28 @@ def _build(cls, raw: dict, prefix: str):
 ELSEWHERE = {
     "job.config_file": "the recipe is --config, as in titan train --config recipe.toml",
     **{key: f"TorchTitan's name; titan's is {ours}" for key, ours in TORCHTITAN_KEYS.items()},
+    **{key: f"TorchTitan's; {why}: remove it" for key, why in TORCHTITAN_WITHOUT.items()},
 }
 
 
-def _unknown(prefix: str, key: str, value, cls) -> ConfigError:
-    """The error for an unknown key; another framework's section (TorchTitan's [parallelism]) is named by its key."""
-    inner = [f"{prefix}{key}.{k}" for k in value] if isinstance(value, dict) else []
-    for name in filter(ELSEWHERE.__contains__, inner):
-        return ConfigError(f"unknown key '{name}' ({ELSEWHERE[name]})")
+def _unknown(prefix: str, key: str, value, cls) -> list[ConfigError]:
+    """The errors for an unknown key; another framework's section (TorchTitan's [parallelism]) gets one per key,
+    each with titan's name for it."""
+    if isinstance(value, dict) and any(f"{prefix}{key}.{k}" in ELSEWHERE for k in value):
+        return [
+            ConfigError(f"unknown key '{name}'{_suggest_elsewhere(name)}")
+            for name in (f"{prefix}{key}.{k}" for k in value)
+        ]
     what = "section" if not prefix else "key"
-    return ConfigError(f"unknown {what} '{prefix}{key}'{_suggest(prefix, key, cls)}")
+    return [ConfigError(f"unknown {what} '{prefix}{key}'{_suggest(prefix, key, cls)}")]
+
+
+def _suggest_elsewhere(name: str) -> str:
+    """What titan calls another framework's key, or the nearest of titan's keys."""
+    if name in ELSEWHERE:
+        return f" ({ELSEWHERE[name]})"
+    match = difflib.get_close_matches(name, _all_keys(), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
 
 
 def _suggest(prefix: str, key: str, cls) -> str:
@@ -204,7 +241,10 @@ def _convert(tp, value, key: str):  # noqa: C901 (one branch per type a recipe k
         if set(typing.get_args(tp)) <= TORCH_NAMES.keys():  # a dtype: torch's name for it is taken too
             return parse_dtype(value, typing.get_args(tp), key)
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{key} must be one of {_type_name(tp)}, got {value!r}")
+            same = [a for a in typing.get_args(tp) if str(a).lower() == str(value).lower()]  # AdamW for adamw
+            raise ConfigError(
+                f"{key} must be one of {_type_name(tp)}, got {value!r}" + (f": write {same[0]!r}" if same else "")
+            )
         return value
     if origin is dict:
         if not isinstance(value, dict):

@@ -38,7 +38,32 @@ TORCHTITAN_KEYS = {
     "profiling.enable_profiling": "profiling.enable",
     "profiling.enable_memory_snapshot": "profiling.memory",
     "validation.freq": "validation.interval (0 disables validation)",
+    "validation.enable": "validation.interval (0 disables validation)",
+    "lr_scheduler.min_lr_factor": "lr_scheduler.min_lr_ratio",
+    "model.hf_assets_path": "tokenizer.path for its tokenizer.json, and checkpoint.init_from_hf for its weights",
+    "model.converters": 'float8.enable = true (for "float8")',
+    "activation_checkpoint.selective_ac_option": (
+        'activation_checkpoint.mode = "selective" (for "op"), or mode = "full" with activation_checkpoint.every = n '
+        "(for a number n)"
+    ),
+    "profiling.profile_freq": "profiling.active (the steps traced, after profiling.wait and profiling.warmup)",
+    "comm.train_timeout_seconds": "fault.collective_timeout_s",
     "validation.dataset": "validation.source",
     "float8.recipe_name": "float8.recipe",
     "float8.filter_fqns": "float8.skip",
+}
+
+# TorchTitan's keys for what titan does without a setting, and why they can go.
+TORCHTITAN_WITHOUT = {
+    "job.description": "a run is named by job.name and described by its recipe",
+    "job.print_config": "titan config show prints the resolved recipe",
+    "metrics.disable_color_printing": "titan's log has no colours",
+    "metrics.save_tb_folder": "TensorBoard writes into the run folder",
+    "profiling.save_traces_folder": "traces go into the run folder",
+    "profiling.save_memory_snapshot_folder": "snapshots go into the run folder",
+    "parallelism.enable_async_tensor_parallel": "titan has no asynchronous tensor parallelism",
+    "checkpoint.last_save_model_only": "titan convert dcp-to-hf exports the weights alone",
+    "checkpoint.export_dtype": "titan convert dcp-to-hf --dtype sets it",
+    "compile.components": "compile.enable compiles each transformer block",
+    "comm.init_timeout_seconds": "titan's rendezvous waits as torchrun's does",
 }

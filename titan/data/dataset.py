@@ -5,24 +5,23 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.config import Data, DataSource
+from titan.data.hub_files import HubFile
 from titan.data.local_files import (
-    COMPRESSED,
     LOCAL_READERS,
     TEXT_READERS,
     field_text,
     first_line,
+    format_of,
     text_bytes,
     unreadable,
 )
 from titan.errors import ConfigError, import_extra
 from titan.progress import Progress
 from titan.schema import FILE_NAME, ListOf, Table, read_json
-
-_FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 @dataclass
@@ -32,27 +31,30 @@ class Documents:
 
     cfg: Data | DataSource
     path: str  # cfg.source, with a `titan:` corpus resolved to its local file
-    fmt: str  # text, json, parquet, arrow (a dataset saved by HF datasets) or hub
+    fmt: str  # text, json, parquet, arrow (a dataset saved by HF datasets), or hub until its files are listed
     files: list[Path]  # the local files in reading order; empty for a hub dataset
+    hub_files: list[HubFile] = field(default_factory=list)  # a hub dataset's, once listed (hub_files.py)
+
+    @property
+    def files_to_read(self) -> list[Path | HubFile]:
+        """The files read one at a time: the local ones, or a listed hub dataset's (none: a hub dataset streamed)."""
+        return self.files or self.hub_files
 
     @functools.cached_property
     def text_bytes(self) -> list[int]:
         """About how many bytes of text each file holds (what units and auto-prepare's bound count)."""
-        return [text_bytes(f) for f in self.files]
+        return [text_bytes(f) for f in self.files] or [f.size for f in self.hub_files]
 
-
-def _format_of(file: Path) -> str | None:
-    """The format a file's name says: text for "a.txt" and "a.txt.gz", json for "web.jsonl.zst", else None."""
-    if file.suffix in COMPRESSED:
-        fmt = _FORMAT_BY_SUFFIX.get(Path(file.stem).suffix)
-        return fmt if fmt in ("text", "json") else None  # parquet compresses inside; a compressed one is not read
-    return _FORMAT_BY_SUFFIX.get(file.suffix)
+    @property
+    def file_bytes(self) -> list[int]:
+        """Each file's own size, local or in the hub: what a preparation's progress counts."""
+        return [f.stat().st_size for f in self.files] or [f.size for f in self.hub_files]
 
 
 def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
     files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     if fmt == "auto":
-        formats = {_format_of(p) for p in files} - {None}
+        formats = {format_of(p) for p in files} - {None}
         if len(formats) != 1:
             found = sorted(formats) or "no .txt/.jsonl/.json/.parquet files, plain or .gz/.bz2/.zst"
             raise ConfigError(
@@ -60,7 +62,7 @@ def _local_files(source: Path, fmt: str) -> tuple[str, list[Path]]:
                 "set data.format to text, json or parquet"
             )
         fmt = formats.pop()
-    files = [p for p in files if _format_of(p) == fmt] if source.is_dir() else [source]
+    files = [p for p in files if format_of(p) == fmt] if source.is_dir() else [source]
     if not files:
         raise ConfigError(f"data.source: no {fmt} files in {source}")
     return fmt, files
@@ -109,7 +111,7 @@ def open_documents(cfg: Data | DataSource) -> Documents:
         or path.startswith((".", "/", "~"))
         or path.endswith("/")
         or path.count("/") > 1
-        or _format_of(source) is not None
+        or format_of(source) is not None
     )
     if cfg.format == "hub" or not looks_local:
         return Documents(cfg, path, "hub", [])
@@ -132,12 +134,17 @@ def iter_texts(documents: Documents, file: Path | None = None) -> Iterator[str]:
             yield text
 
 
-def read_texts(documents: Documents, file: Path | None) -> Iterator[tuple[str, int | None]]:
-    """Each text of `file` (None: the hub dataset) with how far into the file's own bytes it was read: what its
-    progress counts, as a compressed file's text says little of its size. None for the hub dataset."""
+def read_texts(documents: Documents, file: Path | HubFile | None) -> Iterator[tuple[str, int | None]]:
+    """Each text of `file` (a listed hub dataset's is fetched first; None: the hub dataset, streamed) with how far
+    into the file's own bytes it was read: what its progress counts, as a compressed file's text says little of its
+    size. None for the streamed hub dataset."""
     cfg = documents.cfg
     if file is None:
         yield from ((text, None) for text in _hub_texts(documents))
+        return
+    if isinstance(file, HubFile):
+        with file.fetched() as local:
+            yield from read_texts(documents, local)
         return
     read = TEXT_READERS[cfg.text_unit] if documents.fmt == "text" else LOCAL_READERS[documents.fmt]
     try:

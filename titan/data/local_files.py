@@ -25,6 +25,17 @@ MAX_DOCUMENT_CHARS = 32 * 2**20
 TEXT_SAMPLE_BYTES, TEXT_SAMPLE_FILE_BYTES, TEXT_SAMPLE_MAX_BYTES = 1 << 22, 1 << 16, 1 << 28
 
 
+FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def format_of(file: Path) -> str | None:
+    """The format a file's name says: text for "a.txt" and "a.txt.gz", json for "web.jsonl.zst", else None."""
+    if file.suffix in COMPRESSED:
+        fmt = FORMAT_BY_SUFFIX.get(Path(file.stem).suffix)
+        return fmt if fmt in ("text", "json") else None  # parquet compresses inside; a compressed one is not read
+    return FORMAT_BY_SUFFIX.get(file.suffix)
+
+
 def text_bytes(file: Path) -> int:
     """A file's size or, compressed, about how much text it holds: its size times the ratio of a sample of its
     text (exact for a file read to its end). A file it cannot read counts its size: reading it says what is

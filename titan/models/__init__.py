@@ -124,7 +124,10 @@ def model_args(name: str, flavor: str, overrides: dict[str, Any]) -> Args:
     unknown family KeyError)."""
     flavors = family_flavors(name)
     if flavor not in flavors:
-        raise ValueError(f"unknown model.flavor {flavor!r} for {name}; flavors: {', '.join(flavors)}")
+        lower = {f.lower(): f for f in flavors}  # TorchTitan's 8B is titan's 8B, its debugmodel titan's debug
+        near = difflib.get_close_matches(flavor.lower(), lower, n=1, cutoff=0.6)
+        hint = f" (did you mean {lower[near[0]]}?)" if near else ""
+        raise ValueError(f"unknown model.flavor {flavor!r} for {name}{hint}; flavors: {', '.join(flavors)}")
     args = flavors[flavor]
     fields = {f.name: f for f in dataclasses.fields(args)}
     for key, value in overrides.items():

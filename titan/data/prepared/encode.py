@@ -16,13 +16,17 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from titan.data.dataset import Documents, read_texts
+from titan.data.hub_files import HubFile
 from titan.errors import ConfigError
 
 _CHUNK_CHARS = 1 << 18  # text per tokenizer task: enough to amortise the inter-process transfer, little to hold
 
 
 def _text_chunks(
-    documents: Documents, files: list[Path | None], counts: collections.Counter, limit: TextLimit | None = None
+    documents: Documents,
+    files: list[Path | HubFile | None],
+    counts: collections.Counter,
+    limit: TextLimit | None = None,
 ) -> Iterator[tuple[list[str], int]]:
     """The non-empty texts of these files (None: the hub dataset) in chunks of about _CHUNK_CHARS characters,
     each with the progress it makes in bytes of the files read (of text, for the hub dataset). `limit`: the text
@@ -46,8 +50,8 @@ def _text_chunks(
             if chars >= _CHUNK_CHARS:
                 yield chunk, read
                 chunk, chars, read = [], 0, 0
-        if file is not None:
-            read += file.stat().st_size - file_at  # a reader's position may stop short of the file's end
+        if file is not None:  # a reader's position may stop short of the file's end
+            read += (file.size if isinstance(file, HubFile) else file.stat().st_size) - file_at
     yield chunk, read  # the last chunk, even empty, settles the progress
 
 

@@ -4,6 +4,7 @@ merged into the source's folder."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,9 @@ from numpy.lib.format import open_memmap
 
 from titan.config import DataSource
 from titan.config import Tokenizer as TokenizerConfig
-from titan.data.dataset import COMPRESSED, Documents, open_documents
+from titan.data.dataset import Documents, open_documents
+from titan.data.hub_files import hub_listing
+from titan.data.local_files import COMPRESSED
 from titan.data.order import block_documents, block_offsets
 from titan.data.prepared.cache import (
     _RERUN,
@@ -82,16 +85,17 @@ class Encoding:
 
 def units_of(documents: Documents, unit_bytes: int) -> list[Unit]:
     """The source's files in runs of at least `unit_bytes` of text (the last run may hold less), in order."""
-    if not documents.files:
+    sizes = documents.text_bytes
+    if not sizes:
         return [Unit(0, 0)]
     units, first, size = [], 0, 0
-    for i, text_bytes in enumerate(documents.text_bytes):
+    for i, text_bytes in enumerate(sizes):
         size += text_bytes
         if size >= unit_bytes:
             units.append(Unit(first, i + 1))
             first, size = i + 1, 0
-    if first < len(documents.files):
-        units.append(Unit(first, len(documents.files)))
+    if first < len(sizes):
+        units.append(Unit(first, len(sizes)))
     return units
 
 
@@ -118,12 +122,15 @@ def prepare(
     if _is_complete(folder):
         return folder
     index, parts = part
-    if parts > 1 and not documents.files:
+    work = folder.with_name(f".{folder.name}.parts")
+    if documents.fmt == "hub" and (listing := hub_listing(src, documents.path, work)):
+        documents = dataclasses.replace(documents, fmt=listing.fmt, hub_files=listing.files)
+    if parts > 1 and not documents.files_to_read:
         raise ConfigError(
-            f"--part {index}/{parts}: {src.source} is a hub dataset, which one process prepares; leave --part out"
+            f"--part {index}/{parts}: {src.source} is a hub dataset whose files titan does not read one by one "
+            "(not json or parquet), which one process prepares; leave --part out"
         )
     units = units_of(documents, sizes.unit_bytes)
-    work = folder.with_name(f".{folder.name}.parts")
     mine = units[len(units) * index // parts : len(units) * (index + 1) // parts]
     encoding = Encoding(documents, tokenizer, tokenizer_json.decode(), workers, progress, sizes.shard_tokens, limit)
     try:
@@ -172,6 +179,11 @@ def ensure_prepared(
     return path
 
 
+def _hub_commit(documents: Documents) -> dict:
+    """The commit a hub dataset's files were read at, for the record (its key holds the revision asked for)."""
+    return {"commit": documents.hub_files[0].commit} if documents.hub_files else {}
+
+
 def _unit_complete(path: Path) -> bool:
     return (path / "COMPLETE").is_file()
 
@@ -183,12 +195,13 @@ def _prepare_units(folder: Path, work: Path, units: list[Unit], encoding: Encodi
         return
     documents, tokenizer, workers = encoding.documents, encoding.tokenizer, encoding.workers
     dtype = "<u2" if tokenizer.vocab_size <= 2**16 else "<u4"
-    todo_bytes = sum(f.stat().st_size for u in todo for f in documents.files[u.first : u.stop])  # what the bar counts
+    todo_bytes = sum(sum(documents.file_bytes[u.first : u.stop]) for u in todo)  # what the bar counts
+    by_file = bool(documents.files_to_read)
     if not workers:  # starting tokenizer processes takes seconds: more than a small source takes in this one
         text_bytes = sum(sum(documents.text_bytes[u.first : u.stop]) for u in todo)
-        workers = 1 if documents.files and text_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
-    # A hub dataset counts its records itself (titan.data.dataset), having no bytes to count.
-    bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=encoding.progress and bool(documents.files))
+        workers = 1 if by_file and text_bytes < _SMALL_SOURCE_BYTES else min(8, os.cpu_count() or 1)
+    # A streamed hub dataset counts its records itself (titan.data.dataset), having no bytes to count.
+    bar = Progress(folder.name.rsplit("-", 1)[0], todo_bytes, "B", enabled=encoding.progress and by_file)
     encoder = (encoding.tokenizer_json, tokenizer.bos_id, tokenizer.eos_id, dtype)
     with bar, _Tokenizers(encoder, workers) as tokenizers:
         for unit in todo:
@@ -204,7 +217,7 @@ def _write(folder: Path, encoding: Encoding, unit: Unit, tokenizers: _Tokenizers
     """Tokenize one unit's files into `folder`: its shards, lengths.bin (int64 per document) and meta.json."""
     counts = collections.Counter()
     documents = encoding.documents
-    files = documents.files[unit.first : unit.stop] if documents.files else [None]
+    files = documents.files_to_read[unit.first : unit.stop] or [None]
     start = time.perf_counter()
     with _ShardWriter(folder, dtype, encoding.shard_tokens) as writer:
         for tokens, lengths, read in tokenizers.map(_text_chunks(documents, files, counts, encoding.limit)):
@@ -265,7 +278,7 @@ def _merge(
     meta = {
         "format_version": FORMAT_VERSION,
         "key": _key(identity),
-        "source": {"source": cfg.source, "path": documents.path, **identity["source"]},
+        "source": {"source": cfg.source, "path": documents.path, **identity["source"], **_hub_commit(documents)},
         "tokenizer": {
             "path": tokenizer_cfg.path,
             **identity["tokenizer"],
