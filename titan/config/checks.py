@@ -6,11 +6,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from pathlib import Path
 
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
-from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
+from titan.config.sections import (
+    MAX_BLEND_PERIOD,
+    Config,
+    DataSource,
+    Parallel,
+    Validation,
+    ValidationSet,
+    blend_period,
+)
 from titan.errors import ConfigError
 from titan.hub import model_folder
 
@@ -23,6 +32,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_run(config)
     _validate_parallel(config.parallel)
     _validate_data(config)
+    _validate_eval(config)
     _validate_recovery(config)
     _validate_performance(config)
     _validate_context_parallel(config)
@@ -190,6 +200,49 @@ def _validate_data(config: Config) -> None:
             "validation would measure memorisation; name a source of held-out documents, or leave validation.source "
             "empty to hold out validation.fraction of the training documents",
         )
+
+
+def _validate_eval(config: Config) -> None:
+    """The validation sets and the in-run benchmark tasks; which tasks exist is asked of lm-eval at start-up
+    (titan/train/evaluation.py)."""
+    v, e, layout = config.validation, config.eval, config.parallel
+    names = [s.name for s in v.sets]
+    for i, s in enumerate(v.sets):
+        require(
+            re.fullmatch(r"[A-Za-z0-9_.-]+", s.name) is not None,
+            f"validation.sets[{i}].name {s.name!r} must be letters, digits, '_', '.' or '-': it names the curve "
+            "val/<name>/loss",
+        )
+        require(names.count(s.name) == 1, f"validation.sets: two sets are named {s.name!r}; give each its own name")
+        require(s.source != "", f"validation.sets[{i}].source must name a local file, folder or hub dataset")
+        for j, source in enumerate(config.data.source_list()):
+            require(
+                not _same_documents(s, source),
+                f"validation.sets[{i}].source {s.source!r} reads the documents data source {j} trains on, so its loss "
+                "would measure memorisation; name a source of held-out documents",
+            )
+    require(
+        not v.sets or v.interval > 0,
+        "validation.sets are evaluated at validation.interval, which is 0; set validation.interval (e.g. 50)",
+    )
+    require(e.interval >= 0, f"eval.interval must be >= 0 (0: no tasks in the run), got {e.interval}")
+    require(
+        bool(e.tasks) == (e.interval > 0),
+        "eval.tasks and eval.interval go together: name lm-eval tasks (eval.tasks = ['hellaswag']) and how often "
+        f"to run them (eval.interval = 50), or neither; got tasks {e.tasks} every {e.interval} steps",
+    )
+    require(e.batch_size > 0, f"eval.batch_size must be positive, got {e.batch_size}")
+    require(e.limit >= 0, f"eval.limit must be >= 0 (0: every document), got {e.limit}")
+    require(
+        not e.include_path or Path(e.include_path).is_dir(),
+        f"eval.include_path {e.include_path!r}: no such folder; give a folder of lm-eval task YAML files",
+    )
+    split = [f"{key} = {getattr(layout, key)}" for key in ("pp", "cp", "tp", "ep") if getattr(layout, key) > 1]
+    require(
+        not (e.tasks and split),
+        f"eval.tasks run in the run on layouts that hold whole layers on each rank (FSDP, HSDP), not with "
+        f"{', '.join(split)}; run `titan eval --checkpoint` on the run's checkpoints instead (docs/eval.md)",
+    )
 
 
 def _validate_recovery(config: Config) -> None:
@@ -380,7 +433,7 @@ def _floats(value, key: str):
         yield key, value
 
 
-def _same_documents(v: Validation, source: DataSource) -> bool:
+def _same_documents(v: Validation | ValidationSet, source: DataSource) -> bool:
     """Whether validation.source names a training source's documents: the same local file or folder (or titan
     corpus), whatever the split, or the same split and revision of the same hub dataset."""
     if not v.source:

@@ -114,6 +114,19 @@ class Data:
 
 
 @dataclass(frozen=True)
+class ValidationSet:
+    """A named source of held-out documents of its own, evaluated with validation's at validation.interval."""
+
+    name: str = ""  # its curves: val/<name>/loss and val/<name>/perplexity
+    source: str = ""  # a local file or folder, or a HF hub dataset, as validation.source
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
+    text_field: str = "text"
+    text_unit: Literal["file", "paragraph", "line"] = "file"
+    split: str = "validation"
+    revision: str = ""
+
+
+@dataclass(frozen=True)
 class Validation:
     interval: int = 0  # evaluate every N steps (and at the end); 0 disables validation
     steps: int = 4  # global batches per evaluation (the same batches every time)
@@ -126,6 +139,22 @@ class Validation:
     text_unit: Literal["file", "paragraph", "line"] = "file"  # as data.text_unit
     split: str = "validation"
     revision: str = ""
+    # More held-out sources, each its own loss curve, in [[validation.sets]] tables: the same steps and batches as
+    # the default one, which stays val_loss.
+    sets: list[ValidationSet] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Eval:
+    """lm-eval-harness tasks run in the run, on its own model, between steps (titan/train/evaluation.py)."""
+
+    interval: int = 0  # run the tasks every N steps (and at the end); 0: none
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names, its own or include_path's
+    include_path: str = ""  # a folder of your own task YAML files (docs/eval.md); "" for lm-eval's tasks only
+    allow_task_code: bool = False  # run the Python an include_path task names (!function); read it first
+    limit: float = 0.0  # documents per task (below 1: a fraction of them); 0: all
+    num_fewshot: int = -1  # examples in each prompt; -1: the task's own
+    batch_size: int = 8  # sequences per forward
 
 
 @dataclass(frozen=True)
@@ -376,6 +405,7 @@ class Config:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
