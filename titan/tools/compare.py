@@ -357,7 +357,8 @@ def _named_curves(ax, panel: str, run: Run, label: str, at, style: dict) -> None
         points = [(at(r["step"]), r[key]) for r in run.series(key) if at(r["step"]) is not None]
         name = key.removeprefix(panel).removesuffix("/loss")
         if points:
-            ax.plot(*zip(*points), label=f"{label}: {name}", **{**style, "marker": "os^Dv*"[j % 6]})
+            ax.plot(*zip(*points), label=f"{label}: {name}",
+                    **{**style, "marker": "os^Dv*"[j % 6], "linestyle": ("-", "--", ":", "-.")[j % 4]})  # fmt: skip
 
 
 def expert_load(record: dict) -> tuple[float, float] | None:
