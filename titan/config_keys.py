@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import io
 import itertools
+import re
 import textwrap
 import tokenize
 import typing
@@ -94,7 +95,7 @@ def _keys(prefix: str, cls) -> list[Key]:
 def _type_name(tp) -> str:
     """config's name for a type, with a list's or dict's item types spelled out."""
     if typing.get_origin(tp) in (list, dict):
-        return str(tp).replace("typing.", "").replace(f"{sections.__name__}.", "")
+        return re.sub(r"titan\.config\.\w+\.", "", str(tp).replace("typing.", ""))  # list[DataSource]
     return load._type_name(tp)
 
 
