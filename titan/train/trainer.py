@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -111,9 +112,8 @@ class Trainer:
         self.metrics = self.report.metrics
         tasks = None
         if config.eval.tasks:  # a task lm-eval does not know is refused here, before any step
-            tasks = Tasks(
-                config.eval, Tokenizer(config.tokenizer), lambda: self.stepper.rules.precision(self.device.type)
-            )
+            precision = functools.partial(self.stepper.rules.precision, self.device.type)  # the step's autocast
+            tasks = Tasks(config.eval, Tokenizer(config.tokenizer), precision)
         self.evaluation = Evaluation(config, self.validation_loader, self.validation_sets, tasks, self.report)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
