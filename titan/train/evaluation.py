@@ -92,12 +92,15 @@ def task_metrics(results: dict[str, dict]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _random_state_kept():
-    """Python's, numpy's and torch's global generators as they were before: training's shuffles do not move."""
+    """Python's, numpy's and torch's global generators as they were before: what draws from them after the tasks
+    draws as it would have without them."""
     states = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
-        yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+            yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
 
 
 class Evaluation:
