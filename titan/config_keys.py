@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import io
 import itertools
+import re
 import textwrap
 import tokenize
 import typing
@@ -37,6 +38,8 @@ def recipe_keys() -> list[Key]:
         keys += _keys(section, cls)
         if cls is sections.Data:  # the tables of a mixture
             keys += _keys("data.sources[]", sections.DataSource)
+        if cls is sections.Validation:  # the named sets
+            keys += _keys("validation.sets[]", sections.ValidationSet)
     return keys
 
 
@@ -75,7 +78,7 @@ def keys_markdown(keys: list[Key]) -> str:
 
 def _keys(prefix: str, cls) -> list[Key]:
     hints, comments = typing.get_type_hints(cls), field_comments(cls)
-    if cls in (sections.Data, sections.Validation):  # their source keys mean what DataSource's do
+    if cls in (sections.Data, sections.Validation, sections.ValidationSet):  # source keys mean what DataSource's do
         comments = {**field_comments(sections.DataSource), **{k: v for k, v in comments.items() if v}}
     default_of = sections.to_dict(cls()) if cls is not sections.DataSource else dataclasses.asdict(cls(source=""))
     return [
@@ -92,7 +95,7 @@ def _keys(prefix: str, cls) -> list[Key]:
 def _type_name(tp) -> str:
     """config's name for a type, with a list's or dict's item types spelled out."""
     if typing.get_origin(tp) in (list, dict):
-        return str(tp).replace("typing.", "").replace(f"{sections.__name__}.", "")
+        return re.sub(r"titan\.config\.\w+\.", "", str(tp).replace("typing.", ""))  # list[DataSource]
     return load._type_name(tp)
 
 

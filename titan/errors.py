@@ -49,6 +49,12 @@ class Mistakes:
             raise RecipeMistakes([str(e) for e in self.found])
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
 DISTRIBUTION = "titan-pretrain"  # titan's name on the package index (the command is `titan`)
 
 

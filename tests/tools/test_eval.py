@@ -18,9 +18,9 @@ from conftest import ROOT, run_titan
 from helpers import assert_one_line_error, trainer_for
 from titan.checkpoint.hf import checkpoint_tokenizer
 from titan.config import DataSource
-from titan.tools import harness
 from titan.tools.generate import generate, load_model
 from titan.tools.perplexity import Limits, perplexity
+from titan.train import harness
 
 BATCH, BATCHES = 4, 3  # the run's validation: 3 global batches of 4 sequences of 32 tokens
 CHOICES = [
@@ -109,7 +109,9 @@ def requests(kind: str, arguments: list[tuple]):
 
 
 def test_loglikelihoods_are_the_models_token_by_token(loaded, tokenizer):
-    lm = harness.lm_class()(loaded, tokenizer, batch_size=3)  # batches of contexts of several lengths, padded
+    lm = harness.lm_class()(
+        loaded.model.eval(), tokenizer, batch_size=3
+    )  # batches of contexts of several lengths, padded
     pairs = [(doc["query"], choice) for doc in CHOICES for choice in doc["choices"]]
     found = lm.loglikelihood(requests("loglikelihood", pairs))
     for pair, (logprob, greedy) in zip(pairs, found):
@@ -121,7 +123,7 @@ def test_loglikelihoods_are_the_models_token_by_token(loaded, tokenizer):
 
 
 def test_generate_until_is_titans_greedy_decoding_cut_at_the_stop(loaded, tokenizer):
-    lm = harness.lm_class()(loaded, tokenizer, batch_size=2)
+    lm = harness.lm_class()(loaded.model.eval(), tokenizer, batch_size=2)
     contexts = ["Once upon a time", "The dog ran to the park and"]
     found = lm.generate_until(requests("generate_until", [(c, {"until": ["."], "max_gen_toks": 12}) for c in contexts]))
     for context, text in zip(contexts, found):

@@ -119,8 +119,9 @@ def test_the_trainer_times_each_evaluation_and_save_for_its_eta(tmp_path):
     assert trainer.report.remaining.seconds == {
         "validation": [r["val_time_s"] for r in records if "val_time_s" in r],  # steps 2 and 4
         "checkpoint": [r["checkpoint_blocked_s"] for r in records if "checkpoint_blocked_s" in r],  # steps 3 and 4
+        "eval": [],  # no eval.tasks
     }
-    assert [len(v) for v in trainer.report.remaining.seconds.values()] == [2, 2]
+    assert [len(v) for v in trainer.report.remaining.seconds.values()] == [2, 2, 0]
 
 
 def test_same_seed_gives_bitwise_identical_losses(tmp_path):

@@ -54,7 +54,7 @@ def evaluate(  # noqa: PLR0913 (a command's options)
     if data is not None:
         overrides = ["--data.source", data, "--data.text_unit", text_unit, "--data.text_field", text_field]
         source = read_config(None, [*overrides, "--data.split", split]).data.source_list()[0]
-    from titan.tools import harness  # imported late: torch is slow to import
+    from titan.train import harness  # imported late: torch is slow to import
 
     if task_names:
         code = harness.task_code(task_names, include_path)
@@ -79,8 +79,8 @@ def evaluate(  # noqa: PLR0913 (a command's options)
                                  "tokens": scored.tokens, "seq_len": scored.seq_len}  # fmt: skip
     if task_names:
         tokenizer = checkpoint_tokenizer(loaded.checkpoint.path, loaded.model.args.vocab_size)
-        lm = harness.lm_class()(loaded, tokenizer, batch_size or 8)
-        found = harness.run_tasks(lm, task_names, include_path, limit, num_fewshot)
+        lm = harness.lm_class()(loaded.model.eval(), tokenizer, batch_size or 8)
+        found = harness.run_tasks(lm, task_names, harness.task_manager(task_names, include_path), limit, num_fewshot)
         from lm_eval.utils import make_table
 
         typer.echo(make_table(found))

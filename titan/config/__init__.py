@@ -32,6 +32,7 @@ from titan.config.sections import (
     Config,
     Data,
     DataSource,
+    Eval,
     Float8,
     Job,
     LRScheduler,
@@ -46,6 +47,7 @@ from titan.config.sections import (
     Tokenizer,
     Training,
     Validation,
+    ValidationSet,
     blend_period,
     to_dict,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "Config",
     "Data",
     "DataSource",
+    "Eval",
     "Float8",
     "Job",
     "LRScheduler",
@@ -83,6 +86,7 @@ __all__ = [
     "Tokenizer",
     "Training",
     "Validation",
+    "ValidationSet",
     "_all_keys",  # tests check that config_keys lists every key
     "blend_period",
     "degrees_world_size",

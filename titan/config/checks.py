@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from pathlib import Path
 
+from titan.config.data_checks import validate_data, validate_evaluation
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
-from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
-from titan.errors import ConfigError, Mistakes
+from titan.config.sections import Config, Parallel
+from titan.errors import ConfigError, Mistakes, require
 from titan.hub import model_folder
 
 log = logging.getLogger("titan")
@@ -22,7 +22,7 @@ def validate(config: Config, world_size: int, mistakes: Mistakes | None = None) 
     is a ConfigError that names its key, all raised at once, or, given `mistakes`, added there."""
     found = Mistakes() if mistakes is None else mistakes
     before = len(found.found)
-    for check in (_validate_run, _validate_data, _validate_recovery, _validate_performance):
+    for check in (_validate_run, validate_data, validate_evaluation, _validate_recovery, _validate_performance):
         with found.gather():
             check(config)
     with found.gather():
@@ -35,12 +35,6 @@ def validate(config: Config, world_size: int, mistakes: Mistakes | None = None) 
             _require_finite(config)
     if mistakes is None:
         found.raise_any()
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise a ConfigError with `message` unless `ok`."""
-    if not ok:
-        raise ConfigError(message)
 
 
 def _validate_run(config: Config) -> None:
@@ -134,73 +128,6 @@ def _validate_parallel(p: Parallel) -> None:
         p.dp_shard >= 1 or p.dp_shard == -1,
         f"parallel.dp_shard must be >= 1 or -1 (use what is left), got {p.dp_shard}",
     )
-
-
-def _validate_data(config: Config) -> None:
-    """The tokenizer, the data sources and their batching, and the held-out validation share."""
-    d, v = config.data, config.validation
-    if d.batching == "tokens":
-        require(
-            d.document_mask,
-            "data.batching = 'tokens' packs whole documents and needs data.document_mask = true",
-        )
-        require(
-            not d.sources,
-            "data.batching = 'tokens' reads one source; blend the sources into one, or use data.batching = 'rows'",
-        )
-        require(d.max_document_len >= 0, f"data.max_document_len must be >= 0 (0 = seq_len), got {d.max_document_len}")
-        require(
-            len(d.cost_model) in (0, 3) and all(0 <= x < math.inf for x in d.cost_model),
-            f"data.cost_model must be [] (measure it) or three finite numbers >= 0 [a, b, c], got {d.cost_model}",
-        )
-        require(
-            d.balance != "cost" or not d.cost_model or d.cost_model[0] > 0 or d.cost_model[1] > 0,
-            f"data.cost_model {d.cost_model} prices every document at 0 s (a·s² + b·s with a = b = 0), so "
-            "data.balance = 'cost' sends them all to rank 0; set a or b > 0 (e.g. [2e-6, 1e-4, 1e-3]), or [] to "
-            "measure them",
-        )
-        require(
-            not config.compile.enable,
-            "compile.enable with data.batching = 'tokens' is not supported: every micro-batch has another length, "
-            "and per-document attention would recompile each block; use one or the other",
-        )
-    for i, source in enumerate(d.sources):
-        require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
-        require(
-            0 < source.weight < math.inf,
-            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
-        )
-    if d.sources:
-        weights = [s.weight for s in d.sources]
-        try:
-            blend_period(weights)
-        except ValueError:
-            i = weights.index(min(weights))
-            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
-            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
-            raise ConfigError(
-                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
-                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
-                f"least {smallest:.3g}, or drop the source"
-            ) from None
-    require(
-        d.prepare_workers >= 0,
-        f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
-    )
-    require(v.interval >= 0, f"validation.interval must be >= 0 (0 disables validation), got {v.interval}")
-    require(v.steps > 0, f"validation.steps must be positive, got {v.steps}")
-    require(
-        0 <= v.fraction < 1,
-        f"validation.fraction must be in [0, 1) (the share of documents held out), got {v.fraction}",
-    )
-    for i, source in enumerate(d.source_list()):
-        key = f"data.sources[{i}].source" if d.sources else "data.source"
-        require(
-            not _same_documents(v, source),
-            f"validation.source {v.source!r} reads the documents that {key} {source.source!r} trains on, so "
-            "validation would measure memorisation; name a source of held-out documents, or leave validation.source "
-            "empty to hold out validation.fraction of the training documents",
-        )
 
 
 def _validate_recovery(config: Config) -> None:
@@ -389,16 +316,3 @@ def _floats(value, key: str):
             yield from _floats(item, f"{key}[{i}]")
     elif isinstance(value, float):
         yield key, value
-
-
-def _same_documents(v: Validation, source: DataSource) -> bool:
-    """Whether validation.source names a training source's documents: the same local file or folder (or titan
-    corpus), whatever the split, or the same split and revision of the same hub dataset."""
-    if not v.source:
-        return False
-    mine, theirs = Path(v.source).expanduser(), Path(source.source).expanduser()
-    if mine.exists() and theirs.exists():
-        return mine.resolve() == theirs.resolve()
-    if v.source.startswith("titan:"):  # a local file titan fetches: one split
-        return v.source == source.source
-    return (v.source, v.split, v.revision, "") == (source.source, source.split, source.revision, source.subset)

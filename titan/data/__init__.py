@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from titan.config import Config, DataSource
+from titan.config import Config, DataSource, ValidationSet
 from titan.data.order import Split, hold_out
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
@@ -26,6 +26,7 @@ __all__ = [
     "document_pieces",
     "open_prepared",
     "prepared_record",
+    "validation_set_loaders",
     "validation_source",
     "whole_source",
 ]
@@ -56,8 +57,8 @@ def check_paths(config: Config) -> None:
 
     if config.tokenizer.path and not config.tokenizer.path.startswith("titan:"):
         tokenizer_file(config.tokenizer.path)
-    own = validation_source(config) if config.validation.interval else None
-    for source in [*config.data.source_list(), *([own] if own else [])]:
+    own = [validation_source(config)] if config.validation.interval and config.validation.source else []
+    for source in [*config.data.source_list(), *own, *map(set_source, config.validation.sets)]:
         if not source.source.startswith("titan:"):
             open_documents(source)
 
@@ -76,6 +77,30 @@ def validation_source(config: Config) -> DataSource | None:
     if not v.source:
         return None
     return DataSource(v.source, v.format, v.text_field, v.split, revision=v.revision, text_unit=v.text_unit)
+
+
+def set_source(validation_set: ValidationSet) -> DataSource:
+    s = validation_set
+    return DataSource(s.source, s.format, s.text_field, s.split, revision=s.revision, text_unit=s.text_unit)
+
+
+def validation_set_loaders(
+    config: Config, global_batch: int, rows: range, micro_batches: list[int]
+) -> dict[str, GlobalBatchLoader]:
+    """Each of validation.sets' loader, by its name: its whole source in order, in global batches of `global_batch`
+    rows of which this rank reads `rows` in micro-batches of `micro_batches` rows (as the default validation's)."""
+    from titan.data.loader import Blend, GlobalBatchLoader
+
+    loaders = {}
+    for i, s in enumerate(config.validation.sets):
+        samples = whole_source(config, set_source(s), f"validation.sets[{i}].source {s.source}")
+        if config.validation.steps * global_batch > samples.samples_per_epoch:
+            log.warning("validation set %s reads %d sequences per evaluation but holds %d: some repeat", s.name,
+                        config.validation.steps * global_batch, samples.samples_per_epoch)  # fmt: skip
+        loaders[s.name] = GlobalBatchLoader(
+            [samples], Blend([1.0]), global_batch, rows, micro_batches, config.data.document_mask
+        )
+    return loaders
 
 
 def split(config: Config, documents) -> tuple[Split, Split]:

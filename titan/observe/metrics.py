@@ -228,19 +228,26 @@ def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
 
 
 class RemainingTime:
-    """A run's ETA: the steps left at the measured seconds per step, plus the evaluations and checkpoint saves
-    still to come (validation.interval and checkpoint.interval steps apart, and one of each at the last step) at
-    the mean time each has taken. Before the first evaluation one is estimated at a third of a training step per
-    validation batch (a forward of the batch, without the backward); a save counts once one has been timed."""
+    """A run's ETA: the steps left at the measured seconds per step, plus the evaluations, checkpoint saves and
+    benchmark tasks still to come (validation.interval, checkpoint.interval and eval.interval steps apart, and one of
+    each at the last step) at the mean time each has taken. Before the first evaluation one is estimated at a third
+    of a training step per validation batch (a forward of the batch, without the backward); a save and the tasks
+    count once one has been timed."""
 
-    def __init__(self, total: int, validation_interval: int, validation_steps: int, checkpoint_interval: int):
+    def __init__(self, total: int, validation_interval: int, validation_steps: int, checkpoint_interval: int,
+                 eval_interval: int = 0):  # fmt: skip
         self.total, self.validation_steps = total, validation_steps
-        self.intervals = {"validation": validation_interval, "checkpoint": checkpoint_interval}  # 0: none
-        self.seconds: dict[str, list[float]] = {"validation": [], "checkpoint": []}
+        # 0: none
+        self.intervals = {"validation": validation_interval, "checkpoint": checkpoint_interval, "eval": eval_interval}
+        self.seconds: dict[str, list[float]] = {"validation": [], "checkpoint": [], "eval": []}
 
     def record(self, kind: str, seconds: float) -> None:
-        """One evaluation ("validation") or one save's blocking time ("checkpoint")."""
+        """One evaluation ("validation"), one save's blocking time ("checkpoint") or one run of the tasks ("eval")."""
         self.seconds[kind].append(seconds)
+
+    def add_to_last(self, kind: str, seconds: float) -> None:
+        """More of the last one: a validation set, evaluated after the held-out split at the same step."""
+        self.seconds[kind][-1] += seconds
 
     def eta(self, step: int, step_time: float) -> float:
         """Seconds from `step` to the end of the run, at `step_time` seconds per training step."""

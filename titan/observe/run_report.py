@@ -52,7 +52,7 @@ class RunReport:
             (config.run_dir / "config.toml").write_text(to_toml(config))
             (config.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
         t, v, c = config.training, config.validation, config.checkpoint
-        remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0)
+        remaining = RemainingTime(t.steps, v.interval, v.steps, c.interval if c.enable else 0, config.eval.interval)
         return cls(config, metrics, device, world_size, flops_per_token, peak, remaining, started)
 
     def start(self, params: int, layout: str, batching: str) -> None:
@@ -91,6 +91,21 @@ class RunReport:
         self.best_val = min(self.best_val or (loss, step), (loss, step))
         self.remaining.record("validation", seconds)
         log.info("step %d validation: loss %.4f | perplexity %.2f | %.1fs", step, loss, perplexity, seconds)
+
+    def validation_set(self, step: int, name: str, loss: float, seconds: float) -> None:
+        """One of validation.sets: its loss, perplexity and seconds, as val/<name>/..."""
+        perplexity = math.exp(min(loss, 50.0))
+        self.metrics.log(step, {f"val/{name}/loss": loss, f"val/{name}/perplexity": perplexity,
+                                f"val/{name}/time_s": seconds})  # fmt: skip
+        self.remaining.add_to_last("validation", seconds)
+        log.info("step %d validation %s: loss %.4f | perplexity %.2f | %.1fs", step, name, loss, perplexity, seconds)
+
+    def tasks(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        """The eval.tasks' metrics (eval/<task>/<metric>), with the seconds they took as eval_time_s."""
+        self.metrics.log(step, {**metrics, "eval_time_s": seconds})
+        self.remaining.record("eval", seconds)
+        scores = " | ".join(f"{key.removeprefix('eval/')} {value:.4f}" for key, value in metrics.items())
+        log.info("step %d eval: %s | %.1fs", step, scores or "no task gave a result", seconds)
 
     def summary(self, begun: tuple[int, int, float], step: int, tokens_seen: int, loss: float,
                 checkpoint: Path | None) -> None:  # fmt: skip

@@ -47,8 +47,18 @@ class Run:
     @property
     def validation(self) -> list[dict]:
         """The validation records in step order, the latest of each."""
-        by_step = {r["step"]: r for r in self.records if "val_loss" in r}
+        return self.series("val_loss")
+
+    def series(self, key: str) -> list[dict]:
+        """The records that hold `key` in step order, the latest of each."""
+        by_step = {r["step"]: r for r in self.records if key in r}
         return [by_step[s] for s in sorted(by_step)]
+
+    def keys(self, prefix: str, suffix: str = "") -> list[str]:
+        """The metric names that start with `prefix` and end with `suffix`, in the order the run first logged them:
+        its validation sets' losses (val/, /loss), its tasks' scores (eval/)."""
+        found = (k for r in self.records for k in r if k.startswith(prefix) and k.endswith(suffix))
+        return list(dict.fromkeys(found))
 
 
 def load_run(path: str | Path) -> Run:
@@ -268,20 +278,18 @@ def plot_format(out: Path) -> str:
 
 def figure(runs: list[Run], x: str = "steps"):
     """One panel per metric, one colour per run, against steps or tokens seen (`x`): loss (validation dashed),
-    learning rate, grad norm, tokens/s, and MFU when a run logged it. A run that did not log a metric is left
+    learning rate, grad norm, tokens/s, and MFU, the validation sets' losses and the eval tasks' scores when a run
+    logged them. A run that did not log a metric is left
     out of its panel."""
     import_extra("matplotlib", "plot", "titan compare --plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-    panels = ["loss", "lr", "grad_norm", "tokens_per_s"]
-    if any("mfu" in r for run in runs for r in run.curve):
-        panels.append("mfu")
-    if any(expert_load(r) for run in runs for r in run.curve):
-        panels.append("expert_load")
+    panels = _panels(runs)
     titles = {"loss": "loss", "lr": "learning rate", "grad_norm": "grad norm", "tokens_per_s": "tokens/s",
-              "mfu": "MFU", "expert_load": "expert load / mean (worst layer: most, least dotted)"}  # fmt: skip
+              "mfu": "MFU", "expert_load": "expert load / mean (worst layer: most, least dotted)",
+              "val/": "validation sets: loss", "eval/": "eval tasks"}  # fmt: skip
     columns = 2 if len(panels) == 4 else 3
     rows = math.ceil(len(panels) / columns)
     fig = Figure(figsize=(5 * columns, 3.6 * rows), layout="constrained")
@@ -294,7 +302,7 @@ def figure(runs: list[Run], x: str = "steps"):
         at = _x_of(curve, x)
         style = {"color": colour, "marker": "o" if len(curve) <= 30 else None, "markersize": 3, "linewidth": 1.5}
         for key, ax in axes.items():
-            if key == "expert_load":
+            if key in ("expert_load", "val/", "eval/"):
                 continue
             points = [(at(r["step"]), r[key]) for r in curve if _finite(r.get(key)) and at(r["step"]) is not None]
             if points:
@@ -304,10 +312,16 @@ def figure(runs: list[Run], x: str = "steps"):
             steps, most, least = zip(*loads)
             axes["expert_load"].plot(steps, most, label=label, **style)
             axes["expert_load"].plot(steps, least, **{**style, "linestyle": ":"})
+        for panel in ("val/", "eval/"):
+            if panel in axes:
+                _named_curves(axes[panel], panel, run, label, at, style)
         validation = [(at(r["step"]), r["val_loss"]) for r in run.validation if at(r["step"]) is not None]
         if validation:
             axes["loss"].plot(*zip(*validation), color=colour, linestyle="--", marker="s", markersize=3,
                               label=f"{label} (validation)")  # fmt: skip
+    for key in ("val/", "eval/"):  # these panels name their curves themselves
+        if key in axes:
+            axes[key].legend(fontsize="small")
     for key, ax in axes.items():
         ax.set(title=titles[key], xlabel=X_AXES[x])
         ax.xaxis.set_major_formatter(readable)
@@ -323,6 +337,28 @@ def figure(runs: list[Run], x: str = "steps"):
     for ax in spare[1:]:
         ax.remove()
     return fig
+
+
+def _panels(runs: list[Run]) -> list[str]:
+    """The panels the runs have something for: MFU, expert loads, validation sets and tasks only when logged."""
+    logged = {
+        "mfu": any("mfu" in r for run in runs for r in run.curve),
+        "expert_load": any(expert_load(r) for run in runs for r in run.curve),
+        "val/": any(run.keys("val/", "/loss") for run in runs),
+        "eval/": any(run.keys("eval/") for run in runs),
+    }
+    return ["loss", "lr", "grad_norm", "tokens_per_s", *(panel for panel, found in logged.items() if found)]
+
+
+def _named_curves(ax, panel: str, run: Run, label: str, at, style: dict) -> None:
+    """The run's validation sets' losses ("val/") or its tasks' scores ("eval/") in its colour, a marker each."""
+    keys = run.keys("val/", "/loss") if panel == "val/" else run.keys("eval/")
+    for j, key in enumerate(keys):
+        points = [(at(r["step"]), r[key]) for r in run.series(key) if at(r["step"]) is not None]
+        name = key.removeprefix(panel).removesuffix("/loss")
+        if points:
+            ax.plot(*zip(*points), label=f"{label}: {name}",
+                    **{**style, "marker": "os^Dv*"[j % 6], "linestyle": ("-", "--", ":", "-.")[j % 4]})  # fmt: skip
 
 
 def expert_load(record: dict) -> tuple[float, float] | None:

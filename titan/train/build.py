@@ -16,7 +16,7 @@ from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.hf.files import copy_tokenizer_files
 from titan.checkpoint.train_state import model_buffers, model_shapes
 from titan.config import Config, math_values, to_toml
-from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record
+from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record, validation_set_loaders
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
 from titan.data.tokenizer import tokenizer_file
@@ -105,12 +105,12 @@ def _pipeline_schedule(
 def build_data(
     config: Config, plan: RunPlan, me: RankPlan, model: ResolvedModel, mesh, device: torch.device, control_group
 ):
-    """The training loader (rows, or whole documents under data.batching = "tokens") and the validation loader
-    (None without validation) of the rank `me`."""
+    """The training loader (rows, or whole documents under data.batching = "tokens"), the validation loader (None
+    without validation) and validation.sets' loaders by name, of the rank `me`."""
     loader, validation = build_loaders(config, plan.global_rows, me.rows, list(me.micro_batches))
     if config.data.batching == "tokens":  # whole documents, not rows
         loader = _document_loader(config, plan, me, model, mesh, device, control_group)
-    return loader, validation
+    return loader, validation, validation_set_loaders(config, plan.global_rows, me.rows, list(me.micro_batches))
 
 
 def _document_loader(config: Config, plan: RunPlan, me: RankPlan, model: ResolvedModel, mesh, device, control_group):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ import torch
 from titan.checkpoint.resume import complete_checkpoints
 from titan.config import Config
 from titan.data import DocumentBatchLoader
+from titan.data.tokenizer import Tokenizer
 from titan.launcher import Launch
 from titan.observe.metrics import (
     ThroughputWindow,
@@ -34,6 +36,7 @@ from titan.train.build import (
 )
 from titan.train.device import pick_device
 from titan.train.digests import DIGESTS, StepDigests
+from titan.train.evaluation import Evaluation, Tasks, validation_loss
 from titan.train.preflight import check_run, check_tokenizer
 from titan.train.recovery import Recovery
 from titan.train.recovery.watchdog import Watchdog
@@ -47,16 +50,17 @@ log = logging.getLogger("titan")
 
 @dataclass(frozen=True)
 class Due:
-    """What follows a step: logging it, a re-plan check, validation, a checkpoint."""
+    """What follows a step: logging it, a re-plan check, validation, benchmark tasks, a checkpoint."""
 
     log: bool
     replan: bool
     validate: bool
+    tasks: bool
     save: bool
 
     @property
     def anything(self) -> bool:
-        return self.log or self.replan or self.validate or self.save
+        return self.log or self.replan or self.validate or self.tasks or self.save
 
 
 class Trainer:
@@ -90,7 +94,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.mesh = build_mesh(self.layout, self.device)
-        self.loader, self.validation_loader = build_data(
+        self.loader, self.validation_loader, self.validation_sets = build_data(
             config, self.run_plan, self.rank_plan, self.model, self.mesh, self.device, self.control_group
         )
         self.clock = StepClock(config.profiling.step_breakdown, self.device)
@@ -106,6 +110,11 @@ class Trainer:
         self.report = RunReport.of_run(config, self.device, self.rank, self.world_size, self.layout, flops_per_token,
                                        bf16, started)  # fmt: skip
         self.metrics = self.report.metrics
+        tasks = None
+        if config.eval.tasks:  # a task lm-eval does not know is refused here, before any step
+            precision = functools.partial(self.stepper.rules.precision, self.device.type)  # the step's autocast
+            tasks = Tasks(config.eval, Tokenizer(config.tokenizer), precision)
+        self.evaluation = Evaluation(config, self.validation_loader, self.validation_sets, tasks, self.report)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)
         self.replanner = Replanner(config, self.run_plan, self.blocks, rank_devices(self.control_group), self.device)
@@ -150,7 +159,7 @@ class Trainer:
             counts = [len(layers) for layers in plan.stage_layers]
             log.info("step %d: pipeline re-split into layers per stage %s (%s)", self.step, counts, how)
         self.run_plan, self.rank_plan = plan, plan.rank(self.rank)
-        for loader in filter(None, (self.loader, self.validation_loader)):
+        for loader in filter(None, (self.loader, self.validation_loader, *self.validation_sets.values())):
             loader.follow(plan, self.rank_plan)
         return how
 
@@ -210,9 +219,12 @@ class Trainer:
                     self._replan()
                 if due.validate:
                     self.watchdog.enter("validation")
-                    start = time.perf_counter()
-                    self.report.validation(self.step, self.evaluate(), time.perf_counter() - start)
+                    self.evaluation.validate(self.step, self.stepper)
                     window.restart()  # evaluation is not steps
+                if due.tasks:
+                    self.watchdog.enter("eval tasks")
+                    self.evaluation.run_tasks(self.step, self.model_parts)
+                    window.restart()
                 # A skipped step's state is saved without a loss (the step had none).
                 saved_loss = lambda: float("nan") if self.nonfinite.skipped_in_a_row else unsettled.settle()  # noqa: E731
                 if due.save:  # its blocking time is not step time: the ETA counts it apart
@@ -261,15 +273,14 @@ class Trainer:
             log=step % self.config.metrics.log_freq == 0 or step in (total, first_step + 1),
             replan=self.replanner.due(step),
             validate=bool(interval) and (step % interval == 0 or step == total),
+            tasks=self.evaluation.tasks_due(step, total),
             save=save,
         )
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over the validation batches (the same batches at every evaluation and on every layout)."""
-        loader = self.validation_loader
-        steps = [loader.batches_at(i * loader.global_batch) for i in range(self.config.validation.steps)]
-        return self.stepper.evaluate(steps).item()
+        return validation_loss(self.stepper, self.validation_loader, self.config.validation.steps)
 
     def _replan(self) -> None:
         """Probe, and follow a new plan when the speeds call for it: the pipeline's layer split when there is one,

@@ -1,4 +1,5 @@
-"""`titan eval --tasks`: benchmark tasks of lm-eval-harness (the [eval] extra) on a checkpoint's model directly.
+"""Benchmark tasks of lm-eval-harness (the [eval] extra) on titan's model directly: `titan eval --tasks` on a
+checkpoint's, and the run's own between steps (titan/train/evaluation.py).
 
 TitanLM is lm-eval's model interface over titan's model and tokenizer. Every text is scored as training framed
 documents: BOS, then the text. A context and its continuation are tokenized together and split where the
@@ -13,15 +14,18 @@ is imported, so nothing is looked up on the hub.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from titan.errors import ConfigError, import_extra
-from titan.tools.generate import Loaded, Sampling, generate
+from titan.models.decoding import Sampling, generate
 
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # HF datasets' builders of local files
 
@@ -124,9 +128,12 @@ def lm_class():
     template = _template_lm()
 
     class TitanLM(template):
-        def __init__(self, loaded: Loaded, tokenizer, batch_size: int = 8):
+        def __init__(
+            self, model: nn.Module, tokenizer, batch_size: int = 8, precision: Callable = contextlib.nullcontext
+        ):
+            """model: in eval mode (no dropout); precision: the context its forwards run in (the run's autocast)."""
             super().__init__()
-            self.model = loaded.model.eval()  # no dropout: perplexity's evaluation leaves it in train mode
+            self.model, self.precision = model, precision
             self.titan_tokenizer = tokenizer
             self.batch_size = batch_size
             self.max_length = self.model.args.max_seq_len
@@ -180,7 +187,8 @@ def loglikelihoods(lm, requests) -> list[tuple[float, bool]]:
         rows = [(requests[i][1] + requests[i][2])[-(lm.max_length + 1) :] for i in chunk]
         width = max(map(len, rows)) - 1
         inputs = torch.tensor([row[:-1] + [0] * (width - len(row) + 1) for row in rows], device=lm.device)
-        logprobs = lm.model(inputs).float().log_softmax(-1)
+        with lm.precision():
+            logprobs = lm.model(inputs).float().log_softmax(-1)
         for i, row, scores in zip(chunk, rows, logprobs):
             n = len(requests[i][2])
             targets = torch.tensor(row[-n:], device=lm.device)
@@ -212,7 +220,8 @@ def generations(lm, requests: list[tuple[str, dict]]) -> list[str]:
         room = lm.max_length - new_tokens + 1  # prompt tokens kept (the last ones), beside the new ones
         for chunk in _batched(indices, lm.batch_size):
             prompts = [lm.tok_encode(requests[i][0])[-room:] for i in chunk]
-            rows = generate(lm.model, prompts, new_tokens, sampling, lm.eot_token_id).tokens
+            with lm.precision():
+                rows = generate(lm.model, prompts, new_tokens, sampling, lm.eot_token_id).tokens
             for i, row in zip(chunk, rows):
                 text = lm.tok_decode(row[:-1] if row[-1] == lm.eot_token_id else row)
                 for stop in until:
@@ -225,26 +234,42 @@ def _batched(items: list[int], size: int) -> list[list[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_tasks(lm, tasks: list[str], include_path: Path | None, limit: float | None, num_fewshot: int | None) -> dict:
-    """lm-eval's results of `tasks` (names of its own or of include_path's YAML files) on the model."""
-    lm_eval = import_extra("lm_eval", "eval", "titan eval --tasks (lm-eval-harness)")
+def task_manager(tasks: list[str], include_path: Path | None, keys: tuple[str, str] = ("--tasks", "--include-path")):
+    """lm-eval's TaskManager over its own tasks and include_path's, once every task is known to it: a ConfigError
+    naming `keys` (the options or recipe keys of the tasks and the folder) otherwise. Indexing lm-eval's own
+    thousands of task files takes seconds, so they are left out when include_path defines every task."""
+    import_extra("lm_eval", "eval", f"{keys[0]} (lm-eval-harness)")
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not include_path.is_dir():
-        raise ConfigError(f"--include-path {include_path}: no such folder; give a folder of task YAML files")
+        raise ConfigError(f"{keys[1]} {include_path}: no such folder; give a folder of task YAML files")
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines; warnings still show
-    import_extra("datasets", "eval", "titan eval --tasks").disable_progress_bars()  # a bar per split it builds
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    local = include_path is not None and set(tasks) <= set(task_yamls(include_path))
+    manager = TaskManager(include_path=str(include_path) if include_path else None, include_defaults=not local)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
-        where = f" nor in {include_path}" if include_path else " (a task file of your own: --include-path FOLDER)"
-        raise ConfigError(f"--tasks: {', '.join(unknown)} is no lm-eval task{where}; `lm_eval ls tasks` lists them")
+        where = f" nor in {include_path}" if include_path else f" (a task file of your own: {keys[1]} FOLDER)"
+        raise ConfigError(f"{keys[0]}: {', '.join(unknown)} is no lm-eval task{where}; `lm_eval ls tasks` lists them")
+    return manager
+
+
+def run_tasks(lm, tasks: list[str], manager, limit: float | None, num_fewshot: int | None, bootstrap_iters=100000):
+    """lm-eval's results of `tasks` (names `manager` knows) on the model; bootstrap_iters: the resamples its
+    standard errors take (0: none, which saves seconds per task)."""
+    lm_eval = import_extra("lm_eval", "eval", "titan eval --tasks (lm-eval-harness)")
+    import_extra("datasets", "eval", "titan eval --tasks").disable_progress_bars()  # a bar per split it builds
     # Without a network, the hub client retries each file five times, a warning each, before the error below says
     # it once.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         return lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=False
+            model=lm,
+            tasks=tasks,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            bootstrap_iters=bootstrap_iters,
         )
     except ConnectionError as e:  # datasets' and the hub client's, offline mode's included
         raise ConfigError(
