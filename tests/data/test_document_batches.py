@@ -9,6 +9,7 @@ from helpers import numbered_documents
 from titan.data.document_batches import PAD_BLOCK, DocumentBatchLoader, DocumentPieces, Placement
 from titan.data.loader import IGNORE
 from titan.data.packing import CostModel, Target
+from titan.models.decoder.rope import document_positions
 
 COST = CostModel(a=2e-6, b=1e-4, c=1e-3)
 
@@ -84,10 +85,12 @@ def test_the_ranks_micro_batches_hold_the_steps_pieces_exactly_once(placement, b
                     real = y != IGNORE
                     assert (ids[real] >= 0).all() and (ids[~real] < 0).all()
                     assert real[: int(real.sum())].all()  # documents first, then padding
-                    # Padding comes in "documents" of at most PAD_BLOCK tokens.
+                    # Padding comes in "documents" of at most PAD_BLOCK tokens, each position within the RoPE
+                    # table the model holds for the longest piece (max_len 16; the rows hold 64).
                     assert all(
                         n <= PAD_BLOCK for n in torch.unique_consecutive(ids[~real], return_counts=True)[1].tolist()
                     )
+                    assert document_positions(ids[None]).max() < pieces.max_len
                     for token, label in zip(x[real].tolist(), y[real].tolist()):
                         assert label == token + 1  # the next token of the same document
                         got.append((token // 1000, token % 1000))

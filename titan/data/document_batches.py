@@ -28,7 +28,8 @@ from titan.data.packing import Assignment, CostModel, Target, balance_by_cost, b
 from titan.errors import ConfigError
 from titan.run_plan import RankPlan, RunPlan
 
-# Padding carries no loss and is cut into "documents" of PAD_BLOCK tokens with ids -1, -2, ...: its attention
+# Padding carries no loss and is cut into "documents" of PAD_BLOCK tokens (or a piece's most, if fewer) with ids
+# -1, -2, ...: its attention
 # then costs little, its positions stay within the RoPE table, and every weight still gets a gradient on every
 # rank (FSDP reduce-scatters only the gradients that exist: a rank whose micro-batch left a weight without one
 # would send fewer bytes than the others).
@@ -229,7 +230,9 @@ class DocumentBatchLoader:
             width = max(p.pad_multiple, -(-longest // p.pad_multiple) * p.pad_multiple)
         inputs = torch.zeros(len(rows), width, dtype=torch.int64)
         labels = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
-        ids = (-1 - torch.arange(width) // PAD_BLOCK).repeat(len(rows), 1)
+        # No longer than a piece either: the model's RoPE table covers the longest piece's positions, no more.
+        block = min(PAD_BLOCK, self.pieces.max_len)
+        ids = (-1 - torch.arange(width) // block).repeat(len(rows), 1)
         for r, (x, y, d) in enumerate(rows):
             inputs[r, : len(x)], labels[r, : len(x)], ids[r, : len(x)] = x, y, d
         loss_tokens = int((labels != IGNORE).sum())
