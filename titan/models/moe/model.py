@@ -95,16 +95,16 @@ class MoETransformer(Decoder):
 
     def embed_with_lookahead(self, tokens: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens' embeddings, and those of the tokens t_{i+k} each depth k looks ahead to from this rank's
-        positions i, concatenated (last dimension); one embedding call. Past the row's end the row's first tokens
-        stand in: their targets are ignored. Under context parallelism (rows the cp group shares) the shift crosses
-        the ranks' positions, so it is taken on the whole rows."""
+        positions i, concatenated (last dimension). Past the row's end the row's first tokens stand in: their
+        targets are ignored. Under context parallelism (rows the cp group shares) the shift crosses the ranks'
+        positions, so it is taken on the whole rows. An embedding call per depth, each of the rows: titan verify
+        compares a module's calls row by row."""
         ring = None if local else self.context_parallel
         whole = tokens if ring is None else ring.whole_rows(tokens)
         ahead = [whole.roll(-depth, dims=1) for depth in range(1, self.args.mtp_layers + 1)]
         if ring is not None:
             ahead = [shifted[:, ring.positions] for shifted in ahead]
-        h, *ahead = self.tok_embeddings(torch.cat([tokens, *ahead])).chunk(1 + len(ahead))
-        return h, torch.cat(ahead, dim=-1)
+        return self.tok_embeddings(tokens), torch.cat([self.tok_embeddings(shifted) for shifted in ahead], dim=-1)
 
     def mtp_loss(self, h, ahead, labels, document_ids, rows, rope, mask, local: bool) -> torch.Tensor:
         """The prediction modules' loss on the step loss's scale (the routing's), from the main model's final
