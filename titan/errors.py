@@ -11,6 +11,12 @@ class ConfigError(UserError, ValueError):
     ValueError: code that rewords a bad value (`except ValueError`) rewords a ConfigError from below it too."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
 DISTRIBUTION = "titan-pretrain"  # titan's name on the package index (the command is `titan`)
 
 

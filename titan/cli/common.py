@@ -9,7 +9,7 @@ import typer
 
 from titan import __version__
 from titan.config import Config, load_config, require_inputs
-from titan.config.checks import warn_of_a_short_warmup
+from titan.config.checks import warn_of_a_wasted_schedule
 from titan.launcher import Launch
 from titan.run_plan import run_plan
 from titan.train.model import resolve_args, warn_of_an_impossible_export
@@ -95,7 +95,6 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     config = load_config(path, overrides, world_size)
     require_inputs(config)
     args = resolve_args(config)
-    run_plan(config, world_size)
-    warn_of_a_short_warmup(config)
+    warn_of_a_wasted_schedule(config, run_plan(config, world_size).global_rows)
     warn_of_an_impossible_export(config, args)
     return config

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
-from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Parallel, Validation, blend_period
-from titan.errors import ConfigError
+from titan.config.sections import Config, DataSource, Parallel, Validation
+from titan.config.stages import check_mixture, check_stages, decay_start, run_stages
+from titan.errors import ConfigError, require
 from titan.hub import model_folder
 
 log = logging.getLogger("titan")
@@ -28,12 +29,6 @@ def validate(config: Config, world_size: int) -> None:
     _validate_context_parallel(config)
     _validate_layout(config, world_size)
     _require_finite(config)  # after the keys' own checks, whose messages say more
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise a ConfigError with `message` unless `ok`."""
-    if not ok:
-        raise ConfigError(message)
 
 
 def _validate_run(config: Config) -> None:
@@ -73,7 +68,7 @@ def _validate_run(config: Config) -> None:
 NO_TOKENIZER = "the recipe names no tokenizer: set tokenizer.path (a tokenizer.json, a model folder or a hub name)"
 NO_DATA = (
     "the recipe names no data: set data.source (a .jsonl, .parquet or .txt file or folder, a hub dataset or "
-    "titan:shakespeare), or [[data.sources]]"
+    "titan:shakespeare), [[data.sources]] or [[data.stages]]"
 )
 
 
@@ -86,12 +81,14 @@ def require_inputs(config: Config) -> None:
         model_folder(c.init_from_hf, "checkpoint.init_from_hf")
     brings_tokenizer = c.init_from_hf or c.resume not in ("auto", "never")
     require(config.tokenizer.path != "" or bool(brings_tokenizer), NO_TOKENIZER)
-    require(config.data.source != "" or bool(config.data.sources), NO_DATA)
+    require(config.data.source != "" or bool(config.data.sources) or bool(config.data.stages), NO_DATA)
 
 
-def warn_of_a_short_warmup(config: Config) -> None:
-    """A run shorter than its warmup (a smoke run of a long recipe) trains all the same, its lr never at its peak:
-    said by the commands that train or show the run, not by those that only read the recipe (data prepare)."""
+def warn_of_a_wasted_schedule(config: Config, global_rows: int) -> None:
+    """What trains all the same but wastes the lr schedule, said by the commands that train or show the run (not by
+    those that only read the recipe): a run shorter than its warmup (a smoke run of a long recipe), whose lr never
+    reaches its peak, and a decay stage that starts inside the warmup, whose decay waits for the warmup's end. The
+    stages' order is checked here too: it needs the run's global batch."""
     steps, warmup = config.training.steps, config.lr_scheduler.warmup_steps
     if warmup > steps:
         log.warning(
@@ -100,6 +97,16 @@ def warn_of_a_short_warmup(config: Config) -> None:
             warmup,
             steps,
         )
+    stages = run_stages(config, global_rows)
+    start = decay_start(stages)
+    if start is not None and start < min(warmup, steps):
+        stage = next(s for s in stages if s.decay)
+        log.warning(
+            "data.stages[%d] %r starts the lr decay at step %d, inside the warmup (lr_scheduler.warmup_steps %d): "
+            "the decay begins only when the warmup ends, and the lr never holds at optimizer.lr; start the stage "
+            "later or shorten the warmup",
+            stage.index, stage.name, start + 1, warmup,
+        )  # fmt: skip
 
 
 def _validate_parallel(p: Parallel) -> None:
@@ -153,25 +160,9 @@ def _validate_data(config: Config) -> None:
             "compile.enable with data.batching = 'tokens' is not supported: every micro-batch has another length, "
             "and per-document attention would recompile each block; use one or the other",
         )
-    for i, source in enumerate(d.sources):
-        require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
-        require(
-            0 < source.weight < math.inf,
-            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
-        )
     if d.sources:
-        weights = [s.weight for s in d.sources]
-        try:
-            blend_period(weights)
-        except ValueError:
-            i = weights.index(min(weights))
-            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
-            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
-            raise ConfigError(
-                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
-                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
-                f"least {smallest:.3g}, or drop the source"
-            ) from None
+        check_mixture(d.sources, "data.sources")
+    check_stages(config)
     require(
         d.prepare_workers >= 0,
         f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",
