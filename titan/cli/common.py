@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from titan import __version__
-from titan.config import Config, load_config, require_inputs
+from titan.config import Config, load_config, require_inputs, run_stages
 from titan.config.checks import warn_of_a_wasted_schedule
 from titan.launcher import Launch
 from titan.run_plan import run_plan
@@ -95,6 +95,7 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     config = load_config(path, overrides, world_size)
     require_inputs(config)
     args = resolve_args(config)
-    warn_of_a_wasted_schedule(config, run_plan(config, world_size).global_rows)
+    # The stages' order needs the run's global batch: checked here, before the run joins its process group.
+    warn_of_a_wasted_schedule(config, run_stages(config, run_plan(config, world_size).global_rows))
     warn_of_an_impossible_export(config, args)
     return config

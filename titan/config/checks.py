@@ -11,7 +11,7 @@ from pathlib import Path
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
 from titan.config.sections import Config, DataSource, Parallel, Validation
-from titan.config.stages import check_mixture, check_stages, decay_start, run_stages
+from titan.config.stages import Stage, check_mixture, check_stages, decay_start
 from titan.errors import ConfigError, require
 from titan.hub import model_folder
 
@@ -84,11 +84,11 @@ def require_inputs(config: Config) -> None:
     require(config.data.source != "" or bool(config.data.sources) or bool(config.data.stages), NO_DATA)
 
 
-def warn_of_a_wasted_schedule(config: Config, global_rows: int) -> None:
+def warn_of_a_wasted_schedule(config: Config, stages: list[Stage]) -> None:
     """What trains all the same but wastes the lr schedule, said by the commands that train or show the run (not by
     those that only read the recipe): a run shorter than its warmup (a smoke run of a long recipe), whose lr never
-    reaches its peak, and a decay stage that starts inside the warmup, whose decay waits for the warmup's end. The
-    stages' order is checked here too: it needs the run's global batch."""
+    reaches its peak, and a decay stage (of the run's `stages`) that starts inside the warmup, whose decay waits for
+    the warmup's end."""
     steps, warmup = config.training.steps, config.lr_scheduler.warmup_steps
     if warmup > steps:
         log.warning(
@@ -97,7 +97,6 @@ def warn_of_a_wasted_schedule(config: Config, global_rows: int) -> None:
             warmup,
             steps,
         )
-    stages = run_stages(config, global_rows)
     start = decay_start(stages)
     if start is not None and start < min(warmup, steps):
         stage = next(s for s in stages if s.decay)
