@@ -2,7 +2,8 @@
 torchrun ... tests/elastic_kill.py train ...`. The i-th kill is in the workers of torchrun's i-th restart
 (TORCHELASTIC_RESTART_COUNT = i; the first start is 0): there, rank RANK kills itself at step STEP, at PLACE:
 
-- `forward`: as its forward begins;
+- `forward`: as its forward begins (or any other phase the watchdog names, as it begins: `data`, or
+  `forward_backward` under a pipeline);
 - `snapshot`: inside the in-memory snapshot's save, once the snapshot folder holds the step's partial save;
 - `collective`: as it enters the backward's reduce-scatter, the other ranks already waiting in it.
 
@@ -40,7 +41,7 @@ def plant(step: int, place: str) -> None:
     def entering(self, phase: str, at: int | None = None) -> None:
         enter(self, phase, at)
         where = plant.where = self.where[:2]
-        if place == "forward" and where == (step, "forward"):
+        if place not in ("snapshot", "collective") and where == (step, place):
             die(place, step)
 
     Watchdog.enter = entering

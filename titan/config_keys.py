@@ -20,24 +20,27 @@ from titan.config import load, sections
 
 @dataclass
 class Key:
-    name: str  # section.key; a [[data.sources]] table's keys are data.sources[].key
+    name: str  # section.key; a [[data.sources]] table's keys are data.sources[].key, a stage's data.stages[].key
     type: str
     default: str
     description: str
 
     @property
     def section(self) -> str:
-        """The recipe table the key sits in, as TOML writes it: [training], or [[data.sources]]."""
+        """The recipe table the key sits in, as TOML writes it: [training], [[data.sources]] or
+        [[data.stages.sources]]."""
         table = self.name.rsplit(".", 1)[0]
-        return f"[[{table[:-2]}]]" if table.endswith("[]") else f"[{table}]"
+        return f"[[{table[:-2].replace('[]', '')}]]" if table.endswith("[]") else f"[{table}]"
 
 
 def recipe_keys() -> list[Key]:
     keys = []
     for section, cls in typing.get_type_hints(sections.Config).items():
         keys += _keys(section, cls)
-        if cls is sections.Data:  # the tables of a mixture
+        if cls is sections.Data:  # the tables of a mixture, and of stages
             keys += _keys("data.sources[]", sections.DataSource)
+            keys += _keys("data.stages[]", sections.DataStage)
+            keys += _keys("data.stages[].sources[]", sections.DataSource)
         if cls is sections.Validation:  # the named sets
             keys += _keys("validation.sets[]", sections.ValidationSet)
     return keys

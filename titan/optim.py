@@ -82,9 +82,10 @@ def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tens
             }
 
 
-def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
+def lr_factor(step: int, total_steps: int, cfg: LRScheduler, decay_start: int | None = None) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based). A warmup longer than the run (a short smoke run
-    of a long recipe) lasts the whole run."""
+    of a long recipe) lasts the whole run. wsd decays from `decay_start` (a data stage's first step) where given,
+    else over the last wsd_decay_ratio of the steps; never before the warmup ends."""
     warmup = min(cfg.warmup_steps, total_steps)
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -92,8 +93,9 @@ def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
     if cfg.decay == "constant":
         return 1.0
     if cfg.decay == "wsd":
-        decay_steps = max(1, round(cfg.wsd_decay_ratio * total_steps))
-        decay_start = max(warmup, total_steps - decay_steps)
+        if decay_start is None:
+            decay_start = total_steps - max(1, round(cfg.wsd_decay_ratio * total_steps))
+        decay_start = max(warmup, decay_start)
         if step < decay_start:
             return 1.0
         progress = (step - decay_start + 1) / max(1, total_steps - decay_start)
@@ -104,8 +106,10 @@ def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int, decay_start: int | None = None
+):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg, decay_start))
 
 
 @torch.no_grad()

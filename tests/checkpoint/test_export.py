@@ -160,6 +160,20 @@ def test_the_card_names_sources_without_local_paths_and_keeps_each_value_in_its_
     assert all(line.count("|") - line.count("\\|") == 3 for line in table.splitlines()), table
 
 
+def test_the_card_of_a_run_in_stages_names_each_stage_and_where_it_began():
+    from titan.checkpoint.hf.card import _recipe_rows, _table
+
+    stages = [
+        {"name": "pretrain", "start_step": 0, "start_tokens": 0, "sources": [{"source": "titan:shakespeare"}]},
+        {"name": "anneal", "start_step": 140, "start_tokens": 0,
+         "sources": [{"source": "/home/alice/stories.jsonl", "weight": 3.0}, {"source": "titan:shakespeare"}]},
+    ]  # fmt: skip
+    recipe = {"model": {"name": "llama3", "flavor": "debug"}, "data": {"source": "", "stages": stages}}
+    table = _table(_recipe_rows(recipe, {"step": 200, "tokens_seen": 9}, 10, 32))
+    want = "| data | pretrain: titan:shakespeare; anneal after 140 steps: stories.jsonl (weight 3.0), titan:shakespeare"
+    assert want in table, table
+
+
 def test_the_card_of_an_earlier_checkpoint_has_its_own_losses(run_dir, tmp_path):
     """Exported from step 2 of the 4-step run: the losses logged at step 2, not the run's last ones."""
     hf_io.dcp_to_hf(run_dir / "checkpoints" / "step-2", tmp_path / "step2")

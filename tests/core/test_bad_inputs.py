@@ -40,6 +40,16 @@ def recipe_file(text: str | bytes):
     return write
 
 
+def stages_recipe(*stages: str):
+    """Setup: a recipe of these [[data.stages]] tables (the keys each adds to its table), each reading one source
+    unless its keys end in a comment."""
+    tables = "".join(
+        f"[[data.stages]]\n{keys}\n" + ("" if keys.endswith("#") else "[[data.stages.sources]]\nsource = 'a.jsonl'\n")
+        for keys in stages
+    )
+    return recipe_file(f"[tokenizer]\npath = 'data/tokenizer.json'\n[lr_scheduler]\ndecay = 'wsd'\n{tables}")
+
+
 def data_file(name: str, content):
     """Setup: a data file of `content` (bytes, or a function that makes them: large ones are made when run)."""
 
@@ -274,6 +284,41 @@ CASES = [
         {},
         ["data.sources[1].weight = 1e-07", "under one sample in 1048576", "at least 9.63e-07"],
     ),
+    # -- data stages
+    (
+        "a stage starting before the one before it",
+        "show",
+        [],
+        stages_recipe("", "start_step = 5", "start_tokens = 100"),
+        {},
+        ["data.stages[2] starts at step 1 (start_tokens 100 at 2048 tokens a step)", "not after data.stages[1]"],
+    ),
+    (
+        "a stage's weights summing to no positive number",
+        "show",
+        [],
+        stages_recipe("", "start_step = 5\n[[data.stages.sources]]\nsource = 'a.jsonl'\nweight = 0\n#"),
+        {},
+        ["data.stages[1].sources[0].weight must be > 0"],
+    ),
+    ("a stage of no source", "show", [], stages_recipe("", "start_step = 5\n#"), {}, ["data.stages[1] has no sources"]),
+    (
+        "a decay stage without wsd",
+        "show",
+        ["--lr_scheduler.decay", "cosine"],
+        stages_recipe("", "start_step = 5\ndecay = true"),
+        {},
+        ["data.stages[1].decay = true", "lr_scheduler.decay is 'cosine'", "set lr_scheduler.decay = 'wsd'"],
+    ),
+    (
+        "stages with tokens batching",
+        "show",
+        ["--data.batching", "tokens"],
+        stages_recipe(""),
+        {},
+        ["data.stages with data.batching = 'tokens' is not supported", "use data.batching = 'rows'"],
+    ),
+    ("stages beside data.source", "show", ["--data.source", "a.jsonl"], stages_recipe(""), {}, ["leave data.source"]),
     # -- the global batch and the layout's degrees
     (
         "global batch below data-parallel size",

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 
 from titan import __version__
-from titan.config import Config, load_config, require_inputs
-from titan.config.checks import warn_of_a_short_warmup
+from titan.config import Config, load_config, require_inputs, run_stages
+from titan.config.checks import warn_of_a_wasted_schedule
 from titan.errors import Mistakes
 from titan.launcher import Launch
 from titan.run_plan import run_plan
@@ -100,9 +100,11 @@ def preflight(path: Path, overrides: list[str], world_size: int | None = None) -
     if not any(str(e).startswith("model.") for e in mistakes.found):  # else said already
         with mistakes.gather():
             args = resolve_args(config)
-    if not mistakes.found:  # the run plan of a recipe whose values are right
-        run_plan(config, world_size)
+    if not mistakes.found:  # the run plan and the stages of a recipe whose values are right
+        # The stages' order needs the run's global batch: checked here, before the run joins its process group.
+        with mistakes.gather():
+            stages = run_stages(config, run_plan(config, world_size).global_rows)
     mistakes.raise_any()
-    warn_of_a_short_warmup(config)
+    warn_of_a_wasted_schedule(config, stages)
     warn_of_an_impossible_export(config, args)
     return config

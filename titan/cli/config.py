@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from titan.cli.common import CONFIG_OPTION, config_app, preflight, recipe_command
-from titan.config import degrees_world_size, read_config, to_toml
+from titan.config import degrees_world_size, describe_stages, read_config, run_stages, to_toml
 from titan.errors import ConfigError, UserError
 from titan.launcher import Launch
 
@@ -24,14 +24,18 @@ def config_show(
 
     Defaults and overrides applied, once it passes what `titan train` checks before it reads any data: the keys,
     the model, the parallel layout and the run plan (and, where the recipe's device is on this machine, what the
-    layout asks of it)."""
+    layout asks of it). A recipe in [[data.stages]] ends with each stage's steps and tokens, as TOML comments."""
     if world_size is None:
         launch = Launch.from_env()  # under torchrun: its world; else the one the degrees ask for
         world_size = launch.world if launch.launched else degrees_world_size(read_config(config, ctx.args).parallel)
     cfg = preflight(config, ctx.args, world_size)
     from titan.train.preflight import check_run
 
-    typer.echo(to_toml(check_run(cfg, world_size, lambda: _device_here(cfg.training.device)).config), nl=False)
+    checked = check_run(cfg, world_size, lambda: _device_here(cfg.training.device))
+    typer.echo(to_toml(checked.config), nl=False)
+    if cfg.data.stages:
+        stages = run_stages(cfg, checked.plan.global_rows)
+        typer.echo("".join(f"# {line}\n" for line in describe_stages(stages, checked.plan.tokens_per_step)), nl=False)
 
 
 def _device_here(name: str):

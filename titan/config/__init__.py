@@ -4,12 +4,12 @@ Every user mistake raises `ConfigError` with a one-line message that names the k
 and exits with status 2. Nothing else in titan parses recipe text.
 
 sections.py holds the sections, load.py reads and writes recipes, checks.py validates them, layout.py splits the world
-by the parallel degrees and resume_keys.py names the keys a resume checks.
+by the parallel degrees, stages.py resolves the data stages' steps and resume_keys.py names the keys a resume checks.
 """
 
 from __future__ import annotations
 
-from titan.config.checks import MAY_BE_INFINITE, NO_DATA, NO_TOKENIZER, require, require_inputs, validate
+from titan.config.checks import MAY_BE_INFINITE, NO_DATA, NO_TOKENIZER, require_inputs, validate
 from titan.config.layout import LAYOUT_SPEC, Layout, LayoutError, degrees_world_size
 from titan.config.load import (
     DEGREES,
@@ -24,14 +24,13 @@ from titan.config.load import (
 )
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS, math_values
 from titan.config.sections import (
-    BLEND_PERIOD,
-    MAX_BLEND_PERIOD,
     ActivationCheckpoint,
     Checkpoint,
     Compile,
     Config,
     Data,
     DataSource,
+    DataStage,
     Eval,
     Float8,
     Job,
@@ -48,9 +47,19 @@ from titan.config.sections import (
     Training,
     Validation,
     ValidationSet,
-    blend_period,
     to_dict,
 )
+from titan.config.stages import (
+    BLEND_PERIOD,
+    MAX_BLEND_PERIOD,
+    Stage,
+    blend_period,
+    decay_start,
+    describe_stages,
+    run_stages,
+    stage_at,
+)
+from titan.errors import require
 
 __all__ = [
     "BLEND_PERIOD",
@@ -69,6 +78,7 @@ __all__ = [
     "Config",
     "Data",
     "DataSource",
+    "DataStage",
     "Eval",
     "Float8",
     "Job",
@@ -82,6 +92,7 @@ __all__ = [
     "PlanTarget",
     "Profiling",
     "Replay",
+    "Stage",
     "Straggler",
     "Tokenizer",
     "Training",
@@ -89,14 +100,18 @@ __all__ = [
     "ValidationSet",
     "_all_keys",  # tests check that config_keys lists every key
     "blend_period",
+    "decay_start",
     "degrees_world_size",
+    "describe_stages",
     "load_config",
     "math_values",
     "parse_overrides",
     "read_config",
     "require",
     "require_inputs",
+    "run_stages",
     "saved_section",
+    "stage_at",
     "to_dict",
     "to_toml",
     "toml_value",

@@ -11,6 +11,7 @@ from titan.config.data_checks import validate_data, validate_evaluation
 from titan.config.layout import Layout
 from titan.config.resume_keys import MATH_KEYS, PREPARED_KEYS
 from titan.config.sections import Config, Parallel
+from titan.config.stages import Stage, decay_start
 from titan.errors import ConfigError, Mistakes, require
 from titan.hub import model_folder
 
@@ -74,7 +75,7 @@ def _validate_run(config: Config) -> None:
 NO_TOKENIZER = "the recipe names no tokenizer: set tokenizer.path (a tokenizer.json, a model folder or a hub name)"
 NO_DATA = (
     "the recipe names no data: set data.source (a .jsonl, .parquet or .txt file or folder, a hub dataset or "
-    "titan:shakespeare), or [[data.sources]]"
+    "titan:shakespeare), [[data.sources]] or [[data.stages]]"
 )
 
 
@@ -90,13 +91,15 @@ def require_inputs(config: Config) -> None:
     with found.gather():
         require(config.tokenizer.path != "" or bool(brings_tokenizer), NO_TOKENIZER)
     with found.gather():
-        require(config.data.source != "" or bool(config.data.sources), NO_DATA)
+        require(config.data.source != "" or bool(config.data.sources) or bool(config.data.stages), NO_DATA)
     found.raise_any()
 
 
-def warn_of_a_short_warmup(config: Config) -> None:
-    """A run shorter than its warmup (a smoke run of a long recipe) trains all the same, its lr never at its peak:
-    said by the commands that train or show the run, not by those that only read the recipe (data prepare)."""
+def warn_of_a_wasted_schedule(config: Config, stages: list[Stage]) -> None:
+    """What trains all the same but wastes the lr schedule, said by the commands that train or show the run (not by
+    those that only read the recipe): a run shorter than its warmup (a smoke run of a long recipe), whose lr never
+    reaches its peak, and a decay stage (of the run's `stages`) that starts inside the warmup, whose decay waits for
+    the warmup's end."""
     steps, warmup = config.training.steps, config.lr_scheduler.warmup_steps
     if warmup > steps:
         log.warning(
@@ -105,6 +108,15 @@ def warn_of_a_short_warmup(config: Config) -> None:
             warmup,
             steps,
         )
+    start = decay_start(stages)
+    if start is not None and start < min(warmup, steps):
+        stage = next(s for s in stages if s.decay)
+        log.warning(
+            "data.stages[%d] %r starts the lr decay at step %d, inside the warmup (lr_scheduler.warmup_steps %d): "
+            "the decay begins only when the warmup ends, and the lr never holds at optimizer.lr; start the stage "
+            "later or shorten the warmup",
+            stage.index, stage.name, start + 1, warmup,
+        )  # fmt: skip
 
 
 def _validate_parallel(p: Parallel) -> None:

@@ -7,8 +7,9 @@ import math
 import re
 from pathlib import Path
 
-from titan.config.sections import MAX_BLEND_PERIOD, Config, DataSource, Validation, ValidationSet, blend_period
-from titan.errors import ConfigError, require
+from titan.config.sections import Config, DataSource, Validation, ValidationSet
+from titan.config.stages import check_mixture, check_stages
+from titan.errors import require
 
 
 def validate_data(config: Config) -> None:
@@ -39,25 +40,9 @@ def validate_data(config: Config) -> None:
             "compile.enable with data.batching = 'tokens' is not supported: every micro-batch has another length, "
             "and per-document attention would recompile each block; use one or the other",
         )
-    for i, source in enumerate(d.sources):
-        require(source.source != "", f"data.sources[{i}].source must name a local file, folder or hub dataset")
-        require(
-            0 < source.weight < math.inf,
-            f"data.sources[{i}].weight must be > 0 and finite (a share of the mixture), got {source.weight}",
-        )
     if d.sources:
-        weights = [s.weight for s in d.sources]
-        try:
-            blend_period(weights)
-        except ValueError:
-            i = weights.index(min(weights))
-            # The smallest weight that works, 1% up so that rounding it to 3 digits cannot take it below.
-            smallest = (sum(weights) - weights[i]) / (MAX_BLEND_PERIOD - 1) * 1.01
-            raise ConfigError(
-                f"data.sources[{i}].weight = {weights[i]} is {weights[i] / sum(weights):.3g} of the mixture, under one "
-                f"sample in {MAX_BLEND_PERIOD} (the longest blend pattern), so it would get none; raise it to at "
-                f"least {smallest:.3g}, or drop the source"
-            ) from None
+        check_mixture(d.sources, "data.sources")
+    check_stages(config)
     require(
         d.prepare_workers >= 0,
         f"data.prepare_workers must be >= 0 (0 = one per CPU, at most 8), got {d.prepare_workers}",

@@ -3,7 +3,7 @@ what it holds out for validation, and the benchmark tasks it runs. A field's com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
@@ -26,7 +26,19 @@ class DataSource:
     text_unit: Literal["file", "paragraph", "line"] = "file"
 
 
-# A mixture's sources take turns in a pattern of samples, repeated (titan/data/loader.py's Blend), in which each
+@dataclass(frozen=True)
+class DataStage:
+    """One [[data.stages]] table: what the run reads from its start on, until the next stage's."""
+
+    name: str = ""  # how logs and metrics name the stage; "" = stage<i>
+    start_step: int = 0  # the stage's first step; the first stage starts at 0, each later one after the one before
+    start_tokens: int = 0  # or: it starts at the first step that begins at or past this many tokens
+    # Its mixture: [[data.stages.sources]] tables, as [[data.sources]]; a source an earlier stage read goes on there.
+    sources: list[DataSource] = field(default_factory=list)
+    decay: bool = False  # with lr_scheduler.decay = "wsd": the lr decays from this stage's first step
+
+
+# A mixture's sources take turns in a pattern of samples, repeated (titan/data/stages.py's Blend), in which each
 # source has its share to within one sample. A share under one sample in BLEND_PERIOD would get none, so the
 # pattern doubles until every share has one: honoured rather than refused, as a longer pattern costs only memory
 # (16 bytes a sample); validate refuses a share that even MAX_BLEND_PERIOD cannot hold.
@@ -55,6 +67,9 @@ class Data:
     revision: str = ""
     # ... or a mixture: several [[data.sources]] blended by weight; the single-source keys are then unused.
     sources: list[DataSource] = field(default_factory=list)
+    # ... or stages: [[data.stages]], each from a step or token count on with a mixture of its own (an annealing
+    # stage); data.source and [[data.sources]] are then left out.
+    stages: list[DataStage] = field(default_factory=list)
     shuffle: bool = True  # shuffle documents every epoch, by (seed, epoch)
     # Tokens attend only within their own document and positions restart at each document.
     document_mask: bool = True
@@ -73,7 +88,10 @@ class Data:
     auto_prepare_max_mb: float = 1024.0
 
     def source_list(self) -> list[DataSource]:
-        """The sources to blend: [[data.sources]], or the single source these keys describe."""
+        """The sources the run reads: [[data.sources]], every stage's (each once, weight 1, in order of first use),
+        or the single source these keys describe."""
+        if self.stages:
+            return list(dict.fromkeys(replace(s, weight=1.0) for stage in self.stages for s in stage.sources))
         if self.sources:
             return self.sources
         return [

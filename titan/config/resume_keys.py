@@ -19,6 +19,7 @@ MATH_KEYS = (
     "tokenizer.eos_token",
     "data.source",
     "data.sources",
+    "data.stages",
     "data.format",
     "data.text_field",
     "data.text_unit",

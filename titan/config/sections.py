@@ -15,6 +15,7 @@ from titan.config.data_sections import (  # noqa: F401 (the schema's, re-exporte
     MAX_BLEND_PERIOD,
     Data,
     DataSource,
+    DataStage,
     Eval,
     Validation,
     ValidationSet,
@@ -52,9 +53,8 @@ class Tokenizer:
 @dataclass(frozen=True)
 class Training:
     local_batch_size: int = 8  # most sequences per micro-batch on each data-parallel rank (a memory cap)
-    global_batch_size: int = (
-        0  # sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size
-    )
+    # Sequences per optimizer step, whatever the layout; 0: local_batch_size x data-parallel size.
+    global_batch_size: int = 0
     seq_len: int = 256  # tokens per sequence (a row of the global batch)
     steps: int = 100  # optimizer steps to train; the lr schedule spans them
     max_grad_norm: float = 1.0  # 0 disables clipping

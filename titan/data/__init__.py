@@ -7,14 +7,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from titan.config import Config, DataSource, ValidationSet
+from titan.config import Config, DataSource, Stage, ValidationSet, run_stages
 from titan.data.order import Split, hold_out
 from titan.data.tokenizer import Tokenizer
 from titan.errors import ConfigError
 
 if TYPE_CHECKING:
     from titan.data.document_batches import DocumentBatchLoader, DocumentPieces
-    from titan.data.loader import IGNORE, Batch, Blend, GlobalBatchLoader, PackedSamples
+    from titan.data.loader import IGNORE, Batch, GlobalBatchLoader, PackedSamples
+    from titan.data.stages import StagedBlend
 
 __all__ = [
     "IGNORE",
@@ -139,9 +140,11 @@ def build_loaders(
     validation is on, the validation loader: global batches of `global_batch` rows, of which this rank reads `rows`
     in micro-batches of `micro_batches` rows."""
     from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples, check_enough_tokens
+    from titan.data.stages import StagedBlend
 
     d, v, t = config.data, config.validation, config.training
     sources = d.source_list()
+    stages = run_stages(config, global_batch)
     train_rows = d.batching == "rows"
     train, held = [], []
     for stream, source in enumerate(sources):
@@ -156,11 +159,12 @@ def build_loaders(
             check_enough_tokens(samples, what)
             train.append(samples)
         if holds_out:
-            held.append((source.weight, PackedSamples(documents, validation, t.seq_len, 0, False, stream)))
+            weight = _validation_weight(stages, stream) if d.stages else source.weight
+            held.append((weight, PackedSamples(documents, validation, t.seq_len, 0, False, stream)))
     loader = None
     if train_rows:
-        blend = Blend([s.weight for s in sources])
-        _log_mixture(sources, train, blend, t.steps * global_batch)
+        blend = StagedBlend(stages, len(sources), global_batch)
+        _log_mixture(stages, train, blend, global_batch)
         loader = GlobalBatchLoader(train, blend, global_batch, rows, micro_batches, d.document_mask)
     if not v.interval:
         return loader, None
@@ -217,16 +221,30 @@ def document_pieces(config: Config) -> DocumentPieces:
     return pieces
 
 
-def _log_mixture(sources: list[DataSource], train: list[PackedSamples], blend: Blend, run_samples: int) -> None:
-    total_weight = sum(s.weight for s in sources)
-    counts = blend.counts(run_samples)
-    for source, samples, count in zip(sources, train, counts):
-        log.info(
-            "data %s: %d sequences per epoch; weight %.3f, realised %.3f of this run's %d sequences (%.2f epochs)",
-            source.source,
-            samples.samples_per_epoch,
-            source.weight / total_weight,
-            count / max(run_samples, 1),
-            run_samples,
-            count / samples.samples_per_epoch,
-        )
+def _validation_weight(stages: list[Stage], stream: int) -> float:
+    """Validation's weight for a source of a run in stages: the sum of its shares of the stages' mixtures."""
+    return sum(
+        source.weight / sum(s.weight for s in stage.sources)
+        for stage in stages
+        for source, its_stream in zip(stage.sources, stage.streams)
+        if its_stream == stream
+    )
+
+
+def _log_mixture(stages: list[Stage], train: list[PackedSamples], blend: StagedBlend, global_batch: int) -> None:
+    """Each stage's sources: their sequences per epoch, weights, realised shares and the epochs the stage reads."""
+    for stage, stage_blend in zip(stages, blend.blends):
+        samples = (stage.end_step - stage.first_step) * global_batch
+        total_weight = sum(s.weight for s in stage.sources)
+        what = "this run" if len(stages) == 1 else f"stage {stage.index} {stage.name!r}"
+        for source, stream, count in zip(stage.sources, stage.streams, stage_blend.counts(samples)):
+            log.info(
+                "data %s: %d sequences per epoch; weight %.3f, realised %.3f of the %d sequences of %s (%.2f epochs)",
+                source.source,
+                train[stream].samples_per_epoch,
+                source.weight / total_weight,
+                count / max(samples, 1),
+                samples,
+                what,
+                count / train[stream].samples_per_epoch,
+            )

@@ -3,7 +3,8 @@
 The sample order is a pure function of (seed, epoch): every epoch orders the documents of each source
 (titan.data.order, computed on demand), concatenates them, and cuts the stream into windows of seq_len + 1
 tokens (inputs and, shifted by one, labels); a window never spans two epochs, and the tail that fills no window
-is dropped. With several sources, a fixed blend pattern says which source serves each global sample (`Blend`).
+is dropped. With several sources, a fixed blend pattern says which source serves each global sample (`Blend`; one
+per stage of a run in [[data.stages]], titan/data/stages.py).
 Global sample g is row g % G of step g // G for a global batch of G rows, so the loader's whole state is one
 integer, the next global sample: resuming costs the same at any position, and a run resumed with another
 data-parallel size reads exactly the batches the original run would have read.

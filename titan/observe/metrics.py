@@ -219,8 +219,9 @@ def _run_markdown(config: Config, names: dict, extra_info: dict) -> str:
 def format_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
     mfu = f"mfu {100 * metrics['mfu']:.2f}%" if "mfu" in metrics else "mfu -"
     mtp = f" | mtp_loss {metrics['mtp_loss']:.4f}" if "mtp_loss" in metrics else ""  # a multi-token prediction's
+    stage = f" | stage {metrics['stage']}" if "stage" in metrics else ""  # a run in [[data.stages]]
     return (
-        f"step {step:>{len(str(total))}}/{total} | loss {metrics['loss']:.4f}{mtp} | grad_norm "
+        f"step {step:>{len(str(total))}}/{total}{stage} | loss {metrics['loss']:.4f}{mtp} | grad_norm "
         f"{metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:,.0f} tok/s | {mfu} "
         f"| {1000 * metrics['step_time_s']:.0f} ms/step | mem {metrics['peak_memory_gib']:.2f} GiB | eta "
         f"{duration(eta_s)}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from titan.config import Config, to_toml
+from titan.config import Config, Stage, to_toml
 from titan.observe.metrics import (
     MetricsLogger,
     RemainingTime,
@@ -83,6 +83,15 @@ class RunReport:
         self.metrics.log(step, metrics)
         eta = self.remaining.eta(step, step_time)
         log.info(format_line(step, self.config.training.steps, metrics, eta_s=eta))
+
+    def stage(self, stage: Stage, step: int, first_step: int, tokens_seen: int) -> None:
+        """A data stage's start, at 0-based `step` with `tokens_seen` tokens trained before it: said at its first
+        step, and where this call of train() starts (`first_step`: a resume) inside it."""
+        if step == stage.first_step or step == first_step:
+            verb = "begins" if step == stage.first_step else "goes on"
+            mixture = ", ".join(f"{source.source} (weight {source.weight:g})" for source in stage.sources)
+            log.info("data stage %d %r %s at step %d, after %d tokens: %s", stage.index, stage.name, verb, step + 1,
+                     tokens_seen, mixture)  # fmt: skip
 
     def validation(self, step: int, loss: float, seconds: float) -> None:
         perplexity = math.exp(min(loss, 50.0))

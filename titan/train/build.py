@@ -15,7 +15,7 @@ import torch.distributed as dist
 from titan.checkpoint.checkpointer import Checkpointer, RunRecord
 from titan.checkpoint.hf.files import copy_tokenizer_files
 from titan.checkpoint.train_state import model_buffers, model_shapes
-from titan.config import Config, math_values, to_toml
+from titan.config import Config, decay_start, math_values, run_stages, to_toml
 from titan.data import DocumentBatchLoader, build_loaders, document_pieces, prepared_record, validation_set_loaders
 from titan.data.document_batches import Placement
 from titan.data.packing import CostModel, Target
@@ -62,7 +62,8 @@ def build_step(
     optimizer, lr schedule and (under a pipeline) the schedule that runs them."""
     parts = build_model_parts(config, model.spec, model.args, plan, rank, mesh, device)
     optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
-    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    decays_from = decay_start(run_stages(config, plan.global_rows))
+    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps, decays_from)
     loss = StepLoss(hook)
     schedule = _pipeline_schedule(config, model, plan, rank, parts, loss, mesh, device) if plan.layout.pp > 1 else None
     sequence = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from titan.checkpoint.resume import complete_checkpoints
-from titan.config import Config
+from titan.config import Config, run_stages, stage_at
 from titan.data import DocumentBatchLoader
 from titan.data.tokenizer import Tokenizer
 from titan.launcher import Launch
@@ -80,6 +80,7 @@ class Trainer:
         waits = config.fault.collective_timeout_s  # joining and every collective of the groups titan makes
         self.rank, self.world_size = init_distributed(config.parallel.backend, self.device, waits)
         self.rank_plan = self.run_plan.rank(self.rank)
+        self.stages = run_stages(config, self.run_plan.global_rows) if config.data.stages else []
         # A run on the CPU that meant a GPU is the costliest surprise: say first where it runs and why.
         cpu_fallback = t.device == "auto" and self.device.type == "cpu" and torch.version.cuda is not None
         (log.warning if cpu_fallback else log.info)("device: %s, %s", self.device, device_reason)
@@ -192,6 +193,8 @@ class Trainer:
                 self.watchdog.enter("logging", self.step + 1)  # a deferred non-finite check settles the loss
                 unsettled.settle_if_nonfinite()  # stops the run, or logs the skipped step
                 step_start = time.perf_counter()
+                if self.stages:
+                    self.report.stage(stage_at(self.stages, self.step), self.step, first_step, self.tokens_seen)
                 with self.clock.phase("data"):
                     batches = next(self.loader)
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -210,6 +213,8 @@ class Trainer:
                     loss = unsettled.settle()
                 if due.log:
                     figures = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **phases, **self.stepper.step_metrics()}
+                    if self.stages:  # the stage of the step just trained, 0-based self.step - 1
+                        figures["stage"] = stage_at(self.stages, self.step - 1).index
                     self.report.step(self.step, figures, window, self.tokens_seen)
                     if isinstance(self.loader, DocumentBatchLoader):
                         self._log_packing(compute.seconds())

@@ -59,6 +59,24 @@ def _source_name(source: str) -> str:
     return Path(source).name if local else source  # no suffix and no leading path: a hub id, org/name
 
 
+def _data(data: dict) -> str:
+    """The sources the run read, weighted in a mixture; of a run in [[data.stages]], each stage's and where it began."""
+    stages = data.get("stages") or [{"sources": data.get("sources") or [{"source": data.get("source", "?")}]}]
+    described = []
+    for i, stage in enumerate(stages):
+        sources = stage.get("sources", [])
+        weighted = len(sources) > 1
+        mixture = ", ".join(
+            _source_name(str(s["source"])) + (f" (weight {s.get('weight', 1.0)})" if weighted else "") for s in sources
+        )
+        name = stage.get("name") or f"stage{i}"
+        after = (
+            f"{stage['start_tokens']:,} tokens" if stage.get("start_tokens") else f"{stage.get('start_step', 0)} steps"
+        )
+        described.append(mixture if len(stages) == 1 else f"{name}{f' after {after}' if i else ''}: {mixture}")
+    return "; ".join(described)
+
+
 def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list[tuple[str, str]]:
     """What was trained, on what and how: the recipe's math, not its layout (which changes no number here)."""
     model, data, training = recipe.get("model", {}), recipe.get("data", {}), recipe.get("training", {})
@@ -74,17 +92,7 @@ def _recipe_rows(recipe: dict, state: dict, n_params: int, context: int) -> list
         rows.append(("context length", f"trained at {trained_at:,} tokens (positions up to {context:,})"))
     if state["step"] == 0:
         return rows
-    sources = data.get("sources") or [{"source": data.get("source", "?")}]
-    weighted = len(sources) > 1
-    rows.append(
-        (
-            "data",
-            ", ".join(
-                _source_name(str(s["source"])) + (f" (weight {s.get('weight', 1.0)})" if weighted else "")
-                for s in sources
-            ),
-        )  # fmt: skip
-    )
+    rows.append(("data", _data(data)))
     batch = state.get("math", {}).get("training.global_batch")  # as resolved for the run's layout
     if batch:
         rows.append(("batch", f"{batch} sequences of {training.get('seq_len')} tokens"))
