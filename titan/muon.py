@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.adamw import adamw
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 
 from titan.muon_shards import orthogonalised_shards
 

@@ -26,22 +26,16 @@ class Role:
 
 
 def parameter_roles(model: nn.Module, cfg: Optimizer) -> dict[str, Role]:
-    """Each parameter's role, by name, decided on the whole model (a meta one will do), so that every layout and
-    pipeline stage agrees. ConfigError for a pattern the recipe added that names no parameter, and for Muon on a
-    parameter of more than 2 dims that is not a stack of experts."""
-    named = dict(model.named_parameters())
+    """Each parameter's role, by name: what its name and shape say, so that every layout, pipeline stage and traced
+    block agrees. ConfigError for Muon on a parameter of more than 2 dims that is not a stack of experts."""
     experts = {
         f"{prefix}.{name}"
         for prefix, module in model.named_modules()
         if hasattr(module, "expert_parallel")  # titan/parallel/ep.py's mark of a stack of experts
         for name, _ in module.named_parameters(recurse=False)
     }
-    defaults = Optimizer()
-    _check_patterns("no_decay", cfg.no_decay, defaults.no_decay, named)
-    if cfg.name == "muon":
-        _check_patterns("adamw_for", cfg.adamw_for, defaults.adamw_for, named)
     roles = {}
-    for name, p in named.items():
+    for name, p in model.named_parameters():
         muon = cfg.name == "muon" and p.ndim >= 2 and not _matches(name, cfg.adamw_for)
         if muon and p.ndim > 2 and name not in experts:
             raise ConfigError(
@@ -53,22 +47,29 @@ def parameter_roles(model: nn.Module, cfg: Optimizer) -> dict[str, Role]:
 
 
 def model_roles(spec, args, cfg: Optimizer) -> dict[str, Role]:
-    """parameter_roles of the model `spec` builds from `args`, built on the meta device."""
+    """parameter_roles of the whole model `spec` builds from `args` (on the meta device). ConfigError for a pattern
+    the recipe added that names no parameter."""
     with torch.device("meta"):
-        return parameter_roles(spec.build(args), cfg)
+        model = spec.build(args)
+    names = [name for name, _ in model.named_parameters()]
+    defaults = Optimizer()
+    _check_patterns("no_decay", cfg.no_decay, defaults.no_decay, names)
+    if cfg.name == "muon":
+        _check_patterns("adamw_for", cfg.adamw_for, defaults.adamw_for, names)
+    return parameter_roles(model, cfg)
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
-def _check_patterns(key: str, patterns: list[str], defaults: list[str], named: dict) -> None:
-    unmatched = [p for p in patterns if p not in defaults and not any(fnmatch.fnmatchcase(n, p) for n in named)]
+def _check_patterns(key: str, patterns: list[str], defaults: list[str], names: list[str]) -> None:
+    unmatched = [p for p in patterns if p not in defaults and not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
-        names = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in named))
+        kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
         raise ConfigError(
             f"optimizer.{key}: {unmatched[0]!r} matches no parameter of the model; name one of its parameters by an "
-            f"fnmatch pattern, e.g. one of {', '.join(names[:6])}, ... or remove it"
+            f"fnmatch pattern, e.g. one of {', '.join(kinds[:6])}, ... or remove it"
         )
 
 
@@ -84,10 +85,8 @@ def describe_roles(roles: dict[str, Role], shapes: dict[str, list[int]]) -> str:
     return "\n".join(lines)
 
 
-def build_optimizer(
-    named: list[tuple[str, torch.Tensor]], cfg: Optimizer, roles: dict[str, Role]
-) -> torch.optim.Optimizer:
-    """The optimizer of this rank's parameters (by name), grouped by their roles."""
+def build_optimizer(parts: list[nn.Module], cfg: Optimizer) -> torch.optim.Optimizer:
+    """The optimizer of the parameters of this rank's model parts, grouped by their roles."""
     from torch.distributed.tensor import DTensor
 
     from titan.muon import Muon
@@ -95,10 +94,14 @@ def build_optimizer(
     # The fused kernel takes DTensors or plain tensors, not both: tensor parallelism without FSDP leaves some
     # parameters plain (a mixture of experts' router and routed experts, whole on every tp rank) beside its DTensors.
     grouped: dict[tuple[bool, bool, bool], list[torch.Tensor]] = {}
-    for name, p in named:
-        if p.requires_grad:
-            role = roles[name]
-            grouped.setdefault((role.muon, role.decay, isinstance(p, DTensor)), []).append(p)
+    seen = set()  # a parameter two parts share (a tied head in one stage) is stepped once
+    for part in parts:
+        named = dict(part.named_parameters())
+        for name, role in parameter_roles(part, cfg).items():
+            p = named[name]
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                grouped.setdefault((role.muon, role.decay, isinstance(p, DTensor)), []).append(p)
     groups = [
         {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
         | ({"muon": muon} if cfg.name == "muon" else {})

@@ -342,14 +342,13 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
     from titan.config import Checkpoint, LRScheduler
     from titan.config import Optimizer as OptimizerConfig
     from titan.data.loader import Blend, GlobalBatchLoader, PackedSamples
-    from titan.optim import build_lr_scheduler, build_optimizer, parameter_roles
+    from titan.optim import build_lr_scheduler, build_optimizer
     from titan.parallel.parallelize import ModelParts
 
     def parts(seed: int):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        config = OptimizerConfig(lr=0.1)
-        optimizer = build_optimizer(list(model.named_parameters()), config, parameter_roles(model, config))
+        optimizer = build_optimizer([model], OptimizerConfig(lr=0.1))
         scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=10)
         docs = numbered_documents(20)
         loader = GlobalBatchLoader(

@@ -65,7 +65,7 @@ def build_step(
     if rank == 0:
         groups = describe_roles(roles, model_shapes(model.spec, model.args))
         log.info("optimizer: %s, parameter groups:\n%s", config.optimizer.name, groups)
-    optimizer = build_optimizer(list(parts.named_parameters()), config.optimizer, roles)
+    optimizer = build_optimizer(parts.parts, config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     loss = StepLoss(hook)
     schedule = _pipeline_schedule(config, model, plan, rank, parts, loss, mesh, device) if plan.layout.pp > 1 else None

@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from titan.config import Config, Layout
-from titan.optim import build_lr_scheduler, build_optimizer, ensure_optimizer_state, model_roles
+from titan.optim import build_lr_scheduler, build_optimizer, ensure_optimizer_state
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.ep import expert_modules
 from titan.parallel.mesh import build_mesh
@@ -170,9 +170,7 @@ class _RankStep:
         for part in stages.values():
             part.to_empty(device=CPU)  # values do not matter: no init_weights
         self.params = [p for part in stages.values() for p in part.parameters()]
-        named = [(name, p) for part in stages.values() for name, p in part.named_parameters()]
-        roles = model_roles(context.model.spec, context.model.args, config.optimizer)
-        self.optimizer = build_optimizer(named, config.optimizer, roles)
+        self.optimizer = build_optimizer(list(stages.values()), config.optimizer)
         ensure_optimizer_state(self.optimizer, self.params)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.rules = StepRules.of(plan, config, mesh)
