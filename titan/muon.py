@@ -22,11 +22,11 @@ COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
 
 
-def newton_schulz(g: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
-    """An approximately orthogonal matrix close to U V^T of g = U S V^T, for each matrix of g (..., m, n): in bf16
-    on a GPU, fp32 elsewhere; the result in g's dtype."""
+def newton_schulz(g: torch.Tensor, steps: int = STEPS, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An approximately orthogonal matrix close to U V^T of g = U S V^T, for each matrix of g (..., m, n): in
+    `dtype`, by default bf16 on a GPU (its tensor cores' rate) and fp32 elsewhere; the result in g's dtype."""
     a, b, c = COEFFICIENTS
-    x = g.to(torch.bfloat16 if g.device.type == "cuda" else torch.float32)
+    x = g.to(dtype or (torch.bfloat16 if g.device.type == "cuda" else torch.float32))
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # iterate on the smaller Gram matrix
         x = x.mT

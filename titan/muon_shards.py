@@ -33,8 +33,8 @@ def orthogonalised_shards(
         size = mesh.size()
         for start in range(0, len(indices), size):
             batch = indices[start : start + size]
-            for i, shard in zip(batch, _orthogonalise_stack([updates[i] for i in batch], shape, mesh, placements,
-                                                             orthogonalise)):  # fmt: skip
+            shards = _orthogonalise_stack([updates[i] for i in batch], shape, mesh, placements, orthogonalise)
+            for i, shard in zip(batch, shards):
                 out[i] = shard
     return out
 
