@@ -14,8 +14,8 @@ from helpers import assert_one_line_error, straight_and_resumed
 from titan.checkpoint.resume import check_math
 from titan.config import Optimizer, load_config, math_values
 from titan.errors import ConfigError
-from titan.muon import COEFFICIENTS, newton_schulz
 from titan.optim import build_optimizer, model_roles, parameter_roles
+from titan.optim.muon import COEFFICIENTS, newton_schulz
 from titan.train.model import resolve_model
 
 

@@ -1,4 +1,4 @@
-"""The optimizer (AdamW, or Muon: titan/muon.py) over its parameter groups, and the learning-rate schedule: linear
+"""The optimizer (AdamW, or Muon: titan/optim/muon.py) over its parameter groups, and the learning-rate schedule: linear
 warmup, then cosine, linear, constant or warmup-stable-decay."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def build_optimizer(parts: list[nn.Module], cfg: Optimizer) -> torch.optim.Optim
     """The optimizer of the parameters of this rank's model parts, grouped by their roles."""
     from torch.distributed.tensor import DTensor
 
-    from titan.muon import Muon
+    from titan.optim.muon import Muon
 
     # The fused kernel takes DTensors or plain tensors, not both: tensor parallelism without FSDP leaves some
     # parameters plain (a mixture of experts' router and routed experts, whole on every tp rank) beside its DTensors.
@@ -160,7 +160,7 @@ class FiniteFlags:
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Give each parameter the state its optimizer creates at its first step (zeros), where it has none yet, so
     that a checkpoint or a pipeline re-split can fill it in place."""
-    from titan.muon import Muon
+    from titan.optim.muon import Muon
 
     if isinstance(optimizer, Muon):
         optimizer.ensure_state(params)

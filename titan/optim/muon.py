@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from titan.muon_shards import orthogonalised_shards
+from titan.optim.muon_shards import orthogonalised_shards
 
 # The quintic iteration's coefficients: they push every singular value into about [0.7, 1.2] in five steps, which
 # trains as well as exactly 1 (Keller Jordan's tuning).

@@ -39,12 +39,12 @@ def orthogonalised_shards(
     return out
 
 
-def _whole_locally(p: torch.Tensor) -> bool:
+def _whole_locally(param: torch.Tensor) -> bool:
     """Whether each rank's local tensor holds whole matrices: a plain tensor, a replicated one, or a stack of
     experts split by expert (dim 0) only."""
-    if not isinstance(p, DTensor):
+    if not isinstance(param, DTensor):
         return True
-    return all(pl.is_replicate() or (p.ndim == 3 and isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements)
+    return all(p.is_replicate() or (param.ndim == 3 and isinstance(p, Shard) and p.dim == 0) for p in param.placements)
 
 
 def _orthogonalise_stack(
@@ -53,7 +53,7 @@ def _orthogonalise_stack(
     """The local shards of orthogonalise(each matrix) for up to mesh.size() alike matrices, each done on one rank."""
     size = mesh.size()
     stack = torch.stack(locals_ + [torch.zeros_like(locals_[0])] * (size - len(locals_)))
-    stacked = [_shifted(pl) for pl in placements]
+    stacked = [_shifted(p) for p in placements]
     whole_shape = (size, *shape)
     stride = torch.empty(whole_shape, device="meta").stride()
     one_each = [Shard(0)] * mesh.ndim
@@ -62,11 +62,11 @@ def _orthogonalise_stack(
     return list(done.redistribute(mesh, stacked).to_local().unbind(0))[: len(locals_)]
 
 
-def _shifted(placement):
-    """The placement of a stack of tensors placed `placement`, stacked along a new first dim."""
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(placement.dim + 1, split_factor=placement.split_factor)
-    if isinstance(placement, Shard):
-        return Shard(placement.dim + 1)
-    assert isinstance(placement, Replicate), f"Muon cannot place an update {placement}"
-    return placement
+def _shifted(p):
+    """The placement of a stack of tensors placed `p`, stacked along a new first dim."""
+    if isinstance(p, _StridedShard):
+        return _StridedShard(p.dim + 1, split_factor=p.split_factor)
+    if isinstance(p, Shard):
+        return Shard(p.dim + 1)
+    assert isinstance(p, Replicate), f"Muon cannot place an update {p}"
+    return p
