@@ -152,7 +152,8 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
     if point_to_point:
         ensure_optimizer_state(old.optimizer, list(old.parts.parameters()))  # a re-split before any step
         before = _stage_state(old)
-        steps = next(iter(old.optimizer.state.values()))["step"].clone()  # every parameter took every step
+        # Every AdamW parameter took every step (Muon's keep no count).
+        steps = next(state["step"] for state in old.optimizer.state.values() if "step" in state).clone()
     else:
         checkpointer.save_tensors(scratch)
     new = build()
@@ -160,7 +161,8 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
     if point_to_point:
         ensure_optimizer_state(new.optimizer, list(new.parts.parameters()))
         for state in new.optimizer.state.values():
-            state["step"] = steps.clone()
+            if "step" in state:
+                state["step"] = steps.clone()
         moved = pp.move_stage_state(before, _stage_state(new), new.rules.pp_group)
         how = f"{moved} tensors received point to point"
     else:
