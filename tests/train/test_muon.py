@@ -12,6 +12,7 @@ from torch import nn
 from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
 from helpers import assert_one_line_error, straight_and_resumed
 from titan.checkpoint.resume import check_math
+from titan.checkpoint.train_state import model_shapes
 from titan.config import Optimizer, load_config, math_values
 from titan.errors import ConfigError
 from titan.optim import build_optimizer, model_roles, parameter_roles
@@ -159,3 +160,15 @@ def test_a_muon_run_resumes_bitwise(tmp_path):
     straight, resumed, weights_straight, weights_resumed = straight_and_resumed(tmp_path, {"optimizer.name": "muon"})
     assert straight == resumed
     assert all(torch.equal(weights_resumed[name], value) for name, value in weights_straight.items())
+
+
+def test_titan_plan_counts_one_momentum_per_muon_parameter_and_two_moments_per_adamw_one():
+    from titan.train.estimate.estimate import estimate_step
+
+    config = load_config(DEBUG_RECIPE, ["--optimizer.name", "muon"])
+    model = resolve_model(config)
+    roles, shapes = model_roles(model.spec, model.args, config.optimizer), model_shapes(model.spec, model.args)
+    elements = {
+        muon: sum(math.prod(shapes[n]) for n, role in roles.items() if role.muon == muon) for muon in (True, False)
+    }
+    assert estimate_step(config, 1).ranks[0].trace.optimizer_bytes == 4 * elements[True] + 8 * elements[False]
