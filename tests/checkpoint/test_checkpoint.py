@@ -348,7 +348,7 @@ def test_a_checkpointer_saves_and_restores_the_parts_it_is_given_without_a_train
     def parts(seed: int):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        optimizer = build_optimizer(list(model.parameters()), OptimizerConfig(lr=0.1))
+        optimizer = build_optimizer([model], OptimizerConfig(lr=0.1))
         scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=10)
         docs = numbered_documents(20)
         loader = GlobalBatchLoader(

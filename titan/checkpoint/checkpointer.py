@@ -52,7 +52,7 @@ from titan.checkpoint.train_state import model_buffers, read_train_state, write_
 from titan.config import Checkpoint
 from titan.errors import UserError
 from titan.files import WRITE_ERRORS, write_error, write_synced
-from titan.optim import ensure_adamw_state
+from titan.optim import ensure_optimizer_state
 
 log = logging.getLogger("titan")
 
@@ -170,7 +170,7 @@ class Checkpointer:
                 raise RuntimeError(
                     f"parameters without optimizer state, e.g. {missing[:3]}; are FSDP modules resharded?"
                 )
-            ensure_adamw_state(optimizer, [p for _, p in named])  # loading into it needs it to exist
+            ensure_optimizer_state(optimizer, [p for _, p in named])  # loading into it needs it to exist
             state["optimizer"] = {name: optimizer.state[p] for name, p in named}
         return state
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from titan.checkpoint.format import MARKER, CheckpointReader, dcp_error, single_process_quiet
 from titan.checkpoint.train_state import DATA_STATE
 from titan.config import Checkpoint
+from titan.config.resume_keys import BEFORE_RECORDED
 from titan.errors import ConfigError
 from titan.schema import Invalid, read_json
 
@@ -120,7 +121,7 @@ def check_math(path: Path, train_state: dict, math_values: dict, allow_changes: 
             path,
             ", ".join(unchecked),
         )
-    refused, accepted = changed_keys(saved, math_values, allow_changes)
+    refused, accepted = changed_keys(BEFORE_RECORDED | saved, math_values, allow_changes)
     if refused:
         keys = ",".join(change.split(" ")[0] for change in refused)
         raise ConfigError(

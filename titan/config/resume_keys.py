@@ -49,6 +49,9 @@ MATH_KEYS = (
     "optimizer.beta2",
     "optimizer.eps",
     "optimizer.weight_decay",
+    "optimizer.no_decay",
+    "optimizer.momentum",
+    "optimizer.adamw_for",
     "lr_scheduler.warmup_steps",
     "lr_scheduler.decay",
     "lr_scheduler.min_lr_ratio",
@@ -61,6 +64,9 @@ MATH_KEYS = (
 # MATH_KEYS: each source's prepared tokens (a source whose files changed or grew behind the same path, or another
 # tokenizer, has others) and validation's held-out split.
 PREPARED_KEYS = ("data.prepared", "validation.prepared")
+# What a checkpoint saved before a key was recorded did, as that key's value, which a resume compares as if saved:
+# AdamW decayed every matrix, embeddings included, and no 1-D parameter (titan's models' are norms and biases).
+BEFORE_RECORDED = {"optimizer.no_decay": ["*norm*", "*bias*"]}
 
 
 def math_values(config: Config, global_batch: int) -> dict[str, Any]:
@@ -70,6 +76,8 @@ def math_values(config: Config, global_batch: int) -> dict[str, Any]:
     values["data"]["sources"] = values["data"]["sources"] if config.data.sources else []
     if config.lr_scheduler.decay == "constant":
         values["training"]["steps"] = None  # the only schedule whose lr does not depend on the run's length
+    if config.optimizer.name != "muon":  # AdamW reads neither
+        values["optimizer"]["momentum"] = values["optimizer"]["adamw_for"] = None
     out = {}
     for key in MATH_KEYS:
         section, name = key.split(".")

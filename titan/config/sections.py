@@ -1,6 +1,6 @@
 """The recipe's schema: one frozen dataclass per section, and `Config` holding them all. A field's comment is its
 description: `titan config keys`, the help of the commands that take overrides and docs/config.md read them from
-this file (titan/config_keys.py)."""
+this file and titan/config/optimizer.py (titan/config_keys.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from titan.config.data_sections import (  # noqa: F401 (the schema's, re-exporte
     ValidationSet,
     blend_period,
 )
+from titan.config.optimizer import LRScheduler, Optimizer
 
 
 @dataclass(frozen=True)
@@ -65,25 +66,6 @@ class Training:
     # skip its update and go on, stopping after max_skipped_steps such steps in a row.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_skipped_steps: int = 10  # on_nonfinite = "skip": stop after this many skipped steps in a row
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    name: Literal["adamw"] = "adamw"  # the optimizer
-    lr: float = 3e-4  # the peak learning rate, reached after warmup
-    beta1: float = 0.9  # AdamW's first-moment decay
-    beta2: float = 0.95  # AdamW's second-moment decay
-    eps: float = 1e-8  # added to the second moment's square root
-    weight_decay: float = 0.1  # decoupled, on every parameter
-
-
-@dataclass(frozen=True)
-class LRScheduler:
-    warmup_steps: int = 10  # linear warmup from 0 to optimizer.lr
-    # After warmup: cosine/linear decay to min_lr_ratio*lr, constant, or warmup-stable-decay (wsd).
-    decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    min_lr_ratio: float = 0.1  # the lr decays to this fraction of optimizer.lr
-    wsd_decay_ratio: float = 0.2  # wsd: the last fraction of steps decays linearly
 
 
 @dataclass(frozen=True)

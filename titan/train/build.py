@@ -24,7 +24,7 @@ from titan.errors import ConfigError
 from titan.files import hold_run_folder, write_error
 from titan.hub import model_folder
 from titan.observe.profiling import StepClock
-from titan.optim import build_lr_scheduler, build_optimizer
+from titan.optim import build_lr_scheduler, build_optimizer, describe_roles, model_roles
 from titan.parallel import pp
 from titan.parallel.mesh import new_gloo_group, on_rank_0
 from titan.parallel.parallelize import build_model_parts, stage_batch
@@ -61,7 +61,11 @@ def build_step(
     """Rank `rank`'s model parts for the plan's layout and layer split, initialised from the seed, with their
     optimizer, lr schedule and (under a pipeline) the schedule that runs them."""
     parts = build_model_parts(config, model.spec, model.args, plan, rank, mesh, device)
-    optimizer = build_optimizer(list(parts.parameters()), config.optimizer)
+    roles = model_roles(model.spec, model.args, config.optimizer)
+    if rank == 0:
+        groups = describe_roles(roles, model_shapes(model.spec, model.args))
+        log.info("optimizer: %s, parameter groups:\n%s", config.optimizer.name, groups)
+    optimizer = build_optimizer(parts.parts, config.optimizer)
     decays_from = decay_start(run_stages(config, plan.global_rows))
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps, decays_from)
     loss = StepLoss(hook)

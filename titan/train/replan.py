@@ -20,7 +20,7 @@ from titan.balance import data_shares
 from titan.checkpoint.train_state import model_buffers
 from titan.config import Config
 from titan.observe.metrics import MetricsLogger
-from titan.optim import ensure_adamw_state
+from titan.optim import ensure_optimizer_state
 from titan.parallel import pp
 from titan.run_plan import Blocks, RunPlan, run_plan, stage_ids, stage_layers
 from titan.train.step import TrainStep
@@ -150,17 +150,19 @@ def resplit(old: TrainStep, build: Callable[[], TrainStep], checkpointer, scratc
     point_to_point = not any(isinstance(p, DTensor) for p in old.parts.parameters())
     scheduler_state = old.lr_scheduler.state_dict()
     if point_to_point:
-        ensure_adamw_state(old.optimizer, list(old.parts.parameters()))  # a re-split before any step
+        ensure_optimizer_state(old.optimizer, list(old.parts.parameters()))  # a re-split before any step
         before = _stage_state(old)
-        steps = next(iter(old.optimizer.state.values()))["step"].clone()  # every parameter took every step
+        # Every AdamW parameter took every step (Muon's keep no count).
+        steps = next(state["step"] for state in old.optimizer.state.values() if "step" in state).clone()
     else:
         checkpointer.save_tensors(scratch)
     new = build()
     checkpointer.rebind(model=new.parts, optimizer=new.optimizer, lr_scheduler=new.lr_scheduler)
     if point_to_point:
-        ensure_adamw_state(new.optimizer, list(new.parts.parameters()))
+        ensure_optimizer_state(new.optimizer, list(new.parts.parameters()))
         for state in new.optimizer.state.values():
-            state["step"] = steps.clone()
+            if "step" in state:
+                state["step"] = steps.clone()
         moved = pp.move_stage_state(before, _stage_state(new), new.rules.pp_group)
         how = f"{moved} tensors received point to point"
     else:

@@ -37,13 +37,13 @@ def _checkpoint_times(config) -> tuple[int, float, float, float]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from titan.optim import build_optimizer, ensure_adamw_state
+    from titan.optim import build_optimizer, ensure_optimizer_state
     from titan.train.build import build_model
 
     model = build_model(config, torch.device("cpu"))
     named = list(model.named_parameters())
-    optimizer = build_optimizer([p for _, p in named], config.optimizer)
-    ensure_adamw_state(optimizer, [p for _, p in named])
+    optimizer = build_optimizer([model], config.optimizer)
+    ensure_optimizer_state(optimizer, [p for _, p in named])
     state = {"model": dict(named), "optimizer": {name: optimizer.state[p] for name, p in named}}
     tensors = list(_leaves(state))
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():

@@ -168,7 +168,7 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
         (
             "parameters",
             f"{_params(t.params)} in this rank's shards: {_size(t.param_bytes)}, gradients {_size(t.grad_bytes)}, "
-            f"AdamW moments {_size(t.optimizer_bytes)}",
+            f"{_optimizer_state(estimate)} {_size(t.optimizer_bytes)}",
         ),
         *([("routed experts", _expert_sharding(estimate, t.expert_params))] if t.expert_params else []),
         ("activations at the peak", f"{_size(rank.activations)}, {_micro_batches(rank.in_flight)} in flight"),
@@ -183,6 +183,12 @@ def _rows(estimate: StepEstimate, rank: RankEstimate) -> list[tuple[str, str]]:
         ("busy per step", f"{rank.seconds:.3g} s"),
         ("in-memory snapshot", _snapshot(estimate, t.param_bytes + t.optimizer_bytes, rank.seconds)),
     ]
+
+
+def _optimizer_state(estimate: StepEstimate) -> str:
+    if estimate.config.optimizer.name == "muon":
+        return "Muon's momentum and AdamW's moments"  # one tensor per Muon parameter, two per AdamW one
+    return "AdamW moments"
 
 
 def _snapshot(estimate: StepEstimate, state: int, step_s: float) -> str:

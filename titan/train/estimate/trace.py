@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from titan.config import Config, Layout
-from titan.optim import build_lr_scheduler, build_optimizer, ensure_adamw_state
+from titan.optim import build_lr_scheduler, build_optimizer, ensure_optimizer_state
 from titan.parallel.cp.ring import apply_context_parallel
 from titan.parallel.ep import expert_modules
 from titan.parallel.mesh import build_mesh
@@ -170,8 +170,8 @@ class _RankStep:
         for part in stages.values():
             part.to_empty(device=CPU)  # values do not matter: no init_weights
         self.params = [p for part in stages.values() for p in part.parameters()]
-        self.optimizer = build_optimizer(self.params, config.optimizer)
-        ensure_adamw_state(self.optimizer, self.params)
+        self.optimizer = build_optimizer(list(stages.values()), config.optimizer)
+        ensure_optimizer_state(self.optimizer, self.params)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.rules = StepRules.of(plan, config, mesh)
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}

@@ -1,31 +1,118 @@
-"""AdamW and the learning-rate schedule: linear warmup, then cosine, linear, constant or warmup-stable-decay."""
+"""The optimizer (AdamW, or Muon: titan/optim/muon.py) over its parameter groups, and the learning-rate schedule: linear
+warmup, then cosine, linear, constant or warmup-stable-decay."""
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
+import json
 import math
+import re
 from collections import deque
 
 import torch
+from torch import nn
 
 from titan.config import LRScheduler, Optimizer
+from titan.errors import ConfigError
 
 
-def build_optimizer(params: list[torch.Tensor], cfg: Optimizer) -> torch.optim.Optimizer:
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What the optimizer does to one parameter."""
+
+    muon: bool  # Muon orthogonalises its update (else AdamW steps it)
+    decay: bool  # weight decay applies
+
+
+def parameter_roles(model: nn.Module, cfg: Optimizer) -> dict[str, Role]:
+    """Each parameter's role, by name: what its name and shape say, so that every layout, pipeline stage and traced
+    block agrees. ConfigError for Muon on a parameter of more than 2 dims that is not a stack of experts."""
+    experts = {
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if hasattr(module, "expert_parallel")  # titan/parallel/ep.py's mark of a stack of experts
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    roles = {}
+    for name, p in model.named_parameters():
+        muon = cfg.name == "muon" and p.ndim >= 2 and not _matches(name, cfg.adamw_for)
+        if muon and p.ndim > 2 and name not in experts:
+            raise ConfigError(
+                f"optimizer.name = 'muon': {name} has shape {list(p.shape)}, not a matrix nor a stack of experts; "
+                f"add it to optimizer.adamw_for, e.g. --optimizer.adamw_for '{json.dumps([*cfg.adamw_for, name])}'"
+            )
+        roles[name] = Role(muon=muon, decay=not _matches(name, cfg.no_decay))
+    return roles
+
+
+def model_roles(spec, args, cfg: Optimizer) -> dict[str, Role]:
+    """parameter_roles of the whole model `spec` builds from `args` (on the meta device). ConfigError for a pattern
+    the recipe added that names no parameter."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    names = [name for name, _ in model.named_parameters()]
+    defaults = Optimizer()
+    _check_patterns("no_decay", cfg.no_decay, defaults.no_decay, names)
+    if cfg.name == "muon":
+        _check_patterns("adamw_for", cfg.adamw_for, defaults.adamw_for, names)
+    return parameter_roles(model, cfg)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _check_patterns(key: str, patterns: list[str], defaults: list[str], names: list[str]) -> None:
+    unmatched = [p for p in patterns if p not in defaults and not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
+        raise ConfigError(
+            f"optimizer.{key}: {unmatched[0]!r} matches no parameter of the model; name one of its parameters by an "
+            f"fnmatch pattern, e.g. one of {', '.join(kinds[:6])}, ... or remove it"
+        )
+
+
+def describe_roles(roles: dict[str, Role], shapes: dict[str, list[int]]) -> str:
+    """The parameter groups, one line each: how many parameters and elements, and which (layers' indices as *)."""
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    lines = []
+    for role in sorted(set(roles.values()), key=lambda r: (not r.muon, not r.decay)):
+        names = [name for name, r in roles.items() if r == role]
+        kinds = ", ".join(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
+        what = ("Muon" if role.muon else "AdamW") + (", decayed" if role.decay else ", not decayed")
+        lines.append(f"{what}: {len(names)} parameters, {sum(sizes[n] for n in names):,} elements: {kinds}")
+    return "\n".join(lines)
+
+
+def build_optimizer(parts: list[nn.Module], cfg: Optimizer) -> torch.optim.Optimizer:
+    """The optimizer of the parameters of this rank's model parts, grouped by their roles."""
     from torch.distributed.tensor import DTensor
 
-    # Norm gains (1-D) are not decayed: decay would pull them towards zero instead of regularising. The fused kernel
-    # takes DTensors or plain tensors, not both: tensor parallelism without FSDP leaves some parameters plain (a
-    # mixture of experts' router and routed experts, whole on every tp rank) beside its DTensors.
-    params = [p for p in params if p.requires_grad]
+    from titan.optim.muon import Muon
+
+    # The fused kernel takes DTensors or plain tensors, not both: tensor parallelism without FSDP leaves some
+    # parameters plain (a mixture of experts' router and routed experts, whole on every tp rank) beside its DTensors.
+    grouped: dict[tuple[bool, bool, bool], list[torch.Tensor]] = {}
+    seen = set()  # a parameter two parts share (a tied head in one stage) is stepped once
+    for part in parts:
+        named = dict(part.named_parameters())
+        for name, role in parameter_roles(part, cfg).items():
+            p = named[name]
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                grouped.setdefault((role.muon, role.decay, isinstance(p, DTensor)), []).append(p)
     groups = [
-        {"params": chosen, "weight_decay": weight_decay}
-        for weight_decay, matrices in ((cfg.weight_decay, True), (0.0, False))
-        for dtensors in (False, True)
-        if (chosen := [p for p in params if (p.ndim >= 2) == matrices and isinstance(p, DTensor) == dtensors])
+        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+        | ({"muon": muon} if cfg.name == "muon" else {})
+        for (muon, decay, _), params in grouped.items()
     ]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "muon":
+        return Muon(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, momentum=cfg.momentum)
     # fused: one kernel per parameter group on CPU and GPU (about 7x the CPU's default per-tensor loop), and the
     # only implementation that reads found_inf, which skips a non-finite step on the device without a host sync.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
 
 
 def skip_if_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
@@ -70,9 +157,14 @@ class FiniteFlags:
         self.unread.clear()
 
 
-def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """Give each parameter the state AdamW creates at its first step (zeros), where it has none yet, so that
-    a checkpoint or a pipeline re-split can fill it in place."""
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Give each parameter the state its optimizer creates at its first step (zeros), where it has none yet, so
+    that a checkpoint or a pipeline re-split can fill it in place."""
+    from titan.optim.muon import Muon
+
+    if isinstance(optimizer, Muon):
+        optimizer.ensure_state(params)
+        return
     for p in params:
         if p not in optimizer.state:
             optimizer.state[p] = {
