@@ -394,7 +394,7 @@ TORCHTITAN_MISTAKES = [
     "'metrics.enable_tensorboard' (TorchTitan's name; titan's is metrics.tensorboard)",
     "'metrics.enable_wandb' (TorchTitan's name; titan's is metrics.wandb",
     "'model.hf_assets_path' (TorchTitan's name; titan's is tokenizer.path",
-    "optimizer.name must be one of 'adamw', got 'AdamW': write 'adamw'",
+    "optimizer.name must be one of 'adamw' | 'muon', got 'AdamW': write 'adamw'",
     "'lr_scheduler.decay_type' (TorchTitan's name; titan's is lr_scheduler.decay)",
     "'lr_scheduler.min_lr_factor' (TorchTitan's name; titan's is lr_scheduler.min_lr_ratio)",
     "'training.max_norm' (TorchTitan's name; titan's is training.max_grad_norm)",

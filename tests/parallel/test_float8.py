@@ -38,7 +38,11 @@ SMALL = {
     "lr_scheduler.warmup_steps": "2",
     "metrics.log_freq": "100",
 }
-F8 = {"float8.enable": "true"}
+# The weight bounds below were measured with the embedding decayed, as every matrix was before optimizer.no_decay.
+# Adam moves an element whose gradient is near zero by up to lr whatever its sign's rounding, so TP's largest weight
+# difference depends on the trajectory: with the embedding not decayed (the default now) 59 of 460k elements
+# differ by more than 5e-5 (at most 2.4e-4) while the losses still agree to 3e-7. The groups stay those measured.
+F8 = {"float8.enable": "true", "optimizer.no_decay": '["*norm*", "*bias*"]'}
 ALL_GATHER = {**F8, "float8.enable_fsdp_float8_all_gather": "true", "float8.precompute_dynamic_scale": "true"}
 CPU = torch.device("cpu")
 
