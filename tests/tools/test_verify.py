@@ -415,3 +415,13 @@ def test_verify_passes_on_deepseek_v3_under_ep2_tp2(verify_folder):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "layout dp_shard2-tp2-ep2 (4 processes)" in result.stdout
     assert "equivalent: every tensor within tolerance" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.scenario
+def test_verify_passes_with_muon_under_tp2(tmp_path):
+    """Muon on TP2: its sharded orthogonalisation's updates and momentum buffers, tensor by tensor, against one
+    process's (a folder of its own: the reference reused by the others trains with AdamW)."""
+    result = verify(tmp_path, {"parallel.tp": "2", "optimizer.name": "muon"})
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "equivalent: every tensor within tolerance" in result.stdout
