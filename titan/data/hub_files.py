@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.config import Data, DataSource
-from titan.data.local_files import format_of
+from titan.data.local_files import first_line, format_of
 from titan.errors import ConfigError, UserError, import_extra
 from titan.files import build_once, write_synced
 
@@ -50,7 +50,7 @@ class HubFile:
             except Exception as e:  # network and hub errors: assorted types. Not a ConfigError, which discards
                 raise UserError(  # the units prepared: the source is fine, and the next prepare resumes here
                     f"data.source: could not fetch {self.path} of hub dataset {self.repo!r} at {self.commit[:12]}: "
-                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; run titan data prepare again to "
+                    f"{first_line(e)}; run titan data prepare again to "
                     "resume from this file"
                 ) from None
             yield Path(local)
@@ -85,7 +85,7 @@ def _list(cfg: Data | DataSource, path: str, into: Path) -> None:
     except Exception as e:  # network and hub errors: assorted types
         raise ConfigError(
             f"data.source: could not list hub dataset {path!r} (subset {cfg.subset or 'default'!r}): "
-            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. Without internet, use a local file or folder"
+            f"{first_line(e)}. Without internet, use a local file or folder"
         ) from None
     if cfg.split not in data_files:
         raise ConfigError(
