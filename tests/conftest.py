@@ -1,4 +1,3 @@
-import atexit
 import functools
 import multiprocessing
 import os
@@ -8,6 +7,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import forked_cli
 import pytest
 
 # One OpenMP thread per process: the xdist workers, and the ranks and CLI runs of their tests, already run side by
@@ -72,7 +72,7 @@ def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: 
     with tempfile.TemporaryDirectory(prefix="titan-cli-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         work = (list(args), full_env, str(cwd), str(out), str(err))
-        child = _forkserver().Process(target=_titan_in_this_process, args=work)
+        child = _forkserver().Process(target=forked_cli.titan_main, args=work)
         child.start()
         child.join(timeout)
         if child.is_alive():
@@ -98,33 +98,10 @@ def run_titan_many(runs: list[tuple[list[str], dict]], workers: int = 3) -> list
 @functools.cache
 def _forkserver():
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "titan.cli", "titan.train.trainer"])
+    # typer's parameter parsing imports pydantic on first use: 0.3 s in every child unless the server holds it (a
+    # preload that no longer exists is skipped).
+    context.set_forkserver_preload(["torch", "titan.cli", "titan.train.trainer", "typer._adapters", "forked_cli"])
     return context
-
-
-def _titan_in_this_process(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
-    """A forked child's body: the CLI's entry point in the run's environment and folder, with stdout and stderr
-    going to files. Its exit status is main()'s (multiprocessing turns a SystemExit into it, and prints any other
-    exception's traceback as the interpreter would); the exit handlers run as an interpreter's do."""
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "wb") as f:
-            os.dup2(f.fileno(), fd)
-    sys.argv = ["titan", *args]
-    from titan.cli import main
-
-    try:
-        main()
-    finally:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def scenarios_beyond(default, values) -> list:
