@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,19 +60,23 @@ def pytest_collection_modifyitems(items):
 _READ_AT_IMPORT = ("PYTHON", "HF_")
 
 
-def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False, cwd: Path = ROOT):
+def run_titan(
+    *args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False, cwd: Path = ROOT, script=None
+):
     """Run the real CLI (`titan ARGS`) in `cwd` (the repository root by default), as a user would: the same entry
     point, exit status, stdout and stderr as `python -m titan`. The process is forked from a server that imported
     torch and this checkout's titan once (about 4 s saved per run); `fresh`, or an environment variable read at
-    import, starts a new interpreter instead."""
+    import, starts a new interpreter instead. `script`: a test's wrapper of the entry point, run in titan's place
+    (`python SCRIPT ARGS`)."""
     full_env = {**os.environ, **(env or {})}
     if fresh or any(key.startswith(_READ_AT_IMPORT) for key in env or {}):
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-        return subprocess.run([sys.executable, "-m", "titan", *args], cwd=cwd, env=full_env, capture_output=True,
+        entry = [script] if script else ["-m", "titan"]
+        return subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=full_env, capture_output=True,
                               text=True, timeout=timeout)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="titan-cli-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
-        work = (list(args), full_env, str(cwd), str(out), str(err))
+        work = (list(args), full_env, str(cwd), str(out), str(err), script)
         child = _forkserver().Process(target=forked_cli.titan_main, args=work)
         child.start()
         child.join(timeout)
@@ -80,8 +85,63 @@ def run_titan(*args: str, env: dict | None = None, timeout: float = 600, fresh: 
             child.join()
             raise subprocess.TimeoutExpired(["titan", *args], timeout, _text(out), _text(err))
         if child.exitcode == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
-            return run_titan(*args, env=env, timeout=timeout, fresh=True, cwd=cwd)
+            return run_titan(*args, env=env, timeout=timeout, fresh=True, cwd=cwd, script=script)
         return subprocess.CompletedProcess(["titan", *args], child.exitcode, _text(out), _text(err))
+
+
+def run_titan_ranks(
+    world: int, *args: str, env: dict | None = None, timeout: float = 600, script: str | None = None
+) -> subprocess.CompletedProcess:
+    """`titan ARGS` on `world` local ranks, each forked from run_titan's server with the environment torchrun gives
+    its workers (RANK, WORLD_SIZE, MASTER_ADDR, ... and one OpenMP thread), rank 0 hosting the store: the same
+    entry point and process group as `torchrun --nproc-per-node WORLD -m titan ARGS`, without an interpreter per
+    rank and the agent's (4 s of imports each). As torchrun does, the other ranks are stopped once one fails. The
+    result's exit status is the first failed rank's (else 0), its streams every rank's in rank order. Tests of the
+    launch itself, and runs that set a variable read at import, run the real torchrun (below). `script`: a test's
+    wrapper of the entry point, run in titan's place (`torchrun ... SCRIPT ARGS`)."""
+    from distributed import free_port
+
+    if any(key.startswith(_READ_AT_IMPORT) for key in env or {}):
+        return torchrun(world, list(args), env=env, timeout=timeout, script=script)
+    shared = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "WORLD_SIZE": str(world),
+              "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="titan-ranks-") as tmp:
+        streams = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(world)]
+        ranks = []
+        for r, (out, err) in enumerate(streams):
+            rank_env = {**shared, "RANK": str(r), "LOCAL_RANK": str(r)}
+            work = (list(args), rank_env, str(ROOT), str(out), str(err), script)
+            ranks.append(_forkserver().Process(target=forked_cli.titan_main, args=work))
+            ranks[-1].start()
+        deadline, failed = time.monotonic() + timeout, 0
+        while any(rank.is_alive() for rank in ranks):
+            failed = failed or next((rank.exitcode for rank in ranks if rank.exitcode), 0)
+            if failed or time.monotonic() > deadline:
+                for rank in ranks:
+                    rank.kill()
+                    rank.join()
+                if not failed:
+                    raise subprocess.TimeoutExpired(["titan", *args], timeout)
+            time.sleep(0.05)
+        failed = failed or next((rank.exitcode for rank in ranks if rank.exitcode), 0)
+        if failed == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
+            return torchrun(world, list(args), env=env, timeout=timeout, script=script)
+        texts = [(_text(out), _text(err)) for out, err in streams]
+    return subprocess.CompletedProcess(
+        ["titan", *args], failed, "".join(out for out, _ in texts), "".join(err for _, err in texts)
+    )
+
+
+def torchrun(
+    world: int, args: list[str], env: dict | None = None, timeout: float = 600, script: str | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node WORLD -m titan ARGS` (or `... SCRIPT ARGS`), as a user would start it."""
+    from distributed import free_port
+
+    entry = [script] if script else ["-m", "titan"]
+    command = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), *entry, *args]
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
 def _text(path: Path) -> str:

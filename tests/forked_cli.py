@@ -4,13 +4,15 @@ run."""
 
 import atexit
 import os
+import runpy
 import sys
 
 
-def titan_main(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+def titan_main(args: list[str], env: dict, cwd: str, out: str, err: str, script: str | None = None) -> None:
     """A forked child's body: the CLI's entry point in the run's environment and folder, with stdout and stderr
     going to files. Its exit status is main()'s (multiprocessing turns a SystemExit into it, and prints any other
-    exception's traceback as the interpreter would); the exit handlers run as an interpreter's do."""
+    exception's traceback as the interpreter would); the exit handlers run as an interpreter's do. `script`: a file
+    run as `python SCRIPT ARGS` runs it (a test's wrapper around the entry point) instead of the CLI."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -21,11 +23,11 @@ def titan_main(args: list[str], env: dict, cwd: str, out: str, err: str) -> None
     for fd, path in ((1, out), (2, err)):
         with open(path, "wb") as f:
             os.dup2(f.fileno(), fd)
-    sys.argv = ["titan", *args]
+    sys.argv = [script or "titan", *args]
     from titan.cli import main
 
     try:
-        main()
+        runpy.run_path(script, run_name="__main__") if script else main()
     finally:
         atexit._run_exitfuncs()
         sys.stdout.flush()

@@ -97,16 +97,6 @@ def imported_modules(result) -> set[str]:
     return {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
 
 
-def torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
-    """`torchrun -m titan train ARGS` on `world` local processes, as a user would start it."""
-    from distributed import free_port
-
-    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), "-m", "titan", "train", *args]
-    return subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
-    )
-
-
 def start_long_run(tmp_path) -> subprocess.Popen:
     """`titan train` of a run long enough to still be training when a test acts on it (few enough steps to end
     if it never does), returned once its first step is logged; its stderr is left to read."""

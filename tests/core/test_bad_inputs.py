@@ -23,8 +23,8 @@ import pytest
 import torch
 import zstandard
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_many, tiny_overrides
-from helpers import SAVED, SMALL, assert_one_line_error, imported_modules, torchrun
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_many, tiny_overrides, torchrun
+from helpers import SAVED, SMALL, assert_one_line_error, imported_modules
 from runs import trained_run
 from titan.checkpoint.format import INDEX, MANIFEST, MARKER, PROVEN, CheckpointReader, sha256_files
 
@@ -1224,7 +1224,7 @@ def test_under_torchrun_the_line_is_printed_once_and_every_rank_exits_2(tmp_path
     (tmp_path / "afile").write_text("")
     if "job.output_dir" in overrides:
         overrides = {"job.output_dir": str(tmp_path / "afile")}
-    result = torchrun(2, ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **overrides})])
+    result = torchrun(2, ["train", "--config", str(DEBUG_RECIPE), *tiny_overrides(tmp_path, **{**SMALL, **overrides})])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and all(w in errors[0] for w in words), result.stderr
     assert f'File "{ROOT / "titan"}' not in result.stderr  # no traceback from titan on any rank

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from agents import last_losses, logged_steps
-from conftest import ROOT, run_titan, scenarios_beyond, tiny_overrides
+from conftest import ROOT, run_titan, run_titan_ranks, scenarios_beyond, tiny_overrides
 from distributed import free_port
-from helpers import SMALL, torchrun
+from helpers import SMALL
 from titan.config import Config, Data, DataSource, DataStage, LRScheduler, Training, load_config, run_stages
 from titan.data.loader import Blend
 from titan.data.stages import StagedBlend
@@ -250,7 +250,7 @@ def test_shakespeare_then_stories_killed_at_random_and_resumed_on_another_layout
     log = (tmp_path / "killed.log").read_text()
     assert killed_run.returncode != 0 and f"SIGKILL at step {at}" in log, log[-3000:]
     args = run_args(recipe, tmp_path, LAYOUTS[resumed])
-    done = torchrun(2, args) if resumed != "single" else run_titan("train", *args)
+    done = run_titan_ranks(2, "train", *args) if resumed != "single" else run_titan("train", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     bitwise = killed == resumed == "single"
     assert_same_run(records(tmp_path), want, rel=0 if bitwise else 1e-5)

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from conftest import run_titan, scenarios_beyond
-from helpers import torchrun
+from conftest import run_titan, run_titan_ranks, scenarios_beyond
 from run_files import GLOBAL_BATCH, STEPS, assert_close_losses, grad_norms, losses, recipe, tokens_seen
 
 # (world size, parallel overrides, data-parallel size): every way a gradient is split. FSDP2 x TP2 shards the
@@ -57,7 +56,7 @@ def test_titan_train_gives_the_single_process_losses_and_gradient_norms_on_every
     world, layout, dp = LAYOUTS[name]
     local = GLOBAL_BATCH // dp // (2 if ACCUMULATE[name] else 1)
     run = {**CLIPPED, **layout, "training.local_batch_size": str(local)}
-    result = torchrun(world, recipe(tmp_path, name, **run))
+    result = run_titan_ranks(world, "train", *recipe(tmp_path, name, **run))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_close_losses(losses(tmp_path / name), reference, name)
     assert_close_losses(grad_norms(tmp_path / name), norms, f"{name}: logged gradient norms")
@@ -91,9 +90,10 @@ def test_a_run_resumed_on_another_data_parallel_size_continues_with_the_uninterr
     def run(layout: str, steps: int):
         overrides = {**common, "checkpoint.enable": "true", "training.steps": str(steps)}
         if layout == "fsdp2":
-            return torchrun(
+            return run_titan_ranks(
                 2,
-                recipe(
+                "train",
+                *recipe(
                     tmp_path, "resumed", **overrides, **{"parallel.dp_shard": "2", "training.local_batch_size": "4"}
                 ),
             )
@@ -126,7 +126,9 @@ def test_cost_balanced_documents_train_the_single_process_losses(tmp_path):
     assert len(set(b - a for a, b in zip([0, *seen.values()], seen.values()))) > 1  # steps take whole documents
     for name in ("fsdp2", "pp2_fsdp2"):
         world, layout, dp = LAYOUTS[name]
-        result = torchrun(world, recipe(tmp_path, name, **tokens, **layout, **{"training.local_batch_size": "2"}))
+        result = run_titan_ranks(
+            world, "train", *recipe(tmp_path, name, **tokens, **layout, **{"training.local_batch_size": "2"})
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert tokens_seen(tmp_path / name) == seen, name
         assert_close_losses(losses(tmp_path / name), reference, name)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import DEBUG_RECIPE, run_titan, scenarios_beyond
+from conftest import DEBUG_RECIPE, run_titan, run_titan_ranks, scenarios_beyond
 from distributed import run_distributed
 from helpers import (
     GLOBAL_BATCH,
@@ -28,7 +28,6 @@ from helpers import (
     full_weights,
     layout_overrides,
     record_kernels,
-    torchrun,
 )
 from run_files import assert_close_losses, losses, recipe, tokens_seen
 from titan import rng
@@ -375,7 +374,7 @@ def cli_reference(tmp_path_factory):
 )
 def test_titan_train_with_cp_gives_the_single_process_losses(tmp_path, cli_reference, data, layout):
     name, world, overrides = layout
-    result = torchrun(world, recipe(tmp_path, name, **CLI, **CLI_DATA[data], **overrides))
+    result = run_titan_ranks(world, "train", *recipe(tmp_path, name, **CLI, **CLI_DATA[data], **overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_close_losses(losses(tmp_path / name), cli_reference(data), name)
 
@@ -388,7 +387,7 @@ def test_titan_train_with_cp_plans_auto_checkpointing_on_a_rank_s_share(tmp_path
     rank's share of each row, seq_len / cp tokens."""
     auto = {"parallel.cp": "2", "activation_checkpoint.mode": "auto", "training.steps": "2",
             "training.seq_len": "32", "training.local_batch_size": "4"}  # fmt: skip
-    result = torchrun(2, recipe(tmp_path, "cp2_auto", **auto))
+    result = run_titan_ranks(2, "train", *recipe(tmp_path, "cp2_auto", **auto))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "activation_checkpoint.budget_gib = 0: the blocks may keep" in result.stderr
     assert "activation_checkpoint auto, one block at 4 x 16 tokens keeps" in result.stderr
@@ -423,7 +422,7 @@ def test_titan_train_with_cp_runs_long_documents_as_rings_and_short_ones_locally
     documents_one_process, tmp_path, world, layout
 ):
     reference, seen = documents_one_process
-    result = torchrun(world, recipe(tmp_path, "cp", **CLI_DOCUMENTS, **layout))
+    result = run_titan_ranks(world, "train", *recipe(tmp_path, "cp", **CLI_DOCUMENTS, **layout))
     assert result.returncode == 0, result.stderr[-3000:]
     assert tokens_seen(tmp_path / "cp") == seen  # the same documents every step
     assert_close_losses(losses(tmp_path / "cp"), reference, str(layout))

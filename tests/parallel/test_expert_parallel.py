@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from conftest import ROOT, run_titan, scenarios_beyond, tiny_overrides
-from distributed import free_port, run_distributed
+from conftest import ROOT, run_titan, run_titan_ranks, scenarios_beyond, tiny_overrides
+from distributed import run_distributed
 from run_files import assert_close_losses, grad_norms, losses
 from titan.checkpoint.format import CheckpointReader
 from titan.models.moe.experts import swiglu
@@ -117,11 +116,11 @@ def moe_run(tmp, name: str, world: int, overrides: dict) -> subprocess.Completed
         **overrides,
     }
     script = str(ROOT / "tests" / "parallel" / "routes.py")
-    train = [script, "train", "--config", str(MOE_RECIPE), *tiny_overrides(tmp, **values)]
-    launcher = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port())]
-    command = (launcher if world > 1 else [sys.executable]) + train
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TITAN_ROUTES": str(tmp / name / "routes")}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    train = ["train", "--config", str(MOE_RECIPE), *tiny_overrides(tmp, **values)]
+    routes = {"TITAN_ROUTES": str(tmp / name / "routes")}
+    if world > 1:
+        return run_titan_ranks(world, *train, env=routes, script=script)
+    return run_titan(*train, env={"OMP_NUM_THREADS": "1", **routes}, script=script)
 
 
 def routes(run_dir) -> dict[int, torch.Tensor]:

@@ -5,8 +5,7 @@ steps, are scenarios (one process's Muon: tests/train/test_muon.py)."""
 
 import pytest
 
-from conftest import ROOT, run_titan, scenarios_beyond, tiny_overrides
-from helpers import torchrun
+from conftest import ROOT, run_titan, run_titan_ranks, scenarios_beyond, tiny_overrides
 from run_files import GLOBAL_BATCH, assert_close_losses, losses, recipe
 
 MUON = {"optimizer.name": "muon"}
@@ -59,7 +58,7 @@ def test_muon_trains_the_one_process_losses_on_every_layout(tmp_path, single, na
     world, layout, dp = LAYOUTS[name]
     reference = single(name == "ep2", steps)
     run = {**layout, "training.local_batch_size": str(GLOBAL_BATCH // dp)}
-    result = torchrun(world, muon_recipe(tmp_path, name, steps, name == "ep2", **run))
+    result = run_titan_ranks(world, "train", *muon_recipe(tmp_path, name, steps, name == "ep2", **run))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "optimizer: muon, parameter groups:" in result.stderr
     assert_close_losses(losses(tmp_path / name), reference, name)
@@ -76,7 +75,7 @@ def test_a_muon_run_stopped_on_fsdp2_x_tp2_resumes_on_one_process_with_the_unint
     assert straight.returncode == 0, straight.stderr
     saves = {**common, "checkpoint.enable": "true"}
     world, layout, dp = LAYOUTS["fsdp2_tp2"]
-    first = torchrun(world, muon_recipe(tmp_path, "resumed", 6, **saves, **layout,
+    first = run_titan_ranks(world, "train", *muon_recipe(tmp_path, "resumed", 6, **saves, **layout,
                                         **{"training.local_batch_size": str(GLOBAL_BATCH // dp)}))  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_titan("train", *muon_recipe(tmp_path, "resumed", 12, **saves, **{"training.local_batch_size": "8"}))

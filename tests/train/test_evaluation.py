@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from conftest import DEBUG_RECIPE, ROOT, run_titan, tiny_overrides
-from helpers import assert_one_line_error, torchrun, trainer_for
+from conftest import DEBUG_RECIPE, ROOT, run_titan, run_titan_ranks, tiny_overrides
+from helpers import assert_one_line_error, trainer_for
 from titan.config import load_config
 from titan.errors import ConfigError
 from titan.tools.compare import figure, load_run
@@ -129,7 +129,7 @@ def test_fsdp2_evaluates_as_one_process(tmp_path):
     one.mkdir(), two.mkdir()
     assert run_titan("train", "--config", str(DEBUG_RECIPE), *eval_overrides(one)).returncode == 0
     fsdp2 = {"parallel.dp_shard": "2", "training.local_batch_size": "2"}
-    fsdp = torchrun(2, ["--config", str(DEBUG_RECIPE), *eval_overrides(two, **fsdp2)])
+    fsdp = run_titan_ranks(2, "train", "--config", str(DEBUG_RECIPE), *eval_overrides(two, **fsdp2))
     assert fsdp.returncode == 0, fsdp.stderr
     for key in (
         "val/head/loss",
