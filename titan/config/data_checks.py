@@ -98,11 +98,11 @@ def validate_evaluation(config: Config) -> None:
         not e.include_path or Path(e.include_path).is_dir(),
         f"eval.include_path {e.include_path!r}: no such folder; give a folder of lm-eval task YAML files",
     )
-    split = [f"{key} = {getattr(layout, key)}" for key in ("pp", "cp", "tp", "ep") if getattr(layout, key) > 1]
     require(
-        not (e.tasks and split),
-        f"eval.tasks run in the run on layouts that hold whole layers on each rank (FSDP, HSDP), not with "
-        f"{', '.join(split)}; run `titan eval --checkpoint` on the run's checkpoints instead (docs/eval.md)",
+        not (e.tasks and layout.pp > 1),
+        f"eval.tasks do not run in the run with parallel.pp = {layout.pp}: the pipeline's schedule runs training's "
+        "micro-batch shapes, not lm-eval's requests; run `titan eval --checkpoint` on the run's checkpoints instead "
+        "(docs/eval.md)",
     )
 
 

@@ -20,6 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan.config import Config, Eval
 from titan.data import GlobalBatchLoader
@@ -38,13 +42,39 @@ def validation_loss(stepper: TrainStep, loader: GlobalBatchLoader, steps: int) -
     return stepper.evaluate([loader.batches_at(i * loader.global_batch) for i in range(steps)]).item()
 
 
+class RunModel:
+    """The run's model as lm-eval's requests and decoding take it (harness.TitanLM, decoding.generate): token ids of
+    whole rows in, their whole logits out, through the rank's share of the model. Under loss_parallel the head's
+    logits are a DTensor sharded on the vocabulary, gathered here. Sequence parallelism cuts the sequence into
+    `shards` equal pieces, so a forward's tokens are padded after the last to a multiple of them (no earlier token
+    attends to the padding) and its logits cut back; when decoding, the padding's cache slots are handed back to the
+    tokens that follow. Under context parallelism the rows are this rank's whole (local=True): attention runs
+    without the ring."""
+
+    def __init__(self, model: nn.Module, shards: int):
+        self.model, self.args, self.shards = model, model.args, shards
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None):
+        return self.model.kv_cache(batch, max_len + self.shards - 1, pad)  # room for the last forward's padding
+
+    def __call__(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        width, padding = tokens.shape[1], -tokens.shape[1] % self.shards
+        logits = self.model(F.pad(tokens, (0, padding)), cache=cache, local=True)
+        for layer in cache or ():
+            layer.length -= padding
+        return (logits.full_tensor() if isinstance(logits, DTensor) else logits)[:, :width]
+
+
 class Tasks:
     """eval.tasks on a model, checked at start-up: every task known to lm-eval, and an include_path task that
     names Python (!function) only with eval.allow_task_code. tokenizer: the run's; precision: the context the
     model's forwards run in."""
 
-    def __init__(self, e: Eval, tokenizer, precision: Callable):
-        self.e, self.tokenizer, self.precision = e, tokenizer, precision
+    def __init__(self, e: Eval, tokenizer, precision: Callable, sequence_shards: int = 1):
+        self.e, self.tokenizer, self.precision, self.shards = e, tokenizer, precision, sequence_shards
         include = Path(e.include_path) if e.include_path else None
         code = harness.task_code(e.tasks, include)
         if code and not e.allow_task_code:
@@ -59,14 +89,17 @@ class Tasks:
         eval/<task>/<metric>; a task that fails is left out, with one line in the log."""
         e, metrics = self.e, {}
         limit, fewshot = e.limit or None, None if e.num_fewshot < 0 else e.num_fewshot
-        lm = harness.lm_class()(parts.parts[0], self.tokenizer, e.batch_size, self.precision)
+        model = RunModel(parts.parts[0], self.shards)
+        group = dist.group.WORLD if dist.is_initialized() else None  # every rank decodes rank 0's tokens
+        lm = harness.lm_class()(model, self.tokenizer, e.batch_size, self.precision, group)
         parts.train(False)
         try:
             with torch.no_grad(), _random_state_kept():  # lm-eval seeds the global generators
                 for task in e.tasks:
                     try:
                         found = harness.run_tasks(lm, [task], self.manager, limit, fewshot, bootstrap_iters=0)
-                        metrics |= task_metrics(found["results"])
+                        if found is not None:  # lm-eval returns the results on a node's first process alone
+                            metrics |= task_metrics(found["results"])
                     except Exception as error:  # noqa: BLE001 (whatever lm-eval or a task's code raises)
                         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
                         log.warning("step %d: eval task %s failed (%s: %s); training goes on", step, task,

@@ -152,7 +152,8 @@ class Decoder(nn.Module):
             # The new tokens follow the cached ones; an explicit mask, as SDPA's is_causal would align this
             # non-square one top-left.
             positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
-            rope = self.rope[positions]
+            # Padding after the last token (a sequence-parallel forward's) may count past the table; none attends to it.
+            rope = self.rope[positions.clamp(max=len(self.rope) - 1)]
         elif self.context_parallel is not None and not local:
             # `tokens` are this rank's positions of each row: RoPE and documents follow from the whole row's.
             here = self.context_parallel.positions
