@@ -4,9 +4,11 @@ tasks (eval.tasks) every eval.interval steps.
 
 A task runs in the run rather than on a spare device from the checkpoint just saved: no device sits idle in a run
 that uses them all, and no checkpoint need be written for it. Every rank runs the same requests in the same order
-through its share of the model (FSDP gathers each layer as training's forward does) and rank 0 logs the results. A
-task that fails (an exception inside lm-eval, its data gone) is one line in the log, and training goes on; a task
-lm-eval does not know is refused at start-up.
+through its share of the model and rank 0 logs the results, one process's: FSDP gathers each layer as training's
+forward does, TP's logits come whole to every rank (RunModel), CP's ranks attend to whole rows without the ring, and
+EP's ranks send their copies of the batch through the experts' all-to-all. A pipeline is refused at config check
+(its schedule runs training's shapes). A task that fails (an exception inside lm-eval, its data gone) is one line in
+the log, and training goes on; a task lm-eval does not know is refused at start-up.
 """
 
 from __future__ import annotations
