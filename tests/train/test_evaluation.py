@@ -1,18 +1,16 @@
 """Evaluation in the run: [[validation.sets]] and [eval]'s lm-eval tasks between steps. What a run logs at a step
 is what `titan eval` scores on the checkpoint of that step (the validation set's loss with --data, the tasks with
 --tasks); a task that fails is one line and training goes on; on FSDP2, TP2 (with sequence parallel and loss
-parallel, the default test), CP2 and EP2 the run logs what one process does, and the sharded model decodes and
-scores as one process (scenarios). The tasks are local files under tests/fixtures/lm_eval_tasks."""
+parallel, the default test), CP2, EP2 and PP2 the run logs what one process does, and the sharded model decodes
+and scores as one process (scenarios). The tasks are local files under tests/fixtures/lm_eval_tasks."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, scenarios_beyond, tiny_overrides
 from distributed import run_distributed
@@ -103,8 +101,6 @@ def test_a_failing_task_is_one_line_and_training_goes_on(tmp_path, capfd, monkey
     [
         ({"eval.interval": "5"}, ["eval.tasks and eval.interval go together"]),
         ({"eval.tasks": "hellaswag"}, ["eval.tasks and eval.interval go together"]),
-        ({"eval.tasks": "hellaswag", "eval.interval": "5", "parallel.pp": "2"},
-         ["parallel.pp = 2", "titan eval --checkpoint"]),
         ({"eval.tasks": "hellaswag", "eval.interval": "5", "eval.include_path": "no/such"}, ["eval.include_path"]),
         ({"validation.sets": '[{name = "a", source = "data/stories.jsonl"}]', "validation.interval": "5"},
          ["validation.sets[0].source", "memorisation"]),
@@ -152,9 +148,9 @@ def test_fsdp2_evaluates_as_one_process(tmp_path):
 # A 2-step run that runs both tasks at step 2: the next word's log-likelihood (4 documents) and the first 8 lines of
 # the Shakespeare cloze (24 requests).
 LAYOUT_TASKS = "titan_stories_next,titan_shakespeare_cloze"
-# Measured here: TP2's and CP2's perplexity within 5e-7 relative of one process (TP's all-reduces and CP's sums run
-# the matmuls' additions in other orders), EP2's equal; 1e-5 leaves room for other CPUs' kernels. Which choice or
-# word is likeliest is equal unless two scores tie within that: the accuracies must be equal.
+# Measured here: TP2's, CP2's and PP2's perplexity within 5e-7 relative of one process (their steps and TP's
+# forwards add the same products in other orders), EP2's equal; 1e-5 leaves room for other CPUs' kernels. Which choice
+# or word is likeliest is equal unless two scores tie within that: the accuracies must be equal.
 TASK_METRICS = {
     "eval/titan_stories_next/perplexity": 1e-5,
     "eval/titan_stories_next/acc": 0,
@@ -193,15 +189,23 @@ LAYOUTS = {  # name: (recipe, processes, overrides)
     "cp2": (DEBUG_RECIPE, 2, {"parallel.cp": "2"}),
     "ep2": (MOE_RECIPE, 2, {"parallel.ep": "2", "training.local_batch_size": "2"}),  # with FSDP2 over the same ranks
     "moe_tp2": (MOE_RECIPE, 2, {"parallel.tp": "2"}),
+    "pp2": (DEBUG_RECIPE, 2, {"parallel.pp": "2"}),
+    "moe_pp2": (MOE_RECIPE, 2, {"parallel.pp": "2"}),
+    # Two stages a rank (a V); a pipeline of tp shards, whose vocabulary-sharded logits the last stage gathers
+    # (decoding under a pipeline takes the whole sequence between stages: no sequence parallelism).
+    "pp2_v": (DEBUG_RECIPE, 2, {"parallel.pp": "2", "parallel.pp_schedule": "ZBVZeroBubble"}),
+    "pp2_tp2": (DEBUG_RECIPE, 4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "false"}),
 }  # fmt: skip
+IN_RUN = ["tp2", "tp2_plain", "cp2", "ep2", "moe_tp2", "pp2", "moe_pp2"]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", scenarios_beyond(["tp2"], list(LAYOUTS)))
+@pytest.mark.parametrize("layout", scenarios_beyond(["tp2"], IN_RUN))
 def test_a_sharded_run_logs_the_tasks_scores_of_one_process(tmp_path, one_process, layout):
     """Every rank runs the same requests through its share of the model, whose logits come whole to each (TP's
     vocabulary shards gathered, SP's sequence shards padded even, CP's rows attended whole on each rank, EP's
-    copies of the batch through the experts' all-to-all): rank 0 logs one process's scores at the same step."""
+    copies of the batch through the experts' all-to-all, the pipeline's stages in order, each one's output
+    broadcast): rank 0 logs one process's scores at the same step."""
     recipe, world, overrides = LAYOUTS[layout]
     result = torchrun(world, ["--config", str(recipe), *task_overrides(tmp_path, **overrides)])
     assert result.returncode == 0, result.stderr
@@ -213,17 +217,13 @@ def test_a_sharded_run_logs_the_tasks_scores_of_one_process(tmp_path, one_proces
 
 
 def _decoded_and_scored(root, recipe, overrides: dict) -> tuple[list[str], list[tuple[float, bool]]]:
-    """On this rank: the run's model at its first weights, as the tasks take it, continuing the stories' four
+    """On this rank: the run's model at its first weights, as its tasks take it, continuing the stories' four
     openings (greedy, 9 tokens, two prompts of different lengths per batch) and scoring each right word after them."""
-    from titan.data.tokenizer import Tokenizer
     from titan.train import harness
-    from titan.train.evaluation import RunModel
     from titan.train.trainer import Trainer
 
-    trainer = Trainer(load_config(recipe, tiny_overrides(root, **overrides)))
-    model = RunModel(trainer.model_parts.parts[0], trainer.run_plan.sequence_shards)
-    group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    lm = harness.lm_class()(model, Tokenizer(trainer.config.tokenizer), 2, contextlib.nullcontext, group)
+    trainer = Trainer(load_config(recipe, task_overrides(root, **{"eval.batch_size": "2", **overrides})))
+    lm = trainer.evaluation.tasks.lm(trainer.model_parts)
     docs = [json.loads(line) for line in (TASKS / "stories_choice.jsonl").read_text().splitlines()]
     trainer.model_parts.train(False)
     with torch.no_grad():
@@ -235,11 +235,11 @@ def _decoded_and_scored(root, recipe, overrides: dict) -> tuple[list[str], list[
 
 @pytest.mark.distributed
 @pytest.mark.scenario
-@pytest.mark.parametrize("layout", ["tp2", "cp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "cp2", "ep2", "pp2_v", "pp2_tp2"])
 def test_a_sharded_model_decodes_and_scores_as_one_process(tmp_path, layout):
-    """Generation (a KV cache of the rank's heads; under SP each forward padded to even sequence shards, the
-    padding's cache slots handed back) gives one process's texts, and the log-likelihoods are one process's within
-    the tolerance above, on every rank."""
+    """Generation (a KV cache of the rank's heads, or of its stages' layers; under SP each forward padded to even
+    sequence shards, the padding's cache slots handed back) gives one process's texts, and the log-likelihoods are
+    one process's within the tolerance above, on every rank."""
     recipe, world, overrides = LAYOUTS[layout]
     [(texts, scores)] = run_distributed(_decoded_and_scored, 1, tmp_path / "one", recipe, {})
     assert any(texts), texts  # something was generated
@@ -247,3 +247,15 @@ def test_a_sharded_model_decodes_and_scores_as_one_process(tmp_path, layout):
         assert rank_texts == texts
         assert [s for s, _ in rank_scores] == pytest.approx([s for s, _ in scores], rel=1e-5)
         assert [greedy for _, greedy in rank_scores] == [greedy for _, greedy in scores]
+
+
+@pytest.mark.distributed
+@pytest.mark.scenario
+def test_decoding_under_a_pipeline_with_sequence_parallelism_is_refused_in_one_line(tmp_path):
+    """A later stage takes its sequence shard, which does not tell the new tokens' positions: a generation task
+    fails on every rank alike (in the run, one warning line each), naming the fix."""
+    overrides = {"parallel.pp": "2", "parallel.tp": "2"}
+    with pytest.raises(RuntimeError) as failed:
+        run_distributed(_decoded_and_scored, 4, tmp_path, DEBUG_RECIPE, overrides)
+    assert "ConfigError: a generation task does not run in the run" in str(failed.value)
+    assert "set parallel.sequence_parallel = false" in str(failed.value)

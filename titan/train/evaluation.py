@@ -4,11 +4,11 @@ tasks (eval.tasks) every eval.interval steps.
 
 A task runs in the run rather than on a spare device from the checkpoint just saved: no device sits idle in a run
 that uses them all, and no checkpoint need be written for it. Every rank runs the same requests in the same order
-through its share of the model and rank 0 logs the results, one process's: FSDP gathers each layer as training's
-forward does, TP's logits come whole to every rank (RunModel), CP's ranks attend to whole rows without the ring, and
-EP's ranks send their copies of the batch through the experts' all-to-all. A pipeline is refused at config check
-(its schedule runs training's shapes). A task that fails (an exception inside lm-eval, its data gone) is one line in
-the log, and training goes on; a task lm-eval does not know is refused at start-up.
+through its share of the model, on every layout, and rank 0 logs the results, one process's: FSDP gathers each
+layer as training's forward does, and RunModel gives every rank whole logits under TP, CP, EP and a pipeline (a
+generation task under a pipeline with sequence parallelism fails in one line: set sequence_parallel = false). A
+task that fails (an exception inside lm-eval, its data gone) is one line in the log, and training goes on; a task
+lm-eval does not know is refused at start-up.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan.config import Config, Eval
@@ -46,28 +45,62 @@ def validation_loss(stepper: TrainStep, loader: GlobalBatchLoader, steps: int) -
 
 class RunModel:
     """The run's model as lm-eval's requests and decoding take it (harness.TitanLM, decoding.generate): token ids of
-    whole rows in, their whole logits out, through the rank's share of the model. Under loss_parallel the head's
-    logits are a DTensor sharded on the vocabulary, gathered here. Sequence parallelism cuts the sequence into
-    `shards` equal pieces, so a forward's tokens are padded after the last to a multiple of them (no earlier token
-    attends to the padding) and its logits cut back; when decoding, the padding's cache slots are handed back to the
-    tokens that follow. Under context parallelism the rows are this rank's whole (local=True): attention runs
-    without the ring."""
+    whole rows in, their whole logits out on every rank, through the rank's share of the model. Under loss_parallel
+    the head's logits are a DTensor sharded on the vocabulary, gathered here. Sequence parallelism cuts the sequence
+    into `shards` equal pieces, so a forward's tokens are padded after the last to a multiple of them (no earlier
+    token attends to the padding) and its logits cut back; when decoding, the padding's cache slots are handed back
+    to the tokens that follow. Under context parallelism the rows are this rank's whole (local=True): attention runs
+    without the ring. Under a pipeline (`pipeline`: this rank's pipeline group) the stages run in order outside the
+    schedule, each stage's output broadcast from the rank that holds it to the group: the next stage's input, and
+    after the last the logits; its decoding needs the whole sequence between the stages (no sequence
+    parallelism)."""
 
-    def __init__(self, model: nn.Module, shards: int):
-        self.model, self.args, self.shards = model, model.args, shards
+    def __init__(self, parts: ModelParts, shards: int, pipeline: dist.ProcessGroup | None = None):
+        self.stages, self.n_stages = dict(zip(parts.stage_ids, parts.parts)), parts.n_stages
+        self.args, self.shards, self.pipeline = parts.parts[0].args, shards, pipeline
+        self.holder: dict[int, int] = {}  # under a pipeline: the pipeline rank that holds each stage
+        if pipeline is not None:
+            held = [None] * dist.get_world_size(pipeline)
+            dist.all_gather_object(held, parts.stage_ids, group=pipeline)
+            self.holder = {stage: rank for rank, ids in enumerate(held) for stage in ids}
 
     def parameters(self):
-        return self.model.parameters()
+        for part in self.stages.values():
+            yield from part.parameters()
 
-    def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None):
-        return self.model.kv_cache(batch, max_len + self.shards - 1, pad)  # room for the last forward's padding
+    def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> dict:
+        if self.pipeline is not None and self.shards > 1:
+            raise ConfigError(
+                "a generation task does not run in the run under a pipeline with sequence parallelism (a later "
+                "stage's sequence shard does not tell its new tokens' positions); set parallel.sequence_parallel = "
+                "false, or score it with `titan eval --checkpoint`"
+            )
+        # Room for the last forward's padding.
+        return {stage: part.kv_cache(batch, max_len + self.shards - 1, pad) for stage, part in self.stages.items()}
 
-    def __call__(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         width, padding = tokens.shape[1], -tokens.shape[1] % self.shards
-        logits = self.model(F.pad(tokens, (0, padding)), cache=cache, local=True)
-        for layer in cache or ():
-            layer.length -= padding
-        return (logits.full_tensor() if isinstance(logits, DTensor) else logits)[:, :width]
+        x = F.pad(tokens, (0, padding))
+        for stage in range(self.n_stages):
+            if stage in self.stages:
+                x = self.stages[stage](x, cache=None if cache is None else cache[stage], local=True)
+                x = x[0] if isinstance(x, tuple) else x  # a stage before the last passes on its hidden states
+                x = x.full_tensor() if isinstance(x, DTensor) else x
+            if self.pipeline is not None:
+                x = self._broadcast(x, self.holder[stage])
+        for layers in (cache or {}).values():
+            for layer in layers:
+                layer.length -= padding
+        return x[:, :width]
+
+    def _broadcast(self, x: torch.Tensor, holder: int) -> torch.Tensor:
+        """The pipeline rank `holder`'s x on every rank of the pipeline group (the others' x is ignored)."""
+        mine = dist.get_rank(self.pipeline) == holder
+        form = [(x.shape, x.dtype) if mine else None]
+        dist.broadcast_object_list(form, group_src=holder, group=self.pipeline)
+        x = x if mine else torch.empty(form[0][0], dtype=form[0][1], device=x.device)
+        dist.broadcast(x, group_src=holder, group=self.pipeline)
+        return x
 
 
 class Tasks:
@@ -75,8 +108,9 @@ class Tasks:
     names Python (!function) only with eval.allow_task_code. tokenizer: the run's; precision: the context the
     model's forwards run in."""
 
-    def __init__(self, e: Eval, tokenizer, precision: Callable, sequence_shards: int = 1):
-        self.e, self.tokenizer, self.precision, self.shards = e, tokenizer, precision, sequence_shards
+    def __init__(self, e: Eval, tokenizer, precision: Callable, sequence_shards: int = 1, pipeline=None):
+        self.e, self.tokenizer, self.precision = e, tokenizer, precision
+        self.shards, self.pipeline = sequence_shards, pipeline  # RunModel's
         include = Path(e.include_path) if e.include_path else None
         code = harness.task_code(e.tasks, include)
         if code and not e.allow_task_code:
@@ -86,14 +120,18 @@ class Tasks:
         harness.go_offline_for_local_tasks(e.tasks, include)  # before lm-eval imports HF datasets
         self.manager = harness.task_manager(e.tasks, include, ("eval.tasks", "eval.include_path"))
 
+    def lm(self, parts: ModelParts):
+        """lm-eval's model interface over this rank's parts of the model."""
+        group = dist.group.WORLD if dist.is_initialized() else None  # every rank decodes rank 0's tokens
+        model = RunModel(parts, self.shards, self.pipeline)
+        return harness.lm_class()(model, self.tokenizer, self.e.batch_size, self.precision, group)
+
     def run(self, parts: ModelParts, step: int) -> dict[str, float]:
-        """Every task on the model (one part: the layouts that run tasks have no pipeline), as metrics
-        eval/<task>/<metric>; a task that fails is left out, with one line in the log."""
+        """Every task on the model, as metrics eval/<task>/<metric>; a task that fails is left out, with one line
+        in the log."""
         e, metrics = self.e, {}
         limit, fewshot = e.limit or None, None if e.num_fewshot < 0 else e.num_fewshot
-        model = RunModel(parts.parts[0], self.shards)
-        group = dist.group.WORLD if dist.is_initialized() else None  # every rank decodes rank 0's tokens
-        lm = harness.lm_class()(model, self.tokenizer, e.batch_size, self.precision, group)
+        lm = self.lm(parts)
         parts.train(False)
         try:
             with torch.no_grad(), _random_state_kept():  # lm-eval seeds the global generators

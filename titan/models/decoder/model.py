@@ -148,7 +148,7 @@ class Decoder(nn.Module):
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         seq = tokens.shape[1]
-        if cache is not None:
+        if cache:  # a pipeline stage without layers has an empty cache, and nothing to attend with
             # The new tokens follow the cached ones; an explicit mask, as SDPA's is_causal would align this
             # non-square one top-left.
             positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
