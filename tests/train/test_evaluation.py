@@ -191,10 +191,10 @@ LAYOUTS = {  # name: (recipe, processes, overrides)
     "moe_tp2": (MOE_RECIPE, 2, {"parallel.tp": "2"}),
     "pp2": (DEBUG_RECIPE, 2, {"parallel.pp": "2"}),
     "moe_pp2": (MOE_RECIPE, 2, {"parallel.pp": "2"}),
-    # Two stages a rank (a V); a pipeline of tp shards, whose vocabulary-sharded logits the last stage gathers
-    # (decoding under a pipeline takes the whole sequence between stages: no sequence parallelism).
+    # Two stages a rank (a V); a pipeline of tp shards, its stages passing sequence-parallel shards and the last
+    # gathering the vocabulary-sharded logits.
     "pp2_v": (DEBUG_RECIPE, 2, {"parallel.pp": "2", "parallel.pp_schedule": "ZBVZeroBubble"}),
-    "pp2_tp2": (DEBUG_RECIPE, 4, {"parallel.pp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "false"}),
+    "pp2_tp2": (DEBUG_RECIPE, 4, {"parallel.pp": "2", "parallel.tp": "2"}),
 }  # fmt: skip
 IN_RUN = ["tp2", "tp2_plain", "cp2", "ep2", "moe_tp2", "pp2", "moe_pp2"]
 
@@ -238,8 +238,9 @@ def _decoded_and_scored(root, recipe, overrides: dict) -> tuple[list[str], list[
 @pytest.mark.parametrize("layout", ["tp2", "cp2", "ep2", "pp2_v", "pp2_tp2"])
 def test_a_sharded_model_decodes_and_scores_as_one_process(tmp_path, layout):
     """Generation (a KV cache of the rank's heads, or of its stages' layers; under SP each forward padded to even
-    sequence shards, the padding's cache slots handed back) gives one process's texts, and the log-likelihoods are
-    one process's within the tolerance above, on every rank."""
+    sequence shards, the padding's cache slots handed back, and a later stage's positions counted on the whole
+    sequence) gives one process's texts, and the log-likelihoods are one process's within the tolerance above, on
+    every rank."""
     recipe, world, overrides = LAYOUTS[layout]
     [(texts, scores)] = run_distributed(_decoded_and_scored, 1, tmp_path / "one", recipe, {})
     assert any(texts), texts  # something was generated
@@ -247,15 +248,3 @@ def test_a_sharded_model_decodes_and_scores_as_one_process(tmp_path, layout):
         assert rank_texts == texts
         assert [s for s, _ in rank_scores] == pytest.approx([s for s, _ in scores], rel=1e-5)
         assert [greedy for _, greedy in rank_scores] == [greedy for _, greedy in scores]
-
-
-@pytest.mark.distributed
-@pytest.mark.scenario
-def test_decoding_under_a_pipeline_with_sequence_parallelism_is_refused_in_one_line(tmp_path):
-    """A later stage takes its sequence shard, which does not tell the new tokens' positions: a generation task
-    fails on every rank alike (in the run, one warning line each), naming the fix."""
-    overrides = {"parallel.pp": "2", "parallel.tp": "2"}
-    with pytest.raises(RuntimeError) as failed:
-        run_distributed(_decoded_and_scored, 4, tmp_path, DEBUG_RECIPE, overrides)
-    assert "ConfigError: a generation task does not run in the run" in str(failed.value)
-    assert "set parallel.sequence_parallel = false" in str(failed.value)

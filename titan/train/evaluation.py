@@ -5,8 +5,7 @@ tasks (eval.tasks) every eval.interval steps.
 A task runs in the run rather than on a spare device from the checkpoint just saved: no device sits idle in a run
 that uses them all, and no checkpoint need be written for it. Every rank runs the same requests in the same order
 through its share of the model, on every layout, and rank 0 logs the results, one process's: FSDP gathers each
-layer as training's forward does, and RunModel gives every rank whole logits under TP, CP, EP and a pipeline (a
-generation task under a pipeline with sequence parallelism fails in one line: set sequence_parallel = false). A
+layer as training's forward does, and RunModel gives every rank whole logits under TP, CP, EP and a pipeline. A
 task that fails (an exception inside lm-eval, its data gone) is one line in the log, and training goes on; a task
 lm-eval does not know is refused at start-up.
 """
@@ -47,17 +46,16 @@ class RunModel:
     """The run's model as lm-eval's requests and decoding take it (harness.TitanLM, decoding.generate): token ids of
     whole rows in, their whole logits out on every rank, through the rank's share of the model. Under loss_parallel
     the head's logits are a DTensor sharded on the vocabulary, gathered here. Sequence parallelism cuts the sequence
-    into `shards` equal pieces, so a forward's tokens are padded after the last to a multiple of them (no earlier
-    token attends to the padding) and its logits cut back; when decoding, the padding's cache slots are handed back
-    to the tokens that follow. Under context parallelism the rows are this rank's whole (local=True): attention runs
-    without the ring. Under a pipeline (`pipeline`: this rank's pipeline group) the stages run in order outside the
-    schedule, each stage's output broadcast from the rank that holds it to the group: the next stage's input, and
-    after the last the logits; its decoding needs the whole sequence between the stages (no sequence
-    parallelism)."""
+    into the model's sequence_shards equal pieces, so a forward's tokens are padded after the last to a multiple of
+    them (no earlier token attends to the padding) and its logits cut back; when decoding, the padding's cache slots
+    are handed back to the tokens that follow. Under context parallelism the rows are this rank's whole
+    (local=True): attention runs without the ring. Under a pipeline (`pipeline`: this rank's pipeline group) the
+    stages run in order outside the schedule, each stage's output broadcast from the rank that holds it to the
+    group: the next stage's input, and after the last the logits."""
 
-    def __init__(self, parts: ModelParts, shards: int, pipeline: dist.ProcessGroup | None = None):
+    def __init__(self, parts: ModelParts, pipeline: dist.ProcessGroup | None = None):
         self.stages, self.n_stages = dict(zip(parts.stage_ids, parts.parts)), parts.n_stages
-        self.args, self.shards, self.pipeline = parts.parts[0].args, shards, pipeline
+        self.args, self.shards, self.pipeline = parts.parts[0].args, parts.parts[0].sequence_shards, pipeline
         self.holder: dict[int, int] = {}  # under a pipeline: the pipeline rank that holds each stage
         if pipeline is not None:
             held = [None] * dist.get_world_size(pipeline)
@@ -69,12 +67,6 @@ class RunModel:
             yield from part.parameters()
 
     def kv_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> dict:
-        if self.pipeline is not None and self.shards > 1:
-            raise ConfigError(
-                "a generation task does not run in the run under a pipeline with sequence parallelism (a later "
-                "stage's sequence shard does not tell its new tokens' positions); set parallel.sequence_parallel = "
-                "false, or score it with `titan eval --checkpoint`"
-            )
         # Room for the last forward's padding.
         return {stage: part.kv_cache(batch, max_len + self.shards - 1, pad) for stage, part in self.stages.items()}
 
@@ -106,11 +98,10 @@ class RunModel:
 class Tasks:
     """eval.tasks on a model, checked at start-up: every task known to lm-eval, and an include_path task that
     names Python (!function) only with eval.allow_task_code. tokenizer: the run's; precision: the context the
-    model's forwards run in."""
+    model's forwards run in; pipeline: this rank's pipeline group (None: no pipeline)."""
 
-    def __init__(self, e: Eval, tokenizer, precision: Callable, sequence_shards: int = 1, pipeline=None):
-        self.e, self.tokenizer, self.precision = e, tokenizer, precision
-        self.shards, self.pipeline = sequence_shards, pipeline  # RunModel's
+    def __init__(self, e: Eval, tokenizer, precision: Callable, pipeline: dist.ProcessGroup | None = None):
+        self.e, self.tokenizer, self.precision, self.pipeline = e, tokenizer, precision, pipeline
         include = Path(e.include_path) if e.include_path else None
         code = harness.task_code(e.tasks, include)
         if code and not e.allow_task_code:
@@ -123,7 +114,7 @@ class Tasks:
     def lm(self, parts: ModelParts):
         """lm-eval's model interface over this rank's parts of the model."""
         group = dist.group.WORLD if dist.is_initialized() else None  # every rank decodes rank 0's tokens
-        model = RunModel(parts, self.shards, self.pipeline)
+        model = RunModel(parts, self.pipeline)
         return harness.lm_class()(model, self.tokenizer, self.e.batch_size, self.precision, group)
 
     def run(self, parts: ModelParts, step: int) -> dict[str, float]:

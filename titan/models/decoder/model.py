@@ -88,6 +88,9 @@ class Decoder(nn.Module):
         # Context parallelism's view of the sequence (titan/parallel/cp/ring.py): `positions`, the positions of each row
         # that this rank's tokens hold, and mask(document_ids), what its attention's ring needs of the documents.
         self.context_parallel = None
+        # Sequence parallelism's slot (titan/parallel/parallelize.py): the shards a later pipeline stage's hidden
+        # states are of the sequence.
+        self.sequence_shards = 1
         self.name_dropout_streams()
 
     def name_dropout_streams(self) -> None:
@@ -147,7 +150,7 @@ class Decoder(nn.Module):
         """What every block takes besides the hidden states, from forward's arguments: (rows, RoPE, mask)."""
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
         if cache:  # a pipeline stage without layers has an empty cache, and nothing to attend with
             # The new tokens follow the cached ones; an explicit mask, as SDPA's is_causal would align this
             # non-square one top-left.
