@@ -116,6 +116,14 @@ def test_the_recipe_is_refused_in_one_line(tmp_path, overrides, words):
     assert "\n" not in str(refused.value) and all(w in str(refused.value) for w in words), str(refused.value)
 
 
+@pytest.mark.parametrize(("recipe", "layout"), [(DEBUG_RECIPE, "pp"), (DEBUG_RECIPE, "cp"), (DEBUG_RECIPE, "tp"),
+                                                (MOE_RECIPE, "ep")])  # fmt: skip
+def test_no_layout_is_refused_the_tasks(tmp_path, recipe, layout):
+    """Every layout runs the tasks on the run's own model (the layouts' tests below), so none is refused them."""
+    overrides = {"eval.tasks": "hellaswag", "eval.interval": "5", f"parallel.{layout}": "2"}
+    assert load_config(recipe, tiny_overrides(tmp_path, **overrides), world_size=2).eval.tasks == ["hellaswag"]
+
+
 @pytest.mark.scenario
 def test_a_task_lm_eval_does_not_know_is_refused_at_start_up(tmp_path):
     """Refused before any step, in one line naming the key (lm-eval's whole task index is read: seconds)."""
