@@ -66,7 +66,7 @@ def validate_data(config: Config) -> None:
 def validate_evaluation(config: Config) -> None:
     """The validation sets and the in-run benchmark tasks; which tasks exist is asked of lm-eval at start-up
     (titan/train/evaluation.py)."""
-    v, e, layout = config.validation, config.eval, config.parallel
+    v, e = config.validation, config.eval
     names = [s.name for s in v.sets]
     for i, s in enumerate(v.sets):
         require(
@@ -97,12 +97,6 @@ def validate_evaluation(config: Config) -> None:
     require(
         not e.include_path or Path(e.include_path).is_dir(),
         f"eval.include_path {e.include_path!r}: no such folder; give a folder of lm-eval task YAML files",
-    )
-    split = [f"{key} = {getattr(layout, key)}" for key in ("pp", "cp", "tp", "ep") if getattr(layout, key) > 1]
-    require(
-        not (e.tasks and split),
-        f"eval.tasks run in the run on layouts that hold whole layers on each rank (FSDP, HSDP), not with "
-        f"{', '.join(split)}; run `titan eval --checkpoint` on the run's checkpoints instead (docs/eval.md)",
     )
 
 

@@ -83,6 +83,10 @@ class Model(Protocol):
     # its attention modules call `attend(q, k, v, mask, rows, dropout, scale)` when `is_ring(mask)`. None: the model
     # holds whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
+    # Sequence parallelism's slot (titan/parallel/parallelize.py sets it: tp under sequence parallelism, else 1): a
+    # pipeline stage other than the first takes hidden states cut into this many shards of the sequence, and counts a
+    # decoding forward's positions on the whole sequence.
+    sequence_shards: int
     # Expert parallelism's slot is on the modules that hold experts, those with an `expert_parallel` attribute: each
     # stacks its experts' parameters along dim 0, which titan/parallel/ep.py shards over the ep group, and when the
     # slot is set calls `expert_parallel(compute, x, counts, *weights)` in place of `compute(x, counts, *weights)`

@@ -93,7 +93,8 @@ def generate(
     group: dist.ProcessGroup | None = None,
 ) -> Generation:
     """Continue each prompt (token ids) by up to max_new_tokens, in one batch; a row stops after `eos_id`, the
-    batch when every row has. group: the tensor-parallel ranks, which all take rank 0's tokens."""
+    batch when every row has. group: the ranks that decode these prompts together (tensor-parallel shards, or a
+    run's every rank in its eval tasks), which all take rank 0's tokens."""
     check_options(max_new_tokens, sampling)
     if not prompts or not all(prompts):
         raise ConfigError("every prompt needs at least one token")

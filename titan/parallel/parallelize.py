@@ -130,6 +130,7 @@ def parallelize(
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles
         parallelize_module(model, mesh["tp"], spec.tp_plan(model, p.sequence_parallel, p.loss_parallel, styles))
+        model.sequence_shards = plan.sequence_shards
     if layout.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
     if model.routing is not None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan.errors import ConfigError, import_extra
@@ -129,11 +130,18 @@ def lm_class():
 
     class TitanLM(template):
         def __init__(
-            self, model: nn.Module, tokenizer, batch_size: int = 8, precision: Callable = contextlib.nullcontext
+            self,
+            model: nn.Module,
+            tokenizer,
+            batch_size: int = 8,
+            precision: Callable = contextlib.nullcontext,
+            group: dist.ProcessGroup | None = None,
         ):
-            """model: in eval mode (no dropout); precision: the context its forwards run in (the run's autocast)."""
+            """model: in eval mode (no dropout), or the run's as evaluation.RunModel takes it; precision: the context
+            its forwards run in (the run's autocast); group: the ranks that run the same requests together, which
+            all decode rank 0's tokens (None: one process)."""
             super().__init__()
-            self.model, self.precision = model, precision
+            self.model, self.precision, self.group = model, precision, group
             self.titan_tokenizer = tokenizer
             self.batch_size = batch_size
             self.max_length = self.model.args.max_seq_len
@@ -221,7 +229,7 @@ def generations(lm, requests: list[tuple[str, dict]]) -> list[str]:
         for chunk in _batched(indices, lm.batch_size):
             prompts = [lm.tok_encode(requests[i][0])[-room:] for i in chunk]
             with lm.precision():
-                rows = generate(lm.model, prompts, new_tokens, sampling, lm.eot_token_id).tokens
+                rows = generate(lm.model, prompts, new_tokens, sampling, lm.eot_token_id, lm.group).tokens
             for i, row in zip(chunk, rows):
                 text = lm.tok_decode(row[:-1] if row[-1] == lm.eot_token_id else row)
                 for stop in until:

@@ -114,7 +114,8 @@ class Trainer:
         tasks = None
         if config.eval.tasks:  # a task lm-eval does not know is refused here, before any step
             precision = functools.partial(self.stepper.rules.precision, self.device.type)  # the step's autocast
-            tasks = Tasks(config.eval, Tokenizer(config.tokenizer), precision)
+            pipeline = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            tasks = Tasks(config.eval, Tokenizer(config.tokenizer), precision, pipeline)
         self.evaluation = Evaluation(config, self.validation_loader, self.validation_sets, tasks, self.report)
         self.step_times: list[float] = []  # host wall time of each step, data loading included
         self.profiler = Profiler(config.profiling, self.run_dir / "profiling", self.rank, self.device)

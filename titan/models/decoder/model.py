@@ -88,6 +88,9 @@ class Decoder(nn.Module):
         # Context parallelism's view of the sequence (titan/parallel/cp/ring.py): `positions`, the positions of each row
         # that this rank's tokens hold, and mask(document_ids), what its attention's ring needs of the documents.
         self.context_parallel = None
+        # Sequence parallelism's slot (titan/parallel/parallelize.py): into how many shards of the sequence a later
+        # pipeline stage's hidden states are cut.
+        self.sequence_shards = 1
         self.name_dropout_streams()
 
     def name_dropout_streams(self) -> None:
@@ -147,12 +150,13 @@ class Decoder(nn.Module):
         """What every block takes besides the hidden states, from forward's arguments: (rows, RoPE, mask)."""
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
-        seq = tokens.shape[1]
-        if cache is not None:
+        if cache:  # a pipeline stage without layers has an empty cache, and nothing to attend with
             # The new tokens follow the cached ones; an explicit mask, as SDPA's is_causal would align this
-            # non-square one top-left.
+            # non-square one top-left. A later pipeline stage's hidden states may be a sequence shard.
+            seq = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
             positions, mask = cached_positions_and_mask(cache[0].pad, cache[0].length, seq)
-            rope = self.rope[positions]
+            # Padding after the last token (a sequence-parallel forward's) may count past the table; none attends to it.
+            rope = self.rope[positions.clamp(max=len(self.rope) - 1)]
         elif self.context_parallel is not None and not local:
             # `tokens` are this rank's positions of each row: RoPE and documents follow from the whole row's.
             here = self.context_parallel.positions
