@@ -27,7 +27,7 @@ from titan.checkpoint.hf.files import (
     hf_spec,
     stacked,
 )
-from titan.checkpoint.hf.memory import PeakMemory
+from titan.checkpoint.hf.memory import PeakMemory, release_freed_memory
 from titan.checkpoint.resume import find_checkpoint
 from titan.checkpoint.train_state import buffer_shapes, model_shapes, read_train_state
 from titan.config import saved_section
@@ -256,6 +256,7 @@ def dcp_to_hf(
                 save_file(weights, str(tmp / file), metadata={"format": "pt"})
                 progress.update(sum(w.numel() * w.element_size() for w in weights.values()))
                 del weights  # before the next file's tensors are loaded, not after
+                release_freed_memory()
             if split.is_sharded:
                 index = {
                     "metadata": {**split.metadata, "total_parameters": n_params},

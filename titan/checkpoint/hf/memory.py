@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from pathlib import Path
 
 
@@ -40,3 +41,12 @@ def _proc_status_bytes(field: str) -> int:
     """A '<field>:  123 kB' line of /proc/self/status, in bytes."""
     lines = Path("/proc/self/status").read_text().splitlines()
     return 1024 * int(dict(line.split(":", 1) for line in lines)[field].split()[0])
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing). glibc keeps what a
+    freed tensor held once its mmap threshold has grown past that size, so a loop that frees each file's tensors
+    before the next would otherwise hold the pages of every size it has seen."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
