@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import full_weights, trainer_for
+from helpers import full_weights, straight_and_resumed, trainer_for
 from titan.models.decoder import attention as gqa
 from titan.models.decoder import latent_attention as mla
 from titan.models.decoder.rope import rope_table
@@ -156,3 +156,14 @@ def test_a_trained_step_clips_its_heads_to_tau_and_logs_the_largest_logits(tmp_p
     after = torch.stack([per_head_max(logits[m]) for m in inputs])
     assert (after <= tau * (1 + RTOL)).all()
     assert torch.allclose(after[brute > tau], torch.full_like(after[brute > tau], tau), rtol=RTOL)
+
+
+def test_a_clipped_run_resumes_bitwise(tmp_path):
+    """The clip is a function of each step's weights and batches: the checkpoint holds nothing more for it."""
+    run = {"optimizer.name": "muon", "optimizer.qk_clip_tau": "0.1"}  # the tiny model's heads start at 0.11-0.14
+    straight, resumed, weights_straight, weights_resumed = straight_and_resumed(tmp_path, run)
+    assert straight == resumed
+    assert all(torch.equal(weights_resumed[name], value) for name, value in weights_straight.items())
+    (metrics,) = (tmp_path / "straight").glob("*/metrics.jsonl")
+    assert any(value > 0.1 for line in metrics.read_text().splitlines() for key, value in json.loads(line).items()
+               if key.startswith("qk_max/")), "the run never clipped"  # fmt: skip
