@@ -9,13 +9,16 @@ import json
 import pytest
 import torch
 
+from conftest import DEBUG_RECIPE
 from helpers import full_weights, straight_and_resumed, trainer_for
+from titan.config import load_config
 from titan.models.decoder import attention as gqa
 from titan.models.decoder import latent_attention as mla
 from titan.models.decoder.rope import rope_table
 from titan.models.llama.args import ModelArgs
 from titan.models.moe import FLAVORS
 from titan.optim.qk_clip import HeadMax, QKClip
+from titan.train.model import resolve_model
 
 # Measured: the recorded and logged maxima at most 1.5e-7 relative off the float64 logits, the clipped heads' new
 # maxima 2.0e-7 off tau, the clipped rows 1.2e-7 off the hand's gamma (fp32 rounding); bounds ~50x and ~8x (1e-6).
@@ -167,3 +170,16 @@ def test_a_clipped_run_resumes_bitwise(tmp_path):
     (metrics,) = (tmp_path / "straight").glob("*/metrics.jsonl")
     assert any(value > 0.1 for line in metrics.read_text().splitlines() for key, value in json.loads(line).items()
                if key.startswith("qk_max/")), "the run never clipped"  # fmt: skip
+
+
+def test_titan_plan_counts_the_logits_computed_again():
+    """Each row's (seq, seq) scores of every head and layer, once more: 2 seq^2 head_dim FLOPs (no document mask)."""
+    from titan.train.estimate.estimate import estimate_step
+
+    flops = {}
+    for tau in ("0", "100"):
+        config = load_config(DEBUG_RECIPE, ["--optimizer.qk_clip_tau", tau, "--data.document_mask", "false"])
+        flops[tau] = estimate_step(config, 1).ranks[0].flops
+    args, t = resolve_model(config).args, config.training
+    scores = t.local_batch_size * args.n_heads * 2 * t.seq_len**2 * args.head_dim
+    assert flops["100"] - flops["0"] == args.n_layers * scores
