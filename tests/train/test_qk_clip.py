@@ -1,7 +1,8 @@
 """QK-clip on one process: each attention module's recorded maxima against the logits materialised here from the q
-and k it attends with, the clip against gamma computed by hand on a hand-built GQA and latent attention, and a
-trainer's step whose clipped heads' logits on the same batch end at tau while the others' weights stay bitwise those
-of an unclipped run (the layouts: tests/parallel/test_qk_clip_layouts.py)."""
+and k it attends with (every mask form), the clip against gamma computed by hand on a hand-built GQA and latent
+attention, a trainer's step whose clipped heads' logits on the same inputs end at tau while the others' weights stay
+bitwise those of an unclipped run, a bitwise resume, and `titan plan`'s count of the extra FLOPs (the layouts:
+tests/parallel/test_qk_clip_layouts.py)."""
 
 import dataclasses
 import json
@@ -52,6 +53,21 @@ def logits(monkeypatch):
 
 def per_head_max(calls: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([scores.amax(dim=(0, 2, 3)) for scores in calls]).amax(0)
+
+
+def test_every_mask_form_gives_the_largest_logits_of_the_attended_pairs():
+    """Flex's block mask (GPUs; built here on the CPU), the dense mask and the document spans: the same maxima as the
+    logits materialised under the documents' causal mask, and over a 600-token row (two blocks of queries)."""
+    ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 8, [3] * 20])
+    q, k = torch.randn(2, 4, 20, 8), torch.randn(2, 2, 20, 8)
+    scores = q.double() @ k.double().repeat_interleave(2, dim=1).mT * 8**-0.5
+    allowed = (ids[:, :, None] == ids[:, None, :]) & torch.ones(20, 20, dtype=torch.bool).tril()
+    want = scores.masked_fill(~allowed[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    for form in gqa.MaskForm:
+        assert torch.allclose(gqa.head_max(q, k, gqa.document_mask(ids, form), None).double(), want, rtol=RTOL), form
+    q, k = torch.randn(1, 2, 600, 8), torch.randn(1, 2, 600, 8)
+    want = (q @ k.mT * 8**-0.5).masked_fill(~torch.ones(600, 600, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.allclose(gqa.head_max(q, k, None, None), want.amax(dim=(0, 2, 3)), rtol=RTOL)
 
 
 def hand_built(kind: str) -> torch.nn.Module:
