@@ -91,8 +91,9 @@ class QKClip:
                 maxima[at.index, at.offset : at.offset + len(value)] = value
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        # NaN (a non-finite step's forward) compares False: no clip.
-        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
+        # A non-finite maximum (a non-finite forward, whose step is skipped) clips nothing: inf would zero the head.
+        clipped = maxima.isfinite() & (maxima > self.tau)
+        gamma = torch.where(clipped, self.tau / maxima, torch.ones_like(maxima))
         for module in modules:
             weights = dict(module.named_parameters())
             for name, rows in module.qk_clip_scales(gamma[module.logit_max.index]).items():
