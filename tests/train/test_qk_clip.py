@@ -177,9 +177,11 @@ def test_a_trained_step_clips_its_heads_to_tau_and_logs_the_largest_logits(tmp_p
     assert torch.allclose(after[brute > tau], torch.full_like(after[brute > tau], tau), rtol=RTOL)
 
 
-def test_a_clipped_run_resumes_bitwise(tmp_path):
-    """The clip is a function of each step's weights and batches: the checkpoint holds nothing more for it."""
-    run = {"optimizer.name": "muon", "optimizer.qk_clip_tau": "0.1"}  # the tiny model's heads start at 0.11-0.14
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_a_clipped_run_resumes_bitwise(tmp_path, optimizer):
+    """The clip is a function of each step's weights and batches: the checkpoint holds nothing more for it. AdamW
+    takes the clip as Muon does (it acts on the weights after the update)."""
+    run = {"optimizer.name": optimizer, "optimizer.qk_clip_tau": "0.1"}  # the tiny model's heads start at 0.11-0.14
     straight, resumed, weights_straight, weights_resumed = straight_and_resumed(tmp_path, run)
     assert straight == resumed
     assert all(torch.equal(weights_resumed[name], value) for name, value in weights_straight.items())

@@ -52,11 +52,11 @@ class QKClip:
     heads: int
 
     @classmethod
-    def of(cls, model, tau: float) -> QKClip:
-        """The clip of `model` (a ResolvedModel: built here on the meta device). ConfigError for a model with no
-        attention whose logits the clip can scale."""
+    def of(cls, resolved, tau: float) -> QKClip:
+        """The clip of the model `resolved` (a ResolvedModel) names, built here on the meta device. ConfigError for a
+        model with no attention whose logits the clip can scale."""
         with torch.device("meta"):
-            model = model.spec.build(model.args)
+            model = resolved.spec.build(resolved.args)
         modules = {name: m for name, m in model.named_modules() if hasattr(m, "qk_clip_scales")}
         for name, module in modules.items():
             if module.qk_clip_scales(torch.ones(module.n_heads)) is None:
