@@ -148,6 +148,11 @@ def hf_model_with_a_larger_tokenizer(tmp: Path, saved: Path) -> dict:
     return {"checkpoint.init_from_hf": str(folder), "tokenizer.path": ""}
 
 
+def output_folder(tmp: Path, _saved: Path) -> dict:
+    """Setup: a fresh output folder, for a `cli` case that trains."""
+    return {"--job.output_dir": str(tmp)}
+
+
 def output_is_a_file(tmp: Path, _saved: Path) -> dict:
     (tmp / "afile").write_text("")
     return {"job.output_dir": str(tmp / "afile")}
@@ -203,6 +208,7 @@ CASES = [
     ("max_skipped_steps", "show", ["--training.max_skipped_steps", "0"], None, {}, ["training.max_skipped_steps"]),
     ("beta2", "show", ["--optimizer.beta2", "1.5"], None, {}, ["beta2", "1.5"]),
     ("eps", "show", ["--optimizer.eps", "0"], None, {}, ["optimizer.eps must be > 0"]),
+    ("qk_clip_tau negative", "show", ["--optimizer.qk_clip_tau", "-1"], None, {}, ["optimizer.qk_clip_tau", ">= 0"]),
     ("min_lr_ratio", "show", ["--lr_scheduler.min_lr_ratio", "2"], None, {}, ["lr_scheduler.min_lr_ratio", "[0, 1]"]),
     (
         "a torchtitan key in a recipe",  # on the command line, --job.config_file is --config
@@ -647,6 +653,10 @@ CASES = [
     # -- the model
     ("flavor", "train", {"model.flavor": "7B"}, None, {}, ["model.flavor", "7B", "debug"]),
     ("model name", "train", {"model.name": "gpt5"}, None, {}, ["model.name", "gpt5", "llama3"]),
+    ("qk_clip on qk_norm", "cli", ["train", "--config", "recipes/debug_moe.toml", "--model.overrides.qk_norm", "true",
+     "--optimizer.qk_clip_tau", "100", "--data.source", "data/stories.jsonl", "--tokenizer.path",
+     "data/tokenizer.json", "--training.seq_len", "32"], output_folder, {},
+     ["optimizer.qk_clip_tau = 100.0", "qk_norm", "set optimizer.qk_clip_tau = 0"]),
     ("override typo", "train", {"model.overrides.n_layer": "2"}, None, {}, ["model.overrides.n_layer", "n_layers"]),
     ("override type", "train", {"model.overrides.dim": "1.5"}, None, {}, ["model.overrides.dim must be int"]),
     # config show checks what train checks before reading data

@@ -59,6 +59,7 @@ def _validate_run(config: Config) -> None:
         0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1 and beta2 must be in [0, 1), got {o.beta1}, {o.beta2}"
     )
     require(o.eps > 0 and o.weight_decay >= 0, "optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    require(not o.qk_clip_tau < 0, f"optimizer.qk_clip_tau must be >= 0 (0: off), got {o.qk_clip_tau}")
     s = config.lr_scheduler
     require(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {s.warmup_steps}")
     require(0 <= s.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")

@@ -19,6 +19,9 @@ class Optimizer:
     momentum: float = 0.95  # Muon's Nesterov momentum
     # Parameters Muon leaves to AdamW, by name pattern (1-D ones always): embeddings, output head, norms, router.
     adamw_for: list[str] = field(default_factory=lambda: ["*embed*", "output.*", "*norm*", "*bias*", "*router*"])
+    # QK-clip (Kimi K2's MuonClip): after each step, scale back the query and key weights of every attention head whose
+    # largest pre-softmax logit exceeded this (K2: 100); 0: off. With AdamW too (docs/optimizers.md).
+    qk_clip_tau: float = 0.0
 
 
 @dataclass(frozen=True)

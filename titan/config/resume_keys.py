@@ -52,6 +52,7 @@ MATH_KEYS = (
     "optimizer.no_decay",
     "optimizer.momentum",
     "optimizer.adamw_for",
+    "optimizer.qk_clip_tau",
     "lr_scheduler.warmup_steps",
     "lr_scheduler.decay",
     "lr_scheduler.min_lr_ratio",
@@ -65,8 +66,9 @@ MATH_KEYS = (
 # tokenizer, has others) and validation's held-out split.
 PREPARED_KEYS = ("data.prepared", "validation.prepared")
 # What a checkpoint saved before a key was recorded did, as that key's value, which a resume compares as if saved:
-# AdamW decayed every matrix, embeddings included, and no 1-D parameter (titan's models' are norms and biases).
-BEFORE_RECORDED = {"optimizer.no_decay": ["*norm*", "*bias*"]}
+# AdamW decayed every matrix, embeddings included, and no 1-D parameter (titan's models' are norms and biases); no
+# attention head was clipped.
+BEFORE_RECORDED = {"optimizer.no_decay": ["*norm*", "*bias*"], "optimizer.qk_clip_tau": 0.0}
 
 
 def math_values(config: Config, global_batch: int) -> dict[str, Any]:

@@ -80,9 +80,13 @@ class Model(Protocol):
     args: Args  # what it was built from (titan generate reads max_seq_len and vocab_size)
     # Context parallelism's slot (titan/parallel/cp/ring.py puts its ring in it, on the model and on every module of it
     # with the slot): the model reads `positions` (this rank's positions of each row) and `mask(document_ids)`, and
-    # its attention modules call `attend(q, k, v, mask, rows, dropout, scale)` when `is_ring(mask)`. None: the model
-    # holds whole sequences, as it does under it for a micro-batch called with local=True.
+    # its attention modules call `attend(q, k, v, mask, rows, dropout, scale, logit_max)` when `is_ring(mask)`. None:
+    # the model holds whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
+    # QK-clip's slot is on the attention modules, those with a `qk_clip_scales(gamma)` method (titan/optim/qk_clip.py):
+    # each has `n_heads`, and a `logit_max` slot which, when set and training, takes each of its heads' largest
+    # pre-softmax logit of a forward (`logit_max.add(per_head)`); qk_clip_scales gives the row scales of its weights
+    # that clip each head h by gamma[h] (None: it cannot be clipped).
     # Sequence parallelism's slot (titan/parallel/parallelize.py sets it: tp under sequence parallelism, else 1): a
     # pipeline stage other than the first takes hidden states cut into this many shards of the sequence, and counts a
     # decoding forward's positions on the whole sequence.

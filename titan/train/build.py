@@ -74,6 +74,8 @@ def build_step(
     if plan.layout.cp > 1:
         sequence = torch.cat([torch.arange(r.start, r.stop) for r in plan.rank(rank).sequence])
     rules = StepRules.of(plan, config, mesh)
+    if rules.qk_clip is not None:
+        rules.qk_clip.install(parts.parts)
     trained = Trained(parts, optimizer, lr_scheduler)
     return TrainStep(trained, rules, loss, schedule, sequence, device=device, clock=clock)
 

@@ -19,6 +19,7 @@ from titan.config import Config
 from titan.data import IGNORE, Batch
 from titan.observe.profiling import StepClock
 from titan.optim import FiniteFlags, clip_grad_norm_, skip_if_nonfinite
+from titan.optim.qk_clip import QKClip
 from titan.parallel.cp.ring import all_reduce_gradients
 from titan.parallel.float8 import precompute_scales as precompute_float8_scales
 from titan.parallel.float8 import precomputes_scales
@@ -27,6 +28,7 @@ from titan.parallel.tp import gradient_shares
 from titan.rng import dropout_step
 from titan.rng.shards import full_tensor
 from titan.run_plan import RunPlan
+from titan.train.model import resolve_model
 
 
 @contextlib.contextmanager
@@ -63,6 +65,7 @@ class StepRules:
     token_groups: tuple[dist.ProcessGroup, ...]  # the ranks that split the step's tokens: expert loads sum over them
     max_grad_norm: float  # inf: no clipping
     float8_scales: bool  # each update ends by computing the next float8 all-gathers' scales
+    qk_clip: QKClip | None = None  # after the update, attention heads whose logits passed tau are scaled back
 
     @classmethod
     def of(cls, plan: RunPlan, config: Config, mesh) -> StepRules:
@@ -79,6 +82,7 @@ class StepRules:
             token_groups=tuple(mesh[d].get_group() for d in ("dp", "cp", "tp") if getattr(layout, d) > 1),
             max_grad_norm=config.training.max_grad_norm or math.inf,
             float8_scales=precomputes_scales(config, layout),
+            qk_clip=QKClip.of(resolve_model(config), tau) if (tau := config.optimizer.qk_clip_tau) else None,
         )
 
     @classmethod
@@ -96,9 +100,10 @@ class StepRules:
 
     def update(self, parts: list[nn.Module], optimizer, lr_scheduler, clock) -> tuple[torch.Tensor, dict]:
         """After the step's backwards: sum the gradients where FSDP did not, and those whose shares tp ranks hold,
-        clip by the global gradient norm, step, drop the gradients, precompute float8's scales, move a mixture of
-        experts' balancing biases, advance the lr; returns the norm and the step's metrics (tensors): the routing's
-        and the losses the model added to the objective (Model.step_losses, summed over the ranks as the loss is).
+        clip by the global gradient norm, step, drop the gradients, clip the attention logits (QK-clip), precompute
+        float8's scales, move a mixture of experts' balancing biases, advance the lr; returns the norm and the step's
+        metrics (tensors): QK-clip's largest logits, the routing's and the losses the model added to the objective
+        (Model.step_losses, summed over the ranks as the loss is).
         A NaN or inf norm leaves the weights, biases and optimizer state as they were, decided on the device (the
         host reads the norm later)."""
         params = [p for part in parts for p in part.parameters()]
@@ -114,12 +119,12 @@ class StepRules:
             skip_if_nonfinite(optimizer, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            metrics = self.qk_clip.after_step(parts) if self.qk_clip is not None else {}
             if self.float8_scales:
                 precompute_float8_scales(parts)
-            metrics = {}
             if routings := [part.routing for part in parts if part.routing is not None]:
                 pipeline = () if self.pp_group is None else (self.pp_group,)
-                metrics = routings[0].end_step(self.token_groups + pipeline, grad_norm.isfinite(), tuple(routings[1:]))
+                metrics |= routings[0].end_step(self.token_groups + pipeline, grad_norm.isfinite(), tuple(routings[1:]))
             metrics |= self.model_losses([part.step_losses() for part in parts])
             lr_scheduler.step()
         return grad_norm, metrics

@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from titan import rng
 from titan.models.decoder.args import DecoderArgs
@@ -108,6 +108,42 @@ def attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans
     return torch.cat(rows)
 
 
+# Queries scored at once: the (batch, heads, QUERY_BLOCK, seq) fp32 scores bound head_max's memory.
+QUERY_BLOCK = 512
+
+
+@torch.no_grad()
+def head_max(q: torch.Tensor, k: torch.Tensor, mask, scale: float | None) -> torch.Tensor:
+    """The largest logit of each query head (heads,) of (batch, heads, seq, width) q against (batch, kv heads, seq,
+    width) k, over the pairs `mask` (document_mask's forms; None: causal) lets attend. Costs the scores'
+    matmul again, 2 * seq * width FLOPs per token and head (per document token under SPANS), in fp32."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    if isinstance(mask, list):  # document spans per row: each document causal on its own
+        maxima = [
+            _masked_max(q[row : row + 1, :, start:stop], k[row : row + 1, :, start:stop], None, scale)
+            for row, spans in enumerate(mask)
+            for start, stop, _ in spans
+        ]
+        return torch.stack(maxima).amax(0)
+    if isinstance(mask, BlockMask):  # flex's, built for a padded length: its pairs, materialised and cut back
+        seq, length = q.shape[2], mask.seq_lengths[0]
+        mask = create_mask(mask.mask_mod, q.shape[0], None, length, length, q.device)[..., :seq, :seq]
+    return _masked_max(q, k, mask, scale)
+
+
+def _masked_max(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    seq = q.shape[2]
+    if mask is None:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    maxima = []
+    for start in range(0, seq, QUERY_BLOCK):
+        scores = (q[:, :, start : start + QUERY_BLOCK].float() @ k.float().mT) * scale
+        allowed = mask[..., start : start + QUERY_BLOCK, :]
+        maxima.append(scores.masked_fill_(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
+    return torch.stack(maxima).amax(0)
+
+
 class Attention(nn.Module):
     def __init__(self, args: DecoderArgs, qk_norm: bool = False):
         """qk_norm: RMSNorm of each head's queries and keys before RoPE, as Qwen3 has."""
@@ -122,6 +158,15 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
         # Context parallelism installs its ring here (titan/parallel/cp/ring.py): see the model contract's slot.
         self.context_parallel = None
+        self.logit_max = None  # QK-clip's record of each head's largest logit (titan/optim/qk_clip.py), when on
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """QK-clip's row scales of the weights, for each head's factor gamma (n_heads,): the query rows alone take
+        gamma, as a key head of GQA serves several query heads, which scaling it would clip too. None under qk_norm,
+        whose RMSNorm of each head's queries and keys undoes any scale of wq and wk."""
+        if self.q_norm is not None:
+            return None
+        return {"wq.weight": gamma.repeat_interleave(self.head_dim)}
 
     def forward(
         self,
@@ -150,12 +195,16 @@ def attend(module: nn.Module, q, k, v, mask, rows: torch.Tensor, scale: float | 
     """An attention module's (batch, heads, seq, width) q, k and v (v's width may differ; k and v may hold fewer
     heads, or the cache's earlier tokens) -> (batch, heads, seq, v's width), scores scaled by `scale` (default
     1/sqrt(q's width)): round its context-parallel ring, by flex or per document under a document mask, with titan's
-    own dropout of the probabilities, or by SDPA. `module`: its `context_parallel`, `dropout` and `training`."""
+    own dropout of the probabilities, or by SDPA. `module`: its `context_parallel`, `dropout` and `training`, and
+    when training its `logit_max` (QK-clip's), which takes each head's largest logit."""
     batch, heads, seq, width = q.shape
     ring = module.context_parallel
+    logit_max = module.logit_max if module.training else None
     if ring is not None and ring.is_ring(mask):
-        # This rank's chunks of the sequence; the others' come round a ring.
-        return ring.attend(q, k, v, mask, rows, module.dropout if module.training else None, scale)
+        # This rank's chunks of the sequence; the others' come round a ring, which records their logits.
+        return ring.attend(q, k, v, mask, rows, module.dropout if module.training else None, scale, logit_max)
+    if logit_max is not None:
+        logit_max.add(head_max(q, k, mask, scale))
     if isinstance(mask, BlockMask):
         return attend_flex(q, k, v, mask, scale=scale)
     if isinstance(mask, list):

@@ -27,7 +27,7 @@ class LatentAttention(nn.Module):
         qk_rope_head_dim, v_head_dim and softmax_scale."""
         super().__init__()
         self.nope, self.rope, self.v_width = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        self.rank, self.scale = args.kv_lora_rank, args.softmax_scale
+        self.rank, self.scale, self.n_heads = args.kv_lora_rank, args.softmax_scale, args.n_heads
         heads, qk_width = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
         self.dropout = rng.Dropout(args.attn_dropout)  # on the attention probabilities
         if args.q_lora_rank:  # the query's own latent
@@ -41,6 +41,16 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * args.v_head_dim, args.dim, bias=False)
         self.context_parallel = None  # the slot every attention module has (titan/parallel/cp/ring.py)
+        self.logit_max = None  # QK-clip's record of each head's largest logit (titan/optim/qk_clip.py), when on
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """QK-clip's row scales for each head's factor gamma (n_heads,), as Kimi K2 clips MLA: the head's query and
+        key parts without position by sqrt(gamma) each, its rotated query part by gamma; the rotated key, one for
+        all heads, stays."""
+        root, ones = gamma.sqrt()[:, None], torch.ones_like(gamma)[:, None]
+        query = torch.cat([root.expand(-1, self.nope), gamma[:, None].expand(-1, self.rope)], dim=1).flatten()
+        key_value = torch.cat([root.expand(-1, self.nope), ones.expand(-1, self.v_width)], dim=1).flatten()
+        return {("wq" if self.wq is not None else "wq_b") + ".weight": query, "wkv_b.weight": key_value}
 
     def forward(
         self,

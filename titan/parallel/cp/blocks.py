@@ -36,9 +36,10 @@ class BlockAttention:
     log-sum-exp), by the kernel `kernel` picks; a SPANS pair runs it once per shared document. `ring`: the
     ContextParallel whose blocks these are (titan.parallel.cp.ring, which imports this module)."""
 
-    def __init__(self, ring, mask: RingMask, rows: Tensor, dropout, groups: int, scale: float):
+    def __init__(self, ring, mask: RingMask, rows: Tensor, dropout, groups: int, scale: float, logit_max=None):
         self.ring, self.mask, self.rows, self.drop = ring, mask, rows, dropout
         self.groups, self.scale = groups, scale
+        self.logit_max = logit_max  # QK-clip's record of each head's largest logit (None: off)
         self.state: dict[tuple, tuple] = {}  # a CUDA kernel's forward outputs that its backward takes, by call
 
     def _expand(self, x: Tensor) -> Tensor:
@@ -80,6 +81,12 @@ class BlockAttention:
         if pair.kind is PairKind.SPANS:
             return scores + pair.bias(q.shape[0], self.ring.chunk, a == b, scores.device)
         return scores
+
+    @torch.no_grad()
+    def head_max(self, a: int, b: int, q: Tensor, k: Tensor) -> Tensor:
+        """The largest logit of each query head (heads,) over the pair's attended positions, for QK-clip: the
+        scores computed whole, as the explicit kernel does."""
+        return self._scores(a, b, self.mask.pairs[a, b], q, self._expand(k)).amax(dim=(0, 2, 3))
 
     def _fused(self, kernel: BlockKernel, call: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """One fused kernel call of the pair call[:2] (a span of it: call[2]); a pair on the diagonal is causal."""

@@ -74,13 +74,16 @@ class ContextParallel:
         rows: Tensor,
         dropout: rng.Dropout | None,
         scale: float | None = None,
+        logit_max=None,
     ) -> Tensor:
         """Causal attention of this rank's queries (batch, heads, local seq, head dim) to the whole sequence's keys
         and values (this rank's k and v: (batch, kv heads, local seq, head dim), v's width may differ), dropout on
-        the probabilities by `dropout` (None or p = 0: none), scores scaled by `scale` (None: 1/sqrt(q's width))."""
+        the probabilities by `dropout` (None or p = 0: none), scores scaled by `scale` (None: 1/sqrt(q's width)).
+        logit_max: QK-clip's HeadMax (None: off), which takes each head's largest logit over the blocks."""
         dropout = dropout if dropout is not None and dropout.p > 0 else None
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return _Ring.apply(q, k, v, BlockAttention(self, mask, rows, dropout, q.shape[1] // k.shape[1], scale))
+        blocks = BlockAttention(self, mask, rows, dropout, q.shape[1] // k.shape[1], scale, logit_max)
+        return _Ring.apply(q, k, v, blocks)
 
     # -- the ring's steps
 
@@ -141,6 +144,8 @@ class _Ring(torch.autograd.Function):
                 if (a, b) not in mask.pairs:
                     continue
                 o, o_lse = blocks.forward(a, b, queries[a], *keys[b])
+                if blocks.logit_max is not None:
+                    blocks.logit_max.add(blocks.head_max(a, b, queries[a], keys[b][0]))
                 if a not in out:
                     out[a], lse[a] = o, o_lse
                 else:

@@ -174,6 +174,8 @@ class _RankStep:
         ensure_optimizer_state(self.optimizer, self.params)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.rules = StepRules.of(plan, config, mesh)
+        if self.rules.qk_clip is not None:  # its logits' recomputation counted with the forwards
+            self.rules.qk_clip.install(list(stages.values()))
         self.shards = {StorageWeakRef(_local(p).untyped_storage()) for p in self.params}
         self.inputs = _inputs(config, context)
         self.trace: RankTrace
