@@ -147,14 +147,14 @@ def llama_names() -> set[str]:
     import torch
     from torch import nn
 
-    from titan.models import Args, Model
+    from titan.models import Args, ClippedAttention, Model
     from titan.models.llama import FLAVORS, Transformer
 
     with torch.device("meta"):
         model = Transformer(FLAVORS["debug"])
     own = [m for m in model.modules() if type(m).__module__.startswith("titan.models")]  # not nn.Linear, rng.Dropout
     names = set(dir(FLAVORS["debug"])).union(*(dir(m) for m in own)) - set(dir(nn.Module()))
-    declared = {n for protocol in (Args, Model) for n in (*vars(protocol), *protocol.__annotations__)}
+    declared = {n for protocol in (Args, Model, ClippedAttention) for n in (*vars(protocol), *protocol.__annotations__)}
     return {n for n in names - declared if not n.startswith("_")}
 
 

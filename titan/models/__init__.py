@@ -12,12 +12,21 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from titan.models.contract import Args, HFAdapter, Model, ModelSpec, RoutedExperts, StageBatch, StageIO
+from titan.models.contract import (
+    Args,
+    ClippedAttention,
+    HFAdapter,
+    Model,
+    ModelSpec,
+    RoutedExperts,
+    StageBatch,
+    StageIO,
+)
 from titan.run_plan import Blocks
 
 __all__ = [
-    "Args", "HFAdapter", "Model", "ModelSpec", "RoutedExperts", "StageBatch", "StageIO", "get_model_spec", "model_args",
-    "model_blocks"
+    "Args", "ClippedAttention", "HFAdapter", "Model", "ModelSpec", "RoutedExperts", "StageBatch", "StageIO",
+    "get_model_spec", "model_args", "model_blocks"
 ]  # fmt: skip
 
 

@@ -83,10 +83,7 @@ class Model(Protocol):
     # its attention modules call `attend(q, k, v, mask, rows, dropout, scale, logit_max)` when `is_ring(mask)`. None:
     # the model holds whole sequences, as it does under it for a micro-batch called with local=True.
     context_parallel: Any
-    # QK-clip's slot is on the attention modules, those with a `qk_clip_scales(gamma)` method (titan/optim/qk_clip.py):
-    # each has `n_heads`, and a `logit_max` slot which, when set and training, takes each of its heads' largest
-    # pre-softmax logit of a forward (`logit_max.add(per_head)`); qk_clip_scales gives the row scales of its weights
-    # that clip each head h by gamma[h] (None: it cannot be clipped).
+    # QK-clip's slot is on the attention modules: see ClippedAttention.
     # Sequence parallelism's slot (titan/parallel/parallelize.py sets it: tp under sequence parallelism, else 1): a
     # pipeline stage other than the first takes hidden states cut into this many shards of the sequence, and counts a
     # decoding forward's positions on the whole sequence.
@@ -202,6 +199,21 @@ class HFAdapter:
     # args -> {HF tensor: the HF tensor it copies} that an export writes besides the sources' (a DeepSeek-V3 MTP
     # layer's own embedding); None: none.
     export_copies: Callable[[Args], dict] | None = None
+
+
+class ClippedAttention(Protocol):
+    """An attention module QK-clip reads and scales (titan/optim/qk_clip.py): a module of the model with a
+    `qk_clip_scales` method."""
+
+    n_heads: int  # its query heads, all of them (a tensor-parallel rank holds its share)
+    # None, or (set by QK-clip, when training) what takes each of its heads' largest pre-softmax logit of a forward:
+    # `logit_max.add(per_head)`; the context-parallel ring records the blocks it computes there.
+    logit_max: Any
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """{parameter name: (rows,) scale of each of its rows} that clips each head h by gamma[h] (n_heads,); None:
+        it cannot be clipped."""
+        ...
 
 
 @dataclass(frozen=True)
