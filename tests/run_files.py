@@ -2,8 +2,10 @@
 norms and tokens a run logged in its metrics.jsonl, compared with one process's."""
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
-from conftest import DEBUG_RECIPE, tiny_overrides
+from conftest import DEBUG_RECIPE, run_titan, tiny_overrides
 from helpers import MODEL
 
 STEPS = 10  # the docs' tables were measured over 20
@@ -26,6 +28,21 @@ def recipe(tmp, name: str, **extra) -> list[str]:
         **extra,
     }
     return ["--config", str(DEBUG_RECIPE), *tiny_overrides(tmp, **values)]
+
+
+def one_process_runs(folder: Path, read: Callable[[Path], object]) -> Callable[[str, list[str]], object]:
+    """run(name, args): read(folder / name) of `titan train ARGS` on one process, trained the first time `name` is
+    asked for (a reference several layouts' tests compare with)."""
+    done: dict[str, object] = {}
+
+    def run(name: str, args: list[str]):
+        if name not in done:
+            result = run_titan("train", *args)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[name] = read(folder / name)
+        return done[name]
+
+    return run
 
 
 def losses(run_dir) -> dict[int, float]:

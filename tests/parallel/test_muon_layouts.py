@@ -6,7 +6,7 @@ steps, are scenarios (one process's Muon: tests/train/test_muon.py)."""
 import pytest
 
 from conftest import ROOT, run_titan, run_titan_ranks, scenarios_beyond, tiny_overrides
-from run_files import GLOBAL_BATCH, assert_close_losses, losses, recipe
+from run_files import GLOBAL_BATCH, assert_close_losses, losses, one_process_runs, recipe
 
 MUON = {"optimizer.name": "muon"}
 MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
@@ -36,16 +36,12 @@ def muon_recipe(tmp, name: str, steps: int, moe: bool = False, **extra) -> list[
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One process's runs, by (recipe, steps), made when first asked for."""
-    tmp, runs = tmp_path_factory.mktemp("single"), {}
+    tmp = tmp_path_factory.mktemp("single")
+    runs = one_process_runs(tmp, losses)
 
     def run(moe: bool, steps: int):
         name = f"{'moe' if moe else 'dense'}_{steps}"
-        if name not in runs:
-            args = muon_recipe(tmp, name, steps, moe, **{"training.local_batch_size": str(GLOBAL_BATCH)})
-            result = run_titan("train", *args)
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[name] = losses(tmp / name)
-        return runs[name]
+        return runs(name, muon_recipe(tmp, name, steps, moe, **{"training.local_batch_size": str(GLOBAL_BATCH)}))
 
     return run
 

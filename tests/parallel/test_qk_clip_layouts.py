@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_titan, run_titan_ranks, scenarios_beyond, tiny_overrides
-from run_files import GLOBAL_BATCH, recipe
+from conftest import ROOT, run_titan_ranks, scenarios_beyond, tiny_overrides
+from run_files import GLOBAL_BATCH, one_process_runs, recipe
 
 # The debug model's heads start at largest logits of about 0.11 to 0.14: every layer clips from the first step. The
 # MoE recipe on DeepSeek's latent attention (a query latent too) starts at about 0.07, and takes tau 0.05.
@@ -51,15 +51,12 @@ def logged(run_dir) -> dict[int, dict[str, float]]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One process's run, by recipe (MLA or not), made when first asked for."""
-    tmp, runs = tmp_path_factory.mktemp("single"), {}
+    tmp = tmp_path_factory.mktemp("single")
+    runs = one_process_runs(tmp, logged)
 
     def one(mla: bool):
-        if mla not in runs:
-            name = f"single_{'mla' if mla else 'gqa'}"
-            result = run_titan("train", *run(tmp, name, mla, **{"training.local_batch_size": str(GLOBAL_BATCH)}))
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[mla] = logged(tmp / name)
-        return runs[mla]
+        name = f"single_{'mla' if mla else 'gqa'}"
+        return runs(name, run(tmp, name, mla, **{"training.local_batch_size": str(GLOBAL_BATCH)}))
 
     return one
 
