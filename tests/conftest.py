@@ -61,15 +61,17 @@ _READ_AT_IMPORT = ("PYTHON", "HF_")
 
 
 def run_titan(
-    *args: str, env: dict | None = None, timeout: float = 600, fresh: bool = False, cwd: Path = ROOT, script=None
+    *args: str, env: dict | None = None, timeout: float = 600, fresh: bool | None = None, cwd: Path = ROOT, script=None
 ):
     """Run the real CLI (`titan ARGS`) in `cwd` (the repository root by default), as a user would: the same entry
     point, exit status, stdout and stderr as `python -m titan`. The process is forked from a server that imported
-    torch and this checkout's titan once (about 4 s saved per run); `fresh`, or an environment variable read at
-    import, starts a new interpreter instead. `script`: a test's wrapper of the entry point, run in titan's place
-    (`python SCRIPT ARGS`)."""
+    torch and this checkout's titan once (about 4 s saved per run); `fresh`, or by default an environment variable
+    read at import, starts a new interpreter instead (fresh=False: the variable is for the processes the run
+    starts). `script`: a test's wrapper of the entry point, run in titan's place (`python SCRIPT ARGS`)."""
     full_env = {**os.environ, **(env or {})}
-    if fresh or any(key.startswith(_READ_AT_IMPORT) for key in env or {}):
+    if fresh is None:
+        fresh = any(key.startswith(_READ_AT_IMPORT) for key in env or {})
+    if fresh:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
         entry = [script] if script else ["-m", "titan"]
         return subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=full_env, capture_output=True,

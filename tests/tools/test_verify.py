@@ -15,6 +15,7 @@ from titan.models.moe import FLAVORS
 from titan.models.moe.model import MoE
 from titan.models.moe.routing import Routing
 from titan.tools.verify.comparison import PHASES, Records, assemble, compare
+from titan.tools.verify.processes import first_failure
 from titan.tools.verify.recording import Recorder
 
 
@@ -184,7 +185,8 @@ RECIPE = {
     "training.global_batch_size": "4",
     "training.local_batch_size": "2",  # one process: 2 micro-batches (the floor run: 4); FSDP2: 1 per rank
 }
-# Broken on purpose, in the layout's processes only (torchrun sets WORLD_SIZE), through sitecustomize.
+# Broken on purpose through sitecustomize, which the processes' server imports: in the layout's processes only, as
+# the one-process runs use neither FSDP nor the rows' order.
 BREAKS = {
     "fsdp_averages": (
         "from torch.distributed.fsdp import FSDPModule\n"
@@ -194,7 +196,10 @@ BREAKS = {
         "import torch\n"
         "from titan.rng import fills\n"
         "forward = fills.Dropout.forward\n"
-        "fills.Dropout.forward = lambda self, x, rows: forward(self, x, torch.arange(len(rows)))\n"
+        "def by_local_row(self, x, rows):\n"
+        "    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1\n"
+        "    return forward(self, x, torch.arange(len(rows)) if several else rows)\n"
+        "fills.Dropout.forward = by_local_row\n"
     ),
     # Each rank's ring leaves out one block below the diagonal: the first pair it would attend whole.
     "ring_drops_a_block": (
@@ -222,6 +227,18 @@ BREAKS = {
         "    return out[order]\n"
         "ep.ExpertParallel.__call__ = swapped\n"
     ),
+    # A user's error on rank 1 alone: rank 0 waits in the step's first collective, for rank 1.
+    "rank_1_fails": (
+        "import torch.distributed as dist\n"
+        "from titan.errors import ConfigError\n"
+        "from titan.train import trainer\n"
+        "train = trainer.Trainer.train\n"
+        "def failing(self, *args, **kwargs):\n"
+        "    if dist.is_initialized() and dist.get_rank() == 1:\n"
+        "        raise ConfigError('planted on rank 1')\n"
+        "    return train(self, *args, **kwargs)\n"
+        "trainer.Trainer.train = failing\n"
+    ),
 }
 
 
@@ -235,13 +252,13 @@ def verify(folder, layout: dict, break_name: str | None = None, recipe=DEBUG_REC
     if break_name:
         site = folder / break_name
         site.mkdir(exist_ok=True)
-        code = "import os\nif int(os.environ.get('WORLD_SIZE', '1')) > 1:\n" + "".join(
-            f"    {line}\n" for line in BREAKS[break_name].splitlines()
-        )
-        (site / "sitecustomize.py").write_text(code)
+        (site / "sitecustomize.py").write_text(BREAKS[break_name])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     overrides = tiny_overrides(folder, **settings, **layout)
-    return run_titan("verify", "--config", str(recipe), *overrides, "--steps", "2", "--reuse-reference", env=env)
+    # Forked as the other runs are: the broken code is for the server that verify starts for its runs.
+    return run_titan(
+        "verify", "--config", str(recipe), *overrides, "--steps", "2", "--reuse-reference", env=env, fresh=False
+    )
 
 
 @pytest.mark.distributed
@@ -317,6 +334,29 @@ def test_verify_names_where_a_broken_layout_departs(verify_folder, break_name, f
     result = verify(verify_folder, {"parallel.dp_shard": "2"}, break_name)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert first in result.stdout.splitlines()[-1], result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_rank_s_error_ends_the_layout_run_and_is_reported_in_one_line(verify_folder):
+    """The other rank, waiting for it in a collective, is stopped as torchrun stops a failed rank's peers."""
+    result = verify(verify_folder, {"parallel.dp_shard": "2"}, "rank_1_fails")
+    assert result.returncode == 2, result.stdout + result.stderr[-3000:]
+    assert "the layout-dp_shard2 run failed (error: planted on rank 1); see " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_rank_s_status_lost_by_the_forkserver_is_read_from_the_rank_s_own_file(tmp_path):
+    """multiprocessing reads 255 where its forkserver lost a status, which happens under load (CPython issue
+    140867): a rank writes the status it ends with, and a rank killed before writing one keeps the signal's."""
+    ranks = [SimpleNamespace(exitcode=255), SimpleNamespace(exitcode=None)]
+    (tmp_path / "0").write_text("0")
+    assert first_failure(ranks, str(tmp_path)) == 0
+    (tmp_path / "0").write_text("2")
+    assert first_failure(ranks, str(tmp_path)) == 2
+    (tmp_path / "0").write_text("0")
+    ranks[1].exitcode = -9
+    assert first_failure(ranks, str(tmp_path)) == -9
 
 
 @pytest.mark.distributed

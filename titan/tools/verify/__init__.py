@@ -1,7 +1,7 @@
 """`titan verify`: train a recipe's parallel layout beside its 1-process reference for a few steps and name
 the first tensor where they part.
 
-Three recorded runs, each a real trainer in its own processes (torchrun for the layout):
+Three recorded runs, each a real trainer in its own processes (the layout's ranks as torchrun would start them):
   reference  the recipe on one process;
   floor      the recipe on one process with half the micro-batch rows (twice the gradient accumulation): a
              known-good layout whose differences from the reference are reduction order alone;
@@ -21,6 +21,6 @@ compared with the reference's at those positions. A MoE's router is recorded as 
 its experts as each token's top_k results (under expert parallelism, computed on the experts' ranks and returned);
 the experts' weights, sharded over ep, are gathered as any DTensor's.
 
-recording.py records a run inside its processes (started by __main__.py), comparison.py compares the records
+recording.py records a run inside its processes (forked by processes.py), comparison.py compares the records
 with their tolerances, runs.py starts the three runs and reports.
 """

@@ -161,7 +161,7 @@ def replay(step: int, checkpoints: Path, overrides: list[str], folder: Path | No
         "other": _replay_config(other, f"layout-{layout.name}", folder, start),
     }
     for name, n in (("same", world), ("other", processes)):
-        launch(runs[name], n, ["--until", str(step)], folder)
+        launch(runs[name], n, ("until", step), folder)
     same, other_digests = (read_digests(runs[name].run_dir / DIGESTS) for name in ("same", "other"))
     same_lines, culprit = bitwise(recorded, same, steps)
     tolerance = MIN_TOLERANCE[base.training.mixed_precision]

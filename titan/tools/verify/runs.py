@@ -1,13 +1,10 @@
-"""`titan verify`'s command: the reference, floor and layout recipes, each run started in its own processes, and
-the report of their comparison."""
+"""`titan verify`'s command: the reference, floor and layout recipes, each run in its own processes, and the report
+of their comparison."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +13,7 @@ from titan.config import Config, Layout, Parallel, read_config, to_toml, validat
 from titan.errors import ConfigError
 from titan.run_plan import run_plan
 from titan.tools.verify.comparison import Records, compare, floor_of
+from titan.tools.verify.processes import run_ranks
 from titan.tools.verify.recording import RECORDS
 
 
@@ -63,21 +61,15 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
     return {name: dataclasses.replace(run, job=dataclasses.replace(run.job, name=name)) for name, run in runs.items()}
 
 
-def launch(run: Config, processes: int, what: list[str], folder: Path) -> None:
-    """Record one run in its own processes (torchrun for several): `what` is ["--steps", N] from the start, or
-    ["--until", STEP] from its checkpoint (a replay); its log goes to <folder>/<name>.log."""
+def launch(run: Config, processes: int, what: tuple[str, int], folder: Path) -> None:
+    """Record one run in its own processes (processes.py): `what` is ("steps", N) from the start, or ("until", STEP)
+    from its checkpoint (a replay); its log goes to <folder>/<name>.log."""
     recipe = folder / f"{run.job.name}.toml"
     recipe.write_text(to_toml(run))
     shutil.rmtree(run.run_dir, ignore_errors=True)
-    entry = ["-m", "titan.tools.verify", "--config", str(recipe), *what]
-    if processes > 1:
-        entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *entry]
-    # The user's thread count stands: a replay compared bitwise must compute as the run did.
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)), **os.environ}
     log = folder / f"{run.job.name}.log"
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, *entry], stdout=out, stderr=subprocess.STDOUT, env=env)
-    if done.returncode:
+    log.write_text("")
+    if run_ranks(recipe, what, processes, log):
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")] or lines[-1:]
         raise ConfigError(f"the {run.job.name} run failed ({errors[0] if errors else 'no output'}); see {log}")
@@ -124,7 +116,7 @@ def verify(
     for name, run in runs.items():
         if name != "layout" and reused:
             continue
-        launch(run, processes if name == "layout" else 1, ["--steps", str(steps)], folder)
+        launch(run, processes if name == "layout" else 1, ("steps", steps), folder)
     ref = load_records(runs["reference"].run_dir)
     floor = floor_of(ref, load_records(runs["floor"].run_dir))
     lines, ok = compare(ref, floor, load_records(runs["layout"].run_dir), config.training.mixed_precision)
