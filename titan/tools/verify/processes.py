@@ -44,7 +44,7 @@ def run_ranks(recipe: Path, what: tuple[str, int], processes: int, log: Path) ->
                 time.sleep(0.05)
         finally:
             for rank in ranks:
-                rank.kill()  # nothing left but the failed rank's peers, waiting in a collective
+                rank.kill()  # the ranks left: a failed rank's peers, waiting in a collective (or all, on Ctrl-C)
                 rank.join()
         return first_failure(ranks, statuses)
 
