@@ -66,6 +66,10 @@ def check_torch(version: str | None) -> str | None:
 
 
 def _torch_version() -> str | None:
+    """The version of the torch that runs: its own, where a program imported it before calling main(); else its
+    package's, read without importing it (a refused recipe or `titan --help` never waits for torch's import)."""
+    if (torch := sys.modules.get("torch")) is not None:
+        return torch.__version__
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
