@@ -112,7 +112,13 @@ def test_the_clip_scales_the_heads_above_tau_by_the_hand_computed_gamma(kind, lo
     tau = brute.sort().values[1:3].mean().item()  # two heads above, two below
     clip = dataclasses.replace(clip, tau=tau)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    metrics = clip.after_step([module])
+    # A step skipped for a non-finite gradient norm logs its largest logits and clips nothing.
+    recorded = module.logit_max.value
+    skipped = clip.after_step([module], applied=torch.tensor(False))
+    assert skipped["qk_max/layer0"].item() == recorded.max().item()
+    assert all(torch.equal(p, before[name]) for name, p in module.named_parameters())
+    module.logit_max.value = recorded  # the applied step's record: the same forward
+    metrics = clip.after_step([module], applied=torch.tensor(True))
     assert abs(metrics["qk_max/layer0"].item() - brute.max().item()) <= RTOL * brute.max().item()
     gamma = torch.where(brute > tau, tau / brute, 1.0)
     scaled = expected_rows(kind, module, gamma)

@@ -78,9 +78,10 @@ class QKClip:
                     module.logit_max = HeadMax(self.names.index(name), _first_head(module, self.heads))
 
     @torch.no_grad()
-    def after_step(self, parts: list[nn.Module]) -> dict[str, Tensor]:
+    def after_step(self, parts: list[nn.Module], applied: Tensor) -> dict[str, Tensor]:
         """Scale back each head whose step's largest logit exceeded tau (gamma = tau / max; the others by exactly
-        1, bitwise as they were, without asking the host which); returns `qk_max/layer<i>`, each layer's largest
+        1, bitwise as they were, without asking the host which), where the update was `applied` (a step skipped for
+        a non-finite gradient norm leaves the weights as they were); returns `qk_max/layer<i>`, each layer's largest
         logit of the step."""
         modules = [m for part in parts for m in part.modules() if isinstance(getattr(m, "logit_max", None), HeadMax)]
         device = next(p for part in parts for p in part.parameters()).device  # where the collective runs
@@ -92,7 +93,7 @@ class QKClip:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         # A non-finite maximum (a non-finite forward, whose step is skipped) clips nothing: inf would zero the head.
-        clipped = maxima.isfinite() & (maxima > self.tau)
+        clipped = applied & maxima.isfinite() & (maxima > self.tau)
         gamma = torch.where(clipped, self.tau / maxima, torch.ones_like(maxima))
         for module in modules:
             weights = dict(module.named_parameters())

@@ -119,7 +119,7 @@ class StepRules:
             skip_if_nonfinite(optimizer, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            metrics = self.qk_clip.after_step(parts) if self.qk_clip is not None else {}
+            metrics = self.qk_clip.after_step(parts, grad_norm.isfinite()) if self.qk_clip is not None else {}
             if self.float8_scales:
                 precompute_float8_scales(parts)
             if routings := [part.routing for part in parts if part.routing is not None]:
