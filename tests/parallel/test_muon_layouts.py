@@ -71,8 +71,8 @@ def test_a_muon_run_stopped_on_fsdp2_x_tp2_resumes_on_one_process_with_the_unint
     assert straight.returncode == 0, straight.stderr
     saves = {**common, "checkpoint.enable": "true"}
     world, layout, dp = LAYOUTS["fsdp2_tp2"]
-    first = run_titan_ranks(world, "train", *muon_recipe(tmp_path, "resumed", 6, **saves, **layout,
-                                        **{"training.local_batch_size": str(GLOBAL_BATCH // dp)}))  # fmt: skip
+    local = {"training.local_batch_size": str(GLOBAL_BATCH // dp)}
+    first = run_titan_ranks(world, "train", *muon_recipe(tmp_path, "resumed", 6, **saves, **layout, **local))
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_titan("train", *muon_recipe(tmp_path, "resumed", 12, **saves, **{"training.local_batch_size": "8"}))
     assert second.returncode == 0, second.stderr[-3000:]

@@ -14,6 +14,13 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from titan.config import load_config
+from titan.errors import UserError
+from titan.tools.verify.recording import record, replay_run
+
 # What the server imports once: the CLI (a child imports the entry point's module again), and the trainer.
 PRELOAD = ["titan.cli", "titan.train.trainer", "titan.tools.verify.processes"]
 
@@ -21,8 +28,6 @@ PRELOAD = ["titan.cli", "titan.train.trainer", "titan.tools.verify.processes"]
 def run_ranks(recipe: Path, what: tuple[str, int], processes: int, log: Path) -> int:
     """Record the recipe on `processes` local ranks, `what` being ("steps", N) from the start or ("until", STEP) from
     its checkpoint (a replay); every rank writes to `log`. Returns the first failed rank's exit status, else 0."""
-    import torch.distributed as dist
-
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     # The user's thread count stands: a replay compared bitwise must compute as the run did.
@@ -66,15 +71,13 @@ def _rank(recipe: str, what: tuple[str, int], env: dict, log: str, status: str) 
     """A forked rank's body: the run's environment and threads, its output into the log, its exit status
     written before it ends."""
     os.environ.update(env)
-    import torch
-
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # the server read OMP_NUM_THREADS when it imported torch
     with open(log, "ab") as out:
         for fd in (1, 2):
             os.dup2(out.fileno(), fd)
     code = 1
     try:
-        code = recorded_run(recipe, what)
+        code = _recorded_run(recipe, what)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -84,14 +87,8 @@ def _rank(recipe: str, what: tuple[str, int], env: dict, log: str, status: str) 
     sys.exit(code)
 
 
-def recorded_run(recipe: str, what: tuple[str, int]) -> int:
+def _recorded_run(recipe: str, what: tuple[str, int]) -> int:
     """One rank of a recorded run; returns its exit status (2 with the error's line for a user's error)."""
-    import torch.distributed as dist
-
-    from titan.config import load_config
-    from titan.errors import UserError
-    from titan.tools.verify.recording import record, replay_run
-
     kind, step = what
     try:
         (record if kind == "steps" else replay_run)(load_config(recipe), step)
