@@ -4,12 +4,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import forked_cli
 import pytest
+
+from titan.launcher import run_local_ranks
 
 # One OpenMP thread per process: the xdist workers, and the ranks and CLI runs of their tests, already run side by
 # side on every core, and more threads than cores spin waiting for each other (the whole suite took 10% longer on 2
@@ -94,40 +95,26 @@ def run_titan(
 def run_titan_ranks(
     world: int, *args: str, env: dict | None = None, timeout: float = 600, script: str | None = None
 ) -> subprocess.CompletedProcess:
-    """`titan ARGS` on `world` local ranks, each forked from run_titan's server with the environment torchrun gives
-    its workers (RANK, WORLD_SIZE, MASTER_ADDR, ... and one OpenMP thread), rank 0 hosting the store: the same
-    entry point and process group as `torchrun --nproc-per-node WORLD -m titan ARGS`, without an interpreter per
-    rank and the agent's (4 s of imports each). As torchrun does, the other ranks are stopped once one fails. The
-    result's exit status is the first failed rank's (else 0), its streams every rank's in rank order. Tests of the
-    launch itself, and runs that set a variable read at import, run the real torchrun (below). `script`: a test's
-    wrapper of the entry point, run in titan's place (`torchrun ... SCRIPT ARGS`)."""
-    from distributed import free_port
-
+    """`titan ARGS` on `world` local ranks forked from run_titan's server, as titan.launcher.run_local_ranks starts
+    them (the environment torchrun gives its workers, one OpenMP thread; the others stopped once one fails): the same
+    entry point and process group as `torchrun --nproc-per-node WORLD -m titan ARGS`, without an interpreter per rank
+    and the agent's (4 s of imports each). The result's exit status is the first failed rank's (else 0), its streams
+    every rank's in rank order. Tests of the launch itself, and runs that set a variable read at import, run the real
+    torchrun (below). `script`: a test's wrapper of the entry point, run in titan's place (`torchrun ... SCRIPT
+    ARGS`)."""
     if any(key.startswith(_READ_AT_IMPORT) for key in env or {}):
         return torchrun(world, list(args), env=env, timeout=timeout, script=script)
-    shared = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "WORLD_SIZE": str(world),
-              "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    shared = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="titan-ranks-") as tmp:
         streams = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(world)]
-        ranks = []
-        for r, (out, err) in enumerate(streams):
-            rank_env = {**shared, "RANK": str(r), "LOCAL_RANK": str(r)}
-            work = (list(args), rank_env, str(ROOT), str(out), str(err), script)
-            ranks.append(_forkserver().Process(target=forked_cli.titan_main, args=work))
-            ranks[-1].start()
-        deadline, failed = time.monotonic() + timeout, 0
-        while any(rank.is_alive() for rank in ranks):
-            failed = failed or next((rank.exitcode for rank in ranks if rank.exitcode), 0)
-            if failed or time.monotonic() > deadline:
-                for rank in ranks:
-                    rank.kill()
-                    rank.join()
-                if not failed:
-                    raise subprocess.TimeoutExpired(["titan", *args], timeout)
-            time.sleep(0.05)
-        failed = failed or next((rank.exitcode for rank in ranks if rank.exitcode), 0)
-        if failed == 255:  # multiprocessing's mark for a status the forkserver failed to report: run again
-            return torchrun(world, list(args), env=env, timeout=timeout, script=script)
+
+        def args_of(rank: int, rank_env: dict) -> tuple:
+            return list(args), {**shared, **rank_env}, str(ROOT), *map(str, streams[rank]), script
+
+        try:
+            failed = run_local_ranks(_forkserver(), forked_cli.titan_main, args_of, world, timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(["titan", *args], timeout) from None
         texts = [(_text(out), _text(err)) for out, err in streams]
     return subprocess.CompletedProcess(
         ["titan", *args], failed, "".join(out for out, _ in texts), "".join(err for _, err in texts)

@@ -11,11 +11,11 @@ import torch
 
 from conftest import DEBUG_RECIPE, ROOT, run_titan, scenarios_beyond, tiny_overrides
 from helpers import LATENT_ATTENTION, TINY_MODEL
+from titan.launcher import first_failure
 from titan.models.moe import FLAVORS
 from titan.models.moe.model import MoE
 from titan.models.moe.routing import Routing
 from titan.tools.verify.comparison import PHASES, Records, assemble, compare
-from titan.tools.verify.processes import first_failure
 from titan.tools.verify.recording import Recorder
 
 
