@@ -16,7 +16,7 @@ from titan.models.moe import FLAVORS
 from titan.models.moe.model import MoE
 from titan.models.moe.routing import Routing
 from titan.tools.verify.comparison import PHASES, Records, assemble, compare
-from titan.tools.verify.recording import Recorder
+from titan.tools.verify.recording import Recorder, add_rounding_noise
 
 
 def whole(t):
@@ -38,7 +38,7 @@ def records(forward, grads, updated, init=None, tokens=None, tp=1, tp_rank=0):
 
 
 ROWS = torch.arange(2)
-NO_FLOOR = dict.fromkeys(PHASES, 0.0)
+NO_FLOOR = {(0, phase): 0.0 for phase in PHASES}  # one step's floor per phase
 
 
 def one_step(a_out, b_out, a_grad, b_grad, **kw):
@@ -69,9 +69,23 @@ def test_the_floor_raises_the_tolerance_and_a_broken_floor_is_reported():
     ref = Records([one_step(x, x, g, g)])
     layout = Records([one_step(x, x, g * (1 + 5e-5), g)])
     assert not compare(ref, NO_FLOOR, layout, "fp32")[1]
-    assert compare(ref, {**NO_FLOOR, "backward": 1e-5}, layout, "fp32")[1]  # tolerance 10 x floor = 1e-4
-    lines, ok = compare(ref, {**NO_FLOOR, "backward": 0.5}, layout, "fp32")
+    assert compare(ref, {**NO_FLOOR, (0, "backward"): 1e-5}, layout, "fp32")[1]  # tolerance 10 x floor = 1e-4
+    lines, ok = compare(ref, {**NO_FLOOR, (0, "backward"): 0.5}, layout, "fp32")
     assert not ok and "the reference itself depends on how the batch is split" in lines[-1]
+
+
+def test_the_floor_run_moves_each_output_one_ulp_and_leaves_gradients_and_the_rng_alone():
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(8, 8), torch.randn(16, 8, requires_grad=True)
+    clean = linear(x)
+    (clean_grad,) = torch.autograd.grad(clean.sum(), x)
+    add_rounding_noise(SimpleNamespace(parts=[torch.nn.Sequential(linear)]))
+    rng = torch.get_rng_state()
+    noisy = linear(x)
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout's masks stay the reference's
+    up, down = torch.nextafter(clean, clean + 1), torch.nextafter(clean, clean - 1)
+    assert ((noisy == up) | (noisy == down)).all() and (noisy == up).any() and (noisy == down).any()
+    assert torch.equal(torch.autograd.grad(noisy.sum(), x)[0], clean_grad)  # the nudge is a constant
 
 
 def test_initial_parameters_and_tokens_must_be_bitwise_equal():
@@ -227,6 +241,14 @@ BREAKS = {
         "    return out[order]\n"
         "ep.ExpertParallel.__call__ = swapped\n"
     ),
+    # The clipping norm of each rank's own shards, not summed over the ranks: each rank clips by its own factor.
+    "norm_of_local_shards": (
+        "from titan import optim\n"
+        "whole = optim._sum_of_squares\n"
+        "def local(grads):\n"
+        "    return whole([g.to_local() if hasattr(g, 'to_local') else g for g in grads])\n"
+        "optim._sum_of_squares = local\n"
+    ),
     # A user's error on rank 1 alone: rank 0 waits in the step's first collective, for rank 1.
     "rank_1_fails": (
         "import torch.distributed as dist\n"
@@ -285,23 +307,45 @@ def test_verify_passes_on_correct_layouts(verify_folder, layout):
     assert "bitwise equal" in result.stdout
 
 
+# The debug recipe's model, 2 of its layers, clipping at every step.
+CLIPPING = {
+    "training.seq_len": "64",
+    "model.overrides.n_layers": "2",
+    "training.max_grad_norm": "0.25",
+    "training.global_batch_size": "8",
+    "training.local_batch_size": "8",
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout", scenarios_beyond(["parallel.tp"], ["parallel.dp_shard", "parallel.tp", "parallel.pp"])
 )
 def test_verify_passes_on_the_debug_model_with_clipping_active(tmp_path_factory, layout):
-    """The debug recipe's own model (2 of its layers) clips every step: the clipping factor comes from the
-    gradient norm, so a norm that depends on the layout fails here (it did at output.weight, 7.8e-5 against a
-    tolerance of 1.4e-5, while the norm was summed in fp32)."""
+    """The debug recipe's own model (2 of its layers) clips every step. Its attention's output projections have
+    gradients near zero that Adam's first update divides by eps, so their weights move by up to 1e-4 of their
+    magnitude with rounding alone: the floor run, its modules' outputs moved by one ulp, shows as much on every CPU
+    (splitting the micro-batch alone left them bitwise equal on an Intel host, and TP2 failed there)."""
     folder = tmp_path_factory.getbasetemp() / "verify_debug_model"
     folder.mkdir(exist_ok=True)
-    overrides = {"training.seq_len": "64", "model.overrides.n_layers": "2", "training.max_grad_norm": "0.25"}
-    overrides |= {"training.global_batch_size": "8", "training.local_batch_size": "8", layout: "2"}
-    args = tiny_overrides(folder, **overrides)
-    result = run_titan("verify", "--config", str(DEBUG_RECIPE), *args, "--steps", "2", "--reuse-reference")
+    result = verify(folder, {layout: "2"}, settings=CLIPPING)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "equivalent: every tensor within tolerance" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[1:2] in ([p] for p in PHASES)]
+    assert len(rows) == 2 * len(PHASES) and all(float(row[4]) > 0 for row in rows), result.stdout  # the floors
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_catches_a_clipping_norm_that_leaves_out_the_other_ranks_shards(tmp_path_factory):
+    """Clipping is where a layout's norm acts: a norm of each rank's own shards scales each rank's gradients by its
+    own factor, and the first gradient backward computes departs."""
+    folder = tmp_path_factory.getbasetemp() / "verify_debug_model"
+    folder.mkdir(exist_ok=True)
+    result = verify(folder, {"parallel.tp": "2"}, "norm_of_local_shards", settings=CLIPPING)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "step 0, backward, gradient of output.weight:" in result.stdout.splitlines()[-1], result.stdout
 
 
 @pytest.mark.distributed
@@ -402,16 +446,15 @@ def test_verify_names_the_experts_when_the_dispatch_returns_results_to_the_wrong
     assert "step 0, forward, output of layers.1.feed_forward.experts on rank 1:" in last, result.stdout
 
 
-# DeepSeek's latent attention in the debug MoE's first layer (dense) alone. The reference sums 2 micro-batches:
-# with one, the floor's split in two misses how Adam's first update magnifies the rounding of near-zero gradients,
-# and TP2 then fails there at step 0 with latent attention or without (wo.weight, 4.2e-4 of its magnitude against
-# 8.3e-5).
+# DeepSeek's latent attention in the debug MoE's first layer (dense) alone, 8 rows in one micro-batch (the
+# floor: 2). Before the floor nudged every output by an ulp, its split in two missed how Adam's first update
+# magnifies the rounding of near-zero gradients, and TP2 failed at step 0 (wo.weight, 4.2e-4 against 8.3e-5).
 LATENT = {
     **LATENT_ATTENTION,
     "model.overrides.n_layers": "1",
     "training.seq_len": "32",
     "training.global_batch_size": "8",
-    "training.local_batch_size": "4",
+    "training.local_batch_size": "8",
 }
 
 

@@ -3,15 +3,16 @@ the first tensor where they part.
 
 Three recorded runs, each a real trainer in its own processes (the layout's ranks as torchrun would start them):
   reference  the recipe on one process;
-  floor      the recipe on one process with half the micro-batch rows (twice the gradient accumulation): a
-             known-good layout whose differences from the reference are reduction order alone;
+  floor      the recipe on one process with half the micro-batch rows (twice the gradient accumulation) and
+             every module's output moved by one ulp: a known-good layout whose differences from the reference
+             are rounding alone, and show on every machine what the step makes of them;
   layout     the recipe's layout.
 Each rank records, step by step, the tokens it read, every module's forward output (with the global-batch
 rows it holds), the gradients the optimizer receives and the parameters and Adam moments after its update;
 sharded tensors are gathered to full ones. The comparison walks the steps in the order things happen (data,
 forward by module, backward from the last module, optimizer) and reports the first tensor whose difference
 from the reference, relative to the reference's largest magnitude, exceeds the phase's tolerance: at least
-MIN_TOLERANCE for the dtype, and ten times what the floor run showed in that phase. Tokens and initial
+MIN_TOLERANCE for the dtype, and ten times what the floor run showed in that step and phase. Tokens and initial
 parameters must be bitwise equal.
 
 A tensor-parallel rank holds a slice of some outputs (a sequence shard, a head or column shard): its record is

@@ -23,8 +23,9 @@ PRELOAD = ["titan.cli", "titan.train.trainer", "titan.tools.verify.processes"]
 
 
 def run_ranks(recipe: Path, what: tuple[str, int], processes: int, log: Path) -> int:
-    """Record the recipe on `processes` local ranks, `what` being ("steps", N) from the start or ("until", STEP) from
-    its checkpoint (a replay); every rank writes to `log`. Returns the first failed rank's exit status, else 0."""
+    """Record the recipe on `processes` local ranks, `what` being ("steps", N) from the start, ("floor", N) the same
+    with rounding noise (recording.add_rounding_noise), or ("until", STEP) from its checkpoint (a replay); every
+    rank writes to `log`. Returns the first failed rank's exit status, else 0."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     # The user's thread count stands: a replay compared bitwise must compute as the run did.
@@ -50,7 +51,10 @@ def _recorded_run(recipe: str, what: tuple[str, int]) -> int:
     """One rank of a recorded run; returns its exit status (2 with the error's line for a user's error)."""
     kind, step = what
     try:
-        (record if kind == "steps" else replay_run)(load_config(recipe), step)
+        if kind == "until":
+            replay_run(load_config(recipe), step)
+        else:
+            record(load_config(recipe), step, rounding_noise=kind == "floor")
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

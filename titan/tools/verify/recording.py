@@ -152,13 +152,38 @@ def _global_indices(p: torch.Tensor) -> torch.Tensor | None:
     return dtensor_global_indices(p, device="cpu").reshape(-1) if isinstance(p, DTensor) else None
 
 
-def record(config: Config, steps: int) -> None:
-    """Train `steps` steps of the recipe, recording this rank into <run folder>/records/rank<r>.pt."""
+def add_rounding_noise(model_parts, seed: int = 0) -> None:
+    """Move every leaf module's floating output one unit in the last place, up or down at random (a fixed seed;
+    gradients pass through unchanged): the floor run's stand-in for another layout's order of sums. Splitting the
+    micro-batch alone can leave whole tensors bitwise equal on some CPUs' kernels (MKL's row blocking), and a floor
+    of 0 hides what the optimizer makes of rounding: Adam divides a near-zero gradient's rounding by eps, moving its
+    weight by up to lr. One ulp everywhere shows that on every machine."""
+    generator = torch.Generator().manual_seed(seed)  # its own: the run's RNG (dropout) stays the reference's
+
+    def nudge(_module, _args, output):
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        signs = torch.randint(0, 2, output.shape, generator=generator).to(output.device, torch.bool)
+        infinity = torch.tensor(float("inf"), dtype=output.dtype, device=output.device)
+        moved = torch.nextafter(output.detach(), torch.where(signs, infinity, -infinity))
+        return output + (moved - output.detach())
+
+    for part in model_parts.parts:
+        for module in part.modules():
+            if next(module.children(), None) is None:
+                module.register_forward_hook(nudge)
+
+
+def record(config: Config, steps: int, rounding_noise: bool = False) -> None:
+    """Train `steps` steps of the recipe, recording this rank into <run folder>/records/rank<r>.pt; with
+    `rounding_noise`, every module's output moved by one ulp (the floor run: add_rounding_noise)."""
     import torch.distributed as dist
 
     from titan.train.trainer import Trainer
 
     trainer = Trainer(config)
+    if rounding_noise:
+        add_rounding_noise(trainer.model_parts)
     schedule = trainer.stepper.schedule
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)] if schedule else []
     recorder = Recorder(trainer.model_parts, trainer.optimizer, [s for s in stages if s is not None])

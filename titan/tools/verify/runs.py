@@ -62,8 +62,8 @@ def run_configs(config: Config, folder: Path) -> dict[str, Config]:
 
 
 def launch(run: Config, processes: int, what: tuple[str, int], folder: Path) -> None:
-    """Record one run in its own processes (processes.py): `what` is ("steps", N) from the start, or ("until", STEP)
-    from its checkpoint (a replay); its log goes to <folder>/<name>.log."""
+    """Record one run in its own processes (processes.py): `what` is ("steps", N) from the start, ("floor", N) the
+    same with rounding noise, or ("until", STEP) from its checkpoint (a replay); its log goes to <folder>/<name>.log."""
     recipe = folder / f"{run.job.name}.toml"
     recipe.write_text(to_toml(run))
     shutil.rmtree(run.run_dir, ignore_errors=True)
@@ -116,7 +116,7 @@ def verify(
     for name, run in runs.items():
         if name != "layout" and reused:
             continue
-        launch(run, processes if name == "layout" else 1, ("steps", steps), folder)
+        launch(run, processes if name == "layout" else 1, ("floor" if name == "floor" else "steps", steps), folder)
     ref = load_records(runs["reference"].run_dir)
     floor = floor_of(ref, load_records(runs["floor"].run_dir))
     lines, ok = compare(ref, floor, load_records(runs["layout"].run_dir), config.training.mixed_precision)
