@@ -28,6 +28,7 @@ from helpers import (
     full_weights,
     layout_overrides,
     record_kernels,
+    rounding_floor,
 )
 from run_files import assert_close_losses, losses, recipe, tokens_seen
 from titan import rng
@@ -214,11 +215,14 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def initial_weights_and_training(tmp, layouts: dict):
-    """Per layout: the full weights before the first step, the losses of STEPS steps, and the weights after them."""
+def initial_weights_and_training(tmp, layouts: dict, floor: bool = False):
+    """Per layout: the full weights before the first step, the losses of STEPS steps, and the weights after them.
+    `floor`: with rounding noise (helpers.rounding_floor)."""
     results = {}
     for name, layout in layouts.items():
         trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, layout)))
+        if floor:
+            rounding_floor(trainer)
         initial = full_weights(trainer)
         losses = trainer.train(until=STEPS)
         results[name] = initial, losses, full_weights(trainer)
@@ -227,11 +231,13 @@ def initial_weights_and_training(tmp, layouts: dict):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
+    """Per recipe: one process's initial weights, losses and weights, and its floor's (losses, weights)."""
     tmp = tmp_path_factory.mktemp("single")
     layouts = {"plain": {}, "dropout": DROPOUT, "documents": DOCUMENTS}
-    return initial_weights_and_training(
-        tmp, {name: {"training.local_batch_size": str(GLOBAL_BATCH), **extra} for name, extra in layouts.items()}
-    )
+    layouts = {name: {"training.local_batch_size": str(GLOBAL_BATCH), **extra} for name, extra in layouts.items()}
+    runs = initial_weights_and_training(tmp, layouts)
+    floors = initial_weights_and_training(tmp / "floor", layouts, floor=True)
+    return {name: (*runs[name], floors[name][1:]) for name in layouts}
 
 
 @pytest.mark.distributed
@@ -242,14 +248,15 @@ def test_initial_weights_are_bitwise_and_training_matches_one_process(one_proces
     ranks = run_distributed(initial_weights_and_training, world, tmp_path, layouts)
     for name in layouts:
         reference = next((kind for kind in one_process if kind in name), "plain")  # the layout's recipe
-        ref_initial, ref_losses, ref_weights = one_process[reference]
+        ref_initial, ref_losses, ref_weights, floor = one_process[reference]
         initial, weights = {}, {}
         for rank in ranks:  # pipeline ranks hold different layers
             initial.update(rank[name][0])
             weights.update(rank[name][2])
         assert initial.keys() == ref_initial.keys(), name
         assert all(torch.equal(initial[key], value) for key, value in ref_initial.items()), name
-        assert_matches_one_process(ranks[0][name][1], ref_losses, weights, ref_weights, name=name)  # global losses
+        losses = ranks[0][name][1]  # global losses
+        assert_matches_one_process(losses, ref_losses, weights, ref_weights, floor=floor, name=name)
 
 
 # -- float8 and compiled blocks on the ring
@@ -328,8 +335,8 @@ def compiled_on_the_ring(tmp):
 @pytest.mark.slow
 def test_compiled_blocks_with_cp_match_one_process_and_compile_once(one_process, tmp_path):
     losses, weights, graphs, plans = run_distributed(compiled_on_the_ring, 2, tmp_path)[0]
-    _, ref_losses, ref_weights = one_process["plain"]  # eager
-    assert_matches_one_process(losses, ref_losses, weights, ref_weights, name="cp2_compile")
+    _, ref_losses, ref_weights, floor = one_process["plain"]  # eager
+    assert_matches_one_process(losses, ref_losses, weights, ref_weights, floor=floor, name="cp2_compile")
     # The ring runs eagerly between the compiled parts of each block, so its plan, which changes with the
     # micro-batches' documents, is never guarded on: the graphs of the first micro-batch serve every later one.
     # (Traced, the ring's per-pair branches recompiled up to dynamo's limit within the first step.)

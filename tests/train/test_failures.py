@@ -27,3 +27,23 @@ def test_the_restart_line_says_which_ranks_stopped_how_and_which_said_nothing(tm
     ]
     assert logged == [(5, {"elastic_restart": 1, "world_size": 2})]
     assert failures.why_restarted(tmp_path) == "no worker wrote why (killed, or their nodes lost)"
+
+
+def test_a_rank_reading_the_records_as_rank_0_clears_them_reads_none(tmp_path, monkeypatch):
+    """Every rank builds the restart's line while rank 0 removes the folder: pathlib lists it after checking it is
+    a directory, so the folder can vanish in between. That once failed rank 1 at start-up (FileNotFoundError), which
+    cost the run a restart of its own."""
+    import os
+    import pathlib
+
+    failures.record(tmp_path, 1, 2, 3, "killed")
+    folder, scandir = tmp_path / failures.FOLDER, os.scandir
+
+    def removed_first(path):
+        if pathlib.Path(path) == folder:
+            raise FileNotFoundError(2, "No such file or directory", str(folder))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", removed_first)
+    monkeypatch.setattr(pathlib.Path, "_scandir", lambda self: removed_first(self), raising=False)
+    assert failures.why_restarted(tmp_path) == "no worker wrote why (killed, or their nodes lost)"

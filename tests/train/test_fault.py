@@ -368,14 +368,19 @@ def records_after_restart(metrics: Path, restart: int) -> list[dict]:
 def wait_for_kills(agent: subprocess.Popen, log: Path, metrics: Path, kills: int) -> list[float]:
     """Seconds from each kill to the next finished step, as the kills come."""
     deadline, recovered = time.monotonic() + 300, []
+
+    def until(condition) -> None:
+        """Wait for `condition`; fail once the agent has ended or the deadline passed with it still false (looked
+        at again then: the run may have got there between the last look and the agent's end)."""
+        while not condition():
+            if agent.poll() is not None or time.monotonic() > deadline:
+                assert condition(), log.read_text()[-3000:]
+            time.sleep(0.05)
+
     for restart in range(1, kills + 1):
-        while log.read_text().count("elastic_kill: rank") < restart:
-            assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+        until(lambda: log.read_text().count("elastic_kill: rank") >= restart)  # noqa: B023 (called in this pass)
         killed = time.monotonic()
-        while not any("loss" in r for r in records_after_restart(metrics, restart)):
-            assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+        until(lambda: any("loss" in r for r in records_after_restart(metrics, restart)))  # noqa: B023
         recovered.append(time.monotonic() - killed)
     return recovered
 

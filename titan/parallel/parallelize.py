@@ -120,12 +120,12 @@ def parallelize(
     config: Config,
     plan: RunPlan,
     mesh: dict[str, DeviceMesh],
-    device: torch.device | None = None,  # where activation_checkpoint.mode = "auto" measures a block
+    device: torch.device | None = None,  # where it runs (None: a plan's trace), and "auto" checkpointing measures
     layers: Sequence[int] | None = None,  # the model's layers that `model` holds (None: all), for "auto"
 ) -> None:
     p, layout = config.parallel, plan.layout
     blocks = spec.blocks(model)
-    float8.convert(model, blocks, config, layout)
+    float8.convert(model, blocks, config, layout, device)
     checkpointing = block_choices(model, spec, config, plan, device, layers)  # measures plain blocks: before TP
     if layout.tp > 1:
         styles = float8.tp_styles(blocks, config, mesh["tp"])  # None: torch's own TP styles

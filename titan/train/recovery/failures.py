@@ -56,7 +56,11 @@ def recorder(run_dir: Path, rank: int, world: int):
 def why_restarted(run_dir: Path) -> str:
     """What the workers before this restart wrote of why they stopped, in one line."""
     entries = []
-    for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.json")):
+    try:
+        paths = sorted((Path(run_dir) / FOLDER).glob("rank-*.json"))
+    except FileNotFoundError:  # rank 0 clears the folder as the other ranks start (pathlib lists it after is_dir)
+        paths = []
+    for path in paths:
         try:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
