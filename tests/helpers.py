@@ -207,7 +207,7 @@ def assert_matches_one_process(
     """A layout's losses against one process's, each within `loss_rtol` relative; with `weights`, its full weights
     too: the same parameter names, each element within `param_atol` absolute. `name` labels a failure.
 
-    `floor` is the (losses, weights) of the one process trained again with every module's output moved by one ulp
+    `floor` is the (losses, weights) of the one process trained again with every module's fp32 output moved by one ulp
     (rounding_floor): a bound rises to FLOOR_MARGIN times what that rounding alone moved, as titan verify's does.
     Adam divides a near-zero gradient's rounding by eps, so a few weights move by up to lr whatever their size,
     by an amount that depends on how the CPU's kernels order their sums (the latent-attention MoE's output head

@@ -4,7 +4,7 @@ the first tensor where they part.
 Three recorded runs, each a real trainer in its own processes (the layout's ranks as torchrun would start them):
   reference  the recipe on one process;
   floor      the recipe on one process with half the micro-batch rows (twice the gradient accumulation) and
-             every module's output moved by one ulp: a known-good layout whose differences from the reference
+             every module's fp32 output moved by one ulp: a known-good layout whose differences from the reference
              are rounding alone, and show on every machine what the step makes of them;
   layout     the recipe's layout.
 Each rank records, step by step, the tokens it read, every module's forward output (with the global-batch

@@ -212,6 +212,6 @@ def compare(ref: Records, floor: dict[tuple[int, str], float], run: Records, pre
                 return lines, False
     lines.append(
         "equivalent: every tensor within tolerance (largest relative difference from the 1-process run; floor: "
-        "the same for 1 process with twice the gradient accumulation and every module's output moved by one ulp)"
+        "the same for 1 process with twice the gradient accumulation and every module's fp32 output moved by one ulp)"
     )
     return lines, True

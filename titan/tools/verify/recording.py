@@ -153,7 +153,7 @@ def _global_indices(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def add_rounding_noise(model_parts, seed: int = 0) -> None:
-    """Move every leaf module's floating output one unit in the last place, up or down at random (a fixed seed;
+    """Move every leaf module's fp32 output one unit in the last place, up or down at random (a fixed seed;
     gradients pass through unchanged): the floor run's stand-in for another layout's order of sums. Splitting the
     micro-batch alone can leave whole tensors bitwise equal on some CPUs' kernels (MKL's row blocking), and a floor
     of 0 hides what the optimizer makes of rounding: Adam divides a near-zero gradient's rounding by eps, moving its
@@ -161,7 +161,9 @@ def add_rounding_noise(model_parts, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)  # its own: the run's RNG (dropout) stays the reference's
 
     def nudge(_module, _args, output):
-        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        # fp32 only: a bf16 output's own rounding hides most of a changed fp32 sum, and a whole bf16 ulp on every
+        # element stands for more than a layout's rounding (a floor 3x TP2's own differences on the debug model).
+        if not isinstance(output, torch.Tensor) or output.dtype not in (torch.float32, torch.float64):
             return None
         signs = torch.randint(0, 2, output.shape, generator=generator).to(output.device, torch.bool)
         infinity = torch.tensor(float("inf"), dtype=output.dtype, device=output.device)
@@ -176,7 +178,7 @@ def add_rounding_noise(model_parts, seed: int = 0) -> None:
 
 def record(config: Config, steps: int, rounding_noise: bool = False) -> None:
     """Train `steps` steps of the recipe, recording this rank into <run folder>/records/rank<r>.pt; with
-    `rounding_noise`, every module's output moved by one ulp (the floor run: add_rounding_noise)."""
+    `rounding_noise`, every module's fp32 output moved by one ulp (the floor run: add_rounding_noise)."""
     import torch.distributed as dist
 
     from titan.train.trainer import Trainer
