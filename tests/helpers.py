@@ -27,7 +27,6 @@ from titan.parallel.cp.ring import GRAD_TAG, KV_TAG, ContextParallel, _Ring
 from titan.rng.shards import full_tensor
 from titan.run_plan import run_plan
 from titan.tools.verify.comparison import FLOOR_MARGIN
-from titan.tools.verify.recording import add_rounding_noise
 from titan.train.step import StepHook
 from titan.train.stop import Preempted
 from titan.train.trainer import Trainer
@@ -208,10 +207,11 @@ def assert_matches_one_process(
     too: the same parameter names, each element within `param_atol` absolute. `name` labels a failure.
 
     `floor` is the (losses, weights) of the one process trained again with every module's fp32 output moved by one ulp
-    (rounding_floor): a bound rises to FLOOR_MARGIN times what that rounding alone moved, as titan verify's does.
-    Adam divides a near-zero gradient's rounding by eps, so a few weights move by up to lr whatever their size,
-    by an amount that depends on how the CPU's kernels order their sums (the latent-attention MoE's output head
-    under TP2: 2.1e-5 on an Intel host, 8.5e-6 on an AMD EPYC); the floor shows as much on every machine."""
+    (titan.tools.verify.recording.add_rounding_noise): a bound rises to FLOOR_MARGIN times what that rounding alone
+    moved, as titan verify's does. Adam divides a near-zero gradient's rounding by eps, so a few weights move by up
+    to lr whatever their size, by an amount that depends on how the CPU's kernels order their sums (the
+    latent-attention MoE's output head under TP2: 2.1e-5 on an Intel host, 8.5e-6 on an AMD EPYC); the floor shows
+    as much on every machine."""
     label = lambda what: lambda found: f"{what}: {found}"  # noqa: E731  (keeps torch's account of the mismatch)
     if floor is not None:
         floor_losses, floor_weights = floor
@@ -227,13 +227,6 @@ def assert_matches_one_process(
         rounding = 0.0 if floor is None else float((floor_weights[key] - value).abs().max())
         atol = max(param_atol, FLOOR_MARGIN * rounding)
         torch.testing.assert_close(weights[key], value, rtol=0, atol=atol, msg=label(f"{name}: {key}"))
-
-
-def rounding_floor(trainer):
-    """`trainer`, its modules' outputs moved by one ulp from now on: its run is the floor that
-    assert_matches_one_process takes."""
-    add_rounding_noise(trainer.model_parts)
-    return trainer
 
 
 def layout_overrides(tmp, layout: dict) -> list[str]:

@@ -28,7 +28,6 @@ from helpers import (
     full_weights,
     layout_overrides,
     record_kernels,
-    rounding_floor,
 )
 from run_files import assert_close_losses, losses, recipe, tokens_seen
 from titan import rng
@@ -37,6 +36,7 @@ from titan.parallel.cp.blocks import BlockAttention, BlockKernel
 from titan.parallel.cp.masks import PairKind, PairMask, RingMask
 from titan.parallel.cp.ring import ContextParallel
 from titan.run_plan import run_plan
+from titan.tools.verify.recording import add_rounding_noise
 from titan.train.trainer import Trainer
 
 
@@ -217,12 +217,12 @@ LAYOUTS = {
 
 def initial_weights_and_training(tmp, layouts: dict, floor: bool = False):
     """Per layout: the full weights before the first step, the losses of STEPS steps, and the weights after them.
-    `floor`: with rounding noise (helpers.rounding_floor)."""
+    `floor`: with rounding noise (add_rounding_noise)."""
     results = {}
     for name, layout in layouts.items():
         trainer = Trainer(load_config(DEBUG_RECIPE, layout_overrides(tmp / name, layout)))
         if floor:
-            rounding_floor(trainer)
+            add_rounding_noise(trainer.model_parts)
         initial = full_weights(trainer)
         losses = trainer.train(until=STEPS)
         results[name] = initial, losses, full_weights(trainer)

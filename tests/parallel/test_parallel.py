@@ -22,12 +22,12 @@ from helpers import (
     assert_matches_one_process,
     full_weights,
     layout_overrides,
-    rounding_floor,
     with_local_batch,
 )
 from titan.config import load_config
 from titan.rng.shards import full_tensor
 from titan.run_plan import run_plan
+from titan.tools.verify.recording import add_rounding_noise
 from titan.train.trainer import Trainer
 
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -71,10 +71,10 @@ LAYOUTS_4 = {
 def train_on(overrides: list[str], floor: bool = False):
     """Train STEPS steps on the recipe's own global batches (each rank reads its rows), then evaluate on the
     validation batches. Returns the losses (the validation loss last) and the full weights. `floor`: with
-    rounding noise (helpers.rounding_floor)."""
+    rounding noise (add_rounding_noise)."""
     trainer = Trainer(load_config(DEBUG_RECIPE, overrides))
     if floor:
-        rounding_floor(trainer)
+        add_rounding_noise(trainer.model_parts)
     losses = trainer.train(until=trainer.step + STEPS)
     validation = [trainer.evaluate()] if trainer.validation_loader else []
     return [*losses, *validation], full_weights(trainer)
@@ -175,13 +175,13 @@ MLA_LAYOUTS = {
 
 def train_latent_attention(tmp, layouts: dict, floor: bool = False) -> dict:
     """Per layout: the losses of STEPS steps of the MoE with latent attention, and its full weights after them.
-    `floor`: with rounding noise (helpers.rounding_floor)."""
+    `floor`: with rounding noise (add_rounding_noise)."""
     results = {}
     for name, layout in layouts.items():
         values = {**MLA, "training.global_batch_size": str(GLOBAL_BATCH), **layout}
         trainer = Trainer(load_config(MOE_RECIPE, tiny_overrides(tmp / name, **values)))
         if floor:
-            rounding_floor(trainer)
+            add_rounding_noise(trainer.model_parts)
         results[name] = trainer.train(until=STEPS), full_weights(trainer)
     return results
 
